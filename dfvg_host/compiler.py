@@ -1,0 +1,481 @@
+"""Draft compiler: a Hugging Face causal LM → weights image + program for the draft engine.
+
+Stages, each a small function:
+
+1. :func:`describe_model` — read the HF config; unsupported architectures fail here.
+2. :func:`check_fits` — the model against the engine preset's limits.
+3. :func:`calibrate` — run the float model on sample text, record activation ranges.
+4. :class:`ImageBuilder` / :func:`build_image` — quantise (int8 weights per output
+   channel, calibrated per-tensor activation scales, int16 residual stream) and lay out
+   the image exactly as :mod:`dfvg_hw.image` defines it.
+5. :func:`emit_program` — the instruction stream for one forward + sample, with the layer
+   loop and the draft loop on the device.
+
+Floats are used here, on the host, to compute scales and tables; the device path is
+integer-only (:mod:`dfvg_hw.numerics`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dfvg_hw import numerics as nx
+from dfvg_hw.config import VMEM_LINE_BYTES, EngineConfig
+from dfvg_hw.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, HEADER_BYTES, NORM_PARAM_BYTES,
+                           ImageHeader, align, matmul_bytes, pack_act_params, pack_attn_params,
+                           pack_norm_params, pack_qparams, padded, tile_weights)
+from dfvg_hw.isa import Cond, Flag, Instruction, MatmulMode, Op, assemble, disassemble, encode, \
+    from_bytes, to_bytes
+
+__all__ = ["CompileError", "UnsupportedModel", "DoesNotFit", "ModelShape", "CompiledDraft",
+           "describe_model", "check_fits", "calibrate", "compile_draft", "emit_program"]
+
+SUPPORTED = ("llama",)
+
+
+class CompileError(Exception):
+    """A draft that cannot be compiled; the message is one line naming the limit."""
+
+
+class UnsupportedModel(CompileError):
+    pass
+
+
+class DoesNotFit(CompileError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the compiler needs to know of a Llama-family draft."""
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    rms_norm_eps: float
+    hidden_act: str
+    tied_embeddings: bool
+
+    @property
+    def qkv_out(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    def describe(self) -> str:
+        return (f"{self.model_type}: {self.layers} layers, hidden {self.hidden}, {self.heads} heads "
+                f"({self.kv_heads} KV) x {self.head_dim}, intermediate {self.intermediate}, "
+                f"vocab {self.vocab}")
+
+
+def describe_model(hf_config) -> ModelShape:
+    """The shape of a supported HF config; anything else raises :class:`UnsupportedModel`."""
+    mt = getattr(hf_config, "model_type", "?")
+    if mt not in SUPPORTED:
+        raise UnsupportedModel(f"model_type '{mt}' is not supported (supported: "
+                               f"{', '.join(SUPPORTED)})")
+    for attr in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, attr, False):
+            raise UnsupportedModel(f"{attr}=True is not supported: the engine's matmuls have no bias")
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return ModelShape(
+        model_type=mt, hidden=hf_config.hidden_size, layers=hf_config.num_hidden_layers,
+        heads=heads, kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim, intermediate=hf_config.intermediate_size,
+        vocab=hf_config.vocab_size, max_positions=hf_config.max_position_embeddings,
+        rms_norm_eps=float(hf_config.rms_norm_eps), hidden_act=hf_config.hidden_act,
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+
+def check_fits(shape: ModelShape, engine: EngineConfig) -> None:
+    """Raise :class:`DoesNotFit` naming the first engine limit the model exceeds."""
+    limits = [
+        (shape.layers, engine.kv_layers, "layers", "kv_layers"),
+        (shape.kv_heads, engine.kv_heads, "KV heads", "kv_heads"),
+        (shape.head_dim, engine.head_dim, "head_dim", "head_dim"),
+        (shape.vocab, engine.vocab_max, "vocab", "vocab_max"),
+    ]
+    for have, cap, what, param in limits:
+        if have > cap:
+            raise DoesNotFit(f"model {what} {have} exceeds the '{engine.name}' preset's "
+                             f"{param} = {cap}")
+    if shape.head_dim % VMEM_LINE_BYTES:
+        raise DoesNotFit(f"head_dim {shape.head_dim} is not a multiple of {VMEM_LINE_BYTES}")
+    if shape.heads % shape.kv_heads:
+        raise DoesNotFit(f"{shape.heads} heads are not a multiple of {shape.kv_heads} KV heads")
+
+
+# -- calibration ------------------------------------------------------------------------
+@dataclass
+class Calibration:
+    """Absolute maxima of every activation the engine quantises, from sample text."""
+    residual: float = 0.0
+    layers: list[dict] = field(default_factory=list)
+    final_norm: float = 0.0
+    tokens: int = 0
+
+
+def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibration:
+    """Run the float model on ``token_ids`` sequences and record activation ranges."""
+    import torch
+
+    cal = Calibration(layers=[dict(norm1=0.0, q=0.0, k=0.0, v=0.0, norm2=0.0, gate=0.0,
+                                   up=0.0, down_in=0.0) for _ in range(shape.layers)])
+    hd = shape.head_dim
+
+    def amax(t) -> float:
+        return float(t.detach().abs().max())
+
+    def pair_norm_max(t, heads) -> float:
+        # RoPE rotates (i, i + hd/2) pairs; their norm bounds every rotated element.
+        t = t.detach().reshape(*t.shape[:-1], heads, 2, hd // 2)
+        return float(torch.sqrt((t ** 2).sum(dim=-2)).max())
+
+    hooks = []
+
+    def on(module, fn):
+        def hook(_module, inputs, output):
+            fn(inputs[0], output)       # returns None: the forward pass is not altered
+        hooks.append(module.register_forward_hook(hook))
+
+    def bump(d, key, value):
+        d[key] = max(d[key], value)
+
+    for li, layer in enumerate(model.model.layers):
+        st = cal.layers[li]
+        on(layer.input_layernorm, lambda i, o, st=st: (setattr(cal, "residual", max(cal.residual, amax(i))),
+                                                       bump(st, "norm1", amax(o))))
+        on(layer.post_attention_layernorm, lambda i, o, st=st: (
+            setattr(cal, "residual", max(cal.residual, amax(i))), bump(st, "norm2", amax(o))))
+        att, mlp = layer.self_attn, layer.mlp
+        on(att.q_proj, lambda i, o, st=st: bump(st, "q", pair_norm_max(o, shape.heads)))
+        on(att.k_proj, lambda i, o, st=st: bump(st, "k", pair_norm_max(o, shape.kv_heads)))
+        on(att.v_proj, lambda i, o, st=st: bump(st, "v", amax(o)))
+        on(mlp.gate_proj, lambda i, o, st=st: bump(st, "gate", amax(o)))
+        on(mlp.up_proj, lambda i, o, st=st: bump(st, "up", amax(o)))
+        on(mlp.down_proj, lambda i, o, st=st: bump(st, "down_in", amax(i)))
+    on(model.model.norm, lambda i, o: (setattr(cal, "residual", max(cal.residual, amax(i))),
+                                       setattr(cal, "final_norm", max(cal.final_norm, amax(o)))))
+    by_length: dict[int, list[list[int]]] = {}
+    for ids in token_ids:
+        by_length.setdefault(len(ids), []).append(ids)
+    try:
+        with torch.no_grad():
+            for length, batch in by_length.items():
+                model(torch.tensor(batch))
+                cal.tokens += length * len(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return cal
+
+
+# -- quantisation and layout ------------------------------------------------------------
+def _weight_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per output channel: (int8 weights, per-row scale)."""
+    scale = np.abs(w).max(axis=1) / 127.0
+    scale = np.where(scale > 0, scale, 1.0)
+    return np.clip(np.round(w / scale[:, None]), -127, 127).astype(np.int8), scale
+
+
+def _act_scale(absmax: float, bits: int = 8) -> float:
+    return max(absmax, 1e-8) / ((1 << (bits - 1)) - 1)
+
+
+def _norm_block(gamma: np.ndarray, hidden: int, eps: float, s_x: float, s_out: float) -> bytes:
+    real = math.sqrt(hidden) * gamma.astype(np.float64) / s_out
+    peak = float(np.abs(real).max()) or 1.0
+    shift = int(math.floor(math.log2(32767.0 / peak)))
+    if shift < 0:
+        raise DoesNotFit("an RMSNorm gain is too large for the int16 gamma multiplier")
+    g = np.clip(np.round(real * 2.0 ** shift), -32768, 32767).astype(np.int16)
+    eps_int = min(int(round(eps * hidden / (s_x * s_x))), 0xFFFFFFFF)
+    return pack_norm_params(eps_int, g, shift)
+
+
+class ImageBuilder:
+    """Appends 16-byte-aligned blocks and remembers where each went."""
+
+    def __init__(self):
+        self.data = bytearray(HEADER_BYTES)
+
+    def place(self, block: bytes) -> int:
+        addr = align(len(self.data))
+        self.data.extend(b"\0" * (addr - len(self.data)))
+        self.data.extend(block)
+        return addr
+
+
+def _matmul_block(w_int8: np.ndarray, requant_real: np.ndarray, engine: EngineConfig) -> bytes:
+    n, k = w_int8.shape
+    mult, shift = nx.host_multiplier(requant_real)
+    tiles = tile_weights(w_int8, engine.lanes, engine.reduce).tobytes()
+    block = tiles + pack_qparams(mult, shift, padded(n, engine.lanes)).tobytes()
+    return block.ljust(matmul_bytes(n, k, engine.lanes, engine.reduce), b"\0")
+
+
+@dataclass
+class Layout:
+    """Addresses (image offsets) of every block, and the VMEM map (in lines)."""
+    embed: int = 0
+    rope: int = 0
+    layers_base: int = 0
+    layer_stride: int = 0
+    sub: dict = field(default_factory=dict)     # offsets within a layer block
+    final_norm: int = 0
+    lm_head: int = 0
+    vmem: dict = field(default_factory=dict)
+
+
+def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig):
+    """Quantise the model and lay out the image; returns (bytes, Layout, scales)."""
+    import torch
+    from transformers.activations import ACT2FN
+
+    sd = {k: v.detach().to(torch.float64).numpy() for k, v in model.state_dict().items()}
+    s_x = _act_scale(cal.residual * 1.05, 16)
+    b = ImageBuilder()
+    lay = Layout()
+    scales = dict(residual=s_x, layers=[])
+
+    emb = sd["model.embed_tokens.weight"]
+    lay.embed = b.place(np.clip(np.round(emb / s_x), -32768, 32767).astype("<i2").tobytes())
+
+    rotary = model.model.rotary_emb
+    positions = torch.arange(engine.kv_positions)[None, :]
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float64), positions)
+    half = shape.head_dim // 2
+    lay.rope = b.place(nx.host_rope_table(cos[0, :, :half].double().numpy(),
+                                          sin[0, :, :half].double().numpy()).astype("<i2").tobytes())
+
+    act_fn = ACT2FN[shape.hidden_act]
+    scaling = float(getattr(model.model.layers[0].self_attn, "scaling", shape.head_dim ** -0.5))
+    blocks = []
+    for li in range(shape.layers):
+        p = f"model.layers.{li}."
+        c = cal.layers[li]
+        s_n1, s_n2 = _act_scale(c["norm1"]), _act_scale(c["norm2"])
+        s_q, s_k, s_v = _act_scale(c["q"]), _act_scale(c["k"]), _act_scale(c["v"])
+        s_g, s_u, s_h = _act_scale(c["gate"]), _act_scale(c["up"]), _act_scale(c["down_in"])
+        qd, kd = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        parts = {}
+        parts["norm1"] = _norm_block(sd[p + "input_layernorm.weight"], shape.hidden,
+                                     shape.rms_norm_eps, s_x, s_n1)
+        wqkv = np.concatenate([sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"],
+                               sd[p + "self_attn.v_proj.weight"]])
+        w8, sw = _weight_int8(wqkv)
+        s_out = np.concatenate([np.full(qd, s_q), np.full(kd, s_k), np.full(kd, s_v)])
+        parts["qkv"] = _matmul_block(w8, s_n1 * sw / s_out, engine)
+        am, ash = nx.host_multiplier(s_q * s_k * scaling * math.log2(math.e) * (1 << nx.EXP_FRAC))
+        parts["attn"] = pack_attn_params(int(am), int(ash), shape.kv_heads)
+        w8, sw = _weight_int8(sd[p + "self_attn.o_proj.weight"])
+        parts["o"] = _matmul_block(w8, s_v * sw / s_x, engine)
+        parts["norm2"] = _norm_block(sd[p + "post_attention_layernorm.weight"], shape.hidden,
+                                     shape.rms_norm_eps, s_x, s_n2)
+        wgu = np.concatenate([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+        w8, sw = _weight_int8(wgu)
+        s_out = np.concatenate([np.full(shape.intermediate, s_g), np.full(shape.intermediate, s_u)])
+        parts["gateup"] = _matmul_block(w8, s_n2 * sw / s_out, engine)
+        lut, s_lut = nx.host_act_lut(lambda g: act_fn(torch.from_numpy(g)).numpy(), s_g)
+        m, sh = nx.host_multiplier(s_lut * s_u / s_h)
+        parts["act"] = pack_act_params(int(m), int(sh), lut)
+        w8, sw = _weight_int8(sd[p + "mlp.down_proj.weight"])
+        parts["down"] = _matmul_block(w8, s_h * sw / s_x, engine)
+        blocks.append(parts)
+        scales["layers"].append(dict(norm1=s_n1, q=s_q, k=s_k, v=s_v, norm2=s_n2, gate=s_g,
+                                     up=s_u, down_in=s_h))
+
+    # Every layer block has the same internal layout, so one stride serves the LOOP.
+    offset = 0
+    for name, data in blocks[0].items():
+        lay.sub[name] = offset
+        offset = align(offset + len(data))
+    lay.layer_stride = offset
+    lay.layers_base = align(len(b.data))
+    for parts in blocks:
+        block = bytearray(lay.layer_stride)
+        for name, data in parts.items():
+            block[lay.sub[name]:lay.sub[name] + len(data)] = data
+        b.place(bytes(block))
+
+    s_fn = _act_scale(cal.final_norm)
+    lay.final_norm = b.place(_norm_block(sd["model.norm.weight"], shape.hidden,
+                                         shape.rms_norm_eps, s_x, s_fn))
+    # A tied lm_head has no entry of its own: quantise the embedding matrix per row.
+    lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    w8, sw = _weight_int8(lm)
+    lay.lm_head = b.place(_matmul_block(w8, s_fn * sw * (1 << nx.LOGIT_FRAC), engine))
+    scales["final_norm"] = s_fn
+
+    header = ImageHeader(
+        lanes=engine.lanes, reduce=engine.reduce, hidden=shape.hidden, layers=shape.layers,
+        heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        intermediate=shape.intermediate, vocab=shape.vocab, rope_positions=engine.kv_positions,
+        layer_stride=lay.layer_stride, layers_base=lay.layers_base, embed_addr=lay.embed,
+        rope_addr=lay.rope, final_norm_addr=lay.final_norm, lm_head_addr=lay.lm_head,
+        image_bytes=align(len(b.data)))
+    image = bytearray(b.data.ljust(header.image_bytes, b"\0"))
+    image[:HEADER_BYTES] = header.pack()
+    return bytes(image), lay, scales
+
+
+# -- program ------------------------------------------------------------------------------
+def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
+    """VMEM regions (in 16-byte lines) for one draft row."""
+    sizes = dict(x=2 * shape.hidden, xn=shape.hidden, qkv=shape.qkv_out,
+                 attn=shape.heads * shape.head_dim, gateup=2 * shape.intermediate,
+                 h=shape.intermediate)
+    vmem, line = {}, 0
+    for name, nbytes in sizes.items():
+        vmem[name] = line
+        line += padded(nbytes, VMEM_LINE_BYTES) // VMEM_LINE_BYTES
+    if line * VMEM_LINE_BYTES > engine.vmem_bytes:
+        raise DoesNotFit(f"activations need {line * VMEM_LINE_BYTES} bytes of VMEM, the "
+                         f"'{engine.name}' preset has vmem_bytes = {engine.vmem_bytes}")
+    return vmem
+
+
+def emit_program(shape: ModelShape, lay: Layout) -> list[int]:
+    """The program: one forward per token (layer loop on the device), sampling when the
+    controller says this forward drafts, and NEXT looping until the request is done."""
+    v, s, hd = lay.vmem, shape, shape.head_dim
+    q_lines = s.heads * hd // VMEM_LINE_BYTES
+    k_line = v["qkv"] + q_lines
+    L = lambda name: lay.layers_base + lay.sub[name]
+    int8, resadd, logits = (MatmulMode.INT8 << 1, MatmulMode.RESADD << 1, MatmulMode.LOGITS << 1)
+    lrel = Flag.LREL
+    body = [
+        Instruction(Op.EMBED, rows=1, dst=v["x"], n=s.hidden, addr=lay.embed),
+        Instruction(Op.LOOP, n=s.layers, addr=lay.layer_stride),
+        Instruction(Op.RMSNORM, flags=lrel, rows=1, dst=v["xn"], src=v["x"], n=s.hidden, addr=L("norm1")),
+        Instruction(Op.MATMUL, flags=lrel | int8, rows=1, dst=v["qkv"], src=v["xn"], n=s.qkv_out,
+                    k=s.hidden, addr=L("qkv")),
+        Instruction(Op.ROPE, rows=1, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd, addr=lay.rope),
+        Instruction(Op.ROPE, rows=1, dst=k_line, src=k_line, n=s.kv_heads, k=hd, addr=lay.rope),
+        Instruction(Op.KVAPPEND, rows=1, src=k_line, n=s.kv_heads, k=hd),
+        Instruction(Op.ATTN, flags=lrel, rows=1, dst=v["attn"], src=v["qkv"], n=s.heads, k=hd,
+                    addr=L("attn")),
+        Instruction(Op.MATMUL, flags=lrel | resadd, rows=1, dst=v["x"], src=v["attn"], n=s.hidden,
+                    k=s.heads * hd, addr=L("o")),
+        Instruction(Op.RMSNORM, flags=lrel, rows=1, dst=v["xn"], src=v["x"], n=s.hidden, addr=L("norm2")),
+        Instruction(Op.MATMUL, flags=lrel | int8, rows=1, dst=v["gateup"], src=v["xn"],
+                    n=2 * s.intermediate, k=s.hidden, addr=L("gateup")),
+        Instruction(Op.ACTMUL, flags=lrel, rows=1, dst=v["h"], src=v["gateup"], n=s.intermediate,
+                    addr=L("act")),
+        Instruction(Op.MATMUL, flags=lrel | resadd, rows=1, dst=v["x"], src=v["h"], n=s.hidden,
+                    k=s.intermediate, addr=L("down")),
+        Instruction(Op.ENDLOOP),
+    ]
+    tail_start = len(body) + 1
+    tail = [
+        Instruction(Op.RMSNORM, rows=1, dst=v["xn"], src=v["x"], n=s.hidden, addr=lay.final_norm),
+        Instruction(Op.MATMUL, flags=logits, rows=1, src=v["xn"], n=s.vocab, k=s.hidden, addr=lay.lm_head),
+        Instruction(Op.SAMPLE, n=s.vocab),
+    ]
+    next_pc = tail_start + len(tail)
+    program = body + [Instruction(Op.BRANCH, flags=Cond.NO_SAMPLE, n=next_pc)] + tail + [
+        Instruction(Op.NEXT, n=0), Instruction(Op.HALT)]
+    return [encode(i) for i in program]
+
+
+# -- the whole compile ----------------------------------------------------------------------
+@dataclass
+class CompiledDraft:
+    """A compiled draft: the image, the program and what the host needs to drive them."""
+    image: bytes
+    program: list[int]
+    manifest: dict
+
+    def save(self, out_dir: str | Path) -> Path:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "image.bin").write_bytes(self.image)
+        (out / "program.bin").write_bytes(to_bytes(self.program))
+        (out / "program.s").write_text(
+            f"; DFVG draft program for preset {self.manifest['engine']['name']}\n"
+            f"; model: {self.manifest['model_dir']}\n" + disassemble(self.program))
+        (out / "manifest.json").write_text(json.dumps(self.manifest, indent=2) + "\n")
+        return out
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> "CompiledDraft":
+        out = Path(out_dir)
+        manifest = json.loads((out / "manifest.json").read_text())
+        return cls((out / "image.bin").read_bytes(), from_bytes((out / "program.bin").read_bytes()),
+                   manifest)
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(**self.manifest["model"])
+
+    @property
+    def context_limit(self) -> int:
+        return self.manifest["context_limit"]
+
+
+def load_model(model_dir: str | Path, *, random_weights: bool = False, seed: int = 0):
+    """Load a float32 HF causal LM from a local directory (no hub access)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise CompileError(f"{path} has no config.json: pass a local Hugging Face model directory")
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    describe_model(hf_config)
+    if random_weights:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    return model.eval()
+
+
+def calibration_sequences(model_dir: Path, text: str | None, vocab: int, *, seq_len: int = 128,
+                          max_tokens: int = 4096, seed: int = 0) -> list[list[int]]:
+    """Token sequences for calibration: the tokenised text, or random ids if there is none."""
+    if text:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        ids = tok(text)["input_ids"][:max_tokens]
+    else:
+        ids = np.random.default_rng(seed).integers(0, vocab, max_tokens).tolist()
+    return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len) if len(ids[i:i + seq_len]) > 1]
+
+
+def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_text: str | None = None,
+                  random_weights: bool = False, model=None) -> CompiledDraft:
+    """Compile the draft at ``model_dir`` for ``engine``."""
+    model_dir = Path(model_dir)
+    model = model if model is not None else load_model(model_dir, random_weights=random_weights)
+    shape = describe_model(model.config)
+    check_fits(shape, engine)
+    seqs = calibration_sequences(model_dir, calibration_text, shape.vocab)
+    cal = calibrate(model, seqs, shape)
+    image, lay, scales = build_image(model, shape, cal, engine)
+    if len(image) > engine.mem_bytes:
+        raise DoesNotFit(f"image of {len(image)} bytes exceeds the '{engine.name}' preset's "
+                         f"mem_bytes = {engine.mem_bytes}")
+    lay.vmem = allocate_vmem(shape, engine)
+    program = emit_program(shape, lay)
+    if len(program) > engine.imem_words:
+        raise DoesNotFit(f"program of {len(program)} instructions exceeds imem_words = "
+                         f"{engine.imem_words}")
+    manifest = dict(
+        format=1, engine=engine.to_dict(), model=asdict(shape),
+        model_dir=str(model_dir.resolve()), random_weights=random_weights,
+        context_limit=min(engine.kv_positions, shape.max_positions),
+        image_bytes=len(image), program_words=len(program),
+        calibration=dict(tokens=cal.tokens, source="text" if calibration_text else "random ids"),
+        layout=asdict(lay), scales=scales,
+    )
+    return CompiledDraft(image, program, manifest)

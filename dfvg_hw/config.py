@@ -1,0 +1,206 @@
+"""Engine configuration: every parameter of the draft-engine generator in one dataclass.
+
+The generator (RTL), the functional and cycle models (``sim``) and the compiler
+(``dfvg_host``) all read the same :class:`EngineConfig`, so a preset name fully
+determines what is built, what is simulated and what a compiled model must fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["EngineConfig", "ConfigError", "PRESETS", "get_preset", "preset_names"]
+
+#: Bytes per line of the on-chip vector memory (VMEM). VMEM addresses in instructions
+#: count lines, so one 16-bit field addresses 1 MiB.
+VMEM_LINE_BYTES = 16
+
+
+class ConfigError(ValueError):
+    """An engine configuration that cannot be built; the message names the parameter."""
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Parameters of one draft engine.
+
+    Attributes
+    ----------
+    name : str
+        Preset name, reported by the engine's ID registers.
+    rows : int
+        M — draft rows the matrix unit computes at once (1 for a chain; up to the tree
+        branch count), reusing each weight tile across rows.
+    lanes : int
+        N — output channels per matrix-unit tile (one int32 accumulator each).
+    reduce : int
+        K — reduction width: int8 products summed per lane per cycle.
+    data_bits, residual_bits, acc_bits : int
+        Activation width (int8), residual-stream width (int16) and accumulator width.
+    kv_layers, kv_heads, kv_positions, head_dim : int
+        On-chip KV capacity: layers × KV heads × positions, each entry ``head_dim`` int8
+        for K and the same for V.
+    vocab_max : int
+        Largest vocabulary the token sampler streams.
+    topk_max : int
+        Largest top-k the sampler keeps and reports.
+    vmem_bytes : int
+        On-chip activation scratchpad.
+    imem_words : int
+        Instruction memory depth (128-bit instructions).
+    clock_mhz : float
+        Engine clock.
+    mem_bandwidth_gbps : float
+        Device-memory bandwidth available to the engine, GB/s (10^9 bytes/s).
+    mem_latency_ns : float
+        Device-memory read latency (first beat of a burst).
+    mem_bytes : int
+        Device-memory capacity.
+    source : str
+        Where the numbers come from.
+    """
+
+    name: str
+    rows: int
+    lanes: int
+    reduce: int
+    kv_layers: int
+    kv_heads: int
+    kv_positions: int
+    head_dim: int
+    vocab_max: int
+    topk_max: int
+    vmem_bytes: int
+    imem_words: int
+    clock_mhz: float
+    mem_bandwidth_gbps: float
+    mem_latency_ns: float
+    mem_bytes: int
+    data_bits: int = 8
+    residual_bits: int = 16
+    acc_bits: int = 32
+    source: str = ""
+
+    def __post_init__(self):
+        self.validate()
+
+    # -- derived quantities -------------------------------------------------------------
+    @property
+    def macs_per_cycle(self) -> int:
+        return self.rows * self.lanes * self.reduce
+
+    @property
+    def mem_bytes_per_cycle(self) -> float:
+        return self.mem_bandwidth_gbps * 1e9 / (self.clock_mhz * 1e6)
+
+    @property
+    def mem_latency_cycles(self) -> int:
+        return max(1, round(self.mem_latency_ns * 1e-9 * self.clock_mhz * 1e6))
+
+    @property
+    def kv_bytes(self) -> int:
+        """On-chip KV storage: K and V, int8."""
+        return 2 * self.kv_layers * self.kv_heads * self.kv_positions * self.head_dim
+
+    def with_changes(self, **changes) -> "EngineConfig":
+        """A copy with some parameters changed (validated like any other config)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # -- validation ---------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, param: str, why: str):
+            if not cond:
+                raise ConfigError(f"engine config {self.name!r}: {param} = "
+                                  f"{getattr(self, param)!r}: {why}")
+
+        for p in ("rows", "lanes", "reduce", "kv_layers", "kv_heads", "kv_positions",
+                  "head_dim", "vocab_max", "topk_max", "vmem_bytes", "imem_words", "mem_bytes"):
+            need(isinstance(getattr(self, p), int) and getattr(self, p) > 0, p,
+                 "must be a positive integer")
+        for p in ("clock_mhz", "mem_bandwidth_gbps", "mem_latency_ns"):
+            need(getattr(self, p) > 0, p, "must be positive")
+        need(self.data_bits == 8, "data_bits", "the numerics define int8 activations and weights only")
+        need(self.residual_bits == 16, "residual_bits", "the numerics define an int16 residual stream only")
+        need(self.acc_bits == 32, "acc_bits", "the numerics define int32 accumulators only")
+        need(self.rows <= 64, "rows", "at most 64 draft rows (the instruction's rows field is 8 bits "
+             "and tree budgets beyond 64 branches are not useful)")
+        need(_is_pow2(self.lanes), "lanes", "must be a power of two")
+        need(_is_pow2(self.reduce), "reduce", "must be a power of two")
+        need(self.reduce >= 4, "reduce", "must be at least 4")
+        need(self.head_dim % VMEM_LINE_BYTES == 0, "head_dim",
+             f"must be a multiple of the {VMEM_LINE_BYTES}-byte VMEM line (RoPE pairs and KV "
+             "rows are line-aligned)")
+        need(self.kv_positions <= 65535, "kv_positions", "positions are 16-bit in descriptors")
+        need(self.vocab_max <= 65535, "vocab_max", "token ids are 16-bit in the ISA's n field")
+        need(self.topk_max <= 64, "topk_max", "the sampler keeps at most 64 candidates")
+        need(self.topk_max <= self.vocab_max, "topk_max", "cannot exceed vocab_max")
+        need(self.vmem_bytes % VMEM_LINE_BYTES == 0, "vmem_bytes",
+             f"must be a multiple of {VMEM_LINE_BYTES}")
+        need(self.vmem_bytes <= VMEM_LINE_BYTES * 65536, "vmem_bytes",
+             "VMEM addresses are 16-bit line numbers (at most 1 MiB)")
+        need(self.imem_words <= 65536, "imem_words", "program counters are 16-bit")
+        need(self.mem_bytes <= 1 << 36, "mem_bytes", "device addresses are at most 36-bit (64 GiB)")
+        # int8 x int8 products summed over K must not overflow the accumulator for any
+        # K the engine accepts (16-bit k field): 2^14 * 2^16 < 2^31.
+        need(self.acc_bits >= 2 * self.data_bits + 16, "acc_bits",
+             "too narrow for a 65535-long int8 dot product")
+
+
+GiB = 1 << 30
+
+#: Named presets. Board numbers come from the AMD data sheets cited in ``source``.
+PRESETS: dict[str, EngineConfig] = {
+    cfg.name: cfg for cfg in [
+        EngineConfig(
+            name="tiny", rows=2, lanes=4, reduce=8,
+            kv_layers=2, kv_heads=2, kv_positions=64, head_dim=16,
+            vocab_max=512, topk_max=4, vmem_bytes=4096, imem_words=256,
+            clock_mhz=100.0, mem_bandwidth_gbps=1.6, mem_latency_ns=100.0, mem_bytes=1 << 24,
+            source="small enough to simulate the RTL in tests; 100 MHz and one 128-bit "
+                   "100 MHz AXI port (1.6 GB/s) are nominal, not a board"),
+        EngineConfig(
+            name="alveo-u55c", rows=8, lanes=64, reduce=32,
+            kv_layers=12, kv_heads=12, kv_positions=1024, head_dim=64,
+            vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
+            clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=300.0, mem_bytes=16 * GiB,
+            source="Alveo U55C (XCU55C, DS978): 16 GB HBM2 at 460 GB/s, 9024 DSP, "
+                   "960 URAM (33.75 MB) — the KV buffer (18.9 MB) lives in URAM; "
+                   "300 MHz as in the DFVG paper"),
+        EngineConfig(
+            name="alveo-u280", rows=8, lanes=64, reduce=32,
+            kv_layers=12, kv_heads=12, kv_positions=1024, head_dim=64,
+            vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
+            clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=300.0, mem_bytes=8 * GiB,
+            source="Alveo U280 (XCU280, DS963): 8 GB HBM2 at 460 GB/s (plus 32 GB DDR4, "
+                   "unused), 9024 DSP, 960 URAM; 300 MHz"),
+        EngineConfig(
+            name="alveo-u250", rows=8, lanes=32, reduce=32,
+            kv_layers=12, kv_heads=12, kv_positions=1024, head_dim=64,
+            vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
+            clock_mhz=300.0, mem_bandwidth_gbps=77.0, mem_latency_ns=250.0, mem_bytes=64 * GiB,
+            source="Alveo U250 (XCU250, DS962): 64 GB DDR4 in 4 channels at 77 GB/s, "
+                   "12288 DSP, 1280 URAM; 300 MHz. DDR bandwidth makes the tile smaller "
+                   "(32 x 32) while staying memory-bound for chains"),
+    ]
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def get_preset(name: str) -> EngineConfig:
+    """The preset called *name*; an unknown name lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown engine preset {name!r}; known presets: "
+                          f"{', '.join(PRESETS)}") from None

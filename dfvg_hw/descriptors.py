@@ -1,0 +1,198 @@
+"""Request and result descriptors: what the host and the engine exchange in device memory.
+
+The host writes a request descriptor, starts the engine, and reads a result descriptor
+back; both are little-endian 32-bit words. The layouts are defined here once and used by
+the functional model, the RTL tests and the host driver. See ``docs/isa.md``.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "ErrorCode", "RequestFlag", "DraftRequest", "DraftedToken", "DraftResult",
+    "REQUEST_HEADER_WORDS", "RESULT_HEADER_WORDS", "MAX_DRAFT", "RESULT_CHECK_SALT",
+    "request_bytes", "result_bytes", "record_words",
+]
+
+REQUEST_HEADER_WORDS = 16
+RESULT_HEADER_WORDS = 16
+#: Most tokens one request may draft (bounds the result buffer).
+MAX_DRAFT = 64
+RESULT_CHECK_SALT = 0xDF76C0DE
+
+
+class ErrorCode(enum.IntEnum):
+    """Engine error codes (result ``status`` word and the ERROR register)."""
+    OK = 0
+    ILLEGAL_INSTRUCTION = 1   #: an instruction word failed to decode
+    KV_OVERFLOW = 2           #: a KV append or RoPE at a position ≥ kv_positions
+    BAD_ADDRESS = 3           #: a device-memory or VMEM access outside its memory
+    BAD_REQUEST = 4           #: a request descriptor field out of range
+    PROGRAM = 5               #: the program ran off its end, nested a LOOP, or sampled
+                              #: without logits
+    WATCHDOG = 6              #: the instruction budget ran out (a program that never halts)
+
+    def describe(self) -> str:
+        return {
+            ErrorCode.OK: "no error",
+            ErrorCode.ILLEGAL_INSTRUCTION: "the engine fetched an illegal instruction; the "
+                "program does not match this engine version — recompile the draft",
+            ErrorCode.KV_OVERFLOW: "the context exceeds the engine's KV capacity; shorten "
+                "the prompt or generation, or use a preset with more kv_positions",
+            ErrorCode.BAD_ADDRESS: "an access fell outside device memory or VMEM; the "
+                "image or program is corrupt or was compiled for another preset",
+            ErrorCode.BAD_REQUEST: "the request descriptor is out of range (token id, topk, "
+                "n_in or n_draft)",
+            ErrorCode.PROGRAM: "the program is malformed (ran off its end, nested LOOP, or "
+                "SAMPLE without logits)",
+            ErrorCode.WATCHDOG: "the engine's instruction budget ran out; the program "
+                "does not halt",
+        }[self]
+
+
+class RequestFlag(enum.IntFlag):
+    SAMPLE = 1  #: sample from the top-k distribution (else greedy)
+
+
+@dataclass
+class DraftRequest:
+    """One draft request: feed ``tokens`` from ``start_pos``, then draft ``n_draft``.
+
+    Word layout: 0 seq, 1 flags, 2 start_pos, 3 n_in, 4 n_draft, 5 topk,
+    6 t_mult | t_shift << 16, 7 seed_lo, 8 seed_hi, 9 counter, 10-15 zero,
+    16.. one token id per word.
+
+    ``start_pos`` is the committed KV length: setting it below the engine's current
+    length is the O(1) rollback. The engine appends KV for every input and for every
+    drafted token but the last, so after a request the KV length is
+    ``start_pos + n_in + max(n_draft - 1, 0)``.
+    """
+    tokens: list[int]
+    start_pos: int
+    n_draft: int
+    topk: int = 1
+    sample: bool = False
+    t_mult: int = 0
+    t_shift: int = 0
+    seed: int = 0
+    counter: int = 0
+    seq: int = 0
+
+    def pack(self) -> bytes:
+        words = [self.seq, int(RequestFlag.SAMPLE) if self.sample else 0, self.start_pos,
+                 len(self.tokens), self.n_draft, self.topk,
+                 (self.t_mult & 0xFFFF) | (self.t_shift << 16),
+                 self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF, self.counter & 0xFFFFFFFF]
+        words += [0] * (REQUEST_HEADER_WORDS - len(words)) + [int(t) for t in self.tokens]
+        return struct.pack(f"<{len(words)}I", *words)
+
+    @classmethod
+    def unpack_header(cls, data: bytes) -> dict:
+        w = struct.unpack(f"<{REQUEST_HEADER_WORDS}I", data[:4 * REQUEST_HEADER_WORDS])
+        return dict(seq=w[0], sample=bool(w[1] & RequestFlag.SAMPLE), flags=w[1],
+                    start_pos=w[2], n_in=w[3], n_draft=w[4], topk=w[5],
+                    t_mult=w[6] & 0xFFFF, t_shift=w[6] >> 16,
+                    seed=w[7] | (w[8] << 32), counter=w[9], reserved=w[10:16])
+
+
+def request_bytes(n_in: int) -> int:
+    return 4 * (REQUEST_HEADER_WORDS + n_in)
+
+
+def record_words(topk_max: int) -> int:
+    """Words per drafted-token record: token, prob, then topk_max (id, prob) pairs."""
+    return 2 + 2 * topk_max
+
+
+def result_bytes(topk_max: int, n_draft: int = MAX_DRAFT) -> int:
+    return 4 * (RESULT_HEADER_WORDS + n_draft * record_words(topk_max))
+
+
+@dataclass
+class DraftedToken:
+    """A drafted token with its exact draft probability and the top-k it was drawn from.
+
+    Probabilities are integers in units of 2^-24 (``numerics.PROB_BITS``): the sampled
+    distribution q is exactly ``topk_probs / 2^24`` on ``topk_ids`` and 0 elsewhere.
+    """
+    token: int
+    prob: int
+    topk_ids: list[int]
+    topk_probs: list[int]
+
+
+@dataclass
+class DraftResult:
+    """Result descriptor.
+
+    Word layout: 0 seq (echo of the request), 1 status (:class:`ErrorCode`), 2 n_drafted,
+    3 end_pos (KV length after the request), 4 cycles_lo, 5 cycles_hi, 6 n_forward,
+    7 error_pc, 8 topk (list length per record), 9-14 zero, 15 check; then n_drafted
+    records of :func:`record_words` words. ``check`` is the 32-bit wrapping sum of every
+    other header word and record word, plus ``RESULT_CHECK_SALT``.
+    """
+    seq: int
+    status: ErrorCode
+    end_pos: int
+    cycles: int
+    n_forward: int
+    error_pc: int = 0
+    tokens: list[DraftedToken] = field(default_factory=list)
+    topk: int = 0
+
+    def pack(self, topk_max: int) -> bytes:
+        records = []
+        for t in self.tokens:
+            pairs = []
+            for i in range(topk_max):
+                pairs += [t.topk_ids[i], t.topk_probs[i]] if i < len(t.topk_ids) else [0, 0]
+            records += [t.token, t.prob] + pairs
+        header = [self.seq, int(self.status), len(self.tokens), self.end_pos,
+                  self.cycles & 0xFFFFFFFF, (self.cycles >> 32) & 0xFFFFFFFF, self.n_forward,
+                  self.error_pc, self.topk] + [0] * 6
+        check = (sum(header) + sum(records) + RESULT_CHECK_SALT) & 0xFFFFFFFF
+        words = header + [check] + records
+        return struct.pack(f"<{len(words)}I", *words)
+
+    @staticmethod
+    def checksum(words: np.ndarray) -> int:
+        """The check word the engine computes over header words 0-14 and the records."""
+        body = np.concatenate([words[:RESULT_HEADER_WORDS - 1], words[RESULT_HEADER_WORDS:]])
+        return int((int(np.sum(body.astype(np.uint64))) + RESULT_CHECK_SALT) & 0xFFFFFFFF)
+
+    @classmethod
+    def unpack(cls, data: bytes, topk_max: int) -> "DraftResult":
+        """Parse a result buffer; raises ``ValueError`` if it is truncated or corrupt."""
+        if len(data) < 4 * RESULT_HEADER_WORDS:
+            raise ValueError(f"result buffer has {len(data)} bytes, fewer than its header")
+        header = struct.unpack(f"<{RESULT_HEADER_WORDS}I", data[:4 * RESULT_HEADER_WORDS])
+        n = header[2]
+        if n > MAX_DRAFT:
+            raise ValueError(f"result claims {n} drafted tokens, more than MAX_DRAFT={MAX_DRAFT}")
+        rw = record_words(topk_max)
+        need = 4 * (RESULT_HEADER_WORDS + n * rw)
+        if len(data) < need:
+            raise ValueError(f"result buffer has {len(data)} bytes, its header needs {need}")
+        words = np.frombuffer(data[:need], dtype="<u4")
+        if cls.checksum(words) != header[15]:
+            raise ValueError("result buffer check word does not match its contents "
+                             "(corrupted or partially written result)")
+        try:
+            status = ErrorCode(header[1])
+        except ValueError:
+            raise ValueError(f"result status {header[1]} is not an engine error code") from None
+        topk = header[8]
+        tokens = []
+        for i in range(n):
+            r = words[RESULT_HEADER_WORDS + i * rw: RESULT_HEADER_WORDS + (i + 1) * rw]
+            pairs = r[2:].reshape(-1, 2)[:topk]
+            tokens.append(DraftedToken(int(r[0]), int(r[1]), [int(x) for x in pairs[:, 0]],
+                                       [int(x) for x in pairs[:, 1]]))
+        return cls(seq=header[0], status=status, end_pos=header[3],
+                   cycles=header[4] | (header[5] << 32), n_forward=header[6],
+                   error_pc=header[7], tokens=tokens, topk=topk)

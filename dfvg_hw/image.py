@@ -1,0 +1,147 @@
+"""Layout of the weights image in device memory, shared by the compiler and the engine.
+
+The image is one contiguous, relocatable block; every address in a program is a byte
+offset from its base. It starts with a 256-byte header (little-endian 32-bit words, see
+:class:`ImageHeader`). Operand blocks follow, each 16-byte aligned:
+
+* **Matrix weights** for an ``N × K`` matmul: int8, padded to ``Np × Kp`` (multiples of
+  the engine's lanes and reduce), stored tile by tile — ``[Np/lanes][Kp/reduce][lanes]
+  [reduce]`` — so the matrix unit reads one contiguous ``lanes·reduce`` burst per cycle;
+  then ``Np`` requantisation words ``mult | shift << 16``.
+* **RMSNORM parameters**: word ``eps``, word ``gamma_shift``, 8 zero words, then
+  ``gamma`` as int16 ``[N]``.
+* **ATTN parameters**: word ``mult | shift << 16``, word ``n_kv_heads``, 2 zero words.
+* **ACTMUL parameters**: word ``mult | shift << 16``, 3 zero words, then the int16
+  activation LUT ``[256]`` indexed by ``gate + 128``.
+* **Embedding table**: int16 ``[vocab][hidden]`` at the residual scale.
+* **RoPE table**: int16 ``[positions][head_dim/2][cos, sin]`` (Q1.14).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+__all__ = [
+    "IMAGE_MAGIC", "IMAGE_VERSION", "HEADER_BYTES", "ALIGN", "ImageHeader",
+    "padded", "tile_weights", "untile_weights", "matmul_bytes", "pack_qparams",
+    "unpack_qparams", "NORM_PARAM_BYTES", "ATTN_PARAM_BYTES", "ACT_PARAM_BYTES",
+    "pack_norm_params", "pack_attn_params", "pack_act_params", "align",
+]
+
+IMAGE_MAGIC = 0x47564644  # "DFVG"
+IMAGE_VERSION = 1
+HEADER_BYTES = 256
+ALIGN = 16
+NORM_PARAM_BYTES = 40     # + 2·N gamma bytes
+ATTN_PARAM_BYTES = 16
+ACT_PARAM_BYTES = 16 + 512
+
+
+def align(x: int, a: int = ALIGN) -> int:
+    return (x + a - 1) // a * a
+
+
+def padded(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+@dataclass
+class ImageHeader:
+    """The image header: the model's shape and where each block lives.
+
+    The engine never reads it (programs carry every address); the host reads it to check
+    that an image, its program and the engine belong together.
+    """
+    lanes: int
+    reduce: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    rope_positions: int
+    layer_stride: int
+    layers_base: int
+    embed_addr: int
+    rope_addr: int
+    final_norm_addr: int
+    lm_head_addr: int
+    image_bytes: int
+    magic: int = IMAGE_MAGIC
+    version: int = IMAGE_VERSION
+
+    _ORDER = ("magic", "version", "lanes", "reduce", "hidden", "layers", "heads", "kv_heads",
+              "head_dim", "intermediate", "vocab", "rope_positions", "layer_stride",
+              "layers_base", "embed_addr", "rope_addr", "final_norm_addr", "lm_head_addr",
+              "image_bytes")
+
+    def pack(self) -> bytes:
+        words = [getattr(self, name) for name in self._ORDER]
+        return struct.pack(f"<{len(words)}I", *words).ljust(HEADER_BYTES, b"\0")
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "ImageHeader":
+        n = len(cls._ORDER)
+        if len(data) < 4 * n:
+            raise ValueError("image is shorter than its header")
+        values = dict(zip(cls._ORDER, struct.unpack(f"<{n}I", data[:4 * n])))
+        if values["magic"] != IMAGE_MAGIC:
+            raise ValueError(f"not a DFVG image (magic 0x{values['magic']:08x})")
+        if values["version"] != IMAGE_VERSION:
+            raise ValueError(f"image format version {values['version']}, this tool reads "
+                             f"{IMAGE_VERSION}; recompile the draft")
+        return cls(**values)
+
+
+def tile_weights(w: np.ndarray, lanes: int, reduce: int) -> np.ndarray:
+    """int8 ``[N, K]`` → zero-padded tile-major bytes (see the module docstring)."""
+    n, k = w.shape
+    npad, kpad = padded(n, lanes), padded(k, reduce)
+    full = np.zeros((npad, kpad), dtype=np.int8)
+    full[:n, :k] = w
+    tiles = full.reshape(npad // lanes, lanes, kpad // reduce, reduce).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(tiles).reshape(-1)
+
+
+def untile_weights(data: np.ndarray, n: int, k: int, lanes: int, reduce: int) -> np.ndarray:
+    """Inverse of :func:`tile_weights`: the ``[N, K]`` int8 matrix."""
+    npad, kpad = padded(n, lanes), padded(k, reduce)
+    tiles = np.asarray(data, dtype=np.int8)[:npad * kpad].reshape(
+        npad // lanes, kpad // reduce, lanes, reduce)
+    return tiles.transpose(0, 2, 1, 3).reshape(npad, kpad)[:n, :k]
+
+
+def matmul_bytes(n: int, k: int, lanes: int, reduce: int) -> int:
+    """Bytes of one matmul operand block: tiles plus requantisation words."""
+    return align(padded(n, lanes) * padded(k, reduce) + 4 * padded(n, lanes))
+
+
+def pack_qparams(mult: np.ndarray, shift: np.ndarray, n_padded: int) -> np.ndarray:
+    words = np.zeros(n_padded, dtype="<u4")
+    words[:len(mult)] = (np.asarray(mult, np.uint32) & 0xFFFF) | (np.asarray(shift, np.uint32) << 16)
+    return words
+
+
+def unpack_qparams(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    words = np.asarray(words, dtype=np.int64)
+    return words & 0xFFFF, (words >> 16) & 0x3F
+
+
+def pack_norm_params(eps: int, gamma: np.ndarray, gamma_shift: int) -> bytes:
+    head = struct.pack("<2I", eps, gamma_shift).ljust(NORM_PARAM_BYTES, b"\0")
+    return head + np.asarray(gamma, dtype="<i2").tobytes()
+
+
+def pack_attn_params(mult: int, shift: int, kv_heads: int) -> bytes:
+    return struct.pack("<2I", (mult & 0xFFFF) | (shift << 16), kv_heads).ljust(ATTN_PARAM_BYTES, b"\0")
+
+
+def pack_act_params(mult: int, shift: int, lut: np.ndarray) -> bytes:
+    assert len(lut) == 256
+    head = struct.pack("<I", (mult & 0xFFFF) | (shift << 16)).ljust(16, b"\0")
+    return head + np.asarray(lut, dtype="<i2").tobytes()

@@ -1,0 +1,291 @@
+"""Instruction set of the draft engine: encoding, decoding, assembler, disassembler.
+
+Every instruction is one 128-bit word with the same field layout (see ``docs/isa.md``)::
+
+    bits    field   width  meaning
+    0-7     opcode    8    operation
+    8-15    flags     8    per-opcode modifiers (layer-relative addressing, output mode)
+    16-23   rows      8    draft rows processed at once (1..M); 0 where unused
+    24-31   (zero)    8    reserved, must be 0
+    32-47   dst      16    VMEM destination, in 16-byte lines
+    48-63   src      16    VMEM source, in 16-byte lines
+    64-79   n        16    element / channel / head count, loop count or branch target
+    80-95   k        16    reduction length or head dimension
+    96-127  addr     32    device-memory byte offset from the image base
+
+A field an opcode does not use must be zero; :func:`decode` rejects anything else with
+an :class:`IllegalInstruction` that names the field, exactly as the controller sets the
+ILLEGAL_INSTRUCTION error.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, fields
+
+__all__ = [
+    "Op", "Flag", "MatmulMode", "Cond", "Instruction", "IllegalInstruction", "AsmError",
+    "FIELDS", "INSTRUCTION_BITS", "INSTRUCTION_BYTES",
+    "encode", "decode", "assemble", "disassemble", "to_bytes", "from_bytes",
+]
+
+INSTRUCTION_BITS = 128
+INSTRUCTION_BYTES = 16
+
+#: (name, lsb, width) of every field, in bit order.
+FIELDS: tuple[tuple[str, int, int], ...] = (
+    ("opcode", 0, 8), ("flags", 8, 8), ("rows", 16, 8), ("reserved", 24, 8),
+    ("dst", 32, 16), ("src", 48, 16), ("n", 64, 16), ("k", 80, 16), ("addr", 96, 32),
+)
+_FIELD = {name: (lsb, width) for name, lsb, width in FIELDS}
+
+
+class Op(enum.IntEnum):
+    """Opcodes. See docs/isa.md for exact semantics."""
+    NOP = 0x00
+    HALT = 0x01
+    LOOP = 0x02      # n = trip count, addr = LSTRIDE; LAYER := 0; body runs until ENDLOOP
+    ENDLOOP = 0x03   # LAYER += 1; back to the body while LAYER < count
+    BRANCH = 0x04    # if cond(flags): pc := n
+    NEXT = 0x05      # end of one forward step: POS += 1; next token; pc := n or fall through
+    EMBED = 0x10     # dst(int16)[n] := table(addr)[TOKEN]
+    RMSNORM = 0x11   # dst(int8)[n] := rmsnorm(src(int16)[n]; params at addr)
+    MATMUL = 0x12    # dst[n] := W(addr)[n, k] · src(int8)[k], output per flags.mode
+    ROPE = 0x13      # dst(int8)[n heads × k] := rope(src; table(addr)[POS])
+    KVAPPEND = 0x14  # KV[LAYER][h][POS] := src (K: n heads × k), then V right after K
+    ATTN = 0x15      # dst(int8)[n heads × k] := attention(src q; KV[LAYER][:, 0..POS])
+    ACTMUL = 0x16    # dst(int8)[n] := act(src[n]) · src[n + n bytes]; params at addr
+    SAMPLE = 0x17    # token sampler over the n logits of the last LOGITS matmul
+
+
+class Flag(enum.IntFlag):
+    """Flag bits (the ``flags`` field)."""
+    LREL = 0x01        #: address += LAYER · LSTRIDE (set by LOOP) — layer-relative
+    MODE0 = 0x02       #: MATMUL output mode, bits 1-2 (see MatmulMode)
+    MODE1 = 0x04
+
+
+class MatmulMode(enum.IntEnum):
+    """MATMUL output mode, ``(flags >> 1) & 3``."""
+    INT8 = 0       #: dst(int8) := requant(acc)
+    RESADD = 1     #: dst(int16) := sat16(dst + requant16(acc)) — residual update
+    LOGITS = 2     #: logits(int16, Q7.8) := requant16(acc) into the sampler's buffer
+
+
+class Cond(enum.IntEnum):
+    """BRANCH condition, the ``flags`` field."""
+    ALWAYS = 0
+    NO_SAMPLE = 1  #: this forward samples no token: an input other than the last, or all drafts made
+
+
+#: Which fields each opcode uses (all others must be zero) and the legal flag bits.
+_USES: dict[Op, tuple[frozenset[str], int]] = {
+    Op.NOP: (frozenset(), 0),
+    Op.HALT: (frozenset(), 0),
+    Op.LOOP: (frozenset({"n", "addr"}), 0),
+    Op.ENDLOOP: (frozenset(), 0),
+    Op.BRANCH: (frozenset({"flags", "n"}), 0xFF),
+    Op.NEXT: (frozenset({"n"}), 0),
+    Op.EMBED: (frozenset({"rows", "dst", "n", "addr"}), 0),
+    Op.RMSNORM: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL),
+    Op.MATMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
+                Flag.LREL | Flag.MODE0 | Flag.MODE1),
+    Op.ROPE: (frozenset({"rows", "dst", "src", "n", "k", "addr"}), 0),
+    Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
+    Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL),
+    Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL),
+    Op.SAMPLE: (frozenset({"n"}), 0),
+}
+#: Opcodes that process ``rows`` rows; rows must be ≥ 1 for them.
+_ROW_OPS = frozenset(op for op, (used, _) in _USES.items() if "rows" in used)
+
+
+class IllegalInstruction(ValueError):
+    """An instruction word the engine does not execute. ``field`` names the culprit."""
+
+    def __init__(self, field: str, message: str, word: int | None = None):
+        self.field = field
+        self.word = word
+        where = f" in word 0x{word:032x}" if word is not None else ""
+        super().__init__(f"illegal instruction{where}: field '{field}': {message}")
+
+
+class AsmError(ValueError):
+    """A line of assembly that cannot be assembled; the message gives the line number."""
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One decoded instruction; field meanings per opcode are in docs/isa.md."""
+    opcode: Op
+    flags: int = 0
+    rows: int = 0
+    dst: int = 0
+    src: int = 0
+    n: int = 0
+    k: int = 0
+    addr: int = 0
+
+    @property
+    def mode(self) -> MatmulMode:
+        return MatmulMode((self.flags >> 1) & 3)
+
+    @property
+    def layer_relative(self) -> bool:
+        return bool(self.flags & Flag.LREL)
+
+    def validate(self, word: int | None = None) -> "Instruction":
+        """Raise :class:`IllegalInstruction` unless every field is legal for the opcode."""
+        used, legal_flags = _USES[self.opcode]
+        for f in fields(self):
+            if f.name == "opcode":
+                continue
+            value = getattr(self, f.name)
+            lsb, width = _FIELD[f.name]
+            if not 0 <= value < (1 << width):
+                raise IllegalInstruction(f.name, f"{value} does not fit in {width} bits", word)
+            if f.name not in used and value != 0:
+                raise IllegalInstruction(f.name, f"{self.opcode.name} does not use this field "
+                                         f"and it must be 0 (is {value})", word)
+        undefined = self.flags & ~int(legal_flags) & 0xFF   # int(): ~ of an IntFlag stays inside the enum
+        if undefined:
+            raise IllegalInstruction("flags", f"bits 0x{undefined:02x} "
+                                     f"are not defined for {self.opcode.name}", word)
+        if self.opcode == Op.MATMUL and ((self.flags >> 1) & 3) not in MatmulMode._value2member_map_:
+            raise IllegalInstruction("flags", f"MATMUL mode {(self.flags >> 1) & 3} is undefined", word)
+        if self.opcode == Op.BRANCH and self.flags not in Cond._value2member_map_:
+            raise IllegalInstruction("flags", f"BRANCH condition {self.flags} is undefined", word)
+        if self.opcode in _ROW_OPS and self.rows == 0:
+            raise IllegalInstruction("rows", f"{self.opcode.name} needs rows >= 1", word)
+        return self
+
+
+def encode(ins: Instruction) -> int:
+    """The 128-bit word of a (validated) instruction."""
+    ins.validate()
+    word = int(ins.opcode)
+    for name in ("flags", "rows", "dst", "src", "n", "k", "addr"):
+        word |= getattr(ins, name) << _FIELD[name][0]
+    return word
+
+
+def decode(word: int) -> Instruction:
+    """Decode a 128-bit word; raises :class:`IllegalInstruction` naming the bad field."""
+    if not 0 <= word < (1 << INSTRUCTION_BITS):
+        raise IllegalInstruction("opcode", "word is not a 128-bit value", None)
+
+    def get(name):
+        lsb, width = _FIELD[name]
+        return (word >> lsb) & ((1 << width) - 1)
+
+    opcode = get("opcode")
+    if opcode not in Op._value2member_map_:
+        raise IllegalInstruction("opcode", f"0x{opcode:02x} is not an opcode", word)
+    if get("reserved"):
+        raise IllegalInstruction("reserved", f"bits 24-31 must be 0 (are 0x{get('reserved'):02x})", word)
+    ins = Instruction(Op(opcode), **{n: get(n) for n in ("flags", "rows", "dst", "src", "n", "k", "addr")})
+    return ins.validate(word)
+
+
+def to_bytes(words: list[int]) -> bytes:
+    """Little-endian program image: 16 bytes per instruction."""
+    return b"".join(w.to_bytes(INSTRUCTION_BYTES, "little") for w in words)
+
+
+def from_bytes(data: bytes) -> list[int]:
+    if len(data) % INSTRUCTION_BYTES:
+        raise ValueError(f"program image of {len(data)} bytes is not a whole number of "
+                         f"{INSTRUCTION_BYTES}-byte instructions")
+    return [int.from_bytes(data[i:i + INSTRUCTION_BYTES], "little")
+            for i in range(0, len(data), INSTRUCTION_BYTES)]
+
+
+# -- assembly text ------------------------------------------------------------------
+# One instruction per line: ``mnemonic key=value, key=value ...``; MATMUL's mode and
+# BRANCH's condition are written by name (mode=resadd, cond=no_sample), LREL as the
+# bare word ``lrel``. Numbers may be decimal or 0x-hex. ``;`` starts a comment;
+# ``label:`` defines a label that n= of BRANCH/NEXT may name.
+
+def _format(ins: Instruction) -> str:
+    parts = []
+    used, _ = _USES[ins.opcode]
+    if ins.opcode == Op.MATMUL:
+        parts.append(f"mode={ins.mode.name.lower()}")
+    if ins.opcode == Op.BRANCH:
+        parts.append(f"cond={Cond(ins.flags).name.lower()}")
+    for name in ("rows", "dst", "src", "n", "k"):
+        if name in used:
+            parts.append(f"{name}={getattr(ins, name)}")
+    if "addr" in used:
+        parts.append(f"addr=0x{ins.addr:x}")
+    if ins.opcode != Op.BRANCH and ins.layer_relative:
+        parts.append("lrel")
+    text = ins.opcode.name.lower()
+    return f"{text} {', '.join(parts)}" if parts else text
+
+
+def disassemble(words: list[int], *, addresses: bool = False) -> str:
+    """Assembly text for program words (decoding each, so illegal words raise)."""
+    lines = []
+    for pc, w in enumerate(words):
+        text = _format(decode(w))
+        lines.append(f"{pc:5d}:  {text}" if addresses else text)
+    return "\n".join(lines) + "\n"
+
+
+_LINE = re.compile(r"^\s*(?:(?P<label>[A-Za-z_]\w*)\s*:)?\s*(?P<body>[^;]*?)\s*(?:;.*)?$")
+
+
+def assemble(text: str) -> list[int]:
+    """Assemble text (the disassembler's syntax) into 128-bit words."""
+    lines = text.splitlines()
+    labels: dict[str, int] = {}
+    bodies: list[tuple[int, str]] = []
+    for lineno, line in enumerate(lines, 1):
+        m = _LINE.match(line)
+        if m is None:
+            raise AsmError(f"line {lineno}: cannot parse {line!r}")
+        if m.group("label"):
+            labels[m.group("label")] = len(bodies)
+        body = m.group("body")
+        numbered = re.match(r"^\d+:\s*(.*)$", body)   # disassembly printed with addresses
+        if numbered:
+            body = numbered.group(1)
+        if body:
+            bodies.append((lineno, body))
+    words = []
+    for lineno, body in bodies:
+        try:
+            words.append(encode(_parse(body, labels)))
+        except (IllegalInstruction, ValueError, KeyError) as exc:
+            raise AsmError(f"line {lineno}: {exc}") from None
+    return words
+
+
+def _parse(body: str, labels: dict[str, int]) -> Instruction:
+    mnemonic, _, rest = body.partition(" ")
+    try:
+        op = Op[mnemonic.strip().upper()]
+    except KeyError:
+        raise ValueError(f"unknown mnemonic {mnemonic!r}") from None
+    values: dict[str, int] = {}
+    flags = 0
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        if item == "lrel":
+            flags |= Flag.LREL
+            continue
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq:
+            raise ValueError(f"expected key=value, got {item!r}")
+        if key == "mode":
+            flags |= MatmulMode[value.upper()] << 1
+        elif key == "cond":
+            flags |= Cond[value.upper()]
+        elif key in ("rows", "dst", "src", "n", "k", "addr", "flags"):
+            values[key] = labels[value] if value in labels else int(value, 0)
+        else:
+            raise ValueError(f"unknown field {key!r}")
+    values["flags"] = values.get("flags", 0) | flags
+    return Instruction(op, **values)

@@ -1,0 +1,301 @@
+"""Fixed-point numerics of the draft engine — the single definition both sides use.
+
+Every function here is what the hardware computes, bit for bit: integer-only, with
+lookup tables and shifts an RTL datapath implements directly. The functional model in
+``sim`` calls these functions; the RTL tests compare against them. Floats appear only
+in the compile-time helpers at the bottom (prefixed ``host_``), which build tables and
+multipliers on the host.
+
+All array functions take and return ``numpy`` integer arrays and compute in int64; the
+bounds in each docstring guarantee int64 never overflows. Right shifts are arithmetic
+(floor), rounding is "add half then floor" (round half up). See ``docs/numerics.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "ACT_BITS", "RES_BITS", "LOGIT_BITS", "LOGIT_FRAC", "PROB_BITS",
+    "MULT_BITS", "EXP_FRAC", "RSQRT_INDEX_BITS", "RSQRT_BITS", "ROPE_FRAC", "RECIP_BITS",
+    "saturate", "round_shift", "requant", "residual_add",
+    "rsqrt_fixed", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
+    "rope", "act_mul", "topk_select", "sampler_probs", "sample_index",
+    "mix32", "rng32",
+    "host_multiplier", "host_rope_table", "host_act_lut", "host_temperature",
+    "RSQRT_LUT", "EXP2_LUT",
+]
+
+# -- formats ------------------------------------------------------------------------------
+ACT_BITS = 8          #: activations and weights: signed int8
+RES_BITS = 16         #: residual stream and embedding table: signed int16
+LOGIT_BITS = 16       #: logits streamed into the sampler: signed int16 ...
+LOGIT_FRAC = 8        #: ... in natural-log units with 8 fractional bits (Q7.8)
+PROB_BITS = 24        #: sampler probabilities: unsigned, sum exactly 2^24
+MULT_BITS = 16        #: requantisation multipliers: unsigned 16-bit
+EXP_FRAC = 8          #: exp2 argument: unsigned fixed point, 8 fractional bits
+RSQRT_INDEX_BITS = 8  #: fractional bits of the rsqrt LUT index
+RSQRT_BITS = 15       #: rsqrt LUT values are Q1.15 (in (2^14, 2^15])
+ROPE_FRAC = 14        #: cos/sin table entries are Q1.14 int16
+RECIP_BITS = 32       #: attention normaliser: floor(2^32 / sum)
+EXP_ONE = 1 << 16     #: exp2_neg(0): weights are Q0.16 (17-bit unsigned)
+
+_I64 = np.int64
+
+
+def _as_i64(x) -> np.ndarray:
+    return np.asarray(x, dtype=_I64)
+
+
+def saturate(x, bits: int) -> np.ndarray:
+    """Clamp to the signed *bits*-bit range."""
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return np.clip(_as_i64(x), lo, hi)
+
+
+def round_shift(x, shift) -> np.ndarray:
+    """``floor((x + 2^(shift-1)) / 2^shift)`` — round half up; ``shift`` ≥ 0 (0 is a no-op)."""
+    x = _as_i64(x)
+    shift = _as_i64(shift)
+    half = np.where(shift > 0, np.left_shift(_I64(1), np.maximum(shift - 1, 0)), 0)
+    return np.right_shift(x + half, shift)
+
+
+def requant(acc, mult, shift, bits: int = ACT_BITS) -> np.ndarray:
+    """Requantise: ``sat_bits(round_shift(acc * mult, shift))``.
+
+    ``acc`` is int32 (|acc| < 2^31), ``mult`` an unsigned 16-bit multiplier, ``shift`` in
+    [0, 63]; both broadcast (per output channel or per tensor). |acc·mult| < 2^47.
+    """
+    return saturate(round_shift(_as_i64(acc) * _as_i64(mult), shift), bits)
+
+
+def residual_add(x, acc, mult, shift) -> np.ndarray:
+    """Residual update: ``sat16(x + requant(acc, mult, shift, 16))`` (x is int16)."""
+    return saturate(_as_i64(x) + requant(acc, mult, shift, RES_BITS), RES_BITS)
+
+
+# -- reciprocal square root -------------------------------------------------------------
+def _build_rsqrt_lut() -> np.ndarray:
+    lo, hi = 1 << RSQRT_INDEX_BITS, 4 << RSQRT_INDEX_BITS
+    u = np.arange(lo, hi, dtype=np.float64) / (1 << RSQRT_INDEX_BITS)
+    return np.round((1 << RSQRT_BITS) / np.sqrt(u)).astype(_I64)
+
+
+#: RSQRT_LUT[u - 2^8] = round(2^15 / sqrt(u / 2^8)) for u in [2^8, 2^10): 768 entries.
+RSQRT_LUT = _build_rsqrt_lut()
+
+
+def rsqrt_fixed(s) -> tuple[np.ndarray, np.ndarray]:
+    """Reciprocal square root of a positive integer ``s`` (< 2^62).
+
+    Returns ``(r, k)`` with ``1/sqrt(s) ≈ r · 2^-(15 + k)``: ``k = floor(log2(s) / 2)``,
+    ``u = s · 2^(8 - 2k)`` truncated to an integer in [2^8, 2^10), ``r = RSQRT_LUT[u - 2^8]``.
+    Hardware: a leading-one detector, a barrel shifter and a 768-entry ROM.
+    """
+    s = _as_i64(s)
+    if np.any(s <= 0):
+        raise ValueError("rsqrt_fixed needs a positive argument")
+    # bit_length without floats: count how many shifts reach zero.
+    e = np.zeros_like(s)
+    t = s.copy()
+    for step in (32, 16, 8, 4, 2, 1):
+        big = t >= (_I64(1) << step)
+        e = e + np.where(big, step, 0)
+        t = np.where(big, t >> step, t)
+    k = e // 2
+    sh = 2 * k - RSQRT_INDEX_BITS
+    u = np.where(sh >= 0, s >> np.maximum(sh, 0), s << np.maximum(-sh, 0))
+    return RSQRT_LUT[u - (1 << RSQRT_INDEX_BITS)], k
+
+
+def rmsnorm(x, gamma, gamma_shift: int, eps: int) -> np.ndarray:
+    """RMSNorm of int16 rows ``x[..., H]`` to int8.
+
+    ``sumsq = Σ x² + eps``; ``(r, k) = rsqrt_fixed(sumsq)``;
+    ``y = sat8(round_shift(x · r · gamma, 15 + k + gamma_shift))``.
+    ``gamma`` is a signed 16-bit per-channel multiplier with √H·g/s_out folded in (so the
+    scale of x cancels); ``eps`` the integer ε·H/s_x². Bounds: |x·r·gamma| < 2^46.
+    """
+    x = _as_i64(x)
+    sumsq = np.sum(x * x, axis=-1, keepdims=True) + _I64(eps)
+    r, k = rsqrt_fixed(sumsq)
+    return saturate(round_shift(x * r * _as_i64(gamma), RSQRT_BITS + k + gamma_shift), ACT_BITS)
+
+
+# -- exponentials and softmax ---------------------------------------------------------
+#: EXP2_LUT[f] = round(2^16 · 2^(-f/256)), f in [0, 256): values in (2^15, 2^16].
+EXP2_LUT = np.round(65536.0 * np.exp2(-np.arange(256) / 256.0)).astype(_I64)
+
+
+def exp2_neg(u) -> np.ndarray:
+    """``2^(-u / 2^8)`` in Q0.16 for unsigned fixed-point ``u``: ``EXP2_LUT[u & 255] >> (u >> 8)``.
+
+    Arguments with an integer part ≥ 17 give exactly 0.
+    """
+    u = _as_i64(u)
+    n = u >> EXP_FRAC
+    v = EXP2_LUT[u & ((1 << EXP_FRAC) - 1)]
+    return np.where(n >= 17, 0, v >> np.minimum(n, 17))
+
+
+def softmax_weights(scores, mult: int, shift: int) -> np.ndarray:
+    """Unnormalised softmax weights (Q0.16) along the last axis of int32 ``scores``.
+
+    ``u = round_shift((max - s) · mult, shift)`` turns the score gap into log2 units with
+    8 fractional bits (mult/2^shift ≈ scale · log2(e) · 2^8); then ``exp2_neg(u)``. The
+    maximum always gets exactly 2^16. |max - s| < 2^31 and mult < 2^16.
+    """
+    s = _as_i64(scores)
+    d = np.max(s, axis=-1, keepdims=True) - s
+    return exp2_neg(round_shift(d * _I64(mult), shift))
+
+
+def attention(q, k, v, mult: int, shift: int) -> np.ndarray:
+    """Attention of one int8 query ``q[D]`` over int8 keys/values ``k, v[T, D]``.
+
+    ``s = k·q`` (int32); ``e = softmax_weights(s)``; ``E = Σ e`` (≥ 2^16);
+    ``num = Σ_t e_t v_t`` (|num| < 2^16·128·T); ``R = floor(2^32 / E)`` (one sequential
+    divider per head); ``o = sat8(round_shift(num · R, 32))``. The output has V's scale.
+    """
+    q, k, v = _as_i64(q), _as_i64(k), _as_i64(v)
+    e = softmax_weights(k @ q, mult, shift)
+    recip = (_I64(1) << RECIP_BITS) // np.sum(e)
+    num = e @ v
+    return saturate(round_shift(num * recip, RECIP_BITS), ACT_BITS)
+
+
+# -- RoPE, activation ----------------------------------------------------------------
+def rope(x, cos, sin) -> np.ndarray:
+    """Rotate int8 heads ``x[..., D]`` (halves paired as in Llama's rotate_half).
+
+    ``cos, sin`` are Q1.14 int16 ``[D/2]``; for i < D/2 with a = x_i, b = x_{i+D/2}:
+    ``a' = sat8(round_shift(a·c - b·s, 14))``, ``b' = sat8(round_shift(b·c + a·s, 14))``.
+    """
+    x = _as_i64(x)
+    h = x.shape[-1] // 2
+    a, b = x[..., :h], x[..., h:]
+    c, s = _as_i64(cos), _as_i64(sin)
+    return np.concatenate([saturate(round_shift(a * c - b * s, ROPE_FRAC), ACT_BITS),
+                           saturate(round_shift(b * c + a * s, ROPE_FRAC), ACT_BITS)], axis=-1)
+
+
+def act_mul(gate, up, lut, mult: int, shift: int) -> np.ndarray:
+    """Gated activation: ``sat8(round_shift(lut[gate + 128] · up, shift) ...)``.
+
+    ``lut`` is a 256-entry int16 table of the activation (SiLU, GELU, …) of every int8
+    gate value, at a scale chosen by the compiler; the product with int8 ``up`` is
+    requantised with (mult, shift): ``requant(lut[g+128] · up, mult, shift)``.
+    """
+    a = _as_i64(lut)[_as_i64(gate) + 128]
+    return requant(a * _as_i64(up), mult, shift, ACT_BITS)
+
+
+# -- token sampler ------------------------------------------------------------------
+def topk_select(logits, k: int) -> np.ndarray:
+    """Indices of the k largest int16 logits, largest first; ties go to the lower index.
+
+    This is also the greedy argmax (k = 1). Hardware: a k-deep insertion list fed one
+    logit per cycle in index order, where a new value displaces only strictly smaller ones.
+    """
+    logits = _as_i64(logits)
+    order = np.lexsort((np.arange(logits.shape[0]), -logits))
+    return order[:k]
+
+
+def sampler_probs(top_logits, t_mult: int, t_shift: int) -> np.ndarray:
+    """Exact probabilities (units of 2^-24, summing to exactly 2^24) of the top-k.
+
+    ``top_logits`` are the top-k int16 logits, largest first. ``u_j = round_shift((l_0 -
+    l_j)·t_mult, t_shift)`` (t_mult/2^t_shift ≈ log2(e)/T · 2^8 / 2^8, see
+    :func:`host_temperature`), ``e_j = exp2_neg(u_j)``, ``R = floor(2^40 / Σe)``,
+    ``p_j = (e_j · R) >> 16``; the rounding remainder goes to the first (largest) entry.
+    These are exactly the probabilities :func:`sample_index` samples with.
+    """
+    e = softmax_weights(_as_i64(top_logits), t_mult, t_shift)
+    recip = (_I64(1) << (PROB_BITS + 16)) // np.sum(e)
+    p = (e * recip) >> 16
+    p[0] += (1 << PROB_BITS) - np.sum(p)
+    return p
+
+
+def sample_index(probs, r24: int) -> int:
+    """First j with ``Σ_{i≤j} p_i > r24`` for a uniform 24-bit ``r24``: P(j) = p_j / 2^24."""
+    return int(np.argmax(np.cumsum(_as_i64(probs)) > int(r24)))
+
+
+_M32 = 0xFFFFFFFF
+
+
+def mix32(x: int) -> int:
+    """A 32-bit avalanche mixer: xorshift-multiply, two 32×32 multiplies."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & _M32
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & _M32
+    x ^= x >> 15
+    return x
+
+
+def rng32(seed: int, counter: int) -> int:
+    """Counter-based RNG: ``mix32(mix32((counter + seed_lo) mod 2^32) ^ seed_hi)``.
+
+    ``seed`` is the host's 64-bit seed; ``counter`` is the request's counter base plus the
+    draft step. The same (seed, counter) always gives the same word, in any order.
+    """
+    lo, hi = seed & _M32, (seed >> 32) & _M32
+    return mix32(mix32((counter + lo) & _M32) ^ hi)
+
+
+# -- host-side (compile-time) helpers: floats allowed here ---------------------------
+def host_multiplier(real, max_shift: int = 63) -> tuple[np.ndarray, np.ndarray]:
+    """Fixed-point (mult, shift) with mult/2^shift ≈ real > 0, mult in [2^15, 2^16).
+
+    Works elementwise on arrays. A real too small for ``max_shift`` gets the largest
+    shift and a smaller multiplier; zero gives (0, 0).
+    """
+    real = np.asarray(real, dtype=np.float64)
+    if np.any(real < 0) or not np.all(np.isfinite(real)):
+        raise ValueError("requantisation scales must be finite and non-negative")
+    mult = np.zeros(real.shape, dtype=_I64)
+    shift = np.zeros(real.shape, dtype=_I64)
+    nz = real > 0
+    e = np.floor(np.log2(real[nz])).astype(_I64)          # real = m · 2^e, m in [1, 2)
+    sh = (MULT_BITS - 1) - e                              # mult = real · 2^sh in [2^15, 2^16)
+    if np.any(sh < 0):
+        raise ValueError("requantisation scale too large for a 16-bit multiplier and shift ≥ 0")
+    sh = np.minimum(sh, max_shift)
+    m = np.round(real[nz] * np.exp2(sh)).astype(_I64)
+    over = m >= (1 << MULT_BITS)                          # rounding up to 2^16
+    m = np.where(over, m >> 1, m)
+    sh = np.where(over, sh - 1, sh)
+    mult[nz], shift[nz] = m, sh
+    return mult, shift
+
+
+def host_rope_table(cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Q1.14 int16 (cos, sin) pairs ``[P, D/2, 2]`` from float tables ``[P, D/2]``."""
+    q = lambda t: np.clip(np.round(np.asarray(t, np.float64) * (1 << ROPE_FRAC)), -32768, 32767)
+    return np.stack([q(cos), q(sin)], axis=-1).astype(np.int16)
+
+
+def host_act_lut(fn, in_scale: float) -> tuple[np.ndarray, float]:
+    """256-entry int16 LUT of ``fn(g · in_scale)`` for every int8 g, and the LUT's scale."""
+    g = np.arange(-128, 128, dtype=np.float64) * in_scale
+    y = np.asarray(fn(g), dtype=np.float64)
+    scale = max(float(np.max(np.abs(y))), 1e-12) / 32767.0
+    return np.clip(np.round(y / scale), -32768, 32767).astype(np.int16), scale
+
+
+def host_temperature(temperature: float) -> tuple[int, int]:
+    """Sampler (t_mult, t_shift) for a temperature: Q7.8 logit gaps → log2 units Q.8."""
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    real = math.log2(math.e) / temperature * (1 << EXP_FRAC) / (1 << LOGIT_FRAC)
+    m, s = host_multiplier(real, max_shift=31)
+    if m == 0:
+        raise ValueError(f"temperature {temperature} is too high for the sampler's fixed point")
+    return int(m), int(s)

@@ -1,0 +1,103 @@
+"""The controller's sequencing: program counter, layer loop and the on-device draft loop.
+
+Shared by the functional model (which also executes the units) and the cycle model's
+static estimate (which only counts), so both follow one definition of the control flow.
+"""
+
+from __future__ import annotations
+
+from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.isa import Cond, Instruction, Op
+
+__all__ = ["Sequencer", "ControlFault", "CONTROL_OPS"]
+
+CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
+
+
+class ControlFault(Exception):
+    def __init__(self, code: ErrorCode, detail: str):
+        self.code = code
+        self.detail = detail
+        super().__init__(f"{code.name}: {detail}")
+
+
+class Sequencer:
+    """Controller registers of one request and the rules that advance them.
+
+    Members
+    -------
+    pc : int
+        Program counter.
+    pos : int
+        KV position of the current forward (starts at the request's ``start_pos``).
+    token : int
+        Input token of the current forward.
+    layer : int
+        LAYER register: the layer-loop iteration (0 outside a loop).
+    lstride : int
+        LSTRIDE register, set by LOOP: bytes between layer blocks.
+    n_drafted : int
+        Tokens sampled so far in this request.
+    forwards : int
+        Forward steps completed (NEXT instructions executed).
+    halted : bool
+    """
+
+    def __init__(self, tokens: list[int], start_pos: int, n_draft: int):
+        self.tokens = tokens
+        self.n_draft = n_draft
+        self.pc = 0
+        self.pos = start_pos
+        self.in_idx = 0
+        self.token = tokens[0]
+        self.layer = 0
+        self.lstride = 0
+        self._loop_start: int | None = None
+        self._loop_count = 0
+        self.n_drafted = 0
+        self.forwards = 0
+        self.halted = False
+
+    @property
+    def samples_now(self) -> bool:
+        """Whether this forward samples a token (the last input, or a drafted token)."""
+        return self.in_idx == len(self.tokens) - 1 and self.n_drafted < self.n_draft
+
+    def drafted(self, token: int) -> None:
+        """Record a token the sampler produced."""
+        self.n_drafted += 1
+        self._last = token
+
+    def control(self, ins: Instruction) -> None:
+        """Execute a control instruction (HALT, LOOP, ENDLOOP, BRANCH, NEXT) and advance."""
+        op, next_pc = ins.opcode, self.pc + 1
+        if op == Op.HALT:
+            self.halted = True
+        elif op == Op.LOOP:
+            if self._loop_start is not None:
+                raise ControlFault(ErrorCode.PROGRAM, "LOOP inside a LOOP")
+            if ins.n == 0:
+                raise ControlFault(ErrorCode.PROGRAM, "LOOP with a trip count of 0")
+            self._loop_start, self._loop_count, self.layer, self.lstride = next_pc, ins.n, 0, ins.addr
+        elif op == Op.ENDLOOP:
+            if self._loop_start is None:
+                raise ControlFault(ErrorCode.PROGRAM, "ENDLOOP without LOOP")
+            self.layer += 1
+            if self.layer < self._loop_count:
+                next_pc = self._loop_start
+            else:
+                self._loop_start, self.layer = None, 0
+        elif op == Op.BRANCH:
+            if ins.flags == Cond.ALWAYS or (ins.flags == Cond.NO_SAMPLE and not self.samples_now):
+                next_pc = ins.n
+        elif op == Op.NEXT:
+            self.forwards += 1
+            self.pos += 1
+            if self.in_idx < len(self.tokens) - 1:
+                self.in_idx += 1
+                self.token, next_pc = self.tokens[self.in_idx], ins.n
+            elif self.n_drafted < self.n_draft:
+                self.token, next_pc = self._last, ins.n
+        else:
+            raise ValueError(f"{op.name} is not a control instruction")
+        self.pc = next_pc

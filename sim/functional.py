@@ -1,0 +1,335 @@
+"""Bit-exact functional model of the draft engine.
+
+:class:`FunctionalEngine` executes a program from instruction memory against a weights
+image and a request descriptor in :class:`~sim.memory.DeviceMemory`, exactly as the
+hardware does: the controller (loops, branches, the on-device draft loop), the units
+(embedding, RMSNorm, matrix unit, RoPE, KV buffer, attention, gated activation, token
+sampler) computed with :mod:`dfvg_hw.numerics`, and the result descriptor written back
+to device memory. The :class:`~sim.cycle_model.CycleModel` counts cycles alongside.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dfvg_hw import numerics as nx
+from dfvg_hw.config import VMEM_LINE_BYTES, EngineConfig
+from dfvg_hw.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, DraftedToken, DraftRequest,
+                                 DraftResult, ErrorCode, result_bytes)
+from dfvg_hw.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded,
+                           unpack_qparams, untile_weights)
+from dfvg_hw.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
+from sim.controller import CONTROL_OPS, ControlFault, Sequencer
+from sim.cycle_model import CycleCounts, CycleModel
+from sim.memory import DeviceMemory, MemoryError_
+
+__all__ = ["FunctionalEngine", "EngineFault"]
+
+
+class EngineFault(Exception):
+    """Stops a run with an error code (becomes the result's status and ERROR register)."""
+
+    def __init__(self, code: ErrorCode, detail: str):
+        self.code = code
+        self.detail = detail
+        super().__init__(f"{code.name}: {detail}")
+
+
+class FunctionalEngine:
+    """The draft engine's functional model.
+
+    Members
+    -------
+    config : EngineConfig
+        The engine being modelled.
+    memory : DeviceMemory
+        Device memory holding images, programs and descriptors.
+    kv_k, kv_v : numpy.ndarray
+        The on-chip KV buffers, int8 ``[kv_layers, kv_heads, kv_positions, head_dim]``.
+    vmem : numpy.ndarray
+        The activation scratchpad, ``vmem_bytes`` bytes.
+    logits : numpy.ndarray or None
+        The sampler's logit buffer (int16, Q7.8) after the last LOGITS matmul, readable
+        for debugging as the hardware's debug port would expose it.
+    counts : CycleCounts
+        Modelled cycles of the last run.
+    """
+
+    def __init__(self, config: EngineConfig, memory: DeviceMemory | None = None):
+        self.config = config
+        self.memory = memory if memory is not None else DeviceMemory(config.mem_bytes)
+        shape = (config.kv_layers, config.kv_heads, config.kv_positions, config.head_dim)
+        self.kv_k = np.zeros(shape, dtype=np.int8)
+        self.kv_v = np.zeros(shape, dtype=np.int8)
+        self.vmem = np.zeros(config.vmem_bytes, dtype=np.uint8)
+        self.imem: list[int] = []
+        self.logits: np.ndarray | None = None
+        self.cycle_model = CycleModel(config)
+        self.counts = CycleCounts()
+        self._weights: dict[tuple[int, int, int], tuple] = {}
+        self.last_fault: Exception | None = None
+        self.memory.on_write(self._invalidate)
+
+    # -- host-visible operations -----------------------------------------------------
+    def load_program(self, addr: int, n_words: int) -> None:
+        """Copy ``n_words`` 128-bit instructions from device memory into instruction memory."""
+        if n_words > self.config.imem_words:
+            raise EngineFault(ErrorCode.PROGRAM, f"program of {n_words} instructions exceeds "
+                              f"the {self.config.imem_words}-word instruction memory")
+        raw = self.memory.read(addr, 16 * n_words)
+        self.imem = [int.from_bytes(raw[i:i + 16], "little") for i in range(0, len(raw), 16)]
+
+    def soft_reset(self) -> None:
+        """Clear KV, VMEM and the logit buffer (the CONTROL register's soft reset)."""
+        self.kv_k.fill(0)
+        self.kv_v.fill(0)
+        self.vmem.fill(0)
+        self.logits = None
+
+    def run(self, *, image_base: int, request_addr: int, result_addr: int,
+            watchdog: int | None = None) -> DraftResult:
+        """Execute one request; writes and returns the result descriptor.
+
+        Errors never raise: they stop the run with a status code, and every token drafted
+        before the error is still in the result.
+        """
+        self.counts = CycleCounts()
+        self.last_fault = None
+        header = DraftRequest.unpack_header(self.memory.read(request_addr, 4 * REQUEST_HEADER_WORDS))
+        drafted: list[DraftedToken] = []
+        seq = None
+        status = ErrorCode.OK
+        try:
+            tokens = self._read_request_tokens(header, request_addr)
+            seq = Sequencer(tokens, header["start_pos"], header["n_draft"])
+            cyc, nbytes = self.cycle_model.request_overhead(len(tokens))
+            self.counts.add(Op.NOP, cyc, nbytes)
+            budget = watchdog if watchdog is not None else \
+                (len(tokens) + header["n_draft"] + 1) * max(len(self.imem), 1) * 256
+            self._execute(seq, header, image_base, drafted, result_addr, budget)
+        except (EngineFault, ControlFault) as fault:
+            status = fault.code
+            self.last_fault = fault
+        result = DraftResult(seq=header["seq"], status=status,
+                             end_pos=seq.pos if seq else header["start_pos"],
+                             cycles=self.counts.total, n_forward=seq.forwards if seq else 0,
+                             error_pc=seq.pc if seq and status else 0, tokens=drafted,
+                             topk=min(header["topk"], self.config.topk_max))
+        self._write_result(result_addr, result)
+        return result
+
+    # -- controller --------------------------------------------------------------------
+    def _read_request_tokens(self, h: dict, request_addr: int) -> list[int]:
+        c = self.config
+        if h["n_in"] < 1:
+            raise EngineFault(ErrorCode.BAD_REQUEST, "n_in must be at least 1")
+        if h["n_draft"] > MAX_DRAFT:
+            raise EngineFault(ErrorCode.BAD_REQUEST, f"n_draft {h['n_draft']} > {MAX_DRAFT}")
+        if not 1 <= h["topk"] <= c.topk_max:
+            raise EngineFault(ErrorCode.BAD_REQUEST, f"topk {h['topk']} not in 1..{c.topk_max}")
+        if h["sample"] and h["t_mult"] == 0:
+            raise EngineFault(ErrorCode.BAD_REQUEST, "sampling needs a non-zero t_mult")
+        if h["t_shift"] > 63 or any(h["reserved"]):
+            raise EngineFault(ErrorCode.BAD_REQUEST, "reserved request fields must be 0")
+        try:
+            raw = self.memory.view(request_addr + 4 * REQUEST_HEADER_WORDS, 4 * h["n_in"])
+        except MemoryError_ as exc:
+            raise EngineFault(ErrorCode.BAD_ADDRESS, str(exc)) from None
+        tokens = [int(t) for t in raw.view("<u4")]
+        bad = [t for t in tokens if t >= c.vocab_max]
+        if bad:
+            raise EngineFault(ErrorCode.BAD_REQUEST, f"token id {bad[0]} ≥ vocab_max {c.vocab_max}")
+        return tokens
+
+    def _execute(self, seq: Sequencer, h: dict, image_base: int, drafted: list,
+                 result_addr: int, budget: int) -> None:
+        executed = 0
+        while not seq.halted:
+            if seq.pc >= len(self.imem):
+                raise EngineFault(ErrorCode.PROGRAM, f"pc {seq.pc} ran past the program's "
+                                  f"{len(self.imem)} instructions")
+            executed += 1
+            if executed > budget:
+                raise EngineFault(ErrorCode.WATCHDOG, f"{budget} instructions without HALT")
+            try:
+                ins = decode(self.imem[seq.pc])
+            except IllegalInstruction as exc:
+                raise EngineFault(ErrorCode.ILLEGAL_INSTRUCTION, str(exc)) from None
+            cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"])
+            self.counts.add(ins.opcode, cycles, nbytes, self.cycle_model.macs(ins, pos=seq.pos))
+            if ins.opcode in CONTROL_OPS:
+                seq.control(ins)
+                continue
+            if ins.opcode == Op.SAMPLE:
+                token = self._sample(ins, h, seq.n_drafted)
+                drafted.append(token)
+                seq.drafted(token.token)
+                self._write_result(result_addr, None, drafted)
+            else:
+                self._unit(ins, seq, image_base)
+            seq.pc += 1
+
+    # -- units -------------------------------------------------------------------------
+    def _unit(self, ins: Instruction, st: Sequencer, image_base: int) -> None:
+        op = ins.opcode
+        if op in (Op.EMBED, Op.KVAPPEND, Op.ATTN) and ins.rows != 1:
+            raise EngineFault(ErrorCode.PROGRAM, f"{op.name} with rows={ins.rows}: multi-row "
+                              "embedding, KV and attention are reserved for tree drafting")
+        if ins.rows > self.config.rows:
+            raise EngineFault(ErrorCode.PROGRAM, f"rows={ins.rows} > engine rows {self.config.rows}")
+        addr = image_base + ins.addr + (st.layer * st.lstride if ins.layer_relative else 0)
+        rows = ins.rows
+        if op == Op.EMBED:
+            row = self._dram(addr + st.token * 2 * ins.n, 2 * ins.n).view("<i2")
+            self._vstore(ins.dst, row[None, :], np.int16)
+        elif op == Op.RMSNORM:
+            head = self._dram(addr, NORM_PARAM_BYTES).view("<u4")
+            gamma = self._dram(addr + NORM_PARAM_BYTES, 2 * ins.n).view("<i2")
+            x = self._vload(ins.src, rows, ins.n, np.int16)
+            self._vstore(ins.dst, nx.rmsnorm(x, gamma, int(head[1]), int(head[0])), np.int8)
+        elif op == Op.MATMUL:
+            self._matmul(ins, addr)
+        elif op == Op.ROPE:
+            self._check_pos(st.pos)
+            table = self._dram(addr + st.pos * 2 * ins.k, 2 * ins.k).view("<i2").reshape(-1, 2)
+            x = self._vload(ins.src, rows, ins.n * ins.k, np.int8).reshape(rows, ins.n, ins.k)
+            y = nx.rope(x, table[:, 0], table[:, 1])
+            self._vstore(ins.dst, y.reshape(rows, -1), np.int8)
+        elif op == Op.KVAPPEND:
+            self._check_kv(ins, st.layer)
+            self._check_pos(st.pos)
+            kv = self._vload(ins.src, 1, 2 * ins.n * ins.k, np.int8).reshape(2, ins.n, ins.k)
+            self.kv_k[st.layer, :ins.n, st.pos, :ins.k] = kv[0]
+            self.kv_v[st.layer, :ins.n, st.pos, :ins.k] = kv[1]
+        elif op == Op.ATTN:
+            self._attention(ins, st, addr)
+        elif op == Op.ACTMUL:
+            head = self._dram(addr, 16).view("<u4")
+            lut = self._dram(addr + 16, 512).view("<i2")
+            gu = self._vload(ins.src, rows, 2 * ins.n, np.int8)
+            mult, shift = int(head[0]) & 0xFFFF, (int(head[0]) >> 16) & 0x3F
+            y = nx.act_mul(gu[:, :ins.n], gu[:, ins.n:], lut, mult, shift)
+            self._vstore(ins.dst, y, np.int8)
+        elif op == Op.NOP:
+            pass
+        else:  # pragma: no cover - decode() admits only the opcodes handled above
+            raise EngineFault(ErrorCode.ILLEGAL_INSTRUCTION, f"unhandled opcode {op.name}")
+
+    def _matmul(self, ins: Instruction, addr: int) -> None:
+        c = self.config
+        key = (addr, ins.n, ins.k)
+        if key not in self._weights:
+            npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
+            w = untile_weights(self._dram(addr, npad * kpad), ins.n, ins.k, c.lanes, c.reduce)
+            mult, shift = unpack_qparams(self._dram(addr + npad * kpad, 4 * npad).view("<u4")[:ins.n])
+            # float64 BLAS is exact here: |int8·int8| sums stay far below 2^53.
+            self._weights[key] = (w.astype(np.float64).T, mult, shift, npad * kpad + 4 * npad)
+        wt, mult, shift, _ = self._weights[key]
+        x = self._vload(ins.src, ins.rows, ins.k, np.int8)
+        acc = np.rint(x.astype(np.float64) @ wt).astype(np.int64)
+        mode = ins.mode
+        if mode == MatmulMode.INT8:
+            self._vstore(ins.dst, nx.requant(acc, mult, shift), np.int8)
+        elif mode == MatmulMode.RESADD:
+            x_res = self._vload(ins.dst, ins.rows, ins.n, np.int16)
+            self._vstore(ins.dst, nx.residual_add(x_res, acc, mult, shift), np.int16)
+        else:  # LOGITS
+            if ins.rows != 1:
+                raise EngineFault(ErrorCode.PROGRAM, "LOGITS matmul with rows > 1 is reserved "
+                                  "for tree drafting")
+            if ins.n > c.vocab_max:
+                raise EngineFault(ErrorCode.PROGRAM, f"{ins.n} logits > vocab_max {c.vocab_max}")
+            self.logits = nx.requant(acc[0], mult, shift, nx.LOGIT_BITS).astype(np.int16)
+
+    def _attention(self, ins: Instruction, st: Sequencer, addr: int) -> None:
+        self._check_kv(ins, st.layer)
+        self._check_pos(st.pos)
+        head = self._dram(addr, ATTN_PARAM_BYTES).view("<u4")
+        mult, shift, kv_heads = int(head[0]) & 0xFFFF, (int(head[0]) >> 16) & 0x3F, int(head[1])
+        if not 1 <= kv_heads <= self.config.kv_heads or ins.n % kv_heads:
+            raise EngineFault(ErrorCode.PROGRAM, f"ATTN with {ins.n} heads over {kv_heads} KV heads")
+        group = ins.n // kv_heads
+        q = self._vload(ins.src, 1, ins.n * ins.k, np.int8).reshape(ins.n, ins.k)
+        t = st.pos + 1
+        out = np.empty((ins.n, ins.k), dtype=np.int64)
+        for hd in range(ins.n):
+            kvh = hd // group
+            out[hd] = nx.attention(q[hd], self.kv_k[st.layer, kvh, :t, :ins.k],
+                                   self.kv_v[st.layer, kvh, :t, :ins.k], mult, shift)
+        self._vstore(ins.dst, out.reshape(1, -1), np.int8)
+
+    def _sample(self, ins: Instruction, h: dict, index: int) -> DraftedToken:
+        if self.logits is None or ins.n != self.logits.shape[0]:
+            raise EngineFault(ErrorCode.PROGRAM, f"SAMPLE over {ins.n} logits, but the logit "
+                              f"buffer holds {0 if self.logits is None else self.logits.shape[0]}")
+        k = min(h["topk"], ins.n)
+        top = nx.topk_select(self.logits, k)
+        t_mult, t_shift = (h["t_mult"], h["t_shift"]) if h["t_mult"] else nx.host_temperature(1.0)
+        probs = nx.sampler_probs(self.logits[top], t_mult, t_shift)
+        j = 0
+        if h["sample"]:
+            r24 = nx.rng32(h["seed"], h["counter"] + index) >> (32 - nx.PROB_BITS)
+            j = nx.sample_index(probs, r24)
+        return DraftedToken(int(top[j]), int(probs[j]), [int(t) for t in top],
+                            [int(p) for p in probs])
+
+    # -- memories ---------------------------------------------------------------------
+    def _dram(self, addr: int, n: int) -> np.ndarray:
+        try:
+            return self.memory.view(addr, n)
+        except MemoryError_ as exc:
+            raise EngineFault(ErrorCode.BAD_ADDRESS, str(exc)) from None
+
+    def _vspan(self, line: int, rows: int, row_bytes: int) -> tuple[int, int]:
+        stride = padded(row_bytes, VMEM_LINE_BYTES)
+        start = line * VMEM_LINE_BYTES
+        end = start + (rows - 1) * stride + row_bytes
+        if end > self.config.vmem_bytes:
+            raise EngineFault(ErrorCode.BAD_ADDRESS, f"VMEM access [0x{start:x}, 0x{end:x}) "
+                              f"outside the {self.config.vmem_bytes}-byte VMEM")
+        return start, stride
+
+    def _vload(self, line: int, rows: int, n: int, dtype) -> np.ndarray:
+        """``rows`` rows of ``n`` elements; row r starts at the line after row r-1 ends."""
+        row_bytes = n * np.dtype(dtype).itemsize
+        start, stride = self._vspan(line, rows, row_bytes)
+        return np.stack([self.vmem[start + r * stride: start + r * stride + row_bytes].view(dtype)
+                         for r in range(rows)]).astype(np.int64)
+
+    def _vstore(self, line: int, values: np.ndarray, dtype) -> None:
+        values = np.asarray(values)
+        rows, n = values.shape
+        row_bytes = n * np.dtype(dtype).itemsize
+        start, stride = self._vspan(line, rows, row_bytes)
+        for r in range(rows):
+            self.vmem[start + r * stride: start + r * stride + row_bytes] = \
+                values[r].astype(dtype).view(np.uint8)
+
+    def _check_pos(self, pos: int) -> None:
+        if pos >= self.config.kv_positions:
+            raise EngineFault(ErrorCode.KV_OVERFLOW, f"position {pos} ≥ KV capacity "
+                              f"{self.config.kv_positions}")
+
+    def _check_kv(self, ins: Instruction, layer: int) -> None:
+        c = self.config
+        heads_over = ins.opcode == Op.KVAPPEND and ins.n > c.kv_heads
+        if layer >= c.kv_layers or heads_over or ins.k > c.head_dim:
+            raise EngineFault(ErrorCode.PROGRAM, f"{ins.opcode.name} at layer {layer} with "
+                              f"{ins.n} heads × {ins.k} exceeds the KV buffer ({c.kv_layers} "
+                              f"layers × {c.kv_heads} heads × head_dim {c.head_dim})")
+
+    def _invalidate(self, addr: int, nbytes: int) -> None:
+        for key in [key for key, v in self._weights.items()
+                    if key[0] < addr + nbytes and addr < key[0] + v[3]]:
+            del self._weights[key]
+
+    def _write_result(self, result_addr: int, result: DraftResult | None,
+                      drafted: list | None = None) -> None:
+        if result is None:     # a token was just drafted: make it durable at once
+            result = DraftResult(seq=0, status=ErrorCode.OK, end_pos=0, cycles=0, n_forward=0,
+                                 tokens=drafted)
+        data = result.pack(self.config.topk_max)
+        try:
+            self.memory.write(result_addr, data)
+        except MemoryError_:
+            pass  # the result buffer itself is out of range; the status register still says so

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny Llama drafts built in seconds, compiled by the real compiler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dfvg_hw.config import get_preset
+
+
+def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, intermediate=64,
+                    vocab=256, seed=0, tie=False) -> Path:
+    """Save a randomly initialised Llama that fits the ``tiny`` preset."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                      vocab_size=vocab, max_position_embeddings=128, tie_word_embeddings=tie,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    # Random init gives near-uniform logits; larger weights make argmax decisions clear,
+    # as in a trained model.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    return get_preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa_dir(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-gqa"), hidden=64, heads=4, kv_heads=2,
+                           intermediate=96, tie=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_compiled(tiny_draft_dir, tiny_engine):
+    from dfvg_host.compiler import compile_draft
+    return compile_draft(tiny_draft_dir, tiny_engine)

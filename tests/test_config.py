@@ -1,0 +1,38 @@
+import pytest
+
+from dfvg_hw.config import PRESETS, ConfigError, get_preset
+
+
+def test_presets_are_valid_and_documented():
+    assert {"tiny", "alveo-u55c", "alveo-u280", "alveo-u250"} <= set(PRESETS)
+    for cfg in PRESETS.values():
+        cfg.validate()
+        assert cfg.source, f"{cfg.name} must say where its numbers come from"
+
+
+def test_board_presets_are_memory_bound_for_chains():
+    # A chain (one row) streams lanes*reduce weight bytes per cycle at II=1; the tile must
+    # be at least as wide as the memory can feed, or compute would be the bottleneck.
+    for name in ("alveo-u55c", "alveo-u280", "alveo-u250"):
+        cfg = get_preset(name)
+        assert cfg.lanes * cfg.reduce >= cfg.mem_bytes_per_cycle
+
+
+def test_unknown_preset_lists_known_ones():
+    with pytest.raises(ConfigError, match="known presets: tiny, alveo-u55c"):
+        get_preset("alveo-v80")
+
+
+@pytest.mark.parametrize("change, param", [
+    (dict(lanes=48), "lanes"),
+    (dict(reduce=2), "reduce"),
+    (dict(head_dim=24), "head_dim"),
+    (dict(topk_max=600), "topk_max"),
+    (dict(data_bits=4), "data_bits"),
+    (dict(vmem_bytes=100), "vmem_bytes"),
+    (dict(rows=0), "rows"),
+    (dict(clock_mhz=0), "clock_mhz"),
+])
+def test_invalid_combinations_name_the_parameter(change, param):
+    with pytest.raises(ConfigError, match=f"{param} = "):
+        get_preset("tiny").with_changes(**change)

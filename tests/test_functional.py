@@ -1,0 +1,145 @@
+"""The functional model running compiled tiny drafts: draft loop, KV, sampler, errors."""
+
+import numpy as np
+import pytest
+import torch
+
+from dfvg_hw.descriptors import DraftRequest, DraftResult, ErrorCode, result_bytes
+from dfvg_hw.isa import Instruction, Op, encode
+from dfvg_hw.numerics import PROB_BITS, host_temperature
+from dfvg_host.compiler import compile_draft, load_model
+from sim.cycle_model import estimate_request
+from sim.session import RESULT_ADDR, FunctionalSession
+
+
+def prompt(n, seed=0, vocab=256):
+    return np.random.default_rng(seed).integers(3, vocab, n).tolist()
+
+
+@pytest.fixture
+def session(tiny_engine, tiny_compiled):
+    return FunctionalSession(tiny_engine, tiny_compiled.image, tiny_compiled.program)
+
+
+def drafted(result):
+    assert result.status == ErrorCode.OK, result.status.describe()
+    return [t.token for t in result.tokens]
+
+
+def test_on_device_draft_loop_equals_one_token_per_request(session, tiny_engine, tiny_compiled):
+    p = prompt(10)
+    many = drafted(session.run(DraftRequest(tokens=p, start_pos=0, n_draft=8)))
+    other = FunctionalSession(tiny_engine, tiny_compiled.image, tiny_compiled.program)
+    one = drafted(other.run(DraftRequest(tokens=p, start_pos=0, n_draft=1)))
+    pos = len(p)
+    while len(one) < 8:
+        one += drafted(other.run(DraftRequest(tokens=[one[-1]], start_pos=pos, n_draft=1)))
+        pos += 1
+    assert many == one
+
+
+def test_greedy_follows_the_float_model(tiny_draft_dir, session):
+    # The draft's own greedy continuation, teacher-forced: the int8 engine should agree
+    # with float argmax on most positions of this random model (small logit gaps).
+    model = load_model(tiny_draft_dir)
+    ids = prompt(48, seed=3)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    agree, cos = 0, []
+    for pos, t in enumerate(ids):
+        r = session.run(DraftRequest(tokens=[t], start_pos=pos, n_draft=1))
+        agree += drafted(r)[0] == int(ref[pos].argmax())
+        lg = session.engine.logits / 256.0
+        cos.append(lg @ ref[pos] / np.linalg.norm(lg) / np.linalg.norm(ref[pos]))
+    assert agree / len(ids) >= 0.75
+    assert np.mean(cos) >= 0.99
+
+
+def test_rollback_then_redraft_reproduces_tokens(session):
+    p = prompt(12, seed=1)
+    first = session.run(DraftRequest(tokens=p, start_pos=0, n_draft=8))
+    assert first.end_pos == len(p) + 7
+    again = session.run(DraftRequest(tokens=p[-1:], start_pos=len(p) - 1, n_draft=8))
+    assert drafted(again) == drafted(first)
+    # Keep 3 drafts, roll back past the rest, and continue: the continuation is the
+    # same as drafting straight through.
+    keep = drafted(first)[:3]
+    cont = session.run(DraftRequest(tokens=[keep[-1]], start_pos=len(p) + 2, n_draft=5))
+    assert keep + drafted(cont) == drafted(first)
+
+
+def test_gqa_and_tied_embeddings(tiny_gqa_dir, tiny_engine):
+    compiled = compile_draft(tiny_gqa_dir, tiny_engine)
+    s = FunctionalSession(tiny_engine, compiled.image, compiled.program)
+    model = load_model(tiny_gqa_dir)
+    ids = prompt(32, seed=2)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy().argmax(-1)
+    got = [drafted(s.run(DraftRequest(tokens=[t], start_pos=i, n_draft=1)))[0] for i, t in enumerate(ids)]
+    assert np.mean(np.array(got) == ref) >= 0.75
+
+
+def test_sampling_is_seeded_and_reports_exact_topk(session, tiny_engine):
+    tm, ts = host_temperature(0.8)
+    req = lambda seed: DraftRequest(tokens=prompt(6, 4), start_pos=0, n_draft=8, topk=4,
+                                    sample=True, t_mult=tm, t_shift=ts, seed=seed, counter=100)
+    a, b, c = session.run(req(7)), session.run(req(7)), session.run(req(8))
+    assert drafted(a) == drafted(b)
+    assert drafted(a) != drafted(c)
+    for t in a.tokens:
+        assert len(t.topk_ids) == 4 and sum(t.topk_probs) == 1 << PROB_BITS
+        assert t.token in t.topk_ids and t.prob == t.topk_probs[t.topk_ids.index(t.token)]
+        assert t.topk_probs == sorted(t.topk_probs, reverse=True) or len(set(t.topk_probs)) < 4
+
+
+def test_greedy_topk_one_edge(session):
+    r = session.run(DraftRequest(tokens=prompt(4), start_pos=0, n_draft=2, topk=1))
+    assert all(t.prob == 1 << PROB_BITS and t.topk_ids == [t.token] for t in r.tokens)
+
+
+def test_kv_overflow_is_reported_and_keeps_drafted_tokens(session, tiny_engine):
+    cap = tiny_engine.kv_positions
+    r = session.run(DraftRequest(tokens=prompt(4), start_pos=cap - 6, n_draft=8))
+    assert r.status == ErrorCode.KV_OVERFLOW
+    # forwards at cap-6 .. cap-1 fit: 4 inputs + 2 drafts fed back -> 3 drafted tokens
+    assert len(r.tokens) == 3 and r.end_pos == cap
+    full = session.run(DraftRequest(tokens=prompt(4), start_pos=cap - 4, n_draft=1))
+    assert full.status == ErrorCode.OK and full.end_pos == cap
+
+
+def test_illegal_instruction_stops_with_status(tiny_engine, tiny_compiled):
+    program = list(tiny_compiled.program)
+    program[3] |= 0x77 << 24          # reserved bits
+    s = FunctionalSession(tiny_engine, tiny_compiled.image, program)
+    r = s.run(DraftRequest(tokens=prompt(3), start_pos=0, n_draft=2))
+    assert r.status == ErrorCode.ILLEGAL_INSTRUCTION and r.error_pc == 3
+    assert "reserved" in str(s.engine.last_fault)
+
+
+def test_program_that_never_halts_hits_the_watchdog(tiny_engine, tiny_compiled):
+    spin = [encode(Instruction(Op.NOP)), encode(Instruction(Op.BRANCH, n=0))]
+    s = FunctionalSession(tiny_engine, tiny_compiled.image, spin)
+    assert s.run(DraftRequest(tokens=[1], start_pos=0, n_draft=1)).status == ErrorCode.WATCHDOG
+
+
+def test_bad_requests(session, tiny_engine):
+    assert session.run(DraftRequest(tokens=[tiny_engine.vocab_max], start_pos=0, n_draft=1)).status \
+        == ErrorCode.BAD_REQUEST
+    assert session.run(DraftRequest(tokens=[1], start_pos=0, n_draft=1, topk=99)).status \
+        == ErrorCode.BAD_REQUEST
+
+
+def test_result_buffer_corruption_is_detected(session, tiny_engine):
+    session.run(DraftRequest(tokens=prompt(3), start_pos=0, n_draft=3, topk=2))
+    raw = bytearray(session.engine.memory.read(RESULT_ADDR, result_bytes(tiny_engine.topk_max, 3)))
+    DraftResult.unpack(bytes(raw), tiny_engine.topk_max)       # intact: parses
+    raw[4 * 16 + 4] ^= 0x01                                    # flip a bit of a probability
+    with pytest.raises(ValueError, match="check word"):
+        DraftResult.unpack(bytes(raw), tiny_engine.topk_max)
+
+
+def test_cycle_estimate_equals_functional_count(session, tiny_engine, tiny_compiled):
+    r = session.run(DraftRequest(tokens=prompt(5), start_pos=3, n_draft=4, topk=2))
+    est = estimate_request(tiny_engine, tiny_compiled.program, n_in=5, n_draft=4, start_pos=3, topk=2)
+    assert r.cycles == est.total > 0
+    assert r.n_forward == 5 + 3

@@ -1,0 +1,78 @@
+import random
+
+import pytest
+
+from dfvg_hw.isa import (FIELDS, AsmError, Cond, Flag, IllegalInstruction, Instruction,
+                         MatmulMode, Op, _USES, assemble, decode, disassemble, encode,
+                         from_bytes, to_bytes)
+
+
+def random_instruction(rng: random.Random) -> Instruction:
+    op = rng.choice(list(Op))
+    used, legal = _USES[op]
+    widths = {name: width for name, _, width in FIELDS}
+    values = {}
+    for name in ("rows", "dst", "src", "n", "k", "addr"):
+        if name in used:
+            values[name] = rng.randrange(1 if name == "rows" else 0, 1 << widths[name])
+    if op == Op.MATMUL:
+        values["flags"] = (rng.choice(list(MatmulMode)) << 1) | rng.choice([0, Flag.LREL])
+    elif op == Op.BRANCH:
+        values["flags"] = rng.choice(list(Cond))
+    elif "flags" in used:
+        values["flags"] = rng.choice([0, int(legal)])
+    return Instruction(op, **values)
+
+
+def test_encode_decode_round_trip():
+    rng = random.Random(0)
+    for _ in range(5000):
+        ins = random_instruction(rng)
+        word = encode(ins)
+        assert 0 <= word < 1 << 128
+        assert decode(word) == ins
+
+
+def test_assemble_disassemble_round_trip():
+    rng = random.Random(1)
+    words = [encode(random_instruction(rng)) for _ in range(500)]
+    text = disassemble(words)
+    assert assemble(text) == words
+    assert assemble(disassemble(words, addresses=True)) == words
+    assert from_bytes(to_bytes(words)) == words
+
+
+def test_assembler_labels_and_comments():
+    words = assemble("""
+    top:  embed rows=1, dst=0, n=32, addr=0x100   ; the token's row
+          branch cond=no_sample, n=skip
+          sample n=256
+    skip: next n=top
+          halt
+    """)
+    assert decode(words[1]) == Instruction(Op.BRANCH, flags=Cond.NO_SAMPLE, n=3)
+    assert decode(words[3]) == Instruction(Op.NEXT, n=0)
+
+
+@pytest.mark.parametrize("word, field", [
+    (0x3F, "opcode"),                                              # no such opcode
+    (encode(Instruction(Op.HALT)) | (0x5A << 24), "reserved"),
+    (encode(Instruction(Op.HALT)) | (7 << 64), "n"),              # HALT does not use n
+    (encode(Instruction(Op.EMBED, rows=1, n=4)) | (1 << 80), "k"),
+    (encode(Instruction(Op.EMBED, rows=1, n=4)) & ~(0xFF << 16), "rows"),  # rows = 0
+    (encode(Instruction(Op.MATMUL, rows=1, n=4, k=4)) | (3 << 9), "flags"),  # mode 3
+    (encode(Instruction(Op.RMSNORM, rows=1, n=4)) | (0x80 << 8), "flags"),   # undefined bit
+    (encode(Instruction(Op.BRANCH, n=1)) | (9 << 8), "flags"),     # undefined condition
+])
+def test_illegal_words_name_the_field(word, field):
+    with pytest.raises(IllegalInstruction) as info:
+        decode(word)
+    assert info.value.field == field
+    assert f"field '{field}'" in str(info.value)
+
+
+def test_assembler_errors_give_the_line():
+    with pytest.raises(AsmError, match="line 2: unknown mnemonic 'frobnicate'"):
+        assemble("halt\nfrobnicate n=1\n")
+    with pytest.raises(AsmError, match="line 1: .*field 'k'"):
+        assemble("embed rows=1, n=4, k=2")

@@ -1,0 +1,124 @@
+"""The numerics module against float references and its own exactness claims."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dfvg_hw import numerics as nx
+
+
+def test_requant_rounds_half_up_and_saturates():
+    assert nx.requant([3], 1, 1).tolist() == [2]        # 1.5 -> 2
+    assert nx.requant([-3], 1, 1).tolist() == [-1]      # -1.5 -> -1 (half up)
+    assert nx.requant([10**9], 1 << 15, 0).tolist() == [127]
+    assert nx.requant([-10**9], 1 << 15, 0).tolist() == [-128]
+    assert nx.requant([100], 3, 0, bits=16).tolist() == [300]
+
+
+def test_host_multiplier_is_accurate():
+    real = np.geomspace(1e-6, 3e4, 500)
+    m, s = nx.host_multiplier(real)
+    assert np.all((m >= 1 << 15) & (m < 1 << 16))
+    np.testing.assert_allclose(m / np.exp2(s), real, rtol=2 ** -15)
+
+
+def test_rsqrt_within_lut_precision():
+    rng = np.random.default_rng(0)
+    s = np.concatenate([np.arange(1, 5000), rng.integers(1, 1 << 60, 5000)])
+    r, k = nx.rsqrt_fixed(s)
+    approx = r * np.exp2(-(15.0 + k))
+    rel = np.abs(approx * np.sqrt(s.astype(np.float64)) - 1)
+    assert rel.max() < 2 ** -8          # truncated 8-bit mantissa index
+    with pytest.raises(ValueError):
+        nx.rsqrt_fixed([0])
+
+
+def test_rmsnorm_matches_float():
+    rng = np.random.default_rng(1)
+    x = rng.integers(-3000, 3000, (50, 96))
+    g = rng.uniform(0.5, 1.5, 96)
+    s_out = 4.0 / 127
+    real = math.sqrt(96) * g / s_out
+    shift = int(math.floor(math.log2(32767 / real.max())))
+    gm = np.round(real * 2 ** shift).astype(np.int64)
+    y = nx.rmsnorm(x, gm, shift, 0)
+    ref = x / np.sqrt(np.mean(x.astype(float) ** 2, axis=1, keepdims=True)) * g / s_out
+    assert np.abs(y - np.clip(ref, -128, 127)).max() <= 1.5
+
+
+def test_exp2_lut_and_softmax():
+    u = np.arange(0, 20 * 256)
+    e = nx.exp2_neg(u)
+    ref = 65536 * np.exp2(-u / 256)
+    assert np.abs(e - ref).max() <= 1.0 + 1e-9 and e[0] == 65536
+    assert np.all(nx.exp2_neg([17 * 256, 40 * 256]) == 0)
+
+
+def test_attention_matches_float_softmax():
+    rng = np.random.default_rng(2)
+    q = rng.integers(-60, 60, 16)
+    k = rng.integers(-60, 60, (20, 16))
+    v = rng.integers(-100, 100, (20, 16))
+    scale = 0.02 * 0.02 / 4
+    m, s = nx.host_multiplier(scale * math.log2(math.e) * 256)
+    out = nx.attention(q, k, v, int(m), int(s))
+    z = (k @ q) * scale
+    p = np.exp(z - z.max())
+    ref = (p / p.sum()) @ v
+    assert np.abs(out - ref).max() <= 1.5
+
+
+def test_rope_matches_float_rotation():
+    rng = np.random.default_rng(3)
+    x = rng.integers(-100, 100, (3, 16))
+    ang = rng.uniform(0, 2 * np.pi, 8)
+    tab = nx.host_rope_table(np.cos(ang), np.sin(ang)).astype(np.int64)
+    y = nx.rope(x, tab[:, 0], tab[:, 1])
+    a, b = x[:, :8], x[:, 8:]
+    ref = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], 1)
+    assert np.abs(y - np.clip(ref, -128, 127)).max() <= 1.0
+
+
+def test_topk_breaks_ties_to_lower_index():
+    logits = np.array([5, 9, 9, 1, 9, 2])
+    assert nx.topk_select(logits, 3).tolist() == [1, 2, 4]
+    assert nx.topk_select(np.zeros(8, int), 1).tolist() == [0]
+
+
+def test_sampler_probabilities_are_exact():
+    rng = np.random.default_rng(4)
+    for temp in (0.3, 1.0, 2.5):
+        tm, ts = nx.host_temperature(temp)
+        for _ in range(200):
+            top = np.sort(rng.integers(-3000, 3000, rng.integers(1, 17)))[::-1]
+            p = nx.sampler_probs(top, tm, ts)
+            assert p.sum() == 1 << nx.PROB_BITS and np.all(p >= 0)
+            ref = np.exp((top - top[0]) / 256 / temp)
+            assert np.abs(p / 2 ** 24 - ref / ref.sum()).max() < 0.01
+
+
+def test_sample_index_realises_the_reported_probabilities_exactly():
+    p = np.array([1 << 23, 1 << 22, (1 << 22) - 5, 5])
+    # Each r24 picks the first j whose cumulative sum exceeds it: count the r's per j.
+    edges = np.concatenate([[0], np.cumsum(p)])
+    for j in range(len(p)):
+        assert nx.sample_index(p, edges[j]) == j
+        assert nx.sample_index(p, edges[j + 1] - 1) == j
+
+
+def test_rng_is_counter_based_and_uniform():
+    seed = 0x1234_5678_9ABC_DEF0
+    a = [nx.rng32(seed, c) for c in range(20000)]
+    assert a[:50] == [nx.rng32(seed, c) for c in range(50)]
+    assert nx.rng32(seed + 1, 0) != a[0]
+    bits = np.array(a, dtype=np.uint64)
+    hist = np.bincount((bits >> np.uint64(28)).astype(int), minlength=16)
+    chi2 = ((hist - 1250) ** 2 / 1250).sum()
+    assert chi2 < 40          # 15 degrees of freedom; p ≈ 5e-4 at 40
+
+
+def test_temperature_rejects_nonsense():
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            nx.host_temperature(bad)
