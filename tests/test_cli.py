@@ -1,0 +1,62 @@
+"""`dfvg compile` and the CLI's error contract: one line on stderr, exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_tiny_llama
+
+
+def dfvg(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dfvg_host.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def error_line(proc):
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("dfvg: error:")]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_compile_writes_image_program_and_report(tiny_draft_dir, tmp_path):
+    out = tmp_path / "out"
+    proc = dfvg("compile", "--draft", tiny_draft_dir, "--preset", "tiny", "-o", out, "--random-weights")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("image.bin", "program.bin", "program.s", "manifest.json", "report.json", "report.txt"):
+        assert (out / name).is_file()
+    report = json.loads((out / "report.json").read_text())
+    assert report["program_words"] == (out / "program.bin").stat().st_size // 16
+    assert report["cycles_per_token"] > 0 and report["bytes_per_token"] > 0
+    assert report["tokens_per_s"] == pytest.approx(100e6 / report["cycles_per_token"])
+    assert "[modelled" in proc.stdout and "tokens/s" in proc.stdout
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    line = error_line(dfvg("compile", "--draft", tmp_path, "-o", tmp_path / "o"))
+    assert "model_type 'gpt2' is not supported" in line
+
+
+def test_model_that_does_not_fit_names_the_limit(tmp_path):
+    make_tiny_llama(tmp_path / "m", layers=3)
+    line = error_line(dfvg("compile", "--draft", tmp_path / "m", "--preset", "tiny", "-o",
+                           tmp_path / "o", "--random-weights"))
+    assert "layers 3 exceeds the 'tiny' preset's kv_layers = 2" in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compile", "--draft", "/no/such/dir", "-o", "x"], "is not a directory"),
+    (["compile", "--draft", ".", "--preset", "v80", "-o", "x"], "unknown engine preset 'v80'"),
+    (["compile", "--draft", ".", "-o", "x"], "has no config.json"),
+])
+def test_bad_arguments(args, message):
+    assert message in error_line(dfvg(*args))
+
+
+def test_argparse_errors_exit_2():
+    assert dfvg("compile").returncode == 2
+    assert dfvg("demo", "--gamma", "0").returncode == 2
