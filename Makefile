@@ -3,6 +3,8 @@
 #   make test  — set up .venv (with test extras) and run the test suite
 .PHONY: demo test setup setup-dev
 
+DEMO_PROMPT = $$(printf 'import os\n\n\ndef read_config(path):\n    ')
+
 setup:
 	./scripts/setup-env.sh
 
@@ -10,7 +12,7 @@ setup-dev:
 	./scripts/setup-env.sh dev
 
 demo: setup
-	.venv/bin/dfvg demo
+	.venv/bin/dfvg generate --prompt "$(DEMO_PROMPT)"
 
 test: setup-dev
 	.venv/bin/python -m pytest -q

@@ -75,59 +75,139 @@ def cmd_presets(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    """Greedy drafting of the shipped draft on the functional model, checked against float."""
-    import numpy as np
+def _load_compiled(draft: str | None, engine, calibration: str | None, log):
+    """A compiled draft for ``engine``: a compile output directory, or an HF model compiled
+    (and cached) now. With no ``draft`` it is the shipped demo draft."""
+    from dfvg_host.compiler import CompiledDraft
+    from dfvg_host.demo import DEMO_DATA, compile_cached, demo_paths
+
+    if draft is None:
+        draft_dir, _ = demo_paths()
+        return compile_cached(draft_dir, engine, DEMO_DATA / "calibration.txt", log=log), draft_dir
+    path = Path(draft)
+    if (path / "manifest.json").is_file():
+        compiled = CompiledDraft.load(path)
+        if compiled.manifest["engine"] != engine.to_dict():
+            raise CliError(f"{path} was compiled for preset '{compiled.manifest['engine']['name']}', "
+                           f"the device is '{engine.name}'; recompile with --preset {engine.name}")
+        return compiled, Path(compiled.manifest["model_dir"])
+    if not (path / "config.json").is_file():
+        raise CliError(f"--draft {path} is neither a compiled draft (manifest.json) nor a Hugging "
+                       "Face model directory (config.json)")
+    _, cal_path = _read_calibration(calibration, path)
+    return compile_cached(path, engine, cal_path, log=log), path
+
+
+def _open_device(url: str):
+    from dfvg_host.transport import TransportError, open_transport
+    try:
+        return open_transport(url)
+    except TransportError as exc:
+        raise CliError(str(exc)) from None
+
+
+def cmd_generate(args) -> int:
+    """Speculative decoding: draft on the device, verify on the target."""
+    from transformers import AutoTokenizer
+
+    from dfvg_host.acceptance import SamplingParams
+    from dfvg_host.demo import demo_paths
+    from dfvg_host.driver import DraftDevice, DraftDeviceError
+    from dfvg_host.speculative import SpeculativeDecoder
+    from dfvg_host.verifier import Verifier
+
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    if (args.draft is None) != (args.target is None):
+        raise CliError("give both --draft and --target, or neither (the shipped demo pair)")
+    target_dir = Path(args.target) if args.target else demo_paths()[1]
+    if not (target_dir / "config.json").is_file():
+        raise CliError(f"--target {target_dir} is not a Hugging Face model directory (no config.json)")
+    transport, engine = _open_device(args.device)
+    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, log)
+    prompt_text = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt_text:
+        raise CliError("empty prompt: pass --prompt TEXT or text on standard input")
+    tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    prompt = tok(prompt_text)["input_ids"]
+    if not prompt:
+        raise CliError("the prompt tokenises to nothing")
+    try:
+        verifier = Verifier.from_pretrained(target_dir, device=args.verifier_device, dtype=args.dtype)
+        device = DraftDevice(transport, compiled, timeout_s=args.timeout)
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+        decoder = SpeculativeDecoder(device, verifier, gamma=args.gamma, sampling=sampling,
+                                     eos_token_id=tok.eos_token_id)
+    except (ValueError, DraftDeviceError) as exc:
+        raise CliError(str(exc)) from None
+
+    shown = []
+    def stream(new):
+        if args.json:
+            return
+        before = tok.decode(shown)
+        shown.extend(new)
+        print(tok.decode(shown)[len(before):], end="", flush=True)
+
+    if not args.json:
+        log(f"target {target_dir} on {verifier.device} | draft {draft_dir} on {args.device} | "
+            f"gamma {args.gamma} | {'greedy' if sampling.greedy else f'T={args.temperature} top-k={args.top_k} seed={args.seed}'}\n")
+        print(prompt_text, end="", flush=True)
+    try:
+        result = decoder.generate(prompt, args.max_new_tokens, on_tokens=stream)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        print(json.dumps(dict(prompt_ids=prompt, token_ids=result.tokens, text=tok.decode(result.tokens),
+                              stop_reason=result.stop_reason, message=result.message,
+                              device=args.device, metrics=result.metrics.to_dict()), indent=2))
+    else:
+        print("\n")
+        print(f"stop             {result.stop_reason}")
+        print(result.metrics.summary())
+    if result.stop_reason in ("device_error", "context_limit"):
+        print(f"dfvg: warning: {result.message} (the {len(result.tokens)} tokens generated "
+              "so far are above)", file=sys.stderr)
+        return 1 if result.stop_reason == "device_error" else 0
+    return 0
+
+
+def cmd_draft(args) -> int:
+    """Greedy drafting alone on the device, checked against the float draft."""
     import torch
     from transformers import AutoTokenizer
 
-    from dfvg_hw.descriptors import DraftRequest, ErrorCode
     from dfvg_host.compiler import load_model
-    from dfvg_host.demo import DEMO_DATA, compiled_demo, demo_paths
-    from dfvg_host.report import compile_report
-    from sim.session import FunctionalSession
+    from dfvg_host.driver import DraftDevice, DraftDeviceError
 
-    engine = _preset(args.preset)
-    draft_dir, _ = demo_paths()
-    compiled = compiled_demo(draft_dir, engine, DEMO_DATA / "calibration.txt")
+    transport, engine = _open_device(args.device)
+    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, print)
     tok = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
-    prompt_ids = tok(args.prompt)["input_ids"]
-    if len(prompt_ids) + args.max_new_tokens > compiled.context_limit:
-        raise CliError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens exceeds the "
-                       f"context limit of {compiled.context_limit}")
-    session = FunctionalSession(engine, compiled.image, compiled.program)
-    print(f"draft engine: functional model of '{engine.name}' (sim), greedy, "
-          f"{args.gamma} tokens per request\n")
+    prompt = tok(args.prompt)["input_ids"]
+    device = DraftDevice(transport, compiled)
+    print(f"draft engine {args.device}, greedy, {args.gamma} tokens per request\n")
     print(args.prompt, end="", flush=True)
-    drafted, cycles, wall = [], 0, 0.0
-    inputs, pos = prompt_ids, 0
-    while len(drafted) < args.max_new_tokens:
-        n = min(args.gamma, args.max_new_tokens - len(drafted))
-        t0 = time.perf_counter()
-        result = session.run(DraftRequest(tokens=inputs, start_pos=pos, n_draft=n))
-        wall += time.perf_counter() - t0
-        if result.status != ErrorCode.OK:
-            raise CliError(f"engine error {result.status.name}: {result.status.describe()}")
-        new = [t.token for t in result.tokens]
-        cycles += result.cycles
-        print(tok.decode(drafted + new)[len(tok.decode(drafted)):], end="", flush=True)
-        drafted += new
-        inputs, pos = [new[-1]], result.end_pos
-    print("\n")
+    drafted, cycles, inputs = [], 0, prompt
+    try:
+        while len(drafted) < args.max_new_tokens:
+            out = device.draft(inputs, min(args.gamma, args.max_new_tokens - len(drafted)))
+            cycles += out.cycles
+            print(tok.decode(drafted + out.ids)[len(tok.decode(drafted)):], end="", flush=True)
+            drafted += out.ids
+            inputs = out.ids[-1:]
+    except DraftDeviceError as exc:
+        raise CliError(f"{exc} ({len(drafted)} tokens drafted before it)") from None
     model = load_model(draft_dir)
     with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=len(drafted), do_sample=False,
-                             min_new_tokens=len(drafted))[0, len(prompt_ids):].tolist()
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=len(drafted), do_sample=False,
+                             min_new_tokens=len(drafted))[0, len(prompt):].tolist()
     same = next((i for i, (a, b) in enumerate(zip(drafted, ref)) if a != b), len(drafted))
-    report = compile_report(engine, compiled.program, model=compiled.shape.describe(),
-                            image_bytes=len(compiled.image), context_limit=compiled.context_limit)
-    print(f"int8 engine vs float draft (transformers, greedy): first {same} of {len(drafted)} "
-          f"tokens identical; {sum(a == b for a, b in zip(drafted, ref))} equal overall")
-    print(f"engine time   {cycles:,} cycles for {len(drafted)} tokens incl. prompt prefill = "
+    print(f"\n\nint8 engine vs float draft (transformers, greedy): first {same} of {len(drafted)} "
+          f"tokens identical")
+    print(f"engine time   {cycles:,} cycles incl. prompt prefill = "
           f"{cycles / engine.clock_mhz / 1e3:.3f} ms at {engine.clock_mhz:g} MHz [modelled: cycle model]")
-    print(f"draft speed   {report.tokens_per_s:,.0f} tokens/s steady state at context "
-          f"{report.context} [modelled]")
-    print(f"simulation    {wall:.2f} s wall for the functional model [measured, host CPU]")
+    link = device.transport.stats
+    print(f"PCIe          {link.bytes:,} bytes in {link.dma_transfers} DMA transfers incl. the image "
+          f"load, {link.seconds * 1e3:.2f} ms [modelled: link model]")
     return 0
 
 
@@ -151,12 +231,32 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=cmd_compile)
 
-    d = sub.add_parser("demo", help="draft with the shipped demo draft on the functional model")
-    d.add_argument("--preset", default="alveo-u55c")
+    g = sub.add_parser("generate", help="speculative decoding: draft on the device, verify on the target")
+    g.add_argument("--target", help="target model directory (default: the shipped demo target)")
+    g.add_argument("--draft", help="draft model directory or `dfvg compile` output "
+                   "(default: the shipped demo draft)")
+    g.add_argument("--device", default="sim://alveo-u55c", help="draft device URL (default sim://alveo-u55c)")
+    g.add_argument("--prompt", help="prompt text (default: read standard input)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="target top-k (0 = whole vocabulary)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    g.add_argument("--dtype", default="float32", help="verifier dtype: float32, bfloat16, float16")
+    g.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
+    g.add_argument("--calibration", help="calibration text when --draft needs compiling")
+    g.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
+    g.add_argument("--json", action="store_true", help="print token ids and metrics as one JSON object")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("draft", help="greedy drafting alone on the device, checked against the float draft")
+    d.add_argument("--draft", help="draft model directory or compile output (default: the demo draft)")
+    d.add_argument("--device", default="sim://alveo-u55c")
     d.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.add_argument("--gamma", type=int, default=8, help="tokens drafted per device request")
-    d.set_defaults(func=cmd_demo)
+    d.add_argument("--calibration")
+    d.set_defaults(func=cmd_draft)
 
     s = sub.add_parser("presets", help="list the engine presets")
     s.set_defaults(func=cmd_presets)
@@ -172,9 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_new_tokens", "gamma", "context"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if getattr(args, "temperature", 0.0) < 0 or getattr(args, "top_k", 0) < 0:
+        parser.error("--temperature and --top-k must be >= 0")
+    if getattr(args, "timeout", 1.0) <= 0:
+        parser.error("--timeout must be positive")
     try:
         return args.func(args)
-    except (CliError, CompileError, ConfigError, FileNotFoundError) as exc:
+    except (CliError, CompileError, ConfigError, FileNotFoundError, OSError) as exc:
         print(f"dfvg: error: {exc}", file=sys.stderr)
         return 2
 

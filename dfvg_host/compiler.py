@@ -194,7 +194,7 @@ def _act_scale(absmax: float, bits: int = 8) -> float:
 def _norm_block(gamma: np.ndarray, hidden: int, eps: float, s_x: float, s_out: float) -> bytes:
     real = math.sqrt(hidden) * gamma.astype(np.float64) / s_out
     peak = float(np.abs(real).max()) or 1.0
-    shift = int(math.floor(math.log2(32767.0 / peak)))
+    shift = min(int(math.floor(math.log2(32767.0 / peak))), nx.GAMMA_SHIFT_MAX)
     if shift < 0:
         raise DoesNotFit("an RMSNorm gain is too large for the int16 gamma multiplier")
     g = np.clip(np.round(real * 2.0 ** shift), -32768, 32767).astype(np.int16)

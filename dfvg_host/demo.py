@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dfvg_hw.config import EngineConfig
 
-__all__ = ["REPO_ROOT", "DEMO_DRAFT", "DEMO_TARGET", "DEMO_DATA", "demo_paths", "compiled_demo"]
+__all__ = ["REPO_ROOT", "DEMO_DRAFT", "DEMO_TARGET", "DEMO_DATA", "demo_paths", "compile_cached"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_DRAFT = REPO_ROOT / "models" / "demo-draft"
@@ -44,7 +44,7 @@ def _fingerprint(model_dir: Path, calibration: Path | None, engine: EngineConfig
     return h.hexdigest()[:16]
 
 
-def compiled_demo(model_dir: Path, engine: EngineConfig, calibration: Path | None, log=print):
+def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | None, log=print):
     """The compiled draft for ``engine``, from the cache when its inputs are unchanged."""
     from dfvg_host.compiler import CompiledDraft, compile_draft
 

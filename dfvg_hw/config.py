@@ -138,7 +138,7 @@ class EngineConfig:
         need(self.head_dim % VMEM_LINE_BYTES == 0, "head_dim",
              f"must be a multiple of the {VMEM_LINE_BYTES}-byte VMEM line (RoPE pairs and KV "
              "rows are line-aligned)")
-        need(self.kv_positions <= 65535, "kv_positions", "positions are 16-bit in descriptors")
+        need(self.kv_positions <= 65535, "kv_positions", "at most 65535 positions (16-bit position counters)")
         need(self.vocab_max <= 65535, "vocab_max", "token ids are 16-bit in the ISA's n field")
         need(self.topk_max <= 64, "topk_max", "the sampler keeps at most 64 candidates")
         need(self.topk_max <= self.vocab_max, "topk_max", "cannot exceed vocab_max")

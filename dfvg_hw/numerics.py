@@ -20,7 +20,7 @@ import numpy as np
 __all__ = [
     "ACT_BITS", "RES_BITS", "LOGIT_BITS", "LOGIT_FRAC", "PROB_BITS",
     "MULT_BITS", "EXP_FRAC", "RSQRT_INDEX_BITS", "RSQRT_BITS", "ROPE_FRAC", "RECIP_BITS",
-    "saturate", "round_shift", "requant", "residual_add",
+    "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "saturate", "round_shift", "requant", "residual_add",
     "rsqrt_fixed", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
     "rope", "act_mul", "topk_select", "sampler_probs", "sample_index",
     "mix32", "rng32",
@@ -41,6 +41,8 @@ RSQRT_BITS = 15       #: rsqrt LUT values are Q1.15 (in (2^14, 2^15])
 ROPE_FRAC = 14        #: cos/sin table entries are Q1.14 int16
 RECIP_BITS = 32       #: attention normaliser: floor(2^32 / sum)
 EXP_ONE = 1 << 16     #: exp2_neg(0): weights are Q0.16 (17-bit unsigned)
+GAMMA_SHIFT_MAX = 16  #: RMSNORM gamma shift bound: 15 + k (≤ 31) + 16 keeps every shift < 63
+T1_MULT, T1_SHIFT = 47274, 15  #: sampler multiplier at temperature 1 (= host_temperature(1.0))
 
 _I64 = np.int64
 
@@ -146,7 +148,8 @@ def softmax_weights(scores, mult: int, shift: int) -> np.ndarray:
 
     ``u = round_shift((max - s) · mult, shift)`` turns the score gap into log2 units with
     8 fractional bits (mult/2^shift ≈ scale · log2(e) · 2^8); then ``exp2_neg(u)``. The
-    maximum always gets exactly 2^16. |max - s| < 2^31 and mult < 2^16.
+    maximum always gets exactly 2^16. |max - s| < 2^32 and mult < 2^16, so the product
+    stays below 2^48.
     """
     s = _as_i64(scores)
     d = np.max(s, axis=-1, keepdims=True) - s
@@ -183,7 +186,7 @@ def rope(x, cos, sin) -> np.ndarray:
 
 
 def act_mul(gate, up, lut, mult: int, shift: int) -> np.ndarray:
-    """Gated activation: ``sat8(round_shift(lut[gate + 128] · up, shift) ...)``.
+    """Gated activation: ``sat8(round_shift(lut[gate + 128] · up · mult, shift))``.
 
     ``lut`` is a 256-entry int16 table of the activation (SiLU, GELU, …) of every int8
     gate value, at a scale chosen by the compiler; the product with int8 ``up`` is
@@ -264,14 +267,13 @@ def host_multiplier(real, max_shift: int = 63) -> tuple[np.ndarray, np.ndarray]:
     shift = np.zeros(real.shape, dtype=_I64)
     nz = real > 0
     e = np.floor(np.log2(real[nz])).astype(_I64)          # real = m · 2^e, m in [1, 2)
-    sh = (MULT_BITS - 1) - e                              # mult = real · 2^sh in [2^15, 2^16)
-    if np.any(sh < 0):
-        raise ValueError("requantisation scale too large for a 16-bit multiplier and shift ≥ 0")
-    sh = np.minimum(sh, max_shift)
+    sh = np.minimum((MULT_BITS - 1) - e, max_shift)       # mult = real · 2^sh in [2^15, 2^16)
     m = np.round(real[nz] * np.exp2(sh)).astype(_I64)
     over = m >= (1 << MULT_BITS)                          # rounding up to 2^16
     m = np.where(over, m >> 1, m)
     sh = np.where(over, sh - 1, sh)
+    if np.any(sh < 0):
+        raise ValueError("requantisation scale too large for a 16-bit multiplier and shift ≥ 0")
     mult[nz], shift[nz] = m, sh
     return mult, shift
 

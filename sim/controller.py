@@ -57,15 +57,23 @@ class Sequencer:
         self.n_drafted = 0
         self.forwards = 0
         self.halted = False
+        self._sampled = False        # this forward has sampled its token
+        self._last = 0
 
     @property
     def samples_now(self) -> bool:
-        """Whether this forward samples a token (the last input, or a drafted token)."""
-        return self.in_idx == len(self.tokens) - 1 and self.n_drafted < self.n_draft
+        """Whether this forward samples a token (the last input, or a drafted token) and
+        has not yet."""
+        return (self.in_idx == len(self.tokens) - 1 and self.n_drafted < self.n_draft
+                and not self._sampled)
 
     def drafted(self, token: int) -> None:
-        """Record a token the sampler produced."""
+        """Record a token the sampler produced; a SAMPLE the controller did not expect faults."""
+        if not self.samples_now:
+            raise ControlFault(ErrorCode.PROGRAM, "SAMPLE in a forward that drafts no token; "
+                               "guard it with BRANCH cond=no_sample")
         self.n_drafted += 1
+        self._sampled = True
         self._last = token
 
     def control(self, ins: Instruction) -> None:
@@ -91,6 +99,12 @@ class Sequencer:
             if ins.flags == Cond.ALWAYS or (ins.flags == Cond.NO_SAMPLE and not self.samples_now):
                 next_pc = ins.n
         elif op == Op.NEXT:
+            if self._loop_start is not None:
+                raise ControlFault(ErrorCode.PROGRAM, "NEXT inside a LOOP")
+            if self.samples_now:
+                raise ControlFault(ErrorCode.PROGRAM, "NEXT ends a forward that had to sample a "
+                                   "token, but no SAMPLE ran")
+            self._sampled = False
             self.forwards += 1
             self.pos += 1
             if self.in_idx < len(self.tokens) - 1:

@@ -14,8 +14,8 @@ import numpy as np
 
 from dfvg_hw import numerics as nx
 from dfvg_hw.config import VMEM_LINE_BYTES, EngineConfig
-from dfvg_hw.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, DraftedToken, DraftRequest,
-                                 DraftResult, ErrorCode, result_bytes)
+from dfvg_hw.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS,
+                                 DraftedToken, DraftRequest, DraftResult, ErrorCode)
 from dfvg_hw.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded,
                            unpack_qparams, untile_weights)
 from dfvg_hw.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
@@ -63,6 +63,7 @@ class FunctionalEngine:
         self.kv_v = np.zeros(shape, dtype=np.int8)
         self.vmem = np.zeros(config.vmem_bytes, dtype=np.uint8)
         self.imem: list[int] = []
+        self._decoded: list = []
         self.logits: np.ndarray | None = None
         self.cycle_model = CycleModel(config)
         self.counts = CycleCounts()
@@ -78,6 +79,13 @@ class FunctionalEngine:
                               f"the {self.config.imem_words}-word instruction memory")
         raw = self.memory.read(addr, 16 * n_words)
         self.imem = [int.from_bytes(raw[i:i + 16], "little") for i in range(0, len(raw), 16)]
+        # Decoding is a pure function of the word; decode once per load, fault at fetch.
+        self._decoded = []
+        for word in self.imem:
+            try:
+                self._decoded.append(decode(word))
+            except IllegalInstruction as exc:
+                self._decoded.append(exc)
 
     def soft_reset(self) -> None:
         """Clear KV, VMEM and the logit buffer (the CONTROL register's soft reset)."""
@@ -95,11 +103,16 @@ class FunctionalEngine:
         """
         self.counts = CycleCounts()
         self.last_fault = None
-        header = DraftRequest.unpack_header(self.memory.read(request_addr, 4 * REQUEST_HEADER_WORDS))
+        self.logits = None          # a SAMPLE must follow this request's own LOGITS matmul
+        header = dict(seq=0, start_pos=0, topk=1)
         drafted: list[DraftedToken] = []
         seq = None
         status = ErrorCode.OK
         try:
+            try:
+                header = DraftRequest.unpack_header(self.memory.read(request_addr, 4 * REQUEST_HEADER_WORDS))
+            except MemoryError_ as exc:
+                raise EngineFault(ErrorCode.BAD_ADDRESS, f"request descriptor: {exc}") from None
             tokens = self._read_request_tokens(header, request_addr)
             seq = Sequencer(tokens, header["start_pos"], header["n_draft"])
             cyc, nbytes = self.cycle_model.request_overhead(len(tokens))
@@ -114,7 +127,7 @@ class FunctionalEngine:
                              end_pos=seq.pos if seq else header["start_pos"],
                              cycles=self.counts.total, n_forward=seq.forwards if seq else 0,
                              error_pc=seq.pc if seq and status else 0, tokens=drafted,
-                             topk=min(header["topk"], self.config.topk_max))
+                             topk=len(drafted[0].topk_ids) if drafted else 0)
         self._write_result(result_addr, result)
         return result
 
@@ -129,7 +142,7 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.BAD_REQUEST, f"topk {h['topk']} not in 1..{c.topk_max}")
         if h["sample"] and h["t_mult"] == 0:
             raise EngineFault(ErrorCode.BAD_REQUEST, "sampling needs a non-zero t_mult")
-        if h["t_shift"] > 63 or any(h["reserved"]):
+        if h["t_shift"] > 63 or h["flags"] & ~1 or any(h["reserved"]):
             raise EngineFault(ErrorCode.BAD_REQUEST, "reserved request fields must be 0")
         try:
             raw = self.memory.view(request_addr + 4 * REQUEST_HEADER_WORDS, 4 * h["n_in"])
@@ -151,10 +164,9 @@ class FunctionalEngine:
             executed += 1
             if executed > budget:
                 raise EngineFault(ErrorCode.WATCHDOG, f"{budget} instructions without HALT")
-            try:
-                ins = decode(self.imem[seq.pc])
-            except IllegalInstruction as exc:
-                raise EngineFault(ErrorCode.ILLEGAL_INSTRUCTION, str(exc)) from None
+            ins = self._decoded[seq.pc]
+            if isinstance(ins, IllegalInstruction):
+                raise EngineFault(ErrorCode.ILLEGAL_INSTRUCTION, str(ins))
             cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"])
             self.counts.add(ins.opcode, cycles, nbytes, self.cycle_model.macs(ins, pos=seq.pos))
             if ins.opcode in CONTROL_OPS:
@@ -162,9 +174,9 @@ class FunctionalEngine:
                 continue
             if ins.opcode == Op.SAMPLE:
                 token = self._sample(ins, h, seq.n_drafted)
-                drafted.append(token)
                 seq.drafted(token.token)
-                self._write_result(result_addr, None, drafted)
+                drafted.append(token)
+                self._write_record(result_addr, len(drafted) - 1, token)
             else:
                 self._unit(ins, seq, image_base)
             seq.pc += 1
@@ -184,12 +196,17 @@ class FunctionalEngine:
             self._vstore(ins.dst, row[None, :], np.int16)
         elif op == Op.RMSNORM:
             head = self._dram(addr, NORM_PARAM_BYTES).view("<u4")
+            if head[1] > nx.GAMMA_SHIFT_MAX:
+                raise EngineFault(ErrorCode.PROGRAM, f"RMSNORM gamma_shift {int(head[1])} > "
+                                  f"{nx.GAMMA_SHIFT_MAX}")
             gamma = self._dram(addr + NORM_PARAM_BYTES, 2 * ins.n).view("<i2")
             x = self._vload(ins.src, rows, ins.n, np.int16)
             self._vstore(ins.dst, nx.rmsnorm(x, gamma, int(head[1]), int(head[0])), np.int8)
         elif op == Op.MATMUL:
             self._matmul(ins, addr)
         elif op == Op.ROPE:
+            if ins.k % 2:
+                raise EngineFault(ErrorCode.PROGRAM, f"ROPE over an odd head dimension {ins.k}")
             self._check_pos(st.pos)
             table = self._dram(addr + st.pos * 2 * ins.k, 2 * ins.k).view("<i2").reshape(-1, 2)
             x = self._vload(ins.src, rows, ins.n * ins.k, np.int8).reshape(rows, ins.n, ins.k)
@@ -264,7 +281,7 @@ class FunctionalEngine:
                               f"buffer holds {0 if self.logits is None else self.logits.shape[0]}")
         k = min(h["topk"], ins.n)
         top = nx.topk_select(self.logits, k)
-        t_mult, t_shift = (h["t_mult"], h["t_shift"]) if h["t_mult"] else nx.host_temperature(1.0)
+        t_mult, t_shift = (h["t_mult"], h["t_shift"]) if h["t_mult"] else (nx.T1_MULT, nx.T1_SHIFT)
         probs = nx.sampler_probs(self.logits[top], t_mult, t_shift)
         j = 0
         if h["sample"]:
@@ -293,6 +310,8 @@ class FunctionalEngine:
         """``rows`` rows of ``n`` elements; row r starts at the line after row r-1 ends."""
         row_bytes = n * np.dtype(dtype).itemsize
         start, stride = self._vspan(line, rows, row_bytes)
+        if rows == 1:
+            return self.vmem[start:start + row_bytes].view(dtype).astype(np.int64)[None, :]
         return np.stack([self.vmem[start + r * stride: start + r * stride + row_bytes].view(dtype)
                          for r in range(rows)]).astype(np.int64)
 
@@ -323,13 +342,18 @@ class FunctionalEngine:
                     if key[0] < addr + nbytes and addr < key[0] + v[3]]:
             del self._weights[key]
 
-    def _write_result(self, result_addr: int, result: DraftResult | None,
-                      drafted: list | None = None) -> None:
-        if result is None:     # a token was just drafted: make it durable at once
-            result = DraftResult(seq=0, status=ErrorCode.OK, end_pos=0, cycles=0, n_forward=0,
-                                 tokens=drafted)
-        data = result.pack(self.config.topk_max)
+    def _write_record(self, result_addr: int, index: int, token: DraftedToken) -> None:
+        """Make a drafted token durable at once; the header and check word come at the end,
+        so a half-written result never looks complete."""
+        words = DraftResult(seq=0, status=ErrorCode.OK, end_pos=0, cycles=0, n_forward=0,
+                            tokens=[token]).pack(self.config.topk_max)[4 * RESULT_HEADER_WORDS:]
         try:
-            self.memory.write(result_addr, data)
+            self.memory.write(result_addr + 4 * RESULT_HEADER_WORDS + index * len(words), words)
         except MemoryError_:
-            pass  # the result buffer itself is out of range; the status register still says so
+            raise EngineFault(ErrorCode.BAD_ADDRESS, "result buffer outside device memory") from None
+
+    def _write_result(self, result_addr: int, result: DraftResult) -> None:
+        try:
+            self.memory.write(result_addr, result.pack(self.config.topk_max))
+        except MemoryError_:
+            pass  # the result buffer itself is out of range; the ERROR register still says so

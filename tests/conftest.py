@@ -10,7 +10,7 @@ from dfvg_hw.config import get_preset
 
 
 def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, intermediate=64,
-                    vocab=256, seed=0, tie=False) -> Path:
+                    vocab=256, seed=0, tie=False, weight_scale=6.0) -> Path:
     """Save a randomly initialised Llama that fits the ``tiny`` preset."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -26,7 +26,7 @@ def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, int
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.mul_(6.0)
+                p.mul_(weight_scale)
     model.save_pretrained(path)
     return path
 
@@ -51,3 +51,20 @@ def tiny_gqa_dir(tmp_path_factory) -> Path:
 def tiny_compiled(tiny_draft_dir, tiny_engine):
     from dfvg_host.compiler import compile_draft
     return compile_draft(tiny_draft_dir, tiny_engine)
+
+
+@pytest.fixture(scope="session")
+def demo_pair():
+    """(draft dir, target dir, data dir) of the shipped demo pair."""
+    from dfvg_host.demo import DEMO_DATA, demo_paths
+    draft, target = demo_paths()
+    return draft, target, DEMO_DATA
+
+
+@pytest.fixture(scope="session")
+def demo_compiled(demo_pair):
+    """The demo draft compiled for alveo-u55c by the real compiler."""
+    from dfvg_host.compiler import compile_draft
+    draft, _, data = demo_pair
+    return compile_draft(draft, get_preset("alveo-u55c"),
+                         calibration_text=(data / "calibration.txt").read_text())

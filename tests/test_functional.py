@@ -143,3 +143,46 @@ def test_cycle_estimate_equals_functional_count(session, tiny_engine, tiny_compi
     est = estimate_request(tiny_engine, tiny_compiled.program, n_in=5, n_draft=4, start_pos=3, topk=2)
     assert r.cycles == est.total > 0
     assert r.n_forward == 5 + 3
+
+
+def run_program(tiny_engine, tiny_compiled, program, request):
+    s = FunctionalSession(tiny_engine, tiny_compiled.image, program)
+    return s.run(request), s.engine.last_fault
+
+
+@pytest.mark.parametrize("mutate, message", [
+    # drop the BRANCH that skips sampling for prefill forwards: SAMPLE runs unasked
+    (lambda p: p[:14] + [encode(Instruction(Op.NOP))] + p[15:], "SAMPLE in a forward that drafts no token"),
+    # drop the SAMPLE itself: NEXT would continue the draft loop with no token
+    (lambda p: p[:17] + [encode(Instruction(Op.NOP))] + p[18:], "no SAMPLE ran"),
+    # ROPE over an odd head dimension
+    (lambda p: p[:4] + [encode(Instruction(Op.ROPE, rows=1, n=2, k=15))] + p[5:], "odd head dimension"),
+])
+def test_malformed_programs_fault_cleanly(tiny_engine, tiny_compiled, mutate, message):
+    from dfvg_hw.isa import decode
+    program = list(tiny_compiled.program)
+    assert decode(program[14]).opcode == Op.BRANCH and decode(program[17]).opcode == Op.SAMPLE
+    r, fault = run_program(tiny_engine, tiny_compiled, mutate(program),
+                           DraftRequest(tokens=prompt(3), start_pos=0, n_draft=2))
+    assert r.status == ErrorCode.PROGRAM and message in str(fault)
+
+
+def test_sample_without_logits_of_this_request(tiny_engine, tiny_compiled):
+    from dfvg_hw.isa import Cond
+    program = [encode(Instruction(Op.SAMPLE, n=256)), encode(Instruction(Op.NEXT)),
+               encode(Instruction(Op.HALT))]
+    r, fault = run_program(tiny_engine, tiny_compiled, program, DraftRequest(tokens=[1], start_pos=0, n_draft=1))
+    assert r.status == ErrorCode.PROGRAM and "logit buffer holds 0" in str(fault)
+
+
+def test_request_checks(session, tiny_engine):
+    from sim.session import REQUEST_ADDR
+    eng = session.engine
+    raw = bytearray(DraftRequest(tokens=[1], start_pos=0, n_draft=1).pack())
+    raw[4] |= 0x80                                  # undefined request flag bit
+    eng.memory.write(REQUEST_ADDR, bytes(raw))
+    r = eng.run(image_base=0x10_0000, request_addr=REQUEST_ADDR, result_addr=RESULT_ADDR)
+    assert r.status == ErrorCode.BAD_REQUEST
+    r = eng.run(image_base=0x10_0000, request_addr=tiny_engine.mem_bytes - 8, result_addr=RESULT_ADDR)
+    assert r.status == ErrorCode.BAD_ADDRESS
+

@@ -1,0 +1,98 @@
+"""Verification rules: the target's sampling distribution, greedy and lossless acceptance.
+
+Rejection sampling (Leviathan et al.; Chen et al.) keeps the target's distribution
+exactly as long as ``q`` is exactly the distribution each draft token was sampled from —
+here, the draft engine's reported top-k probabilities (integers over 2^24).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dfvg_hw.descriptors import DraftedToken
+from dfvg_hw.numerics import PROB_BITS
+
+__all__ = ["SamplingParams", "target_distribution", "draft_distribution", "accept_greedy",
+           "accept_rejection", "Verdict"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. ``temperature == 0`` is greedy.
+
+    ``top_k == 0`` keeps the whole vocabulary for the target; the draft engine then
+    samples from its largest top-k (``topk_max``), which stays lossless.
+    """
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        if self.temperature < 0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        return self
+
+
+@dataclass
+class Verdict:
+    """Outcome of verifying one round: how many drafts were accepted, then the next token."""
+    accepted: int
+    next_token: int
+
+
+def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Row-wise target probabilities (float64) after temperature and top-k."""
+    z = logits.to(torch.float64) / params.temperature
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = torch.topk(z, params.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    return torch.softmax(z, dim=-1)
+
+
+def draft_distribution(token: DraftedToken, vocab: int) -> torch.Tensor:
+    """The exact distribution the engine sampled ``token`` from, as a dense float64 row."""
+    q = torch.zeros(vocab, dtype=torch.float64)
+    ids = torch.tensor(token.topk_ids, dtype=torch.long)
+    q.index_add_(0, ids, torch.tensor(token.topk_probs, dtype=torch.float64) / (1 << PROB_BITS))
+    return q
+
+
+def accept_greedy(logits: torch.Tensor, drafts: list[int]) -> Verdict:
+    """Accept drafts while they equal the target's argmax; the next token is its argmax."""
+    best = torch.argmax(logits, dim=-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return Verdict(n, best[n])
+
+
+def accept_rejection(p: torch.Tensor, drafts: list[int], q: list[torch.Tensor],
+                     generator: torch.Generator) -> Verdict:
+    """Lossless speculative sampling over a chain.
+
+    ``p`` is ``[len(drafts) + 1, V]`` target probabilities; ``q[i]`` the draft's
+    distribution for ``drafts[i]``. Draft i is accepted with probability
+    ``min(1, p_i(x) / q_i(x))``; on the first rejection the next token is drawn from
+    ``norm(max(0, p_i - q_i))``; if all are accepted, the bonus token comes from ``p_n``.
+    """
+    for i, x in enumerate(drafts):
+        qx = float(q[i][x])
+        if qx <= 0:
+            raise ValueError(f"draft token {x} has q = 0: the device's q is not the "
+                             "distribution it sampled from")
+        ratio = float(p[i, x]) / qx
+        if ratio >= 1 or float(torch.rand((), generator=generator, dtype=torch.float64)) < ratio:
+            continue
+        residual = torch.clamp(p[i] - q[i], min=0)
+        total = float(residual.sum())
+        dist = residual / total if total > 0 else p[i]
+        return Verdict(i, int(torch.multinomial(dist, 1, generator=generator)))
+    return Verdict(len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator)))

@@ -1,0 +1,228 @@
+"""Draft-device driver: the host side of the engine's register and memory map.
+
+It is the code that would run against a card: it checks the engine's identity and
+parameters, DMAs the image and program, writes request descriptors into the ping-pong
+buffers, starts the engine through CONTROL, waits for the interrupt, and validates what
+comes back. It knows devices only through :class:`~dfvg_host.transport.Transport`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dfvg_hw.descriptors import (MAX_DRAFT, DraftedToken, DraftRequest, DraftResult, ErrorCode,
+                                 result_bytes)
+from dfvg_hw.numerics import host_temperature
+from dfvg_hw.regmap import (ENGINE_ID, ENGINE_VERSION, PARAM_REGS, Control, Irq, MemoryMap, Reg,
+                            Status)
+from dfvg_host.compiler import CompiledDraft
+from dfvg_host.transport import LinkedTransport, Transport, open_transport
+
+__all__ = ["DraftDevice", "DraftOutput", "DraftDeviceError", "DeviceTimeout", "DeviceFault",
+           "EngineMismatch", "MalformedResult", "ContextFull"]
+
+
+class DraftDeviceError(RuntimeError):
+    """Base class: every message says what happened and what to do."""
+
+
+class DeviceTimeout(DraftDeviceError):
+    pass
+
+
+class EngineMismatch(DraftDeviceError):
+    pass
+
+
+class MalformedResult(DraftDeviceError):
+    pass
+
+
+class ContextFull(DraftDeviceError):
+    pass
+
+
+class DeviceFault(DraftDeviceError):
+    """The engine stopped with an error status. ``tokens`` holds what it drafted before."""
+
+    def __init__(self, code: ErrorCode, pc: int, tokens: list[DraftedToken]):
+        self.code = code
+        self.pc = pc
+        self.tokens = tokens
+        super().__init__(f"draft engine error {code.name} at pc {pc}: {code.describe()}")
+
+
+@dataclass
+class DraftOutput:
+    """What one draft request returned."""
+    tokens: list[DraftedToken]
+    cycles: int
+    end_pos: int
+    n_forward: int
+
+    @property
+    def ids(self) -> list[int]:
+        return [t.token for t in self.tokens]
+
+
+class DraftDevice:
+    """A draft engine with a compiled draft loaded.
+
+    Members
+    -------
+    transport : LinkedTransport
+        The device's transport, counting PCIe traffic for the link model.
+    compiled : CompiledDraft
+    clock_hz : float
+        The engine clock, read from its parameter register.
+    kv_length : int
+        KV entries the engine holds for the current sequence (after the last request).
+    committed : int
+        KV entries the host has accepted; the next request starts here. Setting it below
+        ``kv_length`` (``rollback``) is O(1): nothing moves on the device.
+    """
+
+    def __init__(self, transport: Transport, compiled: CompiledDraft, *, timeout_s: float = 30.0):
+        self.transport = transport if isinstance(transport, LinkedTransport) else LinkedTransport(transport)
+        self.compiled = compiled
+        self.timeout_s = timeout_s
+        self.topk_max = compiled.manifest["engine"]["topk_max"]
+        self._seq = 0
+        self._buf = 0
+        self.kv_length = 0
+        self.committed = 0
+        self.clock_hz = 0.0
+        self.check_engine()
+        self.load()
+
+    @classmethod
+    def open(cls, url: str, compiled: CompiledDraft, **kwargs) -> "DraftDevice":
+        transport, _ = open_transport(url)
+        return cls(transport, compiled, **kwargs)
+
+    # -- bring-up ------------------------------------------------------------------------
+    def check_engine(self) -> None:
+        t = self.transport
+        ident, version = t.read32(Reg.ID), t.read32(Reg.VERSION)
+        if ident != ENGINE_ID:
+            raise EngineMismatch(f"no DFVG engine at this device (ID register reads 0x{ident:08x}, "
+                                 f"expected 0x{ENGINE_ID:08x}); check the device URL and bitstream")
+        if version >> 16 != ENGINE_VERSION >> 16:
+            raise EngineMismatch(f"engine version {version >> 16}.{version & 0xFFFF} does not match "
+                                 f"this host's {ENGINE_VERSION >> 16}.x; rebuild the bitstream or "
+                                 "update dfvg")
+        want = self.compiled.manifest["engine"]
+        for reg, name in PARAM_REGS.items():
+            have = t.read32(reg)
+            if have != want[name]:
+                raise EngineMismatch(f"engine parameter {name} is {have}, the draft was compiled for "
+                                     f"{want[name]} (preset '{want['name']}'); recompile with the "
+                                     "device's preset")
+        self.clock_hz = t.read32(Reg.P_CLOCK_KHZ) * 1e3
+
+    def _write_addr(self, lo: Reg, addr: int) -> None:
+        self.transport.write32(lo, addr & 0xFFFFFFFF)
+        self.transport.write32(lo + 4, addr >> 32)
+
+    def load(self) -> None:
+        """DMA the image and program, point the engine at its buffers, load the program."""
+        t, c = self.transport, self.compiled
+        t.write32(Reg.CONTROL, Control.SOFT_RESET)
+        t.dma_write(MemoryMap.IMAGE, c.image)
+        t.dma_write(MemoryMap.PROGRAM, b"".join(w.to_bytes(16, "little") for w in c.program))
+        self._write_addr(Reg.IMAGE_BASE_LO, MemoryMap.IMAGE)
+        self._write_addr(Reg.PROG_BASE_LO, MemoryMap.PROGRAM)
+        t.write32(Reg.PROG_LEN, len(c.program))
+        for i in range(2):
+            self._write_addr((Reg.REQ0_LO, Reg.REQ1_LO)[i], MemoryMap.REQUEST[i])
+            self._write_addr((Reg.RES0_LO, Reg.RES1_LO)[i], MemoryMap.RESULT[i])
+        t.write32(Reg.IRQ_ENABLE, Irq.DONE)
+        t.write32(Reg.CONTROL, Control.LOAD_PROGRAM)
+        if not t.read32(Reg.STATUS) & Status.PROGRAM_LOADED:
+            code = ErrorCode(t.read32(Reg.ERROR))
+            raise DeviceFault(code, 0, [])
+        self.kv_length = self.committed = 0
+
+    # -- drafting ------------------------------------------------------------------------
+    def rollback(self, length: int) -> None:
+        """Commit the first ``length`` KV entries and discard the rest (O(1))."""
+        if not 0 <= length <= self.kv_length:
+            raise ValueError(f"cannot commit {length} KV entries: the engine holds {self.kv_length}")
+        self.committed = length
+
+    commit = rollback
+
+    def draft(self, tokens: list[int], n_draft: int, *, sample: bool = False,
+              temperature: float = 1.0, topk: int = 1, seed: int = 0, counter: int = 0) -> DraftOutput:
+        """Feed ``tokens`` after the committed KV and draft ``n_draft`` tokens in one request."""
+        limit = self.compiled.context_limit
+        need = self.committed + len(tokens) + max(n_draft - 1, 0)
+        if need > limit:
+            raise ContextFull(f"this request needs {need} KV positions, the draft's context limit "
+                              f"is {limit}; shorten the prompt or --max-new-tokens, or use a preset "
+                              "with more kv_positions")
+        if not tokens or len(tokens) > MemoryMap.MAX_INPUT_TOKENS or not 0 <= n_draft <= MAX_DRAFT:
+            raise ValueError(f"a request takes 1..{MemoryMap.MAX_INPUT_TOKENS} input tokens and "
+                             f"0..{MAX_DRAFT} drafts (got {len(tokens)} and {n_draft})")
+        vocab = self.compiled.shape.vocab
+        if any(not 0 <= t < vocab for t in tokens):
+            raise ValueError(f"token ids must be in 0..{vocab - 1} (the draft's vocabulary)")
+        t_mult, t_shift = host_temperature(temperature)
+        self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
+        request = DraftRequest(tokens=list(tokens), start_pos=self.committed, n_draft=n_draft,
+                               topk=min(max(topk, 1), self.topk_max), sample=sample,
+                               t_mult=t_mult, t_shift=t_shift, seed=seed, counter=counter, seq=self._seq)
+        buf = self._buf
+        self._buf ^= 1
+        t = self.transport
+        t.dma_write(MemoryMap.REQUEST[buf], request.pack())
+        t.write32(Reg.IRQ_STATUS, Irq.DONE)
+        t.write32(Reg.CONTROL, Control.START | (Control.BUF if buf else 0))
+        self._wait()
+        t.write32(Reg.IRQ_STATUS, Irq.DONE)
+        result = self._read_result(buf, n_draft)
+        self.kv_length = result.end_pos
+        if result.status != ErrorCode.OK:
+            # Drafted tokens stay in the exception; the committed KV is unchanged.
+            raise DeviceFault(result.status, result.error_pc, result.tokens)
+        if len(result.tokens) != n_draft:
+            raise MalformedResult(f"the engine drafted {len(result.tokens)} tokens for a request of "
+                                  f"{n_draft} without an error status; the device is misbehaving")
+        self.committed = result.end_pos
+        return DraftOutput(result.tokens, result.cycles, result.end_pos, result.n_forward)
+
+    def _wait(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not self.transport.wait_irq(max(0.0, deadline - time.monotonic())):
+            status = self.transport.read32(Reg.STATUS)
+            if status & Status.DONE:
+                return                  # finished; the interrupt was lost or is disabled
+            if time.monotonic() >= deadline:
+                self.transport.write32(Reg.CONTROL, Control.ABORT)
+                raise DeviceTimeout(f"the draft engine did not finish within {self.timeout_s:g} s "
+                                    f"(STATUS=0x{status:x}); it was aborted. Check the device, or "
+                                    "raise the timeout for slow simulators")
+
+    def _read_result(self, buf: int, n_draft: int) -> DraftResult:
+        raw = self.transport.dma_read(MemoryMap.RESULT[buf], result_bytes(self.topk_max, n_draft))
+        try:
+            result = DraftResult.unpack(raw, self.topk_max)
+        except ValueError as exc:
+            raise MalformedResult(f"result buffer {buf} is malformed: {exc}; the device or the PCIe "
+                                  "link corrupted it — reset the device") from None
+        if result.seq != self._seq:
+            raise MalformedResult(f"result buffer {buf} is stale: it answers request {result.seq}, "
+                                  f"not {self._seq}; the engine did not run the request — reset the "
+                                  "device")
+        return result
+
+    def cycles(self) -> tuple[int, int]:
+        """(cycles of the last request, busy cycles since reset), from the counters."""
+        t = self.transport
+        last = t.read32(Reg.CYCLES_LO) | (t.read32(Reg.CYCLES_HI) << 32)
+        busy = t.read32(Reg.BUSY_CYCLES_LO) | (t.read32(Reg.BUSY_CYCLES_HI) << 32)
+        return last, busy
+
+    def close(self) -> None:
+        self.transport.close()

@@ -1,0 +1,128 @@
+"""Register map and device-memory map of the draft engine — defined once, used everywhere.
+
+The host reaches the engine through a 32-bit AXI4-Lite register file (on a card, the
+XDMA user BAR) and device memory (HBM/DDR, through the XDMA DMA channels). The
+functional device (``sim``), the RTL (``rtl``) and the card (``xdma``) all implement these
+same offsets; the driver in ``dfvg_host`` uses nothing else. See ``docs/registers.md``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from dfvg_hw.config import EngineConfig
+from dfvg_hw.descriptors import MAX_DRAFT, REQUEST_HEADER_WORDS, result_bytes
+from dfvg_hw.image import IMAGE_VERSION
+
+__all__ = ["Reg", "Control", "Status", "Irq", "ENGINE_ID", "ENGINE_VERSION", "MemoryMap",
+           "PARAM_REGS", "engine_params"]
+
+ENGINE_ID = 0x44465647            # "DFVG" read as a little-endian word
+#: Engine version: major (ISA / descriptor / image format) << 16 | minor.
+ENGINE_VERSION = (IMAGE_VERSION << 16) | 0
+
+
+class Reg(enum.IntEnum):
+    """Byte offsets of the 32-bit registers. RO = read-only, W1S/W1C = write-1-to-set/clear."""
+    ID = 0x000                #: RO  ENGINE_ID
+    VERSION = 0x004           #: RO  ENGINE_VERSION
+    # Engine parameters (RO), so the host can check a compiled model against the engine.
+    P_ROWS = 0x010
+    P_LANES = 0x014
+    P_REDUCE = 0x018
+    P_KV_LAYERS = 0x01C
+    P_KV_HEADS = 0x020
+    P_KV_POSITIONS = 0x024
+    P_HEAD_DIM = 0x028
+    P_VOCAB_MAX = 0x02C
+    P_TOPK_MAX = 0x030
+    P_VMEM_BYTES = 0x034
+    P_IMEM_WORDS = 0x038
+    P_CLOCK_KHZ = 0x03C
+    CONTROL = 0x040           #: W1S self-clearing command bits (:class:`Control`)
+    STATUS = 0x044            #: RO  (:class:`Status`)
+    ERROR = 0x048             #: RO  ErrorCode of the last request (0 = OK)
+    ERROR_PC = 0x04C          #: RO  program counter of the faulting instruction
+    IRQ_ENABLE = 0x050        #: RW  (:class:`Irq`)
+    IRQ_STATUS = 0x054        #: W1C (:class:`Irq`)
+    LAST_SEQ = 0x058          #: RO  seq of the last completed request
+    CYCLES_LO = 0x060         #: RO  cycles of the last request
+    CYCLES_HI = 0x064
+    BUSY_CYCLES_LO = 0x068    #: RO  cycles busy since reset
+    BUSY_CYCLES_HI = 0x06C
+    IMAGE_BASE_LO = 0x070     #: RW  device address of the weights image
+    IMAGE_BASE_HI = 0x074
+    PROG_BASE_LO = 0x078      #: RW  device address of the program
+    PROG_BASE_HI = 0x07C
+    PROG_LEN = 0x080          #: RW  program length in instructions
+    REQ0_LO = 0x090           #: RW  ping request buffer
+    REQ0_HI = 0x094
+    REQ1_LO = 0x098           #: RW  pong request buffer
+    REQ1_HI = 0x09C
+    RES0_LO = 0x0A0           #: RW  ping result buffer
+    RES0_HI = 0x0A4
+    RES1_LO = 0x0A8           #: RW  pong result buffer
+    RES1_HI = 0x0AC
+
+
+class Control(enum.IntFlag):
+    START = 1 << 0            #: run the request in buffer BUF
+    ABORT = 1 << 1            #: stop the running request at the next instruction
+    SOFT_RESET = 1 << 2       #: clear KV, VMEM, status and counters (not the base registers)
+    LOAD_PROGRAM = 1 << 3     #: copy PROG_LEN instructions from PROG_BASE into instruction memory
+    BUF = 1 << 8              #: with START: 0 = ping (REQ0/RES0), 1 = pong (REQ1/RES1)
+
+
+class Status(enum.IntFlag):
+    BUSY = 1 << 0
+    DONE = 1 << 1             #: the last request finished (cleared by START)
+    ERROR = 1 << 2            #: the last request (or LOAD_PROGRAM) stopped with an error
+    PROGRAM_LOADED = 1 << 3
+    BUF = 1 << 8              #: buffer of the last started request
+
+
+class Irq(enum.IntFlag):
+    DONE = 1 << 0             #: a request finished (with or without error)
+
+
+PARAM_REGS = {
+    Reg.P_ROWS: "rows", Reg.P_LANES: "lanes", Reg.P_REDUCE: "reduce",
+    Reg.P_KV_LAYERS: "kv_layers", Reg.P_KV_HEADS: "kv_heads", Reg.P_KV_POSITIONS: "kv_positions",
+    Reg.P_HEAD_DIM: "head_dim", Reg.P_VOCAB_MAX: "vocab_max", Reg.P_TOPK_MAX: "topk_max",
+    Reg.P_VMEM_BYTES: "vmem_bytes", Reg.P_IMEM_WORDS: "imem_words",
+}
+
+
+def engine_params(config: EngineConfig) -> dict[Reg, int]:
+    """The read-only parameter registers' values for an engine built from ``config``."""
+    values = {reg: getattr(config, name) for reg, name in PARAM_REGS.items()}
+    values[Reg.P_CLOCK_KHZ] = round(config.clock_mhz * 1000)
+    return values
+
+
+class MemoryMap:
+    """Where the driver places things in device memory (fixed, 4 KiB aligned).
+
+    ======================  ==========  ==========================================
+    region                  offset      size
+    ======================  ==========  ==========================================
+    program                 0x0000_0000 imem_words × 16 bytes (≤ 1 MiB)
+    request buffer 0 (ping) 0x0010_0000 64 KiB: header + up to 16 368 input tokens
+    request buffer 1 (pong) 0x0011_0000 64 KiB
+    result buffer 0 (ping)  0x0012_0000 64 KiB (≥ a MAX_DRAFT result at topk_max 64)
+    result buffer 1 (pong)  0x0013_0000 64 KiB
+    weights image           0x0020_0000 up to the end of device memory
+    ======================  ==========  ==========================================
+    """
+    PROGRAM = 0x0000_0000
+    REQUEST = (0x0010_0000, 0x0011_0000)
+    RESULT = (0x0012_0000, 0x0013_0000)
+    BUFFER_BYTES = 0x1_0000
+    IMAGE = 0x0020_0000
+
+    MAX_INPUT_TOKENS = BUFFER_BYTES // 4 - REQUEST_HEADER_WORDS
+
+    @staticmethod
+    def check(config: EngineConfig) -> None:
+        assert result_bytes(config.topk_max, MAX_DRAFT) <= MemoryMap.BUFFER_BYTES
+        assert 16 * config.imem_words <= MemoryMap.REQUEST[0]

@@ -1,0 +1,130 @@
+"""The ``sim`` device: the functional model behind the engine's register and memory map.
+
+:class:`SimDevice` offers the transport operations a card offers — 32-bit register read
+and write, DMA write and read at a device address, wait for the completion interrupt —
+and implements the register file of :mod:`dfvg_hw.regmap` around a
+:class:`~sim.functional.FunctionalEngine`. A START executes the request descriptor the
+host wrote, through the loaded program, exactly as the hardware would; the cycle model
+supplies the cycle counters.
+"""
+
+from __future__ import annotations
+
+from dfvg_hw.config import EngineConfig
+from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.regmap import ENGINE_ID, ENGINE_VERSION, Control, Irq, Reg, Status, engine_params
+from sim.functional import EngineFault, FunctionalEngine
+from sim.memory import DeviceMemory, MemoryError_
+
+__all__ = ["SimDevice"]
+
+_RW = {Reg.IRQ_ENABLE, Reg.IMAGE_BASE_LO, Reg.IMAGE_BASE_HI, Reg.PROG_BASE_LO, Reg.PROG_BASE_HI,
+       Reg.PROG_LEN, Reg.REQ0_LO, Reg.REQ0_HI, Reg.REQ1_LO, Reg.REQ1_HI, Reg.RES0_LO,
+       Reg.RES0_HI, Reg.RES1_LO, Reg.RES1_HI}
+
+
+class SimDevice:
+    """A draft engine simulated by its functional model.
+
+    Requests run to completion inside the START register write (the model is
+    synchronous), so the completion interrupt is pending as soon as the write returns.
+
+    Members
+    -------
+    config : EngineConfig
+    engine : FunctionalEngine
+    memory : DeviceMemory
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.memory = DeviceMemory(config.mem_bytes)
+        self.engine = FunctionalEngine(config, self.memory)
+        self._regs = {reg: 0 for reg in Reg}
+        self._regs.update(engine_params(config))
+        self._regs[Reg.ID] = ENGINE_ID
+        self._regs[Reg.VERSION] = ENGINE_VERSION
+
+    # -- transport operations ----------------------------------------------------------
+    def read32(self, offset: int) -> int:
+        try:
+            return self._regs[Reg(offset)]
+        except ValueError:
+            return 0xDEADBEEF      # an unmapped offset reads as a recognisable pattern
+
+    def write32(self, offset: int, value: int) -> None:
+        value &= 0xFFFFFFFF
+        try:
+            reg = Reg(offset)
+        except ValueError:
+            return                 # writes to unmapped offsets are ignored, as on AXI-Lite
+        if reg in _RW:
+            self._regs[reg] = value
+        elif reg == Reg.IRQ_STATUS:
+            self._regs[reg] &= ~value
+        elif reg == Reg.CONTROL:
+            self._command(Control(value & 0x10F))
+
+    def dma_write(self, addr: int, data: bytes) -> None:
+        self.memory.write(addr, data)
+
+    def dma_read(self, addr: int, nbytes: int) -> bytes:
+        return self.memory.read(addr, nbytes)
+
+    def wait_irq(self, timeout_s: float) -> bool:
+        """True when an enabled interrupt is pending; nothing runs later, so no waiting."""
+        return bool(self._regs[Reg.IRQ_STATUS] & self._regs[Reg.IRQ_ENABLE])
+
+    def close(self) -> None:
+        pass
+
+    # -- the register file's behaviour ---------------------------------------------------
+    def _addr(self, lo: Reg) -> int:
+        return self._regs[lo] | (self._regs[Reg(lo + 4)] << 32)
+
+    def _finish(self, code: ErrorCode, pc: int = 0) -> None:
+        status = Status(self._regs[Reg.STATUS]) & ~(Status.BUSY | Status.ERROR)
+        status |= Status.DONE | (Status.ERROR if code else 0)
+        self._regs[Reg.STATUS] = int(status)
+        self._regs[Reg.ERROR] = int(code)
+        self._regs[Reg.ERROR_PC] = pc
+        self._regs[Reg.IRQ_STATUS] |= Irq.DONE
+
+    def _command(self, cmd: Control) -> None:
+        if cmd & Control.SOFT_RESET:
+            self.engine.soft_reset()
+            for reg in (Reg.STATUS, Reg.ERROR, Reg.ERROR_PC, Reg.IRQ_STATUS, Reg.LAST_SEQ,
+                        Reg.CYCLES_LO, Reg.CYCLES_HI, Reg.BUSY_CYCLES_LO, Reg.BUSY_CYCLES_HI):
+                self._regs[reg] = 0
+        if cmd & Control.LOAD_PROGRAM:
+            try:
+                self.engine.load_program(self._addr(Reg.PROG_BASE_LO), self._regs[Reg.PROG_LEN])
+                self._regs[Reg.STATUS] |= Status.PROGRAM_LOADED
+                self._regs[Reg.ERROR] = 0
+            except (EngineFault, MemoryError_) as exc:
+                code = exc.code if isinstance(exc, EngineFault) else ErrorCode.BAD_ADDRESS
+                self._regs[Reg.STATUS] &= ~Status.PROGRAM_LOADED
+                self._finish(code)
+        if cmd & Control.START:
+            self._start(1 if cmd & Control.BUF else 0)
+
+    def _start(self, buf: int) -> None:
+        self._regs[Reg.STATUS] = (self._regs[Reg.STATUS] & Status.PROGRAM_LOADED) \
+            | Status.BUSY | (Status.BUF if buf else 0)
+        if not self._regs[Reg.STATUS] & Status.PROGRAM_LOADED:
+            self._finish(ErrorCode.PROGRAM)
+            return
+        req = self._addr(Reg.REQ1_LO if buf else Reg.REQ0_LO)
+        res = self._addr(Reg.RES1_LO if buf else Reg.RES0_LO)
+        try:
+            result = self.engine.run(image_base=self._addr(Reg.IMAGE_BASE_LO),
+                                     request_addr=req, result_addr=res)
+        except MemoryError_:
+            self._finish(ErrorCode.BAD_ADDRESS)
+            return
+        cycles = result.cycles
+        busy = self._addr(Reg.BUSY_CYCLES_LO) + cycles
+        self._regs[Reg.CYCLES_LO], self._regs[Reg.CYCLES_HI] = cycles & 0xFFFFFFFF, cycles >> 32
+        self._regs[Reg.BUSY_CYCLES_LO], self._regs[Reg.BUSY_CYCLES_HI] = busy & 0xFFFFFFFF, busy >> 32
+        self._regs[Reg.LAST_SEQ] = result.seq
+        self._finish(result.status, result.error_pc)

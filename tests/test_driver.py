@@ -1,0 +1,135 @@
+"""The driver against the sim device, and against devices that misbehave."""
+
+import pytest
+
+from dfvg_hw.descriptors import DraftRequest, ErrorCode
+from dfvg_hw.numerics import host_temperature
+from dfvg_hw.regmap import Control, Irq, Reg, Status
+from dfvg_host.compiler import CompiledDraft
+from dfvg_host.driver import (ContextFull, DeviceFault, DeviceTimeout, DraftDevice, EngineMismatch,
+                              MalformedResult)
+from dfvg_host.transport import TransportError, open_transport
+from sim.device import SimDevice
+from sim.session import FunctionalSession
+
+
+PROMPT = [5, 17, 99, 3, 42, 7]
+
+
+def test_driver_results_equal_the_functional_model(tiny_engine, tiny_compiled):
+    dev = DraftDevice.open("sim://tiny", tiny_compiled)
+    out = dev.draft(PROMPT, 6, sample=True, temperature=0.7, topk=3, seed=11, counter=5)
+    direct = FunctionalSession(tiny_engine, tiny_compiled.image, tiny_compiled.program).run(
+        DraftRequest(tokens=PROMPT, start_pos=0, n_draft=6, topk=3, sample=True,
+                     t_mult=host_temperature(0.7)[0], t_shift=host_temperature(0.7)[1], seed=11,
+                     counter=5))
+    assert out.tokens == direct.tokens and out.cycles == direct.cycles
+    assert out.end_pos == dev.kv_length == dev.committed == len(PROMPT) + 5
+    last, busy = dev.cycles()
+    assert last == out.cycles and busy >= last
+    # ping-pong: consecutive requests alternate buffers
+    dev.rollback(len(PROMPT))
+    again = dev.draft(out.ids[:1], 5, sample=True, temperature=0.7, topk=3, seed=11, counter=6)
+    assert again.ids == out.ids[1:]
+
+
+def test_rollback_is_bounded(tiny_compiled):
+    dev = DraftDevice.open("sim://tiny", tiny_compiled)
+    dev.draft(PROMPT, 2)
+    with pytest.raises(ValueError, match="engine holds 7"):
+        dev.rollback(8)
+
+
+def test_error_status_raises_with_the_drafted_tokens(tiny_engine, tiny_compiled):
+    # A manifest claiming more context than the engine has: the engine itself must refuse.
+    lying = CompiledDraft(tiny_compiled.image, tiny_compiled.program,
+                          dict(tiny_compiled.manifest, context_limit=10 ** 6))
+    dev = DraftDevice.open("sim://tiny", lying)
+    with pytest.raises(DeviceFault) as info:
+        dev.draft(list(range(3, 63)), 8)      # 60 inputs fill positions 0..59
+    assert info.value.code == ErrorCode.KV_OVERFLOW and "KV capacity" in str(info.value)
+    # drafts fed back at positions 60..63 fit, the 5th would be at 64: 5 tokens drafted
+    assert len(info.value.tokens) == 5
+    assert dev.committed == 0 and dev.kv_length == tiny_engine.kv_positions
+
+
+def test_context_limit_is_checked_before_the_device(tiny_engine, tiny_compiled):
+    dev = DraftDevice.open("sim://tiny", tiny_compiled)
+    with pytest.raises(ContextFull, match="context limit is 64"):
+        dev.draft(list(range(3, 63)), 8)
+
+
+class StaleDevice(SimDevice):
+    """Acknowledges START without running the request."""
+    stale = False
+
+    def write32(self, offset, value):
+        if offset == Reg.CONTROL and value & Control.START and self.stale:
+            self._regs[Reg.STATUS] |= Status.DONE
+            self._regs[Reg.IRQ_STATUS] |= Irq.DONE
+            return
+        super().write32(offset, value)
+
+
+class CorruptingDevice(SimDevice):
+    """Flips one bit of every result buffer read."""
+
+    def dma_read(self, addr, nbytes):
+        data = bytearray(super().dma_read(addr, nbytes))
+        data[-1] ^= 0x10
+        return bytes(data)
+
+
+class SilentDevice(SimDevice):
+    """Never finishes: no interrupt, no DONE."""
+
+    def write32(self, offset, value):
+        if offset == Reg.CONTROL and value & Control.START:
+            self._regs[Reg.STATUS] = Status.BUSY | Status.PROGRAM_LOADED
+            return
+        super().write32(offset, value)
+
+
+def test_stale_result_buffer_is_detected(tiny_engine, tiny_compiled):
+    device = StaleDevice(tiny_engine)
+    dev = DraftDevice(device, tiny_compiled)
+    dev.draft(PROMPT, 2)
+    dev.draft([1], 2)
+    device.stale = True
+    with pytest.raises(MalformedResult, match="stale: it answers request 1, not 3"):
+        dev.draft([2], 2)
+
+
+def test_corrupted_result_is_detected(tiny_engine, tiny_compiled):
+    dev = DraftDevice(CorruptingDevice(tiny_engine), tiny_compiled)
+    with pytest.raises(MalformedResult, match="check word"):
+        dev.draft(PROMPT, 3)
+
+
+def test_timeout(tiny_engine, tiny_compiled):
+    dev = DraftDevice(SilentDevice(tiny_engine), tiny_compiled, timeout_s=0.2)
+    with pytest.raises(DeviceTimeout, match="did not finish within 0.2 s"):
+        dev.draft(PROMPT, 2)
+
+
+def test_engine_checks(tiny_engine, tiny_compiled, demo_compiled):
+    wrong_version = SimDevice(tiny_engine)
+    wrong_version._regs[Reg.VERSION] = 7 << 16
+    with pytest.raises(EngineMismatch, match="engine version 7.0"):
+        DraftDevice(wrong_version, tiny_compiled)
+    with pytest.raises(EngineMismatch, match="compiled for .* preset 'alveo-u55c'"):
+        DraftDevice(SimDevice(tiny_engine), demo_compiled)
+    not_an_engine = SimDevice(tiny_engine)
+    not_an_engine._regs[Reg.ID] = 0
+    with pytest.raises(EngineMismatch, match="no DFVG engine"):
+        DraftDevice(not_an_engine, tiny_compiled)
+
+
+@pytest.mark.parametrize("url, message", [
+    ("sim://alveo-v80", "unknown engine preset"),
+    ("rtl://tiny", "not built yet"),
+    ("pcie://x", "unknown scheme"),
+])
+def test_bad_device_urls(url, message):
+    with pytest.raises(TransportError, match=message):
+        open_transport(url)
