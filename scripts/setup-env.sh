@@ -6,6 +6,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+if [ "$extras" = dev ] && ! command -v verilator >/dev/null; then
+  # The RTL tests lint generated Verilog with Verilator (Debian package).
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing verilator (apt)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq verilator >/dev/null
+  else
+    echo "setup: verilator is missing; install it with: sudo apt-get install -y verilator" >&2
+    exit 1
+  fi
+fi
 python3 -m venv --system-site-packages .venv
 py=.venv/bin/python
 "$py" -m pip install -q --upgrade pip >/dev/null

@@ -10,7 +10,7 @@ from dfvg_hw.config import get_preset
 
 
 def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, intermediate=64,
-                    vocab=256, seed=0, tie=False, weight_scale=6.0) -> Path:
+                    vocab=256, seed=0, tie=False, weight_scale=6.0, eos=1) -> Path:
     """Save a randomly initialised Llama that fits the ``tiny`` preset."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -19,7 +19,7 @@ def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, int
     cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, intermediate_size=intermediate,
                       vocab_size=vocab, max_position_embeddings=128, tie_word_embeddings=tie,
-                      bos_token_id=0, eos_token_id=1, pad_token_id=2)
+                      bos_token_id=0, eos_token_id=eos, pad_token_id=2)
     model = LlamaForCausalLM(cfg)
     # Random init gives near-uniform logits; larger weights make argmax decisions clear,
     # as in a trained model.
@@ -68,3 +68,13 @@ def demo_compiled(demo_pair):
     draft, _, data = demo_pair
     return compile_draft(draft, get_preset("alveo-u55c"),
                          calibration_text=(data / "calibration.txt").read_text())
+
+
+def pytest_addoption(parser):
+    parser.addoption("--vcd", metavar="DIR", help="write a VCD waveform of every RTL simulation into DIR")
+
+
+def pytest_configure(config):
+    import os
+    if config.getoption("--vcd"):
+        os.environ["DFVG_VCD"] = config.getoption("--vcd")

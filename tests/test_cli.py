@@ -1,17 +1,23 @@
 """`dfvg compile` and the CLI's error contract: one line on stderr, exit code 2."""
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from conftest import make_tiny_llama
 
 
-def dfvg(*args, timeout=300):
+CACHE = tempfile.mkdtemp(prefix="dfvg-cli-cache-")   # compiled drafts, shared by these tests
+
+
+def dfvg(*args, timeout=600):
+    env = dict(os.environ, XDG_CACHE_HOME=CACHE)
     return subprocess.run([sys.executable, "-m", "dfvg_host.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def error_line(proc):
@@ -60,3 +66,36 @@ def test_bad_arguments(args, message):
 def test_argparse_errors_exit_2():
     assert dfvg("compile").returncode == 2
     assert dfvg("demo", "--gamma", "0").returncode == 2
+
+
+def test_generate_json_on_the_demo_pair(demo_pair):
+    proc = dfvg("generate", "--prompt", "import os\n\ndef main():\n", "--max-new-tokens", 24,
+                "--gamma", 3, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    m = out["metrics"]
+    assert len(out["token_ids"]) == 24 or out["stop_reason"] == "eos"
+    assert m["emitted_tokens"] == len(out["token_ids"])
+    assert 0 <= m["acceptance_rate"] <= 1 and m["drafted_tokens"] >= m["accepted_tokens"]
+    assert m["device_cycles"] > 0 and m["pcie_bytes"] > 0
+    assert m["labels"]["device_seconds"].startswith("modelled")
+    assert m["labels"]["verifier_seconds"] == "measured"
+
+
+def test_generate_streams_text_and_labels_figures(demo_pair):
+    proc = dfvg("generate", "--prompt", "def f(x):\n", "--max-new-tokens", 12, "--temperature", 0.8,
+                "--top-k", 20, "--seed", 3)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("def f(x):\n")
+    for label in ("[measured]", "[modelled: cycle model", "[modelled: link model"):
+        assert label in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--device", "bogus://x", "--prompt", "a"], "unknown scheme"),
+    (["generate", "--device", "rtl://tiny", "--prompt", "a"], "not built yet"),
+    (["generate", "--target", "/no/such", "--draft", "/no/such", "--prompt", "a"], "not a Hugging Face model"),
+    (["generate", "--target", "models/demo-target", "--prompt", "a"], "give both --draft and --target"),
+])
+def test_generate_bad_arguments(args, message):
+    assert message in error_line(dfvg(*args))

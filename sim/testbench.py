@@ -1,0 +1,61 @@
+"""Shared Amaranth testbench helpers: stream transfers and a simulation runner with VCD.
+
+Every RTL test uses these, so stream handshakes are written once. Set ``DFVG_VCD=DIR``
+(or pass ``--vcd DIR`` to pytest) to write a waveform for every simulation run into DIR,
+named after the test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from amaranth.sim import Simulator
+
+__all__ = ["stream_put", "stream_get", "run_simulation", "vcd_dir"]
+
+
+async def stream_put(ctx, stream, payload) -> None:
+    """Offer ``payload`` on a ``lib.stream`` interface and wait until it is taken."""
+    ctx.set(stream.payload, payload)
+    ctx.set(stream.valid, 1)
+    await ctx.tick().until(stream.ready)
+    ctx.set(stream.valid, 0)
+
+
+async def stream_get(ctx, stream):
+    """Accept one transfer from a ``lib.stream`` interface and return its payload."""
+    ctx.set(stream.ready, 1)
+    payload, = await ctx.tick().sample(stream.payload).until(stream.valid)
+    ctx.set(stream.ready, 0)
+    return payload
+
+
+def vcd_dir() -> Path | None:
+    d = os.environ.get("DFVG_VCD")
+    return Path(d) if d else None
+
+
+def run_simulation(dut, *testbenches, processes=(), clock_period=1e-8, name: str | None = None,
+                   deadline: float | None = None) -> None:
+    """Simulate ``dut`` with a clock, the given async testbenches and processes.
+
+    With ``DFVG_VCD`` set, the run writes ``$DFVG_VCD/<name>.vcd`` (name defaults to the
+    current pytest test).
+    """
+    sim = Simulator(dut)
+    sim.add_clock(clock_period)
+    for tb in testbenches:
+        sim.add_testbench(tb)
+    for proc in processes:
+        sim.add_process(proc)
+    out = vcd_dir()
+    if out is None:
+        sim.run() if deadline is None else sim.run_until(deadline)
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    test = name or os.environ.get("PYTEST_CURRENT_TEST", "sim").split(" ")[0]
+    path = out / (re.sub(r"[^A-Za-z0-9_.-]+", "_", test) + ".vcd")
+    with sim.write_vcd(str(path)):
+        sim.run() if deadline is None else sim.run_until(deadline)
