@@ -183,7 +183,10 @@ def cmd_draft(args) -> int:
     compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, print)
     tok = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
     prompt = tok(args.prompt)["input_ids"]
-    device = DraftDevice(transport, compiled)
+    try:
+        device = DraftDevice(transport, compiled)
+    except DraftDeviceError as exc:
+        raise CliError(str(exc)) from None
     print(f"draft engine {args.device}, greedy, {args.gamma} tokens per request\n")
     print(args.prompt, end="", flush=True)
     drafted, cycles, inputs = [], 0, prompt

@@ -29,6 +29,7 @@ from dfvg_hw.config import VMEM_LINE_BYTES, EngineConfig
 from dfvg_hw.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, HEADER_BYTES, NORM_PARAM_BYTES,
                            ImageHeader, align, matmul_bytes, pack_act_params, pack_attn_params,
                            pack_norm_params, pack_qparams, padded, tile_weights)
+from dfvg_hw.regmap import MemoryMap
 from dfvg_hw.isa import Cond, Flag, Instruction, MatmulMode, Op, assemble, disassemble, encode, \
     from_bytes, to_bytes
 
@@ -462,9 +463,10 @@ def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_te
     seqs = calibration_sequences(model_dir, calibration_text, shape.vocab)
     cal = calibrate(model, seqs, shape)
     image, lay, scales = build_image(model, shape, cal, engine)
-    if len(image) > engine.mem_bytes:
-        raise DoesNotFit(f"image of {len(image)} bytes exceeds the '{engine.name}' preset's "
-                         f"mem_bytes = {engine.mem_bytes}")
+    room = engine.mem_bytes - MemoryMap.IMAGE
+    if len(image) > room:
+        raise DoesNotFit(f"image of {len(image)} bytes exceeds the {room} bytes of device memory "
+                         f"the '{engine.name}' preset leaves for it (mem_bytes = {engine.mem_bytes})")
     lay.vmem = allocate_vmem(shape, engine)
     program = emit_program(shape, lay)
     if len(program) > engine.imem_words:

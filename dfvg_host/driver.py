@@ -129,8 +129,12 @@ class DraftDevice:
         """DMA the image and program, point the engine at its buffers, load the program."""
         t, c = self.transport, self.compiled
         t.write32(Reg.CONTROL, Control.SOFT_RESET)
-        t.dma_write(MemoryMap.IMAGE, c.image)
-        t.dma_write(MemoryMap.PROGRAM, b"".join(w.to_bytes(16, "little") for w in c.program))
+        try:
+            t.dma_write(MemoryMap.IMAGE, c.image)
+            t.dma_write(MemoryMap.PROGRAM, b"".join(w.to_bytes(16, "little") for w in c.program))
+        except IndexError as exc:
+            raise EngineMismatch(f"the compiled draft does not fit the device's memory ({exc}); "
+                                 "recompile for the device's preset") from None
         self._write_addr(Reg.IMAGE_BASE_LO, MemoryMap.IMAGE)
         self._write_addr(Reg.PROG_BASE_LO, MemoryMap.PROGRAM)
         t.write32(Reg.PROG_LEN, len(c.program))
@@ -181,7 +185,13 @@ class DraftDevice:
         t.write32(Reg.CONTROL, Control.START | (Control.BUF if buf else 0))
         self._wait()
         t.write32(Reg.IRQ_STATUS, Irq.DONE)
-        result = self._read_result(buf, n_draft)
+        error = t.read32(Reg.ERROR)
+        try:
+            result = self._read_result(buf, n_draft)
+        except MalformedResult:
+            if error:   # the engine refused before writing a result (no program, bad request)
+                raise DeviceFault(ErrorCode(error), t.read32(Reg.ERROR_PC), []) from None
+            raise
         self.kv_length = result.end_pos
         if result.status != ErrorCode.OK:
             # Drafted tokens stay in the exception; the committed KV is unchanged.

@@ -33,8 +33,8 @@ class ErrorCode(enum.IntEnum):
     KV_OVERFLOW = 2           #: a KV append or RoPE at a position ≥ kv_positions
     BAD_ADDRESS = 3           #: a device-memory or VMEM access outside its memory
     BAD_REQUEST = 4           #: a request descriptor field out of range
-    PROGRAM = 5               #: the program ran off its end, nested a LOOP, or sampled
-                              #: without logits
+    PROGRAM = 5               #: a malformed program (see docs/isa.md), or one larger than
+                              #: instruction memory
     WATCHDOG = 6              #: the instruction budget ran out (a program that never halts)
 
     def describe(self) -> str:
@@ -48,8 +48,8 @@ class ErrorCode(enum.IntEnum):
                 "image or program is corrupt or was compiled for another preset",
             ErrorCode.BAD_REQUEST: "the request descriptor is out of range (token id, topk, "
                 "n_in or n_draft)",
-            ErrorCode.PROGRAM: "the program is malformed (ran off its end, nested LOOP, or "
-                "SAMPLE without logits)",
+            ErrorCode.PROGRAM: "the program is malformed or larger than instruction memory, or "
+                "no program is loaded; recompile the draft for this engine",
             ErrorCode.WATCHDOG: "the engine's instruction budget ran out; the program "
                 "does not halt",
         }[self]

@@ -17,7 +17,7 @@ from dfvg_hw.image import IMAGE_VERSION
 __all__ = ["Reg", "Control", "Status", "Irq", "ENGINE_ID", "ENGINE_VERSION", "MemoryMap",
            "PARAM_REGS", "engine_params"]
 
-ENGINE_ID = 0x44465647            # "DFVG" read as a little-endian word
+ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
 #: Engine version: major (ISA / descriptor / image format) << 16 | minor.
 ENGINE_VERSION = (IMAGE_VERSION << 16) | 0
 

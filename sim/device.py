@@ -99,7 +99,7 @@ class SimDevice:
         if cmd & Control.LOAD_PROGRAM:
             try:
                 self.engine.load_program(self._addr(Reg.PROG_BASE_LO), self._regs[Reg.PROG_LEN])
-                self._regs[Reg.STATUS] |= Status.PROGRAM_LOADED
+                self._regs[Reg.STATUS] = (self._regs[Reg.STATUS] | Status.PROGRAM_LOADED) & ~Status.ERROR
                 self._regs[Reg.ERROR] = 0
             except (EngineFault, MemoryError_) as exc:
                 code = exc.code if isinstance(exc, EngineFault) else ErrorCode.BAD_ADDRESS

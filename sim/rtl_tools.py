@@ -68,11 +68,14 @@ def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800) ->
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "top.v"
         src.write_text(verilog_text)
-        script = f"read_verilog {src}; synth_xilinx -family xcup -top {top}; stat"
-        proc = subprocess.run([exe, "-q", "-p", script], capture_output=True, text=True, timeout=timeout)
+        # yowasp (WebAssembly) sees only the working directory: use relative paths.
+        script = (f"read_verilog {src.name}; synth_xilinx -family xcup -top {top}; "
+                  "tee -q -o stat.txt stat")
+        proc = subprocess.run([exe, "-q", "-p", script], capture_output=True, text=True,
+                              timeout=timeout, cwd=d)
         if proc.returncode:
             raise RuntimeError(f"yosys failed: {proc.stderr[-2000:]}")
-        text = proc.stdout
+        text = (Path(d) / "stat.txt").read_text()
     counts = {k: 0.0 for k in ("LUT", "FF", "DSP", "BRAM", "URAM", "LUTRAM", "CARRY")}
     for line in text.splitlines():
         parts = line.split()

@@ -133,3 +133,12 @@ def test_engine_checks(tiny_engine, tiny_compiled, demo_compiled):
 def test_bad_device_urls(url, message):
     with pytest.raises(TransportError, match=message):
         open_transport(url)
+
+
+def test_start_without_program_is_a_device_fault(tiny_engine, tiny_compiled):
+    device = SimDevice(tiny_engine)
+    dev = DraftDevice(device, tiny_compiled)
+    device.write32(Reg.CONTROL, Control.SOFT_RESET)      # forgets the loaded program
+    with pytest.raises(DeviceFault) as info:
+        dev.draft(PROMPT, 2)
+    assert info.value.code == ErrorCode.PROGRAM and "no program is loaded" in str(info.value)
