@@ -151,12 +151,17 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
     def bump(d, key, value):
         d[key] = max(d[key], value)
 
+    def unit_rms(i) -> float:
+        # The engine's RMSNORM output before the gain: the gain is folded into the next matmul.
+        x = i.detach().double()
+        return amax(x * torch.rsqrt((x * x).mean(-1, keepdim=True) + shape.rms_norm_eps))
+
     for li, layer in enumerate(model.model.layers):
         st = cal.layers[li]
         on(layer.input_layernorm, lambda i, o, st=st: (setattr(cal, "residual", max(cal.residual, amax(i))),
-                                                       bump(st, "norm1", amax(o))))
+                                                       bump(st, "norm1", unit_rms(i))))
         on(layer.post_attention_layernorm, lambda i, o, st=st: (
-            setattr(cal, "residual", max(cal.residual, amax(i))), bump(st, "norm2", amax(o))))
+            setattr(cal, "residual", max(cal.residual, amax(i))), bump(st, "norm2", unit_rms(i))))
         att, mlp = layer.self_attn, layer.mlp
         on(att.q_proj, lambda i, o, st=st: bump(st, "q", pair_norm_max(o, shape.heads)))
         on(att.k_proj, lambda i, o, st=st: bump(st, "k", pair_norm_max(o, shape.kv_heads)))
@@ -165,7 +170,7 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
         on(mlp.up_proj, lambda i, o, st=st: bump(st, "up", amax(o)))
         on(mlp.down_proj, lambda i, o, st=st: bump(st, "down_in", amax(i)))
     on(model.model.norm, lambda i, o: (setattr(cal, "residual", max(cal.residual, amax(i))),
-                                       setattr(cal, "final_norm", max(cal.final_norm, amax(o)))))
+                                       setattr(cal, "final_norm", max(cal.final_norm, unit_rms(i)))))
     by_length: dict[int, list[list[int]]] = {}
     for ids in token_ids:
         by_length.setdefault(len(ids), []).append(ids)
@@ -193,7 +198,9 @@ def _act_scale(absmax: float, bits: int = 8) -> float:
 
 
 def _norm_block(gamma: np.ndarray, hidden: int, eps: float, s_x: float, s_out: float) -> bytes:
-    real = math.sqrt(hidden) * gamma.astype(np.float64) / s_out
+    """RMSNORM parameters for a wide (int16) output at scale ``s_out``."""
+    # numerics.rmsnorm keeps 8 more fractional bits for an int16 output: take them out of gamma.
+    real = math.sqrt(hidden) * gamma.astype(np.float64) / s_out / 2 ** (16 - nx.ACT_BITS)
     peak = float(np.abs(real).max()) or 1.0
     shift = min(int(math.floor(math.log2(32767.0 / peak))), nx.GAMMA_SHIFT_MAX)
     if shift < 0:
@@ -264,25 +271,30 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     for li in range(shape.layers):
         p = f"model.layers.{li}."
         c = cal.layers[li]
-        s_n1, s_n2 = _act_scale(c["norm1"]), _act_scale(c["norm2"])
+        # Matmul inputs are wide (int16); q, k, v (the KV cache), gate and up stay int8.
+        s_n1, s_n2 = _act_scale(c["norm1"], 16), _act_scale(c["norm2"], 16)
         s_q, s_k, s_v = _act_scale(c["q"]), _act_scale(c["k"]), _act_scale(c["v"])
-        s_g, s_u, s_h = _act_scale(c["gate"]), _act_scale(c["up"]), _act_scale(c["down_in"])
+        s_g, s_u, s_h = _act_scale(c["gate"]), _act_scale(c["up"]), _act_scale(c["down_in"], 16)
+        s_o = s_v / 2 ** (16 - nx.ACT_BITS)       # wide attention output: V's scale / 2^8
         qd, kd = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         parts = {}
-        parts["norm1"] = _norm_block(sd[p + "input_layernorm.weight"], shape.hidden,
-                                     shape.rms_norm_eps, s_x, s_n1)
+        # RMSNorm gains are folded into the following matmul's input columns: the
+        # normalised vector then has unit RMS in every channel, which int8 represents far
+        # better than the gained one, and per-output-channel weight scales absorb the gain.
+        unit = np.ones(shape.hidden)
+        parts["norm1"] = _norm_block(unit, shape.hidden, shape.rms_norm_eps, s_x, s_n1)
         wqkv = np.concatenate([sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"],
-                               sd[p + "self_attn.v_proj.weight"]])
+                               sd[p + "self_attn.v_proj.weight"]]) * sd[p + "input_layernorm.weight"]
         w8, sw = _weight_int8(wqkv)
         s_out = np.concatenate([np.full(qd, s_q), np.full(kd, s_k), np.full(kd, s_v)])
         parts["qkv"] = _matmul_block(w8, s_n1 * sw / s_out, engine)
         am, ash = nx.host_multiplier(s_q * s_k * scaling * math.log2(math.e) * (1 << nx.EXP_FRAC))
         parts["attn"] = pack_attn_params(int(am), int(ash), shape.kv_heads)
         w8, sw = _weight_int8(sd[p + "self_attn.o_proj.weight"])
-        parts["o"] = _matmul_block(w8, s_v * sw / s_x, engine)
-        parts["norm2"] = _norm_block(sd[p + "post_attention_layernorm.weight"], shape.hidden,
-                                     shape.rms_norm_eps, s_x, s_n2)
-        wgu = np.concatenate([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+        parts["o"] = _matmul_block(w8, s_o * sw / s_x, engine)
+        parts["norm2"] = _norm_block(unit, shape.hidden, shape.rms_norm_eps, s_x, s_n2)
+        wgu = np.concatenate([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]) \
+            * sd[p + "post_attention_layernorm.weight"]
         w8, sw = _weight_int8(wgu)
         s_out = np.concatenate([np.full(shape.intermediate, s_g), np.full(shape.intermediate, s_u)])
         parts["gateup"] = _matmul_block(w8, s_n2 * sw / s_out, engine)
@@ -308,11 +320,11 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
             block[lay.sub[name]:lay.sub[name] + len(data)] = data
         b.place(bytes(block))
 
-    s_fn = _act_scale(cal.final_norm)
-    lay.final_norm = b.place(_norm_block(sd["model.norm.weight"], shape.hidden,
+    s_fn = _act_scale(cal.final_norm, 16)
+    lay.final_norm = b.place(_norm_block(np.ones(shape.hidden), shape.hidden,
                                          shape.rms_norm_eps, s_x, s_fn))
     # A tied lm_head has no entry of its own: quantise the embedding matrix per row.
-    lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"]) * sd["model.norm.weight"]
     w8, sw = _weight_int8(lm)
     lay.lm_head = b.place(_matmul_block(w8, s_fn * sw * (1 << nx.LOGIT_FRAC), engine))
     scales["final_norm"] = s_fn
@@ -332,9 +344,9 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
 # -- program ------------------------------------------------------------------------------
 def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
     """VMEM regions (in 16-byte lines) for one draft row."""
-    sizes = dict(x=2 * shape.hidden, xn=shape.hidden, qkv=shape.qkv_out,
-                 attn=shape.heads * shape.head_dim, gateup=2 * shape.intermediate,
-                 h=shape.intermediate)
+    sizes = dict(x=2 * shape.hidden, xn=2 * shape.hidden, qkv=shape.qkv_out,
+                 attn=2 * shape.heads * shape.head_dim, gateup=2 * shape.intermediate,
+                 h=2 * shape.intermediate)
     vmem, line = {}, 0
     for name, nbytes in sizes.items():
         vmem[name] = line
@@ -352,34 +364,38 @@ def emit_program(shape: ModelShape, lay: Layout) -> list[int]:
     q_lines = s.heads * hd // VMEM_LINE_BYTES
     k_line = v["qkv"] + q_lines
     L = lambda name: lay.layers_base + lay.sub[name]
-    int8, resadd, logits = (MatmulMode.INT8 << 1, MatmulMode.RESADD << 1, MatmulMode.LOGITS << 1)
+    wide = Flag.WIDE
+    to_int8, to_residual, to_logits = (MatmulMode.INT8 << 1 | wide, MatmulMode.RESADD << 1 | wide,
+                                       MatmulMode.LOGITS << 1 | wide)
     lrel = Flag.LREL
     body = [
         Instruction(Op.EMBED, rows=1, dst=v["x"], n=s.hidden, addr=lay.embed),
         Instruction(Op.LOOP, n=s.layers, addr=lay.layer_stride),
-        Instruction(Op.RMSNORM, flags=lrel, rows=1, dst=v["xn"], src=v["x"], n=s.hidden, addr=L("norm1")),
-        Instruction(Op.MATMUL, flags=lrel | int8, rows=1, dst=v["qkv"], src=v["xn"], n=s.qkv_out,
+        Instruction(Op.RMSNORM, flags=lrel | wide, rows=1, dst=v["xn"], src=v["x"], n=s.hidden,
+                    addr=L("norm1")),
+        Instruction(Op.MATMUL, flags=lrel | to_int8, rows=1, dst=v["qkv"], src=v["xn"], n=s.qkv_out,
                     k=s.hidden, addr=L("qkv")),
         Instruction(Op.ROPE, rows=1, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd, addr=lay.rope),
         Instruction(Op.ROPE, rows=1, dst=k_line, src=k_line, n=s.kv_heads, k=hd, addr=lay.rope),
         Instruction(Op.KVAPPEND, rows=1, src=k_line, n=s.kv_heads, k=hd),
-        Instruction(Op.ATTN, flags=lrel, rows=1, dst=v["attn"], src=v["qkv"], n=s.heads, k=hd,
+        Instruction(Op.ATTN, flags=lrel | wide, rows=1, dst=v["attn"], src=v["qkv"], n=s.heads, k=hd,
                     addr=L("attn")),
-        Instruction(Op.MATMUL, flags=lrel | resadd, rows=1, dst=v["x"], src=v["attn"], n=s.hidden,
+        Instruction(Op.MATMUL, flags=lrel | to_residual, rows=1, dst=v["x"], src=v["attn"], n=s.hidden,
                     k=s.heads * hd, addr=L("o")),
-        Instruction(Op.RMSNORM, flags=lrel, rows=1, dst=v["xn"], src=v["x"], n=s.hidden, addr=L("norm2")),
-        Instruction(Op.MATMUL, flags=lrel | int8, rows=1, dst=v["gateup"], src=v["xn"],
+        Instruction(Op.RMSNORM, flags=lrel | wide, rows=1, dst=v["xn"], src=v["x"], n=s.hidden,
+                    addr=L("norm2")),
+        Instruction(Op.MATMUL, flags=lrel | to_int8, rows=1, dst=v["gateup"], src=v["xn"],
                     n=2 * s.intermediate, k=s.hidden, addr=L("gateup")),
-        Instruction(Op.ACTMUL, flags=lrel, rows=1, dst=v["h"], src=v["gateup"], n=s.intermediate,
+        Instruction(Op.ACTMUL, flags=lrel | wide, rows=1, dst=v["h"], src=v["gateup"], n=s.intermediate,
                     addr=L("act")),
-        Instruction(Op.MATMUL, flags=lrel | resadd, rows=1, dst=v["x"], src=v["h"], n=s.hidden,
+        Instruction(Op.MATMUL, flags=lrel | to_residual, rows=1, dst=v["x"], src=v["h"], n=s.hidden,
                     k=s.intermediate, addr=L("down")),
         Instruction(Op.ENDLOOP),
     ]
     tail_start = len(body) + 1
     tail = [
-        Instruction(Op.RMSNORM, rows=1, dst=v["xn"], src=v["x"], n=s.hidden, addr=lay.final_norm),
-        Instruction(Op.MATMUL, flags=logits, rows=1, src=v["xn"], n=s.vocab, k=s.hidden, addr=lay.lm_head),
+        Instruction(Op.RMSNORM, flags=wide, rows=1, dst=v["xn"], src=v["x"], n=s.hidden, addr=lay.final_norm),
+        Instruction(Op.MATMUL, flags=to_logits, rows=1, src=v["xn"], n=s.vocab, k=s.hidden, addr=lay.lm_head),
         Instruction(Op.SAMPLE, n=s.vocab),
     ]
     next_pc = tail_start + len(tail)

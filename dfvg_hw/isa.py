@@ -64,6 +64,10 @@ class Flag(enum.IntFlag):
     LREL = 0x01        #: address += LAYER · LSTRIDE (set by LOOP) — layer-relative
     MODE0 = 0x02       #: MATMUL output mode, bits 1-2 (see MatmulMode)
     MODE1 = 0x04
+    #: Wide activations (int16): MATMUL reads an int16 src (the matrix unit takes it as
+    #: two int8 digit rows sharing each weight tile); RMSNORM, ACTMUL and ATTN write an
+    #: int16 dst with 8 more fractional bits.
+    WIDE = 0x08
 
 
 class MatmulMode(enum.IntEnum):
@@ -88,13 +92,13 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
     Op.BRANCH: (frozenset({"flags", "n"}), 0xFF),
     Op.NEXT: (frozenset({"n"}), 0),
     Op.EMBED: (frozenset({"rows", "dst", "n", "addr"}), 0),
-    Op.RMSNORM: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL),
+    Op.RMSNORM: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL | Flag.WIDE),
     Op.MATMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
-                Flag.LREL | Flag.MODE0 | Flag.MODE1),
+                Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE),
     Op.ROPE: (frozenset({"rows", "dst", "src", "n", "k", "addr"}), 0),
     Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
-    Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL),
-    Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL),
+    Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
+    Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL | Flag.WIDE),
     Op.SAMPLE: (frozenset({"n"}), 0),
 }
 #: Opcodes that process ``rows`` rows; rows must be ≥ 1 for them.
@@ -134,6 +138,10 @@ class Instruction:
     @property
     def layer_relative(self) -> bool:
         return bool(self.flags & Flag.LREL)
+
+    @property
+    def wide(self) -> bool:
+        return self.opcode != Op.BRANCH and bool(self.flags & Flag.WIDE)
 
     def validate(self, word: int | None = None) -> "Instruction":
         """Raise :class:`IllegalInstruction` unless every field is legal for the opcode."""
@@ -221,6 +229,8 @@ def _format(ins: Instruction) -> str:
         parts.append(f"addr=0x{ins.addr:x}")
     if ins.opcode != Op.BRANCH and ins.layer_relative:
         parts.append("lrel")
+    if ins.wide:
+        parts.append("wide")
     text = ins.opcode.name.lower()
     return f"{text} {', '.join(parts)}" if parts else text
 
@@ -272,8 +282,8 @@ def _parse(body: str, labels: dict[str, int]) -> Instruction:
     values: dict[str, int] = {}
     flags = 0
     for item in filter(None, (p.strip() for p in rest.split(","))):
-        if item == "lrel":
-            flags |= Flag.LREL
+        if item in ("lrel", "wide"):
+            flags |= Flag.LREL if item == "lrel" else Flag.WIDE
             continue
         key, eq, value = item.partition("=")
         key, value = key.strip(), value.strip()

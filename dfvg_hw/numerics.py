@@ -113,18 +113,20 @@ def rsqrt_fixed(s) -> tuple[np.ndarray, np.ndarray]:
     return RSQRT_LUT[u - (1 << RSQRT_INDEX_BITS)], k
 
 
-def rmsnorm(x, gamma, gamma_shift: int, eps: int) -> np.ndarray:
-    """RMSNorm of int16 rows ``x[..., H]`` to int8.
+def rmsnorm(x, gamma, gamma_shift: int, eps: int, out_bits: int = ACT_BITS) -> np.ndarray:
+    """RMSNorm of int16 rows ``x[..., H]`` to int8 (or int16 with ``out_bits=16``).
 
     ``sumsq = Σ x² + eps``; ``(r, k) = rsqrt_fixed(sumsq)``;
-    ``y = sat8(round_shift(x · r · gamma, 15 + k + gamma_shift))``.
+    ``y = sat(round_shift(x · r · gamma, 15 + k + gamma_shift - (out_bits - 8)))``: a
+    16-bit output keeps 8 more fractional bits.
     ``gamma`` is a signed 16-bit per-channel multiplier with √H·g/s_out folded in (so the
     scale of x cancels); ``eps`` the integer ε·H/s_x². Bounds: |x·r·gamma| < 2^46.
     """
     x = _as_i64(x)
     sumsq = np.sum(x * x, axis=-1, keepdims=True) + _I64(eps)
     r, k = rsqrt_fixed(sumsq)
-    return saturate(round_shift(x * r * _as_i64(gamma), RSQRT_BITS + k + gamma_shift), ACT_BITS)
+    shift = RSQRT_BITS + k + gamma_shift - (out_bits - ACT_BITS)
+    return saturate(round_shift(x * r * _as_i64(gamma), shift), out_bits)
 
 
 # -- exponentials and softmax ---------------------------------------------------------
@@ -156,18 +158,19 @@ def softmax_weights(scores, mult: int, shift: int) -> np.ndarray:
     return exp2_neg(round_shift(d * _I64(mult), shift))
 
 
-def attention(q, k, v, mult: int, shift: int) -> np.ndarray:
+def attention(q, k, v, mult: int, shift: int, out_bits: int = ACT_BITS) -> np.ndarray:
     """Attention of one int8 query ``q[D]`` over int8 keys/values ``k, v[T, D]``.
 
     ``s = k·q`` (int32); ``e = softmax_weights(s)``; ``E = Σ e`` (≥ 2^16);
     ``num = Σ_t e_t v_t`` (|num| < 2^16·128·T); ``R = floor(2^32 / E)`` (one sequential
-    divider per head); ``o = sat8(round_shift(num · R, 32))``. The output has V's scale.
+    divider per head); ``o = sat8(round_shift(num · R, 32))``. The output has V's scale;
+    with ``out_bits=16`` it is ``sat16(round_shift(num · R, 24))``, V's scale / 2^8.
     """
     q, k, v = _as_i64(q), _as_i64(k), _as_i64(v)
     e = softmax_weights(k @ q, mult, shift)
     recip = (_I64(1) << RECIP_BITS) // np.sum(e)
     num = e @ v
-    return saturate(round_shift(num * recip, RECIP_BITS), ACT_BITS)
+    return saturate(round_shift(num * recip, RECIP_BITS - (out_bits - ACT_BITS)), out_bits)
 
 
 # -- RoPE, activation ----------------------------------------------------------------
@@ -185,15 +188,15 @@ def rope(x, cos, sin) -> np.ndarray:
                            saturate(round_shift(b * c + a * s, ROPE_FRAC), ACT_BITS)], axis=-1)
 
 
-def act_mul(gate, up, lut, mult: int, shift: int) -> np.ndarray:
+def act_mul(gate, up, lut, mult: int, shift: int, out_bits: int = ACT_BITS) -> np.ndarray:
     """Gated activation: ``sat8(round_shift(lut[gate + 128] · up · mult, shift))``.
 
     ``lut`` is a 256-entry int16 table of the activation (SiLU, GELU, …) of every int8
     gate value, at a scale chosen by the compiler; the product with int8 ``up`` is
-    requantised with (mult, shift): ``requant(lut[g+128] · up, mult, shift)``.
+    requantised with (mult, shift) to ``out_bits``: ``requant(lut[g+128] · up, mult, shift)``.
     """
     a = _as_i64(lut)[_as_i64(gate) + 128]
-    return requant(a * _as_i64(up), mult, shift, ACT_BITS)
+    return requant(a * _as_i64(up), mult, shift, out_bits)
 
 
 # -- token sampler ------------------------------------------------------------------

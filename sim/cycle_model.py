@@ -68,7 +68,9 @@ class CycleModel:
         if op == Op.MATMUL:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
             nbytes = npad * kpad + 4 * npad
-            compute = (npad // c.lanes) * (kpad // c.reduce) * ceil(rows / c.rows)
+            # A wide (int16) input is two int8 digit rows sharing each weight tile.
+            digit_rows = rows * (2 if ins.wide else 1)
+            compute = (npad // c.lanes) * (kpad // c.reduce) * ceil(digit_rows / c.rows)
             body = max(compute, ceil(nbytes / self.bytes_per_cycle))
             return self.ISSUE + self.latency + body + self.matmul_pipe, nbytes
         if op == Op.RMSNORM:

@@ -201,7 +201,8 @@ class FunctionalEngine:
                                   f"{nx.GAMMA_SHIFT_MAX}")
             gamma = self._dram(addr + NORM_PARAM_BYTES, 2 * ins.n).view("<i2")
             x = self._vload(ins.src, rows, ins.n, np.int16)
-            self._vstore(ins.dst, nx.rmsnorm(x, gamma, int(head[1]), int(head[0])), np.int8)
+            bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
+            self._vstore(ins.dst, nx.rmsnorm(x, gamma, int(head[1]), int(head[0]), bits), dtype)
         elif op == Op.MATMUL:
             self._matmul(ins, addr)
         elif op == Op.ROPE:
@@ -225,8 +226,9 @@ class FunctionalEngine:
             lut = self._dram(addr + 16, 512).view("<i2")
             gu = self._vload(ins.src, rows, 2 * ins.n, np.int8)
             mult, shift = int(head[0]) & 0xFFFF, (int(head[0]) >> 16) & 0x3F
-            y = nx.act_mul(gu[:, :ins.n], gu[:, ins.n:], lut, mult, shift)
-            self._vstore(ins.dst, y, np.int8)
+            bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
+            y = nx.act_mul(gu[:, :ins.n], gu[:, ins.n:], lut, mult, shift, bits)
+            self._vstore(ins.dst, y, dtype)
         elif op == Op.NOP:
             pass
         else:  # pragma: no cover - decode() admits only the opcodes handled above
@@ -239,10 +241,10 @@ class FunctionalEngine:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
             w = untile_weights(self._dram(addr, npad * kpad), ins.n, ins.k, c.lanes, c.reduce)
             mult, shift = unpack_qparams(self._dram(addr + npad * kpad, 4 * npad).view("<u4")[:ins.n])
-            # float64 BLAS is exact here: |int8·int8| sums stay far below 2^53.
             self._weights[key] = (w.astype(np.float64).T, mult, shift, npad * kpad + 4 * npad)
         wt, mult, shift, _ = self._weights[key]
-        x = self._vload(ins.src, ins.rows, ins.k, np.int8)
+        x = self._vload(ins.src, ins.rows, ins.k, np.int16 if ins.wide else np.int8)
+        # float64 BLAS is exact: |int16 · int8| sums over k < 2^16 stay below 2^38 < 2^53.
         acc = np.rint(x.astype(np.float64) @ wt).astype(np.int64)
         mode = ins.mode
         if mode == MatmulMode.INT8:
@@ -269,11 +271,12 @@ class FunctionalEngine:
         q = self._vload(ins.src, 1, ins.n * ins.k, np.int8).reshape(ins.n, ins.k)
         t = st.pos + 1
         out = np.empty((ins.n, ins.k), dtype=np.int64)
+        bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
         for hd in range(ins.n):
             kvh = hd // group
             out[hd] = nx.attention(q[hd], self.kv_k[st.layer, kvh, :t, :ins.k],
-                                   self.kv_v[st.layer, kvh, :t, :ins.k], mult, shift)
-        self._vstore(ins.dst, out.reshape(1, -1), np.int8)
+                                   self.kv_v[st.layer, kvh, :t, :ins.k], mult, shift, bits)
+        self._vstore(ins.dst, out.reshape(1, -1), dtype)
 
     def _sample(self, ins: Instruction, h: dict, index: int) -> DraftedToken:
         if self.logits is None or ins.n != self.logits.shape[0]:

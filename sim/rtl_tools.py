@@ -18,6 +18,8 @@ VERILATOR_WAIVERS = {
     "WIDTH": "Amaranth truncates/extends intermediate results on assignment, by design",
     # Unused bits of packed ports (e.g. a struct field a block does not read).
     "UNUSEDSIGNAL": "unused bits of packed stream payloads",
+    # Amaranth writes every submodule as its own module into one file.
+    "DECLFILENAME": "Amaranth emits all modules of a design into one Verilog file",
 }
 
 
@@ -51,8 +53,8 @@ _CELL_CLASSES = {
     "DSP": re.compile(r"^DSP48E2$"),
     "BRAM": re.compile(r"^RAMB(18|36)E2$"),
     "URAM": re.compile(r"^URAM288$"),
-    "LUTRAM": re.compile(r"^RAM(32|64|128|256)[MX]\\d*.*$"),
-    "CARRY": re.compile(r"^CARRY8$"),
+    "LUTRAM": re.compile(r"^RAM(32|64|128|256)[MX]\d*.*$"),
+    "CARRY": re.compile(r"^CARRY[48]$"),
 }
 
 
@@ -69,7 +71,8 @@ def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800) ->
         src = Path(d) / "top.v"
         src.write_text(verilog_text)
         # yowasp (WebAssembly) sees only the working directory: use relative paths.
-        script = (f"read_verilog {src.name}; synth_xilinx -family xcup -top {top}; "
+        # -flatten: one module, so stat counts every cell once.
+        script = (f"read_verilog {src.name}; synth_xilinx -flatten -family xcup -top {top}; "
                   "tee -q -o stat.txt stat")
         proc = subprocess.run([exe, "-q", "-p", script], capture_output=True, text=True,
                               timeout=timeout, cwd=d)

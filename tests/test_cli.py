@@ -86,7 +86,8 @@ def test_generate_streams_text_and_labels_figures(demo_pair):
     proc = dfvg("generate", "--prompt", "def f(x):\n", "--max-new-tokens", 12, "--temperature", 0.8,
                 "--top-k", 20, "--seed", 3)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("def f(x):\n")
+    header, text = proc.stdout.split("\n\n", 1)
+    assert "sim://alveo-u55c" in header and text.startswith("def f(x):\n")
     for label in ("[measured]", "[modelled: cycle model", "[modelled: link model"):
         assert label in proc.stdout
 
