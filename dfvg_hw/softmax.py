@@ -1,0 +1,576 @@
+"""Softmax and attention: exp2 path, softmax weights, reciprocal, normaliser, attention.
+
+All bit-exact with :mod:`dfvg_hw.numerics`:
+
+* :class:`SoftmaxExp` — the exp path ``exp2_neg(round_shift((max − s) · mult, shift))``:
+  subtract, multiply, rounding shift into the 256 × 17-bit ``EXP2_LUT`` ROM, shift.
+* :class:`SoftmaxWeights` — :func:`numerics.softmax_weights` over a vector of int32
+  scores streamed ``lanes`` per beat: buffers the vector, finds its maximum, then
+  streams the weights, and reports their sum ``E``.
+* :class:`Reciprocal` — ``floor(2^32 / E)``, a sequential restoring divider (one quotient
+  bit per cycle, 34 cycles).
+* :class:`Normalizer` — ``sat8(round_shift(num · R, 32))`` per lane, on the shared
+  requantiser.
+* :class:`Attention` — :func:`numerics.attention` for one query head over streamed K and
+  V rows, composed of the pieces above.
+"""
+
+from __future__ import annotations
+
+from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
+from amaranth.lib import data, enum, stream, wiring
+from amaranth.lib.memory import Memory
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import ceil_log2
+
+from dfvg_hw import numerics as nx
+from dfvg_hw.config import EngineConfig
+from dfvg_hw.elementwise import VectorRequantizer, reduce_tree
+
+__all__ = ["SoftmaxExp", "SoftmaxWeights", "Reciprocal", "Normalizer", "Attention",
+           "EXP_BITS", "RECIP_OUT_BITS"]
+
+#: Width of a softmax weight: Q0.16 in [0, 2^16].
+EXP_BITS = nx.EXP_FRAC + 9
+#: Width of the attention reciprocal floor(2^32 / E) for E ≥ 2^16: at most 2^16.
+RECIP_OUT_BITS = nx.RECIP_BITS - 16 + 1
+
+
+def _smax(a, b):
+    return Mux(a > b, a, b)
+
+
+class SoftmaxExp(wiring.Component):
+    """Exp path of the softmax, ``lanes`` scores per beat.
+
+    Per lane ``e = exp2_neg(round_shift((max − s) · mult, shift))`` (0 for a lane whose
+    ``keep`` bit is clear), bit-exact with :func:`numerics.softmax_weights` given the
+    vector's maximum. Four stages, initiation interval 1:
+
+    1. ``d = max − s`` (unsigned, < 2^score_bits);
+    2. ``p = d · mult``;
+    3. ``u = (p + 2^(shift−1)) >> shift``; ``EXP2_LUT[u mod 2^8]`` read (synchronous ROM,
+       one copy per lane) while ``n = u >> 8`` is registered (n ≥ 17 gives 0);
+    4. ``e = EXP2_LUT[…] >> n``.
+
+    Parameters
+    ----------
+    lanes : int
+        Scores per beat.
+    score_bits : int
+        Signed score width (32 for int32 scores; attention uses less).
+
+    Members
+    -------
+    i : In(stream.Signature(StructLayout({"s": ArrayLayout(signed(score_bits), lanes), "keep": unsigned(lanes), "max": signed(score_bits), "mult": unsigned(16), "shift": unsigned(6), "last": 1})))
+        Scores, lane mask, the vector's maximum and (mult, shift), end-of-vector flag.
+    o : Out(stream.Signature(StructLayout({"e": ArrayLayout(unsigned(17), lanes), "last": 1})))
+        Weights in Q0.16 and the end-of-vector flag.
+    """
+
+    LATENCY = 4
+
+    def __init__(self, lanes: int, score_bits: int = 32):
+        self.lanes, self.score_bits = lanes, score_bits
+        super().__init__({
+            "i": In(stream.Signature(data.StructLayout({
+                "s": data.ArrayLayout(signed(score_bits), lanes),
+                "keep": unsigned(lanes),
+                "max": signed(score_bits),
+                "mult": unsigned(nx.MULT_BITS),
+                "shift": unsigned(6),
+                "last": 1,
+            }))),
+            "o": Out(stream.Signature(data.StructLayout({
+                "e": data.ArrayLayout(unsigned(EXP_BITS), lanes),
+                "last": 1,
+            }))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        sb, lanes = self.score_bits, self.lanes
+        p_bits = sb + nx.MULT_BITS
+        max_shift = p_bits + 1          # p < 2^p_bits: any larger shift rounds to 0 as this one
+        adv = Signal()
+        m.d.comb += [adv.eq(~self.o.valid | self.o.ready), self.i.ready.eq(adv)]
+        ip = self.i.payload
+
+        v1, v2, v3 = Signal(), Signal(), Signal()
+        last1, last2, last3 = Signal(), Signal(), Signal()
+        mult1 = Signal(unsigned(nx.MULT_BITS))
+        shift1, shift2 = Signal(range(max_shift + 1)), Signal(range(max_shift + 1))
+        keep1, keep2 = Signal(lanes), Signal(lanes)
+        with m.If(adv):
+            m.d.sync += [
+                v1.eq(self.i.valid), last1.eq(ip.last), keep1.eq(ip.keep), mult1.eq(ip.mult),
+                shift1.eq(Mux(ip.shift > max_shift, max_shift, ip.shift)),
+                v2.eq(v1), last2.eq(last1), keep2.eq(keep1), shift2.eq(shift1),
+                v3.eq(v2), last3.eq(last2),
+                self.o.valid.eq(v3), self.o.payload.last.eq(last3),
+            ]
+        half = Signal(p_bits + 1)
+        m.d.comb += half.eq((Const(1, p_bits + 2) << shift2) >> 1)
+        for l in range(lanes):
+            d1 = Signal(unsigned(sb), name=f"d1_{l}")
+            p2 = Signal(unsigned(p_bits), name=f"p2_{l}")
+            u = Signal(unsigned(p_bits + 1), name=f"u_{l}")
+            n3 = Signal(range(nx.EXP_ONE.bit_length() + 1), name=f"n3_{l}")
+            zero3 = Signal(name=f"zero3_{l}")
+            # one ROM copy per lane (yosys maps a many-read-port memory poorly)
+            rom = m.submodules[f"exp2_lut{l}"] = Memory(
+                shape=unsigned(EXP_BITS), depth=1 << nx.EXP_FRAC,
+                init=[int(v) for v in nx.EXP2_LUT])
+            rp = rom.read_port()
+            m.d.comb += [u.eq((p2 + half) >> shift2), rp.en.eq(adv), rp.addr.eq(u[:nx.EXP_FRAC])]
+            n = u[nx.EXP_FRAC:]
+            with m.If(adv):
+                m.d.sync += [
+                    d1.eq(ip.max - ip.s[l]),
+                    p2.eq(d1 * mult1),
+                    n3.eq(n[:n3.shape().width]),
+                    zero3.eq(~keep2[l] | (n >= 17)),
+                    self.o.payload.e[l].eq(Mux(zero3, 0, rp.data >> n3)),
+                ]
+        return m
+
+
+class SoftmaxWeightsInput(data.StructLayout):
+    def __init__(self, lanes: int, score_bits: int = 32):
+        super().__init__({"s": data.ArrayLayout(signed(score_bits), lanes),
+                          "keep": unsigned(lanes), "last": 1})
+
+
+class _SwPhase(enum.Enum, shape=2):
+    LOAD = 0
+    DRAIN = 1
+    EMIT = 2
+
+
+class SoftmaxWeights(wiring.Component):
+    """Unnormalised softmax weights, bit-exact with :func:`numerics.softmax_weights`.
+
+    Two passes per vector. **Load:** beats of ``lanes`` int32 scores (``keep`` marks the
+    valid lanes of a partial last beat; at least one lane of a vector must be kept) are
+    written to a score buffer while a registered max tree and a running maximum find
+    ``max(s)``. **Emit:** the buffer is read back in order through :class:`SoftmaxExp`
+    (with ``mult``/``shift`` sampled with the vector's last input beat) and the weights
+    stream out on ``o``, ``lanes`` per beat (0 in lanes not kept), ``last`` on the final
+    beat. The sum ``E = Σ e`` of the vector's weights follows on ``total`` (one beat per
+    vector, ``2 + ceil(log2 lanes)`` cycles after the last weight beat), ready for
+    :class:`Reciprocal`.
+
+    The next vector loads while the previous one's tail is emitted; its emit pass waits
+    until the previous ``total`` has been taken.
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``lanes`` sets the beat width.
+    max_len : int, optional
+        Longest vector in elements (default ``config.kv_positions``, one score per KV
+        position); the buffer holds ``ceil(max_len / lanes)`` beats.
+
+    Members
+    -------
+    i : In(stream.Signature(SoftmaxWeightsInput(lanes)))
+        Scores.
+    mult : In(unsigned(16))
+        Score → log2-units multiplier (numerics.md §5.2).
+    shift : In(unsigned(6))
+        Its shift.
+    o : Out(stream.Signature(StructLayout({"e": ArrayLayout(unsigned(17), lanes), "last": 1})))
+        Weights, Q0.16.
+    total : Out(stream.Signature(unsigned(total_bits)))
+        ``Σ e`` per vector.
+
+    Timing: the first weight beat is valid ``LOAD_TO_EMIT`` = ``3 + ceil(log2 lanes) +
+    SoftmaxExp.LATENCY`` edges after the edge that accepts the vector's last score
+    beat; then one beat per cycle.
+    """
+
+    def __init__(self, config: EngineConfig, max_len: int | None = None):
+        self.lanes = config.lanes
+        self.max_len = config.kv_positions if max_len is None else max_len
+        self.depth = -(-self.max_len // self.lanes)
+        self.total_bits = (self.max_len * nx.EXP_ONE).bit_length()
+        self.LOAD_TO_EMIT = 3 + ceil_log2(self.lanes) + SoftmaxExp.LATENCY
+        super().__init__({
+            "i": In(stream.Signature(SoftmaxWeightsInput(self.lanes))),
+            "mult": In(unsigned(nx.MULT_BITS)),
+            "shift": In(unsigned(6)),
+            "o": Out(stream.Signature(data.StructLayout({
+                "e": data.ArrayLayout(unsigned(EXP_BITS), self.lanes), "last": 1}))),
+            "total": Out(stream.Signature(unsigned(self.total_bits))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        lanes = self.lanes
+        ex = m.submodules.exp = SoftmaxExp(lanes, 32)
+        buf_layout = data.StructLayout({"s": data.ArrayLayout(signed(32), lanes),
+                                        "keep": unsigned(lanes)})
+        buf = m.submodules.buffer = Memory(shape=buf_layout, depth=self.depth, init=[])
+        wp, rp = buf.write_port(), buf.read_port()
+        ip = self.i.payload
+        phase = Signal(_SwPhase)
+        count = Signal(range(self.depth + 1))
+        first = Signal(init=1)
+        mult, shift = Signal(unsigned(nx.MULT_BITS)), Signal(6)
+        total_pending = Signal()
+        r_v, r_last = Signal(), Signal()        # read stage of the emit pass
+
+        # -- load: buffer the scores, running maximum over kept lanes ------------------------
+        take = Signal()
+        m.d.comb += [take.eq(self.i.valid & self.i.ready),
+                     # the last beat of the previous vector may still wait in the read
+                     # stage, reading vmax/mult/shift: the next vector starts after it
+                     self.i.ready.eq((phase == _SwPhase.LOAD) & ~r_v),
+                     wp.en.eq(take), wp.addr.eq(Mux(first, 0, count)),
+                     wp.data.s.eq(ip.s), wp.data.keep.eq(ip.keep)]
+        lo = -(1 << 31)
+        masked = [Mux(ip.keep[l], ip.s[l], lo) for l in range(lanes)]
+        beat_max, t_v, (t_first, t_last), _ = reduce_tree(
+            m, masked, _smax, valid=take, tags=[first, ip.last], name="max")
+        vmax = Signal(signed(32))
+        max_done = Signal()
+        with m.If(take):
+            m.d.sync += [first.eq(ip.last), count.eq(Mux(first, 1, count + 1))]
+        with m.If(take & ip.last):
+            m.d.sync += [mult.eq(self.mult), shift.eq(self.shift)]
+        m.d.sync += max_done.eq(t_v & t_last)
+        with m.If(t_v):
+            m.d.sync += vmax.eq(Mux(t_first, beat_max, _smax(vmax, beat_max)))
+
+        # -- emit: read back in order through the exp path ------------------------------------
+        rd = Signal(range(self.depth + 1))
+        r_adv = Signal()
+        issue = Signal()
+        m.d.comb += [
+            r_adv.eq(~r_v | ex.i.ready),
+            issue.eq(r_adv & (phase == _SwPhase.EMIT)),
+            rp.en.eq(r_adv), rp.addr.eq(rd),
+            ex.i.valid.eq(r_v),
+            ex.i.payload.s.eq(rp.data.s), ex.i.payload.keep.eq(rp.data.keep),
+            ex.i.payload.max.eq(vmax), ex.i.payload.mult.eq(mult), ex.i.payload.shift.eq(shift),
+            ex.i.payload.last.eq(r_last),
+        ]
+        with m.If(r_adv):
+            m.d.sync += [r_v.eq(issue), r_last.eq(rd == count - 1)]
+        with m.If(issue):
+            m.d.sync += rd.eq(rd + 1)
+
+        with m.If(phase == _SwPhase.LOAD):
+            with m.If(take & ip.last):
+                m.d.sync += phase.eq(_SwPhase.DRAIN)
+        with m.Elif(phase == _SwPhase.DRAIN):       # max tree empties; previous total taken
+            with m.If(max_done):
+                m.d.sync += max_done.eq(1)          # hold until the emit pass can start
+            with m.If(max_done & ~total_pending):
+                m.d.sync += [phase.eq(_SwPhase.EMIT), rd.eq(0), max_done.eq(0)]
+        with m.Else():                               # EMIT
+            with m.If(issue & (rd == count - 1)):
+                m.d.sync += phase.eq(_SwPhase.LOAD)
+
+        # -- output and the sum of the weights --------------------------------------------------
+        m.d.comb += [self.o.valid.eq(ex.o.valid), self.o.payload.eq(ex.o.payload),
+                     ex.o.ready.eq(self.o.ready)]
+        hs = Signal()
+        m.d.comb += hs.eq(self.o.valid & self.o.ready)
+        esum, e_v, (e_last,), _ = reduce_tree(m, list(ex.o.payload.e), lambda a, b: a + b,
+                                              valid=hs, tags=[ex.o.payload.last], name="esum")
+        acc, acc_first = Signal(self.total_bits), Signal(init=1)
+        new = Signal(self.total_bits)
+        m.d.comb += new.eq(Mux(acc_first, 0, acc) + esum)
+        with m.If(self.total.valid & self.total.ready):
+            m.d.sync += [self.total.valid.eq(0), total_pending.eq(0)]
+        with m.If(e_v):
+            m.d.sync += [acc.eq(new), acc_first.eq(e_last)]
+            with m.If(e_last):
+                m.d.sync += [self.total.valid.eq(1), self.total.payload.eq(new)]
+        with m.If(ex.i.valid & ex.i.ready & r_last):
+            m.d.sync += total_pending.eq(1)
+        return m
+
+
+class Reciprocal(wiring.Component):
+    """``floor(2^dividend_log2 / E)`` by a sequential restoring divider.
+
+    One quotient bit per cycle, most significant first, over the ``dividend_log2 + 1``
+    bits of the dividend ``2^dividend_log2``: the partial remainder is shifted left with
+    the next dividend bit, compared with ``E`` and reduced when not smaller. With the
+    default 32 that is 33 iterations after the load cycle: ``LATENCY = 34`` (the cycle
+    model's 34). ``E = 0`` is undefined (the quotient comes out all ones).
+
+    Parameters
+    ----------
+    divisor_bits : int
+        Width of the unsigned divisor ``E``.
+    dividend_log2 : int
+        ``log2`` of the dividend (32 for attention, 40 for the sampler).
+
+    Members
+    -------
+    i : In(stream.Signature(unsigned(divisor_bits)))
+        The divisor.
+    o : Out(stream.Signature(unsigned(dividend_log2 + 1)))
+        The quotient.
+    """
+
+    def __init__(self, divisor_bits: int, dividend_log2: int = nx.RECIP_BITS):
+        self.divisor_bits, self.dividend_log2 = divisor_bits, dividend_log2
+        self.LATENCY = dividend_log2 + 2
+        super().__init__({
+            "i": In(stream.Signature(unsigned(divisor_bits))),
+            "o": Out(stream.Signature(unsigned(dividend_log2 + 1))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        steps = self.dividend_log2 + 1
+        div = Signal(self.divisor_bits)
+        rem = Signal(self.divisor_bits + 1)
+        q = self.o.payload
+        count = Signal(range(steps + 1))
+        busy = Signal()
+        m.d.comb += self.i.ready.eq(~busy & (~self.o.valid | self.o.ready))
+        with m.If(self.o.valid & self.o.ready):
+            m.d.sync += self.o.valid.eq(0)
+        with m.If(self.i.valid & self.i.ready):
+            m.d.sync += [div.eq(self.i.payload), rem.eq(0), q.eq(0), count.eq(steps), busy.eq(1)]
+        with m.If(busy):
+            # the dividend 2^dividend_log2 has a single one, met on the first step
+            rem2 = Cat(count == steps, rem)
+            ge = rem2 >= div
+            m.d.sync += [rem.eq(Mux(ge, rem2 - div, rem2)), q.eq(Cat(ge, q)),
+                         count.eq(count - 1)]
+            with m.If(count == 1):
+                m.d.sync += [busy.eq(0), self.o.valid.eq(1)]
+        return m
+
+
+class Normalizer(wiring.Component):
+    """Attention output scaling ``o = sat8(round_shift(num · R, 32))`` per lane.
+
+    ``R = floor(2^32 / E) ≤ 2^16`` needs 17 bits, one more than the shared requantiser's
+    multiplier; ``R = 2^16`` is passed as ``(mult, shift) = (2^15, 31)``, which rounds
+    identically (``round_shift(num·2^16, 32) = round_shift(num·2^15, 31)``), every other
+    ``R`` as ``(R, 32)``. The rest is a :class:`VectorRequantizer`: ``LATENCY = 3``.
+
+    Parameters
+    ----------
+    lanes : int
+        Elements per beat.
+    num_bits : int
+        Signed width of the numerators ``Σ e·v``.
+
+    Members
+    -------
+    i : In(stream.Signature(StructLayout({"num": ArrayLayout(signed(num_bits), lanes), "recip": unsigned(17)})))
+        Numerators and the reciprocal of their weight sum.
+    o : Out(stream.Signature(ArrayLayout(signed(8), lanes)))
+        The attention output.
+    """
+
+    LATENCY = VectorRequantizer.LATENCY
+
+    def __init__(self, lanes: int, num_bits: int):
+        self.lanes, self.num_bits = lanes, num_bits
+        super().__init__({
+            "i": In(stream.Signature(data.StructLayout({
+                "num": data.ArrayLayout(signed(num_bits), lanes),
+                "recip": unsigned(RECIP_OUT_BITS)}))),
+            "o": Out(stream.Signature(data.ArrayLayout(signed(nx.ACT_BITS), lanes))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.ACT_BITS, self.num_bits)
+        recip = self.i.payload.recip
+        full = recip[nx.MULT_BITS]                          # R = 2^16
+        mult = Mux(full, 1 << (nx.MULT_BITS - 1), recip[:nx.MULT_BITS])
+        shift = Mux(full, nx.RECIP_BITS - 1, nx.RECIP_BITS)
+        for l in range(self.lanes):
+            r = vr.i.payload.r[l]
+            m.d.comb += [r.acc.eq(self.i.payload.num[l]), r.mult.eq(mult), r.shift.eq(shift)]
+        m.d.comb += [
+            vr.i.valid.eq(self.i.valid), self.i.ready.eq(vr.i.ready),
+            self.o.valid.eq(vr.o.valid), self.o.payload.eq(vr.o.payload.y),
+            vr.o.ready.eq(self.o.ready),
+        ]
+        return m
+
+
+class _AttnPhase(enum.Enum, shape=3):
+    IDLE = 0
+    SCORE = 1
+    EXP = 2
+    DIV = 3
+    NORM = 4
+
+
+class Attention(wiring.Component):
+    """One query head over streamed K and V rows, bit-exact with :func:`numerics.attention`.
+
+    Sequence per head (``T`` = number of K rows, ``D = config.head_dim``):
+
+    1. ``q`` beat: the query and the ATTN block's (mult, shift); clears the accumulators.
+    2. **Scores:** one K row per cycle; ``D`` int8 products and a registered adder tree
+       give ``s_t = K[t]·q``, written to a ``kv_positions``-deep score buffer while a
+       running maximum is kept. ``last`` on the final K row ends the pass.
+    3. **Weights:** the buffer is read back through :class:`SoftmaxExp` (one score per
+       cycle); each weight ``e_t`` meets V row ``t`` (one per cycle, in order) and
+       ``E += e_t``, ``num[d] += e_t · V[t][d]``.
+    4. **Reciprocal:** ``R = floor(2^32 / E)`` (:class:`Reciprocal`, 34 cycles).
+    5. **Output:** ``o[d] = sat8(round_shift(num[d] · R, 32))`` (:class:`Normalizer`).
+
+    With all streams ready, the output is valid ``cycles(T) = 2·T + ceil(log2 D) + 45``
+    edges after the edge that accepts ``q``. The next head's ``q`` is accepted as soon
+    as the output is handed to the normaliser. Grouped-query attention streams the same K/V
+    for every query head of the group.
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``head_dim`` (D) and ``kv_positions`` (largest T).
+
+    Members
+    -------
+    q : In(stream.Signature(StructLayout({"q": ArrayLayout(signed(8), D), "mult": unsigned(16), "shift": unsigned(6)})))
+        The query head and the softmax multiplier.
+    k : In(stream.Signature(StructLayout({"row": ArrayLayout(signed(8), D), "last": 1})))
+        K rows 0 … T−1, ``last`` on row T−1.
+    v : In(stream.Signature(ArrayLayout(signed(8), D)))
+        V rows 0 … T−1 (taken after all K rows).
+    o : Out(stream.Signature(ArrayLayout(signed(8), D)))
+        The attention output.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.head_dim = d = config.head_dim
+        self.max_t = config.kv_positions
+        self.score_bits = ceil_log2(d) + 2 * nx.ACT_BITS    # |s| ≤ D·2^14
+        self.sum_bits = (self.max_t * nx.EXP_ONE).bit_length()
+        self.num_bits = (self.max_t * nx.EXP_ONE * 128).bit_length() + 1
+        vec8 = data.ArrayLayout(signed(nx.ACT_BITS), d)
+        super().__init__({
+            "q": In(stream.Signature(data.StructLayout({
+                "q": vec8, "mult": unsigned(nx.MULT_BITS), "shift": unsigned(6)}))),
+            "k": In(stream.Signature(data.StructLayout({"row": vec8, "last": 1}))),
+            "v": In(stream.Signature(vec8)),
+            "o": Out(stream.Signature(vec8)),
+        })
+
+    def cycles(self, t: int) -> int:
+        """Edges from accepting ``q`` to a valid output for ``t`` rows, streams ready.
+
+        q (1) + K rows (t) + dot-product tree (ceil(log2 D)) + max/phase (1) + first
+        read (1) + exp path (``SoftmaxExp.LATENCY``) + the other t − 1 weights + V join
+        (1) + accumulate (1) + reciprocal (34) + normaliser (3).
+        """
+        return self.head_cycles(self.head_dim, t)
+
+    @staticmethod
+    def head_cycles(head_dim: int, t: int) -> int:
+        """:meth:`cycles` for a given head dimension."""
+        return 2 * t + ceil_log2(head_dim) + 4 + SoftmaxExp.LATENCY \
+            + (nx.RECIP_BITS + 2) + Normalizer.LATENCY
+
+    def elaborate(self, platform):
+        m = Module()
+        d, sb = self.head_dim, self.score_bits
+        ex = m.submodules.exp = SoftmaxExp(1, sb)
+        rc = m.submodules.recip = Reciprocal(self.sum_bits)
+        nm = m.submodules.norm = Normalizer(d, self.num_bits)
+        scores = m.submodules.scores = Memory(shape=signed(sb), depth=self.max_t, init=[])
+        wp, rp = scores.write_port(), scores.read_port()
+        phase = Signal(_AttnPhase)
+
+        q = Signal(data.ArrayLayout(signed(nx.ACT_BITS), d))
+        mult, shift = Signal(unsigned(nx.MULT_BITS)), Signal(6)
+        take_q = Signal()
+        m.d.comb += [self.q.ready.eq(phase == _AttnPhase.IDLE),
+                     take_q.eq(self.q.valid & self.q.ready)]
+
+        # -- scores --------------------------------------------------------------------------
+        take_k = Signal()
+        k_open = Signal()                       # K rows still expected
+        m.d.comb += [self.k.ready.eq((phase == _AttnPhase.SCORE) & k_open),
+                     take_k.eq(self.k.valid & self.k.ready)]
+        prods = [Signal(signed(2 * nx.ACT_BITS), name=f"qk{j}") for j in range(d)]
+        p_v, p_last = Signal(), Signal()
+        m.d.sync += [p_v.eq(take_k), p_last.eq(take_k & self.k.payload.last)]
+        for j in range(d):
+            m.d.sync += prods[j].eq(self.k.payload.row[j] * q[j])
+        score, s_v, (s_last,), _ = reduce_tree(m, prods, lambda a, b: a + b, valid=p_v,
+                                               tags=[p_last], name="dot")
+        n_rows = Signal(range(self.max_t + 1))
+        smax = Signal(signed(sb))
+        lo = -(1 << (sb - 1))
+        m.d.comb += [wp.en.eq(s_v), wp.addr.eq(n_rows), wp.data.eq(score)]
+        with m.If(take_q):
+            m.d.sync += [q.eq(self.q.payload.q), mult.eq(self.q.payload.mult),
+                         shift.eq(self.q.payload.shift), n_rows.eq(0), smax.eq(lo),
+                         k_open.eq(1), phase.eq(_AttnPhase.SCORE)]
+        with m.If(take_k & self.k.payload.last):
+            m.d.sync += k_open.eq(0)
+        with m.If(s_v):
+            m.d.sync += [n_rows.eq(n_rows + 1), smax.eq(_smax(smax, score))]
+            with m.If(s_last):
+                m.d.sync += phase.eq(_AttnPhase.EXP)
+
+        # -- weights: read the scores back through the exp path, meet the V rows ---------------
+        rd = Signal(range(self.max_t + 1))
+        r_v, r_last, r_adv, issue = Signal(), Signal(), Signal(), Signal()
+        issuing = Signal()                     # reads still to issue
+        m.d.comb += [
+            r_adv.eq(~r_v | ex.i.ready),
+            issue.eq(r_adv & issuing),
+            rp.en.eq(r_adv), rp.addr.eq(rd),
+            ex.i.valid.eq(r_v),
+            ex.i.payload.s[0].eq(rp.data), ex.i.payload.keep.eq(1),
+            ex.i.payload.max.eq(smax), ex.i.payload.mult.eq(mult),
+            ex.i.payload.shift.eq(shift), ex.i.payload.last.eq(r_last),
+        ]
+        with m.If(r_adv):
+            m.d.sync += [r_v.eq(issue), r_last.eq(rd == n_rows - 1)]
+        with m.If(s_v & s_last):
+            m.d.sync += [rd.eq(0), issuing.eq(1)]
+        with m.If(issue):
+            m.d.sync += rd.eq(rd + 1)
+            with m.If(rd == n_rows - 1):
+                m.d.sync += issuing.eq(0)
+
+        e_sum = Signal(self.sum_bits)
+        num = [Signal(signed(self.num_bits), name=f"num{j}") for j in range(d)]
+        ev = [Signal(signed(EXP_BITS + nx.ACT_BITS + 1), name=f"ev{j}") for j in range(d)]
+        mac_v, mac_last = Signal(), Signal()
+        join = Signal()
+        m.d.comb += [join.eq(ex.o.valid & self.v.valid),
+                     ex.o.ready.eq(self.v.valid), self.v.ready.eq(ex.o.valid)]
+        e = ex.o.payload.e[0]
+        m.d.sync += [mac_v.eq(join), mac_last.eq(join & ex.o.payload.last)]
+        for j in range(d):
+            m.d.sync += ev[j].eq(e * self.v.payload[j])
+            with m.If(mac_v):
+                m.d.sync += num[j].eq(num[j] + ev[j])
+        with m.If(join):
+            m.d.sync += e_sum.eq(e_sum + e)
+        with m.If(take_q):
+            m.d.sync += [e_sum.eq(0)] + [n.eq(0) for n in num]
+        with m.If(mac_v & mac_last):
+            m.d.sync += phase.eq(_AttnPhase.DIV)
+
+        # -- reciprocal and output --------------------------------------------------------------
+        m.d.comb += [rc.i.valid.eq(phase == _AttnPhase.DIV), rc.i.payload.eq(e_sum)]
+        with m.If(rc.i.valid & rc.i.ready):
+            m.d.sync += phase.eq(_AttnPhase.NORM)
+        m.d.comb += [nm.i.valid.eq(rc.o.valid), nm.i.payload.recip.eq(rc.o.payload),
+                     rc.o.ready.eq(nm.i.ready)]
+        for j in range(d):
+            m.d.comb += nm.i.payload.num[j].eq(num[j])
+        with m.If(nm.i.valid & nm.i.ready):
+            m.d.sync += phase.eq(_AttnPhase.IDLE)
+        m.d.comb += [self.o.valid.eq(nm.o.valid), self.o.payload.eq(nm.o.payload),
+                     nm.o.ready.eq(self.o.ready)]
+        return m

@@ -1,0 +1,364 @@
+"""Softmax and attention RTL against numerics.softmax_weights / attention, bit for bit."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dfvg_hw import numerics as nx
+from dfvg_hw.config import get_preset
+from dfvg_hw.softmax import Attention, Normalizer, Reciprocal, SoftmaxExp, SoftmaxWeights
+from sim import rtl_tools
+from sim.rtl_tools import to_verilog, verilator_lint
+from sim.testbench import run_simulation, stream_get, stream_put
+
+TINY = get_preset("tiny")
+CONFIGS = [TINY, TINY.with_changes(name="tiny-l8-hd32", lanes=8, head_dim=32)]
+IDS = ["tiny", "l8-hd32"]
+I32 = (-2 ** 31, 2 ** 31 - 1)
+
+
+def ints(v):
+    return [int(x) for x in v]
+
+
+def first_valid_after_accept(dut, inp, out, payload, before=None):
+    """Edges from the edge that accepts ``payload`` on ``inp`` to a valid ``out``."""
+    result = []
+
+    async def tb(ctx):
+        if before is not None:
+            await before(ctx)
+        ctx.set(out.ready, 1)
+        ctx.set(inp.payload, payload)
+        ctx.set(inp.valid, 1)
+        await ctx.tick().until(inp.ready)
+        ctx.set(inp.valid, 0)
+        n = 1
+        while not ctx.get(out.valid):
+            await ctx.tick()
+            n += 1
+        result.append(n)
+
+    run_simulation(dut, tb)
+    return result[0]
+
+
+# -- exp path ----------------------------------------------------------------------------
+def test_softmax_exp_random():
+    rng = np.random.default_rng(1)
+    lanes, n = 4, 300
+    mx = rng.integers(*I32, n, endpoint=True)
+    d = rng.integers(0, 2 ** 32, (n, lanes)) >> rng.integers(0, 32, (n, lanes))
+    s = mx[:, None] - d
+    ok = s >= I32[0]
+    s = np.where(ok, s, I32[0])
+    mult = rng.integers(0, 2 ** 16, n)
+    shift = rng.integers(0, 64, n)
+    keep = rng.integers(0, 16, n)
+    keep[:n // 2] = 15
+    # edges: d = 0 (exactly 2^16), d = 2^32 - 1, shift 0 / 63, mult 0, u = 17·256 - 1 / 17·256
+    mx[0], s[0], mult[0], shift[0] = I32[1], [I32[1], I32[0], 0, -1], 65535, 0
+    mx[1], s[1], mult[1], shift[1] = I32[1], [I32[1], I32[0], 0, -1], 65535, 63
+    mx[2], s[2], mult[2], shift[2] = 0, [0, -1, -17 * 256 + 1, -17 * 256], 1, 0
+    mx[3], s[3], mult[3], shift[3] = 5, [5, 4, 3, I32[0]], 0, 7
+    dut, got = SoftmaxExp(lanes, 32), []
+    beats = [{"s": ints(s[k]), "keep": int(keep[k]), "max": int(mx[k]), "mult": int(mult[k]),
+              "shift": int(shift[k]), "last": k % 5 == 4} for k in range(n)]
+
+    async def put(ctx):
+        for b in beats:
+            await stream_put(ctx, dut.i, b)
+
+    async def get(ctx):
+        for k in range(n):
+            if k % 4 == 3:
+                await ctx.tick()
+            p = await stream_get(ctx, dut.o)
+            assert p.last == (k % 5 == 4)
+            got.append(list(p.e))
+
+    run_simulation(dut, put, get)
+    want = nx.exp2_neg(nx.round_shift((mx[:, None] - s) * mult[:, None], shift[:, None]))
+    mask = (keep[:, None] >> np.arange(lanes)) & 1
+    np.testing.assert_array_equal(np.array(got), np.where(mask == 1, want, 0))
+    assert got[0][0] == nx.EXP_ONE
+
+
+def test_softmax_exp_latency():
+    dut = SoftmaxExp(4, 32)
+    beat = {"s": [0] * 4, "keep": 15, "max": 0, "mult": 1, "shift": 0, "last": 1}
+    assert first_valid_after_accept(dut, dut.i, dut.o, beat) == SoftmaxExp.LATENCY == 4
+
+
+# -- softmax weights ----------------------------------------------------------------------
+def simulate_weights(dut, vectors, ready=(1, 1, 0, 1, 1, 0, 0)):
+    """vectors: list of (scores, mult, shift) → list of (weights, total)."""
+    lanes = dut.lanes
+    got_e, got_t = [], []
+
+    async def put(ctx):
+        for s, mult, shift in vectors:
+            ctx.set(dut.mult, int(mult))
+            ctx.set(dut.shift, int(shift))
+            nb = -(-len(s) // lanes)
+            for b in range(nb):
+                chunk = ints(s[b * lanes:(b + 1) * lanes])
+                await stream_put(ctx, dut.i, {"s": chunk + [0] * (lanes - len(chunk)),
+                                              "keep": (1 << len(chunk)) - 1,
+                                              "last": int(b == nb - 1)})
+
+    async def get(ctx):
+        k = 0
+        for s, *_ in vectors:
+            nb, out = -(-len(s) // lanes), []
+            for b in range(nb):
+                if not ready[k % len(ready)]:
+                    await ctx.tick()
+                k += 1
+                p = await stream_get(ctx, dut.o)
+                assert p.last == (b == nb - 1)
+                out += list(p.e)
+            assert all(v == 0 for v in out[len(s):])                  # lanes not kept
+            got_e.append(np.array(out[:len(s)]))
+
+    async def get_total(ctx):
+        for _ in vectors:
+            if len(got_t) % 2:
+                await ctx.tick()
+            got_t.append(await stream_get(ctx, dut.total))
+
+    run_simulation(dut, put, get, get_total)
+    return got_e, got_t
+
+
+def random_vectors(rng, count, lo=1, hi=64):
+    vectors = []
+    for _ in range(count):
+        n = int(rng.integers(lo, hi + 1))
+        mag = 1 << int(rng.integers(0, 32))
+        centre = int(rng.integers(I32[0] + mag, I32[1] - mag + 1)) if mag < 2 ** 31 else 0
+        s = np.clip(centre + rng.integers(-mag, mag, n), *I32)
+        real = math.log2(math.e) * 2 ** 8 * 10.0 ** rng.uniform(-9, 0)
+        mult, shift = (int(v) for v in nx.host_multiplier(real))
+        vectors.append((s, mult, shift))
+    return vectors
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_softmax_weights_random(cfg):
+    rng = np.random.default_rng(cfg.lanes)
+    vectors = [
+        (np.full(13, 12345), 47274, 15),                       # all equal: every e = 2^16
+        (np.array([I32[1], I32[0], 0, I32[1]]), 65535, 0),     # widest gap, no shift
+        (np.array([I32[1], I32[0], 0, -1, 1]), 65535, 63),     # largest shift: all 2^16
+        (np.array([7]), 1, 0),                                 # one element
+        (np.arange(64) * 16, 256, 8),                          # gaps of 1/16 ... whole octaves
+        (np.arange(40) - 2 ** 31, 65535, 0),                   # max at the end; zeros
+    ] + random_vectors(rng, 36)
+    assert sum(len(v[0]) for v in vectors) >= 1000
+    got_e, got_t = simulate_weights(SoftmaxWeights(cfg, max_len=64), vectors)
+    for (s, mult, shift), e, t in zip(vectors, got_e, got_t):
+        want = nx.softmax_weights(s, mult, shift)
+        np.testing.assert_array_equal(e, want)
+        assert t == int(want.sum())
+
+
+def test_softmax_weights_timing():
+    dut = SoftmaxWeights(TINY, max_len=64)
+
+    async def before(ctx):
+        ctx.set(dut.total.ready, 1)
+        await stream_put(ctx, dut.i, {"s": [1, 2, 3, 4], "keep": 15, "last": 0})
+
+    beat = {"s": [5, 6, 7, 8], "keep": 15, "last": 1}
+    assert first_valid_after_accept(dut, dut.i, dut.o, beat, before=before) \
+        == dut.LOAD_TO_EMIT == 3 + 2 + 4
+
+
+# -- reciprocal and normaliser -------------------------------------------------------------
+def test_reciprocal_random_and_edges():
+    rng = np.random.default_rng(3)
+    bits = 23
+    e = rng.integers(1 << 16, 1 << bits, 400)
+    e[:6] = [1 << 16, (1 << 16) + 1, (1 << bits) - 1, 1, 2, 3]
+    dut, got = Reciprocal(bits), []
+
+    async def put(ctx):
+        for v in e:
+            await stream_put(ctx, dut.i, int(v))
+
+    async def get(ctx):
+        for k in range(len(e)):
+            if k % 2:
+                await ctx.tick()
+            got.append(await stream_get(ctx, dut.o))
+
+    run_simulation(dut, put, get)
+    np.testing.assert_array_equal(np.array(got), (1 << 32) // e)
+
+
+def test_reciprocal_latency():
+    dut = Reciprocal(23)
+    assert first_valid_after_accept(dut, dut.i, dut.o, 100000) == dut.LATENCY == 34
+
+
+@pytest.mark.parametrize("lanes", [4, 8])
+def test_normalizer_random(lanes):
+    rng = np.random.default_rng(lanes)
+    num_bits = 31
+    n = math.ceil(1200 / lanes)
+    e_sum = rng.integers(1 << 16, 1 << 22, n)
+    e_sum[:3] = [1 << 16, (1 << 16) + 1, (1 << 22) - 1]         # R = 2^16, 2^16 - 1, …
+    recip = (1 << 32) // e_sum
+    num = rng.integers(-(1 << 30), 1 << 30, (n, lanes)) >> rng.integers(0, 28, (n, lanes))
+    num[0, :2] = [(1 << 30) - 1, -(1 << 30)]                     # saturation both ends
+    num[1, :2] = [1 << 15, -(1 << 15)]                           # rounding ties at R = 2^16 - 1
+    num[0, 2:4] = [1 << 15, -(1 << 15)]                          # ties at R = 2^16: ±0.5
+    dut, got = Normalizer(lanes, num_bits), []
+
+    async def put(ctx):
+        for k in range(n):
+            await stream_put(ctx, dut.i, {"num": ints(num[k]), "recip": int(recip[k])})
+
+    async def get(ctx):
+        for k in range(n):
+            if k % 3 == 2:
+                await ctx.tick()
+            got.append(list(await stream_get(ctx, dut.o)))
+
+    run_simulation(dut, put, get)
+    want = nx.saturate(nx.round_shift(num * recip[:, None], 32), 8)
+    np.testing.assert_array_equal(np.array(got), want)
+
+
+# -- attention --------------------------------------------------------------------------
+def simulate_attention(dut, heads, v_stall=(1,), o_stall=(1,)):
+    """heads: list of (q, k, v, mult, shift) → list of int8 outputs."""
+    got = []
+
+    async def put_q(ctx):
+        for q, k, v, mult, shift in heads:
+            await stream_put(ctx, dut.q, {"q": ints(q), "mult": int(mult), "shift": int(shift)})
+
+    async def put_k(ctx):
+        for q, k, v, *_ in heads:
+            for t in range(len(k)):
+                await stream_put(ctx, dut.k, {"row": ints(k[t]), "last": int(t == len(k) - 1)})
+
+    async def put_v(ctx):
+        c = 0
+        for q, k, v, *_ in heads:
+            for t in range(len(v)):
+                if not v_stall[c % len(v_stall)]:
+                    await ctx.tick()
+                c += 1
+                await stream_put(ctx, dut.v, ints(v[t]))
+
+    async def get(ctx):
+        for c in range(len(heads)):
+            if not o_stall[c % len(o_stall)]:
+                for _ in range(3):
+                    await ctx.tick()
+            got.append(np.array(list(await stream_get(ctx, dut.o))))
+
+    run_simulation(dut, put_q, put_k, put_v, get)
+    return got
+
+
+def random_heads(rng, count, d, max_t):
+    heads = []
+    for _ in range(count):
+        t = int(rng.integers(1, max_t + 1))
+        amp = int(rng.integers(1, 129))
+        q = rng.integers(-amp, amp, d)
+        k = rng.integers(-amp, amp, (t, d))
+        v = rng.integers(-128, 128, (t, d))
+        real = (amp / 127) ** -2 * 0.01 * d ** -0.5 * math.log2(math.e) * 2 ** 8 \
+            * 10.0 ** rng.uniform(-1.5, 1.5)
+        mult, shift = (int(x) for x in nx.host_multiplier(real))
+        heads.append((q, k, v, mult, shift))
+    return heads
+
+
+def edge_heads(rng, d):
+    full = np.full(d, -128)
+    return [
+        (rng.integers(-128, 128, d), rng.integers(-128, 128, (1, d)),
+         rng.integers(-128, 128, (1, d)), 40000, 20),                      # T = 1: R = 2^16
+        (full, np.full((8, d), -128), np.full((8, d), 127), 65535, 0),     # all equal, +sat edge
+        (full, np.full((8, d), -128), np.full((8, d), -128), 65535, 0),    # all equal, -128
+        (full, np.tile([[-128], [127]], (4, d)), rng.integers(-128, 128, (8, d)), 65535, 0),
+        (full, rng.integers(-128, 128, (9, d)), rng.integers(-128, 128, (9, d)), 65535, 63),
+        (np.zeros(d, np.int64), rng.integers(-128, 128, (5, d)),
+         rng.integers(-128, 128, (5, d)), 12345, 9),                       # zero query
+    ]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_attention_random(cfg):
+    rng = np.random.default_rng(cfg.head_dim)
+    d = cfg.head_dim
+    heads = edge_heads(rng, d) + random_heads(rng, math.ceil(1000 / d), d, 40)
+    got = simulate_attention(Attention(cfg), heads, v_stall=(1, 1, 1, 0), o_stall=(1, 0))
+    for (q, k, v, mult, shift), o in zip(heads, got):
+        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift))
+    outs = np.concatenate(got)
+    assert len(outs) >= 1000 and (outs == 127).any() and (outs == -128).any()
+
+
+def test_attention_full_kv_buffer():
+    """T = kv_positions (the score buffer full) with the largest sums."""
+    cfg = TINY
+    rng = np.random.default_rng(11)
+    t, d = cfg.kv_positions, cfg.head_dim
+    heads = [(np.full(d, -128), np.full((t, d), -128), np.full((t, d), -128), 65535, 63),
+             (rng.integers(-128, 128, d), rng.integers(-128, 128, (t, d)),
+              rng.integers(-128, 128, (t, d)), 50000, 24)]
+    got = simulate_attention(Attention(cfg), heads)
+    for (q, k, v, mult, shift), o in zip(heads, got):
+        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift))
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_attention_cycles(t):
+    dut = Attention(TINY)
+    d = TINY.head_dim
+    result = []
+
+    async def tb(ctx):
+        ctx.set(dut.o.ready, 1)
+        ctx.set(dut.k.valid, 1)
+        ctx.set(dut.v.valid, 1)
+        ctx.set(dut.k.payload, {"row": [1] * d, "last": 0})
+        ctx.set(dut.v.payload, [3] * d)
+        ctx.set(dut.q.payload, {"q": [1] * d, "mult": 1000, "shift": 10})
+        ctx.set(dut.q.valid, 1)
+        await ctx.tick().until(dut.q.ready)
+        ctx.set(dut.q.valid, 0)
+        n, rows = 1, 0
+        while not ctx.get(dut.o.valid):
+            ctx.set(dut.k.payload, {"row": [1] * d, "last": int(rows == t - 1)})
+            ctx.set(dut.k.valid, rows < t)
+            *_, kr = await ctx.tick().sample(dut.k.ready)
+            rows += int(kr and rows < t)
+            n += 1
+        result.append(n)
+        assert list(ctx.get(dut.o.payload)) == [3] * d
+
+    run_simulation(dut, tb)
+    assert result[0] == dut.cycles(t) == 2 * t + 4 + 45
+
+
+# -- lint ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [
+    lambda: SoftmaxExp(TINY.lanes, 32), lambda: SoftmaxWeights(TINY), lambda: Reciprocal(23),
+    lambda: Normalizer(TINY.lanes, 31), lambda: Attention(TINY),
+], ids=["exp", "weights", "reciprocal", "normalizer", "attention"])
+def test_lint_clean(make, monkeypatch):
+    monkeypatch.setitem(rtl_tools.VERILATOR_WAIVERS, "DECLFILENAME",
+                        "Amaranth emits every submodule into the top module's file")
+    dut = make()
+    name = type(dut).__name__.lower()
+    clean, output = verilator_lint(to_verilog(dut, name), name)
+    assert clean, output
