@@ -5,8 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from dfvg_hw.config import get_preset
+
+# The test models are tiny: one thread beats two threads spinning on the 2-core CI machine.
+torch.set_num_threads(1)
 
 
 def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, intermediate=64,
