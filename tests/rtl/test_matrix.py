@@ -56,7 +56,8 @@ class Matmul:
         np_, kp = padded(n, N), padded(k, K)
         mult = rng.integers(0, 1 << 16, n)
         # shifts around the useful range, plus arbitrary ones (0 … 63)
-        typical = int(np.log2(max(1, K * (k // K + 1) * 4096))) + 16 - (7 if mode == MatmulMode.INT8 else 15)
+        out_bits = 8 if mode == MatmulMode.INT8 else 16
+        typical = int(np.log2(K * (k // K + 1) * 4096)) + 16 - (out_bits + 1)
         shift = np.where(rng.random(n) < 0.8, np.clip(typical + rng.integers(-4, 5, n), 0, 63),
                          rng.integers(0, 64, n))
         if extreme:
