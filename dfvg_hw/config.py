@@ -130,6 +130,8 @@ class EngineConfig:
         need(self.data_bits == 8, "data_bits", "the numerics define int8 activations and weights only")
         need(self.residual_bits == 16, "residual_bits", "the numerics define an int16 residual stream only")
         need(self.acc_bits == 32, "acc_bits", "the numerics define int32 accumulators only")
+        need(self.rows >= 2, "rows", "at least 2: a wide (int16) matmul row is two int8 digit "
+             "rows that the matrix unit computes side by side")
         need(self.rows <= 64, "rows", "at most 64 draft rows (the instruction's rows field is 8 bits "
              "and tree budgets beyond 64 branches are not useful)")
         need(_is_pow2(self.lanes), "lanes", "must be a power of two")

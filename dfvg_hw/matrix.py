@@ -16,7 +16,13 @@ Row packing: rows ``2i`` and ``2i+1`` meet the same weight, so one multiplier co
 both products: ``p = (x0 · 2^18 + x1) · w`` (27 × 8 bits: one DSP48E2), and
 ``x1·w = sext(p[0:18])``, ``x0·w = (p >> 18) + p[17]``. The ``+ p[17]`` borrow corrections
 of a K-slice are summed as a popcount inside the adder tree. An odd last row uses a
-plain 8 × 8 product.
+plain 9 × 8 product.
+
+Wide (int16) rows: a group with ``wide`` set takes its activations as digit rows —
+row ``2r`` the ``hi`` and row ``2r+1`` the ``lo`` digit of wide row ``r``
+(:func:`~dfvg_hw.numerics.wide_digits`; ``hi`` reaches 128, so activation operands are
+9-bit) — and writes back ``256·acc[2r] + acc[2r+1]`` (40-bit) for ``r < rows``. The
+arithmetic array is the same; only the write-back combines.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from dfvg_hw import numerics as nx
 from dfvg_hw.config import EngineConfig
 from dfvg_hw.isa import MatmulMode
 from dfvg_hw.requant import Requantizer
+
+#: activation operand width: int8 values and the 9-bit ``hi`` digit of wide rows
+DIGIT_BITS = 9
 
 __all__ = ["MatrixUnit", "WeightTile", "ActivationRows", "QWord", "GroupParams", "MatrixResult"]
 
@@ -49,10 +58,11 @@ class WeightTile(data.StructLayout):
 
 
 class ActivationRows(data.ArrayLayout):
-    """The K-slice of every draft row: ``[row][j]`` int8."""
+    """The K-slice of every draft row: ``[row][j]``, an int8 value or a wide row's digit
+    (``[-128, 128]``, hence 9-bit signed)."""
 
     def __init__(self, rows: int, reduce: int):
-        super().__init__(data.ArrayLayout(signed(8), reduce), rows)
+        super().__init__(data.ArrayLayout(signed(DIGIT_BITS), reduce), rows)
 
 
 class QWord(data.StructLayout):
@@ -68,14 +78,16 @@ class GroupParams(data.StructLayout):
     """Write-back parameters of one output group (one N-tile).
 
     ``words[lane]`` are the group's ``lanes`` requant words (one contiguous ``4·lanes``-byte
-    burst of the image), ``mode`` a :class:`~dfvg_hw.isa.MatmulMode`, ``rows`` the number of
-    active rows to write back (1 … M; 0 or more than M means M).
+    burst of the image), ``mode`` a :class:`~dfvg_hw.isa.MatmulMode`, ``wide`` set when the
+    rows are digit pairs of int16 rows, ``rows`` the number of (wide) rows to write back
+    (1 … M, or 1 … M // 2 when wide; 0 or more means all).
     """
 
     def __init__(self, rows: int, lanes: int):
         super().__init__({
             "words": data.ArrayLayout(QWord(), lanes),
             "mode": unsigned(2),
+            "wide": unsigned(1),
             "rows": unsigned(ceil_log2(rows + 1)),
         })
 
@@ -140,6 +152,9 @@ class MatrixUnit(wiring.Component):
       add is done here; one ``res`` beat (the row's N int16 residuals) per output row;
     * ``LOGITS``: ``requant16(acc)``.
 
+    With ``q.wide`` set, ``acc`` of output row ``r`` is ``256·acc[2r] + acc[2r+1]``: the
+    exact int16 × int8 dot product of the wide row whose digits came in rows ``2r``, ``2r+1``.
+
     The write-back bank is a single buffer: a group's sums wait in the accumulate stage
     (stalling the whole pipeline, hence ``w``/``x``) while the previous group is still being
     written back, so groups of fewer than ``q.rows + 1`` K-tiles run below one tile per cycle.
@@ -153,7 +168,7 @@ class MatrixUnit(wiring.Component):
     config : EngineConfig
         ``rows`` (M), ``lanes`` (N) and ``reduce`` (K) size the unit.
     pack_rows : bool
-        Share one 27 × 8 multiplier between two rows (default); ``False`` uses one 8 × 8
+        Share one 27 × 8 multiplier between two rows (default); ``False`` uses one 9 × 8
         multiplier per product.
 
     Members
@@ -217,8 +232,9 @@ class MatrixUnit(wiring.Component):
         pairs = M // 2 if self.pack_rows else 0
         singles = list(range(2 * pairs, M))
         w0 = [[_reg(signed(8), f"w0_{l}_{j}") for j in range(K)] for l in range(N)]
+        # |x0·2^18 + x1| ≤ 128·2^18 + 128 < 2^26: 27 bits, one DSP48E2 A/B operand
         a0 = [[_reg(signed(8 + SH + 1), f"a0_{i}_{j}") for j in range(K)] for i in range(pairs)]
-        x0 = {r: [_reg(signed(8), f"x0_{r}_{j}") for j in range(K)] for r in singles}
+        x0 = {r: [_reg(signed(DIGIT_BITS), f"x0_{r}_{j}") for j in range(K)] for r in singles}
         with m.If(advance):
             for l in range(N):
                 m.d.sync += [w0[l][j].eq(self.w.p.data[l][j]) for j in range(K)]
@@ -231,8 +247,8 @@ class MatrixUnit(wiring.Component):
         # -- S1: products ------------------------------------------------------------
         p1 = [[[_reg(signed(8 + SH + 1 + 8), f"p1_{i}_{l}_{j}") for j in range(K)]
                for l in range(N)] for i in range(pairs)]
-        s1 = {r: [[_reg(signed(16), f"p1s_{r}_{l}_{j}") for j in range(K)] for l in range(N)]
-              for r in singles}
+        s1 = {r: [[_reg(signed(DIGIT_BITS + 8), f"p1s_{r}_{l}_{j}") for j in range(K)]
+                  for l in range(N)] for r in singles}
         with m.If(advance):
             for l in range(N):
                 for j in range(K):
@@ -271,13 +287,16 @@ class MatrixUnit(wiring.Component):
             m.d.sync += [acc[r][l].eq(sums[r][l]) for r in range(M) for l in range(N)]
 
         # -- write-back: one row per cycle through N requantisers ------------------------
-        reqs = [Requantizer(nx.RES_BITS, acc_bits) for _ in range(N)]
+        # 256·acc_hi + acc_lo of a wide row needs 8 more bits than one accumulator
+        reqs = [Requantizer(nx.RES_BITS, acc_bits + 8) for _ in range(N)]
         for l, rq in enumerate(reqs):
             m.submodules[f"requant{l}"] = rq
         row = Signal(range(max(M, 2)))
-        rows_field = self.q.p.rows
+        rows_field, wide = self.q.p.rows, self.q.p.wide
         n_rows = Signal(range(M + 1))
-        m.d.comb += n_rows.eq(Mux((rows_field == 0) | (rows_field > M), M, rows_field))
+        all_rows = Mux(wide, M // 2, M)
+        m.d.comb += n_rows.eq(Mux((rows_field == 0) | (rows_field > all_rows), all_rows,
+                                  rows_field))
         last_row = Signal()
         m.d.comb += last_row.eq(row == n_rows - 1)
         req_valid = Signal()
@@ -287,7 +306,7 @@ class MatrixUnit(wiring.Component):
         for l, rq in enumerate(reqs):
             m.d.comb += [
                 rq.i.valid.eq(req_valid),
-                rq.i.p.acc.eq(bank[0][l]),
+                rq.i.p.acc.eq(Mux(wide, (bank[0][l] << 8) + bank[1][l], bank[0][l])),
                 rq.i.p.mult.eq(self.q.p.words[l].mult),
                 rq.i.p.shift.eq(self.q.p.words[l].shift),
             ]
@@ -296,7 +315,10 @@ class MatrixUnit(wiring.Component):
             m.d.sync += busy.eq(1)
             m.d.sync += [bank[r][l].eq(sums[r][l]) for r in range(M) for l in range(N)]
         with m.Elif(take):
-            m.d.sync += [bank[r][l].eq(bank[r + 1][l]) for r in range(M - 1) for l in range(N)]
+            with m.If(wide):
+                m.d.sync += [bank[r][l].eq(bank[r + 2][l]) for r in range(M - 2) for l in range(N)]
+            with m.Else():
+                m.d.sync += [bank[r][l].eq(bank[r + 1][l]) for r in range(M - 1) for l in range(N)]
             m.d.sync += row.eq(row + 1)
             with m.If(last_row):
                 m.d.sync += [busy.eq(0), row.eq(0)]

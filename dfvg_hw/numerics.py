@@ -74,6 +74,15 @@ def requant(acc, mult, shift, bits: int = ACT_BITS) -> np.ndarray:
     return saturate(round_shift(_as_i64(acc) * _as_i64(mult), shift), bits)
 
 
+def wide_digits(x) -> tuple[np.ndarray, np.ndarray]:
+    """Split int16 values into the two digits the int8 matrix unit multiplies:
+    ``x = 256·hi + lo`` with ``lo ∈ [-128, 127]`` and ``hi = (x + 128) >> 8 ∈ [-128, 128]``
+    (a 9-bit digit: 128 for ``x ≥ 32640``). See numerics.md §3."""
+    x = _as_i64(x)
+    hi = np.right_shift(x + 128, 8)
+    return hi, x - 256 * hi
+
+
 def residual_add(x, acc, mult, shift) -> np.ndarray:
     """Residual update: ``sat16(x + requant(acc, mult, shift, 16))`` (x is int16)."""
     return saturate(_as_i64(x) + requant(acc, mult, shift, RES_BITS), RES_BITS)

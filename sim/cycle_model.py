@@ -68,9 +68,10 @@ class CycleModel:
         if op == Op.MATMUL:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
             nbytes = npad * kpad + 4 * npad
-            # A wide (int16) input is two int8 digit rows sharing each weight tile.
-            digit_rows = rows * (2 if ins.wide else 1)
-            compute = (npad // c.lanes) * (kpad // c.reduce) * ceil(digit_rows / c.rows)
+            # A wide (int16) row is two int8 digit rows computed side by side, so a pass
+            # over the weights holds rows // 2 of them.
+            passes = ceil(rows / (c.rows // 2)) if ins.wide else ceil(rows / c.rows)
+            compute = (npad // c.lanes) * (kpad // c.reduce) * passes
             body = max(compute, ceil(nbytes / self.bytes_per_cycle))
             return self.ISSUE + self.latency + body + self.matmul_pipe, nbytes
         if op == Op.RMSNORM:

@@ -16,6 +16,15 @@ def test_requant_rounds_half_up_and_saturates():
     assert nx.requant([100], 3, 0, bits=16).tolist() == [300]
 
 
+def test_wide_digits_reconstruct_every_int16():
+    x = np.arange(-32768, 32768)
+    hi, lo = nx.wide_digits(x)
+    assert np.array_equal(256 * hi + lo, x)
+    assert lo.min() == -128 and lo.max() == 127
+    assert hi.min() == -128 and hi.max() == 128            # the 9-bit digit
+    assert np.array_equal(x[hi == 128], np.arange(32640, 32768))
+
+
 def test_host_multiplier_is_accurate():
     real = np.geomspace(1e-6, 3e4, 500)
     m, s = nx.host_multiplier(real)

@@ -25,7 +25,7 @@ CONFIGS = {
     "tiny": (TINY, True),                                        # M=2 (one packed pair), N=4, K=8
     "tiny-unpacked": (TINY, False),
     "m3n2k4": (TINY.with_changes(rows=3, lanes=2, reduce=4), True),   # a pair and an odd row
-    "m1n8k4": (TINY.with_changes(rows=1, lanes=8, reduce=4), True),   # no pair
+    "m5n8k4": (TINY.with_changes(rows=5, lanes=8, reduce=4), True),   # two pairs and an odd row
 }
 
 
@@ -43,21 +43,24 @@ def watchdog(limit, done):
 class Matmul:
     """One MATMUL: operands, the streams the unit sees, and the expected output rows."""
 
-    def __init__(self, rng, cfg, *, n, k, rows, mode, extreme=False):
+    def __init__(self, rng, cfg, *, n, k, rows, mode, wide=False, extreme=False):
         M, N, K = cfg.rows, cfg.lanes, cfg.reduce
         self.mode, self.rows = mode, rows
         self.n_values = rows * n           # real (unpadded) outputs checked
-        if extreme:   # products at both ends of the int8 range
+        # a wide group's x rows are int16; the unit sees them as M // 2 digit-row pairs
+        x_rows, x_bits = (M // 2, 16) if wide else (M, 8)
+        x_lo, x_hi = -(1 << (x_bits - 1)), (1 << (x_bits - 1)) - 1
+        if extreme:   # products at both ends of the input ranges (32767: the 9-bit hi digit)
             W = rng.choice(np.array([-128, 127, -127], np.int64), (n, k))
-            x = rng.choice(np.array([-128, 127], np.int64), (M, k))
+            x = rng.choice(np.array([x_lo, x_hi], np.int64), (x_rows, k))
         else:
             W = rng.integers(-128, 128, (n, k))
-            x = rng.integers(-128, 128, (M, k))
+            x = rng.integers(x_lo, x_hi + 1, (x_rows, k))
         np_, kp = padded(n, N), padded(k, K)
         mult = rng.integers(0, 1 << 16, n)
         # shifts around the useful range, plus arbitrary ones (0 … 63)
         out_bits = 8 if mode == MatmulMode.INT8 else 16
-        typical = int(np.log2(K * (k // K + 1) * 4096)) + 16 - (out_bits + 1)
+        typical = int(np.log2(K * (k // K + 1) * 4096)) + 16 - (out_bits + 1) + (8 if wide else 0)
         shift = np.where(rng.random(n) < 0.8, np.clip(typical + rng.integers(-4, 5, n), 0, 63),
                          rng.integers(0, 64, n))
         if extreme:
@@ -65,25 +68,31 @@ class Matmul:
         words = pack_qparams(mult, shift, np_).astype(np.int64)
         words |= rng.integers(0, 1 << 10, np_) << 22           # bits 22-31 are ignored
         tiles = tile_weights(W.astype(np.int8), N, K).reshape(np_ // N, kp // K, N, K)
-        xp = np.zeros((M, kp), np.int64)
+        xp = np.zeros((x_rows, kp), np.int64)
         xp[:, :k] = x
+        digits = np.zeros((M, kp), np.int64)      # the rows the unit multiplies
+        if wide:
+            digits[0:2 * x_rows:2], digits[1:2 * x_rows:2] = nx.wide_digits(xp)
+        else:
+            digits[:] = xp
         self.tiles = []                  # (w payload, x payload)
         for nt in range(np_ // N):
             for kt in range(kp // K):
                 self.tiles.append(({"data": tiles[nt, kt].astype(np.int64).tolist(),
                                     "last": int(kt == kp // K - 1)},
-                                   xp[:, kt * K:(kt + 1) * K].tolist()))
+                                   digits[:, kt * K:(kt + 1) * K].tolist()))
         self.qbeats = [{"words": [{"mult": int(wd) & 0xFFFF, "shift": (int(wd) >> 16) & 0x3F,
                                    "reserved": int(wd) >> 22} for wd in words[nt * N:(nt + 1) * N]],
-                        "mode": int(mode), "rows": rows if rows < M or rng.random() < 0.5 else 0}
+                        "mode": int(mode), "wide": int(wide),
+                        "rows": rows if rows < x_rows or rng.random() < 0.5 else 0}
                        for nt in range(np_ // N)]
         Wp = np.zeros((np_, kp), np.int64)
         Wp[:n, :k] = W
         acc = xp @ Wp.T                                          # [M, Np], exact in int64
         mult_p, shift_p = words & 0xFFFF, (words >> 16) & 0x3F
-        self.res = rng.integers(-1 << 15, 1 << 15, (M, np_))
+        self.res = rng.integers(-1 << 15, 1 << 15, (x_rows, np_))
         if extreme:
-            self.res = rng.choice(np.array([-32768, 32767, 0]), (M, np_))
+            self.res = rng.choice(np.array([-32768, 32767, 0]), (x_rows, np_))
         if mode == MatmulMode.INT8:
             ref = nx.requant(acc, mult_p, shift_p, nx.ACT_BITS)
         elif mode == MatmulMode.RESADD:
@@ -147,8 +156,9 @@ def random_matmuls(rng, cfg, count, *, min_values=0, **kw):
     M, N, K = cfg.rows, cfg.lanes, cfg.reduce
     out = []
     while len(out) < count or sum(mm.n_values for mm in out) < min_values:
+        wide = bool(rng.random() < 0.4)
         out.append(Matmul(rng, cfg, n=int(rng.integers(1, 2 * N + 1)), k=int(rng.integers(1, 3 * K + 1)),
-                          rows=int(rng.integers(1, M + 1)),
+                          rows=int(rng.integers(1, (M // 2 if wide else M) + 1)), wide=wide,
                           mode=MatmulMode(int(rng.integers(0, 3))), **kw))
     return out
 
@@ -172,8 +182,8 @@ def test_random_matmuls(name):
 
 @pytest.mark.parametrize("name", ["tiny", "m3n2k4"])
 def test_saturation_extremes(name):
-    """Products of ±128/127 and shifts 0, 1, 63: saturation at both ends of int8 / int16
-    (and of the residual add), in every mode."""
+    """Products of ±128/127 (and of ±32768/32767 in wide groups) and shifts 0, 1, 63:
+    saturation at both ends of int8 / int16 (and of the residual add), in every mode."""
     cfg, pack = CONFIGS[name]
     rng = np.random.default_rng(7)
     matmuls = random_matmuls(rng, cfg, 24, extreme=True)
