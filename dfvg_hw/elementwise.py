@@ -34,7 +34,7 @@ from dfvg_hw import numerics as nx
 from dfvg_hw.config import EngineConfig
 from dfvg_hw.requant import RequantInput, Requantizer
 
-__all__ = ["reduce_tree", "saturate", "VectorRequantizer", "ResidualAdd", "ElementwiseMul",
+__all__ = ["reduce_tree", "saturate", "narrow_unless_wide", "VectorRequantizer", "ResidualAdd", "ElementwiseMul",
            "ActMul"]
 
 
@@ -42,6 +42,12 @@ def saturate(value, bits: int):
     """Clamp a signed expression to the signed ``bits``-bit range (an expression)."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     return Mux(value > hi, hi, Mux(value < lo, lo, value))
+
+
+def narrow_unless_wide(value, wide):
+    """An int16 result as the ``WIDE`` flag asks: as is when ``wide``, else saturated to
+    int8 (for a value already saturated to 16 bits, ``sat8 ∘ sat16 = sat8``)."""
+    return Mux(wide, value, saturate(value, nx.ACT_BITS))
 
 
 def reduce_tree(m: Module, values, op, *, valid=None, tags=(), enable=None, name="tree"):
@@ -322,7 +328,8 @@ class ElementwiseMul(wiring.Component):
 class ActMul(wiring.Component):
     """Gated activation, bit-exact with :func:`numerics.act_mul`.
 
-    ``y = sat8(round_shift(lut[gate + 128] · up · mult, shift))`` per lane. Stage 1 looks
+    ``y = sat(round_shift(lut[gate + 128] · up · mult, shift))`` per lane, to int8, or to
+    int16 with ``wide`` (``ACTMUL`` with ``WIDE``). Stage 1 looks
     the gate up in a 256 × int16 table (one copy per lane with a synchronous read port:
     LUTRAM on an FPGA), stage 2 multiplies by ``up``, then a :class:`VectorRequantizer`.
 
@@ -345,14 +352,16 @@ class ActMul(wiring.Component):
         Per-tensor multiplier, sampled with each accepted beat.
     shift : In(unsigned(6))
         Per-tensor shift, sampled with each accepted beat.
+    wide : In(1)
+        int16 output, sampled with each accepted beat.
     lut_we : In(1)
         Table write enable.
     lut_addr : In(unsigned(8))
         Table write address (``g + 128``).
     lut_data : In(signed(16))
         Table write data.
-    o : Out(stream.Signature(ArrayLayout(signed(8), lanes)))
-        The activations.
+    o : Out(stream.Signature(ArrayLayout(signed(16), lanes)))
+        The activations (int8 sign-extended unless wide).
     """
 
     LATENCY = 2 + VectorRequantizer.LATENCY
@@ -369,24 +378,27 @@ class ActMul(wiring.Component):
             "i": In(stream.Signature(data.StructLayout({"gate": vec8, "up": vec8}))),
             "mult": In(unsigned(nx.MULT_BITS)),
             "shift": In(unsigned(6)),
+            "wide": In(1),
             "lut_we": In(1),
             "lut_addr": In(unsigned(8)),
             "lut_data": In(signed(16)),
-            "o": Out(stream.Signature(vec8)),
+            "o": Out(stream.Signature(data.ArrayLayout(signed(nx.RES_BITS), self.lanes))),
         })
 
     def elaborate(self, platform):
         m = Module()
-        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.ACT_BITS, self.ACC_BITS)
+        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.RES_BITS, self.ACC_BITS,
+                                                      side=1)
 
         # stall-all front end: stage 1 table read, stage 2 product
         adv, v1, v2 = Signal(), Signal(), Signal()
         m.d.comb += [adv.eq(~v2 | vr.i.ready), self.i.ready.eq(adv), vr.i.valid.eq(v2)]
         up1 = Signal(data.ArrayLayout(signed(nx.ACT_BITS), self.lanes))
-        mult1, shift1 = Signal(unsigned(nx.MULT_BITS)), Signal(unsigned(6))
+        mult1, shift1, wide1 = Signal(unsigned(nx.MULT_BITS)), Signal(unsigned(6)), Signal()
         with m.If(adv):
             m.d.sync += [v1.eq(self.i.valid), v2.eq(v1), up1.eq(self.i.payload.up),
-                         mult1.eq(self.mult), shift1.eq(self.shift)]
+                         mult1.eq(self.mult), shift1.eq(self.shift), wide1.eq(self.wide),
+                         vr.i.payload.side.eq(wide1)]
         for l in range(self.lanes):
             # one table copy per lane (a LUTRAM with one write and one read port each),
             # all written together
@@ -402,9 +414,7 @@ class ActMul(wiring.Component):
             r = vr.i.payload.r[l]
             with m.If(adv):
                 m.d.sync += [r.acc.eq(rp.data * up1[l]), r.mult.eq(mult1), r.shift.eq(shift1)]
-        m.d.comb += [
-            self.o.valid.eq(vr.o.valid),
-            self.o.payload.eq(vr.o.payload.y),
-            vr.o.ready.eq(self.o.ready),
-        ]
+        m.d.comb += [self.o.payload[l].eq(narrow_unless_wide(vr.o.payload.y[l], vr.o.payload.side))
+                     for l in range(self.lanes)]
+        m.d.comb += [self.o.valid.eq(vr.o.valid), vr.o.ready.eq(self.o.ready)]
         return m

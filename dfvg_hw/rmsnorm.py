@@ -10,7 +10,7 @@ from amaranth.utils import ceil_log2
 
 from dfvg_hw import numerics as nx
 from dfvg_hw.config import EngineConfig
-from dfvg_hw.elementwise import VectorRequantizer, reduce_tree
+from dfvg_hw.elementwise import VectorRequantizer, narrow_unless_wide, reduce_tree
 
 __all__ = ["Rsqrt", "RsqrtResult", "RMSNorm", "RMSNormInput", "RMSNormOutput", "sumsq_bits"]
 
@@ -123,14 +123,16 @@ class RMSNormInput(data.StructLayout):
 
 
 class RMSNormOutput(data.StructLayout):
-    """One beat of the normalised int8 row and its end-of-row flag."""
+    """One beat of the normalised row (int8 sign-extended, or int16 for a wide row) and
+    its end-of-row flag."""
 
     def __init__(self, lanes: int):
-        super().__init__({"y": data.ArrayLayout(signed(nx.ACT_BITS), lanes), "last": 1})
+        super().__init__({"y": data.ArrayLayout(signed(nx.RES_BITS), lanes), "last": 1})
 
 
 class RMSNorm(wiring.Component):
-    """RMSNorm of int16 rows to int8, bit-exact with :func:`dfvg_hw.numerics.rmsnorm`.
+    """RMSNorm of int16 rows to int8 (or int16 with ``wide``), bit-exact with
+    :func:`dfvg_hw.numerics.rmsnorm`.
 
     The controller streams each row **twice** through ``i`` (as the cycle model's
     ``2·vec(n) + 4`` per row assumes), ``lanes`` elements per beat, ``last`` on the final
@@ -141,8 +143,9 @@ class RMSNorm(wiring.Component):
     * :class:`Rsqrt` of ``sumsq`` gives ``(r, k)``;
     * pass 2: per lane ``x · gamma`` (int32, |x·γ| ≤ 2^30), then a
       :class:`VectorRequantizer` with ``mult = r`` (≤ 2^15) and
-      ``shift = 15 + k + gamma_shift``: ``requant(x·γ, r, 15 + k + gs)`` is exactly
-      ``sat8(round_shift(x · r · γ, 15 + k + gs))``.
+      ``shift = 15 + k + gamma_shift`` (8 less for a wide row):
+      ``requant(x·γ, r, shift)`` is exactly ``sat(round_shift(x · r · γ, shift))``, to
+      16 bits and then, unless wide, to 8 (``sat8 ∘ sat16 = sat8``).
 
     Pass 1 takes a beat every cycle (nothing comes out); during the rsqrt the input is
     not ready; pass 2 streams at initiation interval 1 with backpressure from ``o``. A
@@ -150,9 +153,9 @@ class RMSNorm(wiring.Component):
     Σx² and gives y = 0). An all-zero row with ``eps = 0`` is outside ``rsqrt_fixed``'s
     domain; the unit outputs zeros for it.
 
-    ``eps`` is sampled with the first beat of pass 1 and ``gamma_shift`` (legal range
-    0 … 16, ``GAMMA_SHIFT_MAX``; the controller faults larger values) with the last beat
-    of pass 1.
+    ``eps`` is sampled with the first beat of pass 1, and ``gamma_shift`` (legal range
+    0 … 16, ``GAMMA_SHIFT_MAX``; the controller faults larger values) and ``wide`` with
+    the last beat of pass 1.
 
     Parameters
     ----------
@@ -170,6 +173,8 @@ class RMSNorm(wiring.Component):
         ε in units of Σx².
     gamma_shift : In(unsigned(5))
         Gain shift.
+    wide : In(1)
+        Write int16 (``RMSNORM`` with ``WIDE``) instead of int8.
     o : Out(stream.Signature(RMSNormOutput(lanes)))
         Normalised row beats (pass 2), ``last`` on the final one.
     busy : Out(1)
@@ -197,6 +202,7 @@ class RMSNorm(wiring.Component):
             "i": In(stream.Signature(RMSNormInput(self.lanes))),
             "eps": In(unsigned(32)),
             "gamma_shift": In(unsigned(5)),
+            "wide": In(1),
             "o": Out(stream.Signature(RMSNormOutput(self.lanes))),
             "busy": Out(1),
         })
@@ -205,7 +211,9 @@ class RMSNorm(wiring.Component):
         m = Module()
         lanes = self.lanes
         rs = m.submodules.rsqrt = Rsqrt(self.acc_bits)
-        vr = m.submodules.requant = VectorRequantizer(lanes, nx.ACT_BITS, 32, side=1)
+        # side band: (last, wide) travel with each beat, so a row's outputs keep its
+        # width while the next row's pass 1 already sampled another
+        vr = m.submodules.requant = VectorRequantizer(lanes, nx.RES_BITS, 32, side=2)
         p = self.i.payload
 
         # -- pass 1: squares, adder tree, accumulator -------------------------------------
@@ -222,13 +230,13 @@ class RMSNorm(wiring.Component):
                                                tags=[sq_last], name="sumsq")
         acc = Signal(self.acc_bits)
         acc_done = Signal()                       # the row's last partial sum is in acc
-        gs = Signal(5)
+        gs, wide = Signal(5), Signal()
         with m.If(take1 & first):
             m.d.sync += acc.eq(self.eps)
         with m.If(take1):
             m.d.sync += first.eq(0)
         with m.If(take1 & p.last):
-            m.d.sync += gs.eq(self.gamma_shift)
+            m.d.sync += [gs.eq(self.gamma_shift), wide.eq(self.wide)]
         with m.If(t_v):
             m.d.sync += [acc.eq(acc + total), acc_done.eq(t_last)]
         with m.Else():
@@ -237,22 +245,23 @@ class RMSNorm(wiring.Component):
         # -- pass 2: x·gamma, then requantise by (r, 15 + k + gamma_shift) -------------
         # (r, k) stay in the rsqrt's output register (not popped) for the whole pass.
         r = rs.o.payload.r
-        total_shift = nx.RSQRT_BITS + rs.o.payload.k + gs
+        total_shift = nx.RSQRT_BITS + rs.o.payload.k + gs - Mux(wide, nx.RES_BITS - nx.ACT_BITS, 0)
         shift = Mux(total_shift > 63, 63, total_shift)
         front_adv, v1 = Signal(), Signal()
         scale_ready = Signal()
         take2 = Signal()
         m.d.comb += [front_adv.eq(~v1 | vr.i.ready), take2.eq(self.i.valid & scale_ready)]
         with m.If(front_adv):
-            m.d.sync += [v1.eq(take2), vr.i.payload.side.eq(p.last)]
+            m.d.sync += [v1.eq(take2), vr.i.payload.side.eq(Cat(p.last, wide))]
             for l in range(lanes):
                 q = vr.i.payload.r[l]
                 m.d.sync += [q.acc.eq(p.x[l] * p.gamma[l]), q.mult.eq(r), q.shift.eq(shift)]
+        m.d.comb += [self.o.payload.y[l].eq(narrow_unless_wide(vr.o.payload.y[l], vr.o.payload.side[1]))
+                     for l in range(lanes)]
         m.d.comb += [
             vr.i.valid.eq(v1),
             self.o.valid.eq(vr.o.valid),
-            self.o.payload.y.eq(vr.o.payload.y),
-            self.o.payload.last.eq(vr.o.payload.side),
+            self.o.payload.last.eq(vr.o.payload.side[0]),
             vr.o.ready.eq(self.o.ready),
         ]
 

@@ -25,7 +25,7 @@ from amaranth.utils import ceil_log2
 
 from dfvg_hw import numerics as nx
 from dfvg_hw.config import EngineConfig
-from dfvg_hw.elementwise import VectorRequantizer, reduce_tree
+from dfvg_hw.elementwise import VectorRequantizer, narrow_unless_wide, reduce_tree
 
 __all__ = ["SoftmaxExp", "SoftmaxWeights", "Reciprocal", "Normalizer", "Attention",
            "EXP_BITS", "RECIP_OUT_BITS"]
@@ -350,12 +350,14 @@ class Reciprocal(wiring.Component):
 
 
 class Normalizer(wiring.Component):
-    """Attention output scaling ``o = sat8(round_shift(num · R, 32))`` per lane.
+    """Attention output scaling ``o = sat8(round_shift(num · R, 32))`` per lane, or with
+    ``wide`` ``sat16(round_shift(num · R, 24))`` (``ATTN`` with ``WIDE``).
 
     ``R = floor(2^32 / E) ≤ 2^16`` needs 17 bits, one more than the shared requantiser's
     multiplier; ``R = 2^16`` is passed as ``(mult, shift) = (2^15, 31)``, which rounds
     identically (``round_shift(num·2^16, 32) = round_shift(num·2^15, 31)``), every other
-    ``R`` as ``(R, 32)``. The rest is a :class:`VectorRequantizer`: ``LATENCY = 3``.
+    ``R`` as ``(R, 32)``; 8 less for a wide output. The rest is a
+    :class:`VectorRequantizer`: ``LATENCY = 3``.
 
     Parameters
     ----------
@@ -366,10 +368,10 @@ class Normalizer(wiring.Component):
 
     Members
     -------
-    i : In(stream.Signature(StructLayout({"num": ArrayLayout(signed(num_bits), lanes), "recip": unsigned(17)})))
-        Numerators and the reciprocal of their weight sum.
-    o : Out(stream.Signature(ArrayLayout(signed(8), lanes)))
-        The attention output.
+    i : In(stream.Signature(StructLayout({"num": ArrayLayout(signed(num_bits), lanes), "recip": unsigned(17), "wide": 1})))
+        Numerators, the reciprocal of their weight sum, and the output width.
+    o : Out(stream.Signature(ArrayLayout(signed(16), lanes)))
+        The attention output (int8 sign-extended unless wide).
     """
 
     LATENCY = VectorRequantizer.LATENCY
@@ -379,24 +381,27 @@ class Normalizer(wiring.Component):
         super().__init__({
             "i": In(stream.Signature(data.StructLayout({
                 "num": data.ArrayLayout(signed(num_bits), lanes),
-                "recip": unsigned(RECIP_OUT_BITS)}))),
-            "o": Out(stream.Signature(data.ArrayLayout(signed(nx.ACT_BITS), lanes))),
+                "recip": unsigned(RECIP_OUT_BITS), "wide": 1}))),
+            "o": Out(stream.Signature(data.ArrayLayout(signed(nx.RES_BITS), lanes))),
         })
 
     def elaborate(self, platform):
         m = Module()
-        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.ACT_BITS, self.num_bits)
-        recip = self.i.payload.recip
+        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.RES_BITS, self.num_bits,
+                                                      side=1)
+        recip, wide = self.i.payload.recip, self.i.payload.wide
         full = recip[nx.MULT_BITS]                          # R = 2^16
         mult = Mux(full, 1 << (nx.MULT_BITS - 1), recip[:nx.MULT_BITS])
-        shift = Mux(full, nx.RECIP_BITS - 1, nx.RECIP_BITS)
+        shift = (Mux(full, nx.RECIP_BITS - 1, nx.RECIP_BITS)
+                 - Mux(wide, nx.RES_BITS - nx.ACT_BITS, 0))
         for l in range(self.lanes):
             r = vr.i.payload.r[l]
             m.d.comb += [r.acc.eq(self.i.payload.num[l]), r.mult.eq(mult), r.shift.eq(shift)]
+            m.d.comb += self.o.payload[l].eq(narrow_unless_wide(vr.o.payload.y[l],
+                                                                vr.o.payload.side))
         m.d.comb += [
-            vr.i.valid.eq(self.i.valid), self.i.ready.eq(vr.i.ready),
-            self.o.valid.eq(vr.o.valid), self.o.payload.eq(vr.o.payload.y),
-            vr.o.ready.eq(self.o.ready),
+            vr.i.valid.eq(self.i.valid), self.i.ready.eq(vr.i.ready), vr.i.payload.side.eq(wide),
+            self.o.valid.eq(vr.o.valid), vr.o.ready.eq(self.o.ready),
         ]
         return m
 
@@ -422,7 +427,8 @@ class Attention(wiring.Component):
        cycle); each weight ``e_t`` meets V row ``t`` (one per cycle, in order) and
        ``E += e_t``, ``num[d] += e_t · V[t][d]``.
     4. **Reciprocal:** ``R = floor(2^32 / E)`` (:class:`Reciprocal`, 34 cycles).
-    5. **Output:** ``o[d] = sat8(round_shift(num[d] · R, 32))`` (:class:`Normalizer`).
+    5. **Output:** ``o[d] = sat8(round_shift(num[d] · R, 32))``, or int16 with the q beat's
+       ``wide`` (:class:`Normalizer`).
 
     With all streams ready, the output is valid ``cycles(T) = 2·T + ceil(log2 D) + 45``
     edges after the edge that accepts ``q``. The next head's ``q`` is accepted as soon
@@ -436,14 +442,14 @@ class Attention(wiring.Component):
 
     Members
     -------
-    q : In(stream.Signature(StructLayout({"q": ArrayLayout(signed(8), D), "mult": unsigned(16), "shift": unsigned(6)})))
-        The query head and the softmax multiplier.
+    q : In(stream.Signature(StructLayout({"q": ArrayLayout(signed(8), D), "mult": unsigned(16), "shift": unsigned(6), "wide": 1})))
+        The query head, the softmax multiplier and the output width.
     k : In(stream.Signature(StructLayout({"row": ArrayLayout(signed(8), D), "last": 1})))
         K rows 0 … T−1, ``last`` on row T−1.
     v : In(stream.Signature(ArrayLayout(signed(8), D)))
         V rows 0 … T−1 (taken after all K rows).
-    o : Out(stream.Signature(ArrayLayout(signed(8), D)))
-        The attention output.
+    o : Out(stream.Signature(ArrayLayout(signed(16), D)))
+        The attention output (int8 sign-extended unless wide).
     """
 
     def __init__(self, config: EngineConfig):
@@ -455,10 +461,10 @@ class Attention(wiring.Component):
         vec8 = data.ArrayLayout(signed(nx.ACT_BITS), d)
         super().__init__({
             "q": In(stream.Signature(data.StructLayout({
-                "q": vec8, "mult": unsigned(nx.MULT_BITS), "shift": unsigned(6)}))),
+                "q": vec8, "mult": unsigned(nx.MULT_BITS), "shift": unsigned(6), "wide": 1}))),
             "k": In(stream.Signature(data.StructLayout({"row": vec8, "last": 1}))),
             "v": In(stream.Signature(vec8)),
-            "o": Out(stream.Signature(vec8)),
+            "o": Out(stream.Signature(data.ArrayLayout(signed(nx.RES_BITS), d))),
         })
 
     def cycles(self, t: int) -> int:
@@ -487,7 +493,7 @@ class Attention(wiring.Component):
         phase = Signal(_AttnPhase)
 
         q = Signal(data.ArrayLayout(signed(nx.ACT_BITS), d))
-        mult, shift = Signal(unsigned(nx.MULT_BITS)), Signal(6)
+        mult, shift, wide = Signal(unsigned(nx.MULT_BITS)), Signal(6), Signal()
         take_q = Signal()
         m.d.comb += [self.q.ready.eq(phase == _AttnPhase.IDLE),
                      take_q.eq(self.q.valid & self.q.ready)]
@@ -510,7 +516,8 @@ class Attention(wiring.Component):
         m.d.comb += [wp.en.eq(s_v), wp.addr.eq(n_rows), wp.data.eq(score)]
         with m.If(take_q):
             m.d.sync += [q.eq(self.q.payload.q), mult.eq(self.q.payload.mult),
-                         shift.eq(self.q.payload.shift), n_rows.eq(0), smax.eq(lo),
+                         shift.eq(self.q.payload.shift), wide.eq(self.q.payload.wide),
+                         n_rows.eq(0), smax.eq(lo),
                          k_open.eq(1), phase.eq(_AttnPhase.SCORE)]
         with m.If(take_k & self.k.payload.last):
             m.d.sync += k_open.eq(0)
@@ -566,7 +573,7 @@ class Attention(wiring.Component):
         with m.If(rc.i.valid & rc.i.ready):
             m.d.sync += phase.eq(_AttnPhase.NORM)
         m.d.comb += [nm.i.valid.eq(rc.o.valid), nm.i.payload.recip.eq(rc.o.payload),
-                     rc.o.ready.eq(nm.i.ready)]
+                     nm.i.payload.wide.eq(wide), rc.o.ready.eq(nm.i.ready)]
         for j in range(d):
             m.d.comb += nm.i.payload.num[j].eq(num[j])
         with m.If(nm.i.valid & nm.i.ready):

@@ -12,16 +12,18 @@ instruction    datapath
 =============  =========================================================================
 RMSNORM        ``rmsnorm``: each int16 row streamed twice from VMEM (pass 1 Σx², pass 2
                with ``gamma`` from the parameter block), ``eps``/``gamma_shift`` from its
-               header; int8 rows back to VMEM.
+               header; int8 rows back to VMEM (int16 with ``WIDE``: ``wide``).
 MATMUL RESADD  matrix-unit accumulators + per-channel (mult, shift) and the int16
                residual read from ``dst`` → ``residual_add`` → ``dst``.
                (INT8 and LOGITS modes use the matrix unit's own requantiser.)
 ROPE           ``rope``: per head, ``a`` = first half and ``b`` = second half of the head,
                ``cos``/``sin`` = the POS row of the table; results to the same halves.
 ATTN           ``attention``: per query head, ``q`` from VMEM with the ATTN word, then K
-               and V rows 0 … POS of KV head ``h div (n/G)`` from the KV buffer.
+               and V rows 0 … POS of KV head ``h div (n/G)`` from the KV buffer; int8 out
+               (int16 with ``WIDE``: the q beat's ``wide``).
 ACTMUL         ``act_mul``: table loaded from the ACTMUL block through ``lut_*``, then
-               gate/up beats from one VMEM row, ``mult``/``shift`` from its word.
+               gate/up beats from one VMEM row, ``mult``/``shift`` from its word; int8
+               out (int16 with ``WIDE``: ``wide``).
 (elementwise)  ``mul``: ``requant(a·b, mult, shift)`` of two int8 vectors.
 =============  =========================================================================
 
@@ -82,7 +84,7 @@ class VectorUnit(wiring.Component):
     Members
     -------
     rmsnorm : Out(RMSNorm(config).signature)
-        :class:`~dfvg_hw.rmsnorm.RMSNorm` ports (``i``, ``eps``, ``gamma_shift``, ``o``, ``busy``).
+        :class:`~dfvg_hw.rmsnorm.RMSNorm` ports (``i``, ``eps``, ``gamma_shift``, ``wide``, ``o``, ``busy``).
     residual_add : Out(ResidualAdd(config).signature)
         :class:`~dfvg_hw.elementwise.ResidualAdd` ports.
     mul : Out(ElementwiseMul(config).signature)

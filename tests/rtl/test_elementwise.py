@@ -182,11 +182,22 @@ def test_act_mul_random(cfg):
     gate[2], up[2], mult[2], shift[2] = 127, 127, 65535, 63     # largest shift
     gate[3], up[3] = 0, 0
     gate[4] = np.arange(lanes) - 128                              # both ends of the table
+    wide = rng.random(n) < 0.5                              # int16 outputs (ACTMUL WIDE)
+    wide[0:3], wide[3 + lanes: 6 + lanes] = False, True
+    shift[3 + lanes: 6 + lanes] = shift[0:3]
+    gate[3 + lanes: 6 + lanes], up[3 + lanes: 6 + lanes] = gate[0:3], up[0:3]
+    mult[3 + lanes: 6 + lanes] = mult[0:3]
+    shift = np.where(wide & (shift >= 20), shift - 8, shift)
     beats = [{"gate": [int(v) for v in gate[k]], "up": [int(v) for v in up[k]]} for k in range(n)]
-    params = [{"mult": mult[k], "shift": shift[k]} for k in range(n)]
+    params = [{"mult": mult[k], "shift": shift[k], "wide": wide[k]} for k in range(n)]
     dut = ActMul(cfg)
     got = simulate(dut, beats, params=params, setup=load_lut(dut, lut))
-    np.testing.assert_array_equal(got, nx.act_mul(gate, up, lut, mult[:, None], shift[:, None]))
+    expected = np.where(wide[:, None],
+                        nx.act_mul(gate, up, lut, mult[:, None], shift[:, None], 16),
+                        nx.act_mul(gate, up, lut, mult[:, None], shift[:, None], 8))
+    np.testing.assert_array_equal(got, expected)
+    for w, (lo, hi) in ((False, (-128, 127)), (True, (-32768, 32767))):
+        assert (got[wide == w] == lo).any() and (got[wide == w] == hi).any()
 
 
 def test_act_mul_init_table_and_reload():

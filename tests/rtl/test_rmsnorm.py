@@ -67,7 +67,7 @@ def test_rsqrt_latency():
 
 # -- RMSNorm ---------------------------------------------------------------------------
 def simulate_rows(dut, rows, ready=(1, 1, 0, 1)):
-    """rows: list of (x, gamma, gamma_shift, eps). Returns the int8 rows the RTL wrote."""
+    """rows: list of (x, gamma, gamma_shift, eps, wide). Returns the rows the RTL wrote."""
     lanes = dut.lanes
     got = []
 
@@ -81,9 +81,10 @@ def simulate_rows(dut, rows, ready=(1, 1, 0, 1)):
                  "last": int(b == nb - 1)} for b in range(nb)]
 
     async def put(ctx):
-        for x, gamma, gs, eps in rows:
+        for x, gamma, gs, eps, wide in rows:
             ctx.set(dut.eps, int(eps))
             ctx.set(dut.gamma_shift, int(gs))
+            ctx.set(dut.wide, int(wide))
             for beat in beats(x, gamma, False):
                 await stream_put(ctx, dut.i, beat)
             for beat in beats(x, gamma, True):
@@ -115,11 +116,16 @@ def random_rows(rng, count, lo=16, hi=64):
         gs = int(rng.integers(0, nx.GAMMA_SHIFT_MAX + 1))
         gamma = rng.integers(-2 ** 15, 2 ** 15, n)
         eps = int(rng.integers(0, 2 ** 32)) if rng.random() < 0.5 else int(rng.integers(0, 1000))
-        rows.append((x, gamma, gs, eps))
+        rows.append((x, gamma, gs, eps, bool(rng.random() < 0.5)))
     return rows
 
 
 def edge_rows(n):
+    """The edge rows, each once as int8 and once as wide (int16) output."""
+    return [row + (wide,) for wide in (False, True) for row in _edge_rows(n)]
+
+
+def _edge_rows(n):
     full = np.full(n, -32768)
     ramp = np.arange(n) * 2047 - 32768
     return [
@@ -135,11 +141,11 @@ def edge_rows(n):
 
 
 def check(rows, got):
-    for (x, gamma, gs, eps), y in zip(rows, got):
+    for (x, gamma, gs, eps, wide), y in zip(rows, got):
         if not np.any(x) and eps == 0:                               # outside rsqrt's domain
             np.testing.assert_array_equal(y, 0)
             continue
-        np.testing.assert_array_equal(y, nx.rmsnorm(x, gamma, gs, eps))
+        np.testing.assert_array_equal(y, nx.rmsnorm(x, gamma, gs, eps, 16 if wide else 8))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
@@ -150,16 +156,17 @@ def test_rmsnorm_random_rows(cfg):
     assert sum(len(r[0]) for r in rows) >= 1000
     got = simulate_rows(RMSNorm(cfg), rows)
     check(rows, got)
-    y = np.concatenate(got)
-    assert (y == 127).any() and (y == -128).any()
+    for wide, (lo, hi) in ((False, (-128, 127)), (True, (-32768, 32767))):
+        y = np.concatenate([g for g, r in zip(got, rows) if r[4] == wide])
+        assert (y == hi).any() and (y == lo).any()
 
 
 def test_rmsnorm_short_rows_and_wide_accumulator():
     """Rows shorter than one beat, and a long row that needs the full accumulator."""
     rng = np.random.default_rng(5)
-    rows = [(rng.integers(-2 ** 15, 2 ** 15, n), rng.integers(-2 ** 15, 2 ** 15, n), 3, 7)
+    rows = [(rng.integers(-2 ** 15, 2 ** 15, n), rng.integers(-2 ** 15, 2 ** 15, n), 3, 7, n % 2)
             for n in (1, 2, 3, 5)]
-    rows.append((np.full(256, -32768), rng.integers(-2 ** 15, 2 ** 15, 256), 16, 2 ** 32 - 1))
+    rows.append((np.full(256, -32768), rng.integers(-2 ** 15, 2 ** 15, 256), 16, 2 ** 32 - 1, 1))
     dut = RMSNorm(TINY, max_len=256)
     assert dut.acc_bits == sumsq_bits(256) == 39
     check(rows, simulate_rows(dut, rows, ready=(1,)))

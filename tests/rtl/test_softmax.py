@@ -215,11 +215,15 @@ def test_normalizer_random(lanes):
     num[0, :2] = [(1 << 30) - 1, -(1 << 30)]                     # saturation both ends
     num[1, :2] = [1 << 15, -(1 << 15)]                           # rounding ties at R = 2^16 - 1
     num[0, 2:4] = [1 << 15, -(1 << 15)]                          # ties at R = 2^16: ±0.5
+    wide = rng.random(n) < 0.5
+    wide[:3] = False
+    wide[3:6], num[3:6], recip[3:6] = True, num[:3], recip[:3]    # the same edges, int16 out
     dut, got = Normalizer(lanes, num_bits), []
 
     async def put(ctx):
         for k in range(n):
-            await stream_put(ctx, dut.i, {"num": ints(num[k]), "recip": int(recip[k])})
+            await stream_put(ctx, dut.i, {"num": ints(num[k]), "recip": int(recip[k]),
+                                          "wide": int(wide[k])})
 
     async def get(ctx):
         for k in range(n):
@@ -228,18 +232,20 @@ def test_normalizer_random(lanes):
             got.append(list(await stream_get(ctx, dut.o)))
 
     run_simulation(dut, put, get)
-    want = nx.saturate(nx.round_shift(num * recip[:, None], 32), 8)
+    want = np.where(wide[:, None], nx.saturate(nx.round_shift(num * recip[:, None], 24), 16),
+                    nx.saturate(nx.round_shift(num * recip[:, None], 32), 8))
     np.testing.assert_array_equal(np.array(got), want)
 
 
 # -- attention --------------------------------------------------------------------------
 def simulate_attention(dut, heads, v_stall=(1,), o_stall=(1,)):
-    """heads: list of (q, k, v, mult, shift) → list of int8 outputs."""
+    """heads: list of (q, k, v, mult, shift, wide) → list of outputs (int16 when wide)."""
     got = []
 
     async def put_q(ctx):
-        for q, k, v, mult, shift in heads:
-            await stream_put(ctx, dut.q, {"q": ints(q), "mult": int(mult), "shift": int(shift)})
+        for q, k, v, mult, shift, wide in heads:
+            await stream_put(ctx, dut.q, {"q": ints(q), "mult": int(mult), "shift": int(shift),
+                                          "wide": int(wide)})
 
     async def put_k(ctx):
         for q, k, v, *_ in heads:
@@ -276,12 +282,18 @@ def random_heads(rng, count, d, max_t):
         v = rng.integers(-128, 128, (t, d))
         real = (amp / 127) ** -2 * 0.01 * d ** -0.5 * math.log2(math.e) * 2 ** 8 \
             * 10.0 ** rng.uniform(-1.5, 1.5)
+        real = min(real, 65535.0)                # tiny amplitudes: the largest legal scale
         mult, shift = (int(x) for x in nx.host_multiplier(real))
-        heads.append((q, k, v, mult, shift))
+        heads.append((q, k, v, mult, shift, bool(rng.random() < 0.5)))
     return heads
 
 
 def edge_heads(rng, d):
+    """The edge heads, each once with an int8 and once with a wide (int16) output."""
+    return [head + (wide,) for wide in (False, True) for head in _edge_heads(rng, d)]
+
+
+def _edge_heads(rng, d):
     full = np.full(d, -128)
     return [
         (rng.integers(-128, 128, d), rng.integers(-128, 128, (1, d)),
@@ -301,10 +313,13 @@ def test_attention_random(cfg):
     d = cfg.head_dim
     heads = edge_heads(rng, d) + random_heads(rng, math.ceil(1000 / d), d, 40)
     got = simulate_attention(Attention(cfg), heads, v_stall=(1, 1, 1, 0), o_stall=(1, 0))
-    for (q, k, v, mult, shift), o in zip(heads, got):
-        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift))
-    outs = np.concatenate(got)
-    assert len(outs) >= 1000 and (outs == 127).any() and (outs == -128).any()
+    for (q, k, v, mult, shift, wide), o in zip(heads, got):
+        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift, 16 if wide else 8))
+    assert sum(len(o) for o in got) >= 1000
+    # a wide output is V's scale / 2^8: |o| ≤ 128·2^8, so int16 saturates only at -32768
+    for w, (lo, hi) in ((False, (-128, 127)), (True, (-32768, 127 << 8))):
+        outs = np.concatenate([o for o, h in zip(got, heads) if h[5] == w])
+        assert (outs == hi).any() and (outs == lo).any()
 
 
 def test_attention_full_kv_buffer():
@@ -312,12 +327,12 @@ def test_attention_full_kv_buffer():
     cfg = TINY
     rng = np.random.default_rng(11)
     t, d = cfg.kv_positions, cfg.head_dim
-    heads = [(np.full(d, -128), np.full((t, d), -128), np.full((t, d), -128), 65535, 63),
+    heads = [(np.full(d, -128), np.full((t, d), -128), np.full((t, d), -128), 65535, 63, False),
              (rng.integers(-128, 128, d), rng.integers(-128, 128, (t, d)),
-              rng.integers(-128, 128, (t, d)), 50000, 24)]
+              rng.integers(-128, 128, (t, d)), 50000, 24, True)]
     got = simulate_attention(Attention(cfg), heads)
-    for (q, k, v, mult, shift), o in zip(heads, got):
-        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift))
+    for (q, k, v, mult, shift, wide), o in zip(heads, got):
+        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift, 16 if wide else 8))
 
 
 @pytest.mark.parametrize("t", [1, 7])
@@ -332,7 +347,7 @@ def test_attention_cycles(t):
         ctx.set(dut.v.valid, 1)
         ctx.set(dut.k.payload, {"row": [1] * d, "last": 0})
         ctx.set(dut.v.payload, [3] * d)
-        ctx.set(dut.q.payload, {"q": [1] * d, "mult": 1000, "shift": 10})
+        ctx.set(dut.q.payload, {"q": [1] * d, "mult": 1000, "shift": 10, "wide": 0})
         ctx.set(dut.q.valid, 1)
         await ctx.tick().until(dut.q.ready)
         ctx.set(dut.q.valid, 0)
