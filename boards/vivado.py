@@ -1,0 +1,681 @@
+"""XDC constraints and the Vivado Tcl flow that put the draft engine on an Alveo card.
+
+The engine is a plain Verilog module (``dfvg_engine``) with a clock, an active-high reset,
+an AXI4-Lite register slave, an AXI4 memory master and an interrupt output —
+:class:`EngineInterface` names them. On a card it becomes a *module reference* inside a
+Vivado block design::
+
+    host ══PCIe x16══ XDMA ──M_AXI_LITE (BAR, 64 KiB)── SmartConnect ── engine s_axil
+                        │                                              engine m_axi ──┐
+                        └──M_AXI (DMA H2C/C2H)── SmartConnect ──┬── HBM / DDR4 ◄───────┘
+                      usr_irq_req ◄── engine irq
+
+:func:`xdc_text` writes the card's pins from the board platform's resources, and
+:func:`tcl_flow` writes a Tcl script in numbered steps (one ``proc`` each): project and part,
+sources, block design, XDMA, memory controller(s), clocking and reset, the engine,
+connections, address map, validation and wrapper, then synthesis, implementation and the
+bitstream. :func:`write_flow` puts both beside the engine's Verilog; ``vivado -mode batch
+-source build.tcl`` in that directory runs it (:func:`vivado_command`, :func:`run_flow`).
+
+Nothing here needs Vivado; the tests run the Tcl under ``tclsh`` against stub commands.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from amaranth.build import DiffPairs, Pins
+
+from boards.alveo import DDR4, HBM, AlveoPlatform
+
+__all__ = ["EngineInterface", "register_space_bits", "xdc_text", "tcl_flow", "write_flow",
+           "FlowFiles", "vivado_command", "run_flow", "TCL_NAME", "PROGRESS_PREFIX"]
+
+#: Name of the flow script in the build tree.
+TCL_NAME = "build.tcl"
+#: Every progress line the flow prints starts with this.
+PROGRESS_PREFIX = "dfvg:"
+#: Size of the XDMA AXI-Lite BAR that carries the register file (the smallest block-design
+#: address range is 4 KiB; 64 KiB leaves room for the register map to grow).
+REGISTER_BAR_KIB = 64
+#: XDMA user-interrupt line the engine's ``irq`` drives (``/dev/xdma0_events_0``).
+USER_IRQ = 0
+
+
+def register_space_bits() -> int:
+    """Address bits that cover every register of :class:`dfvg_hw.regmap.Reg`."""
+    from dfvg_hw.regmap import Reg
+    return (max(Reg) + 3).bit_length()
+
+
+@dataclass(frozen=True)
+class EngineInterface:
+    """The engine's top-level ports, as the block design wires them.
+
+    Attributes
+    ----------
+    verilog_files : tuple of str
+        The engine's Verilog, relative to the build directory.
+    clock_mhz : float
+        Target engine clock (``EngineConfig.clock_mhz``); the flow's clock generator makes it.
+    top : str
+        Verilog module name, referenced by the block design.
+    clock, reset : str
+        Clock input and its synchronous, active-high reset (Amaranth's ``clk``/``rst``).
+    axil_prefix : str
+        Prefix of the AXI4-Lite slave ports (``s_axil_awaddr`` …), the register file.
+    axil_addr_width : int
+        Its address width: the register space (:func:`register_space_bits`).
+    axi_prefix : str
+        Prefix of the AXI4 master ports (``m_axi_araddr`` …) into device memory.
+    axi_data_width, axi_addr_width : int
+        Memory master data width (256: one HBM pseudo-channel beat; the SmartConnect
+        converts for DDR4's 512) and address width (64, as the XDMA's).
+    irq : str
+        Level interrupt output (``IRQ_STATUS & IRQ_ENABLE ≠ 0``) to XDMA user IRQ 0.
+    """
+    verilog_files: tuple[str, ...]
+    clock_mhz: float
+    top: str = "dfvg_engine"
+    clock: str = "clk"
+    reset: str = "rst"
+    axil_prefix: str = "s_axil_"
+    axil_addr_width: int = field(default_factory=register_space_bits)
+    axi_prefix: str = "m_axi_"
+    axi_data_width: int = 256
+    axi_addr_width: int = 64
+    irq: str = "irq"
+
+    AXIL_DATA_WIDTH = 32
+
+    @classmethod
+    def for_config(cls, config, verilog_files, **changes) -> "EngineInterface":
+        """The interface of an engine built from ``config`` (an ``EngineConfig``)."""
+        return cls(verilog_files=tuple(str(f) for f in verilog_files), clock_mhz=config.clock_mhz,
+                   **changes)
+
+    @property
+    def axil_bus(self) -> str:
+        """Interface name Vivado infers from the AXI4-Lite prefix (``s_axil``)."""
+        return self.axil_prefix.rstrip("_")
+
+    @property
+    def axi_bus(self) -> str:
+        return self.axi_prefix.rstrip("_")
+
+    def ports(self) -> list[tuple[str, str, int]]:
+        """Every port as (name, "in"/"out", width), clock and reset first.
+
+        These names are what Vivado's interface inference needs to see the AXI buses.
+        """
+        lite, full = self.axil_prefix, self.axi_prefix
+        aw, dw = self.axil_addr_width, self.AXIL_DATA_WIDTH
+        ports = [(self.clock, "in", 1), (self.reset, "in", 1)]
+        # AXI4-Lite slave: the host's register reads and writes.
+        ports += [(lite + n, d, w) for n, d, w in [
+            ("awaddr", "in", aw), ("awprot", "in", 3), ("awvalid", "in", 1), ("awready", "out", 1),
+            ("wdata", "in", dw), ("wstrb", "in", dw // 8), ("wvalid", "in", 1), ("wready", "out", 1),
+            ("bresp", "out", 2), ("bvalid", "out", 1), ("bready", "in", 1),
+            ("araddr", "in", aw), ("arprot", "in", 3), ("arvalid", "in", 1), ("arready", "out", 1),
+            ("rdata", "out", dw), ("rresp", "out", 2), ("rvalid", "out", 1), ("rready", "in", 1)]]
+        # AXI4 master: bursts into device memory.
+        aw, dw = self.axi_addr_width, self.axi_data_width
+        ports += [(full + n, d, w) for n, d, w in [
+            ("awaddr", "out", aw), ("awlen", "out", 8), ("awsize", "out", 3), ("awburst", "out", 2),
+            ("awvalid", "out", 1), ("awready", "in", 1),
+            ("wdata", "out", dw), ("wstrb", "out", dw // 8), ("wlast", "out", 1),
+            ("wvalid", "out", 1), ("wready", "in", 1),
+            ("bresp", "in", 2), ("bvalid", "in", 1), ("bready", "out", 1),
+            ("araddr", "out", aw), ("arlen", "out", 8), ("arsize", "out", 3), ("arburst", "out", 2),
+            ("arvalid", "out", 1), ("arready", "in", 1),
+            ("rdata", "in", dw), ("rresp", "in", 2), ("rlast", "in", 1), ("rvalid", "in", 1),
+            ("rready", "out", 1)]]
+        ports.append((self.irq, "out", 1))
+        return ports
+
+
+# ---------------------------------------------------------------------------------------
+# Port naming shared by the XDC and the block design
+# ---------------------------------------------------------------------------------------
+
+def _board_ports(board: AlveoPlatform):
+    """(resource, [(top-level port, package pin)]) for every pin resource of ``board``.
+
+    A differential clock becomes a block-design ``diff_clock`` interface port named after
+    the resource, which Vivado's wrapper spells ``<name>_clk_p`` / ``<name>_clk_n``.
+    """
+    for (name, _number), res in board.resources.items():
+        io = res.ios[0]
+        if isinstance(io, DiffPairs):
+            yield res, [(f"{name}_clk_p", io.p.names[0]), (f"{name}_clk_n", io.n.names[0])]
+        elif isinstance(io, Pins):
+            yield res, [(name, io.names[0])]
+
+
+def _is_diff_clock(board: AlveoPlatform, name: str) -> bool:
+    return isinstance(board.resource(name).ios[0], DiffPairs)
+
+
+# ---------------------------------------------------------------------------------------
+# XDC
+# ---------------------------------------------------------------------------------------
+
+def xdc_text(board: AlveoPlatform, interface: EngineInterface) -> str:
+    """Pin, I/O-standard and clock constraints of ``board``'s top-level ports."""
+    lines = [
+        f"# DFVG draft engine on {board.name} ({board.part}): board pins and clocks.",
+        f"# Generated by boards.vivado from the board platform; pins from {board.xdc_source}.",
+        "# PCIe lanes are placed by the XDMA IP, DDR4 pins by the card's board file.",
+        "",
+        "# Configuration bank voltage and compressed bitstreams, as in the card's master XDC.",
+        "set_property CONFIG_VOLTAGE 1.8 [current_design]",
+        "set_property BITSTREAM.GENERAL.COMPRESS TRUE [current_design]",
+    ]
+    for res, ports in _board_ports(board):
+        lines += ["", f"# {res.name}"]
+        for port, pin in ports:
+            lines.append(f"set_property PACKAGE_PIN {pin} [get_ports {port}]")
+        # GT reference clocks have no I/O standard: they enter a transceiver quad.
+        if "IOSTANDARD" in res.attrs:
+            for port, _ in ports:
+                lines.append(f"set_property IOSTANDARD {res.attrs['IOSTANDARD']} [get_ports {port}]")
+        if res.clock is not None:
+            period_ns = 1e9 / res.clock.frequency
+            lines.append(f"create_clock -period {period_ns:.3f} -name {res.name} "
+                         f"[get_ports {ports[0][0]}]")
+    perst = board.pcie.perst
+    lines += [
+        "",
+        "# PERST# comes from the host asynchronously; hold it inactive when nothing drives it.",
+        f"set_property PULLUP true [get_ports {perst}]",
+        f"set_false_path -from [get_ports {perst}]",
+    ]
+    if board.memory.cattrip:
+        lines += [
+            "# CATTRIP is a static status output to the satellite controller: no timing.",
+            f"set_false_path -to [get_ports {board.memory.cattrip}]",
+        ]
+    lines += [
+        "",
+        "# The board clocks, the XDMA's axi_aclk and the engine clock are unrelated; the",
+        "# SmartConnects and proc_sys_reset blocks synchronise every crossing.",
+        *[f"set_clock_groups -asynchronous -group [get_clocks -include_generated_clocks {res.name}]"
+          for res, _ in _board_ports(board) if res.clock is not None],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# Tcl flow
+# ---------------------------------------------------------------------------------------
+
+def _tcl_props(props: dict) -> str:
+    """``[list CONFIG.key {value} …]`` for ``set_property -dict``."""
+    return "[list " + " ".join(f"CONFIG.{k} {{{v}}}" for k, v in props.items()) + "]"
+
+
+class _Tcl:
+    """Accumulates the flow: numbered steps, each a proc with a comment and a progress line."""
+
+    def __init__(self):
+        self.steps: list[tuple[str, str, list[str]]] = []   # (proc, title, body lines)
+
+    def step(self, proc: str, title: str, body: list[str]) -> None:
+        self.steps.append((proc, title, body))
+
+    def render(self, header: list[str]) -> str:
+        total = len(self.steps)
+        out = header + [
+            "",
+            "proc dfvg_progress {number total title} {",
+            f'    puts "{PROGRESS_PREFIX} \\[$number/$total\\] $title"',
+            "    flush stdout",
+            "}",
+        ]
+        for number, (proc, title, body) in enumerate(self.steps, 1):
+            out += ["", f"# -- {number}. {title} " + "-" * max(0, 70 - len(title)),
+                    f"proc {proc} {{}} {{", "    global dfvg_dir dfvg_jobs"]
+            out += [f"    {line}" if line else "" for line in body]
+            out.append("}")
+        out += ["", "# -- run every step in order " + "-" * 45]
+        for number, (proc, title, _) in enumerate(self.steps, 1):
+            out.append(f'dfvg_progress {number} {total} "{title}"')
+            out.append(proc)
+        out.append(f'puts "{PROGRESS_PREFIX} done"')
+        return "\n".join(out) + "\n"
+
+
+#: The block-design cell names, used by several steps.
+XDMA, ENGINE, HBM_CELL = "xdma_0", "engine", "hbm_0"
+CLK_WIZ, ENGINE_RESET, MEM_RESET = "engine_clk_wiz", "engine_reset", "mem_reset"
+BD_NAME = "dfvg_bd"
+
+
+def _engine_clock() -> str:
+    return f"[get_bd_pins {CLK_WIZ}/clk_out1]"
+
+
+def _xdma_config(board: AlveoPlatform) -> dict:
+    speed = {3: "8.0_GT/s", 4: "16.0_GT/s"}[board.pcie.gen]
+    config = {
+        "mode_selection": "Advanced",
+        "pl_link_cap_max_link_width": f"X{board.pcie.lanes}",
+        "pl_link_cap_max_link_speed": speed,
+        # Gen3 x16 carries 16 GB/s: a 512-bit AXI at 250 MHz matches it.
+        "axi_data_width": "512_bit",
+        "axisten_freq": "250",
+        "xdma_axi_intf_mm": "AXI_Memory_Mapped",
+        # One H2C and one C2H channel: /dev/xdma0_h2c_0 and /dev/xdma0_c2h_0.
+        "xdma_rnum_chnl": "1",
+        "xdma_wnum_chnl": "1",
+        # The AXI-Lite BAR (/dev/xdma0_user) maps onto the register file from offset 0.
+        "axilite_master_en": "true",
+        "axilite_master_scale": "Kilobytes",
+        "axilite_master_size": str(REGISTER_BAR_KIB),
+        "pciebar2axibar_axil_master": "0x00000000",
+        "xdma_num_usr_irq": "1",
+        "pf0_device_id": "903F",
+    }
+    if board.pcie.block:
+        config.update(en_gt_selection="true", pcie_blk_locn=board.pcie.block,
+                      select_quad=board.pcie.quad)
+    return config
+
+
+def _step_project(tcl: _Tcl, board: AlveoPlatform) -> None:
+    project = "dfvg_" + board.name.replace("-", "_")
+    body = [f"create_project -force {project} [file join $dfvg_dir vivado] -part {board.part}",
+            "set_property target_language Verilog [current_project]"]
+    if board.memory.board_interfaces:
+        # The DDR4 controllers take their pins from the card's board file.
+        body += [
+            f"set parts [get_board_parts -quiet -latest_file_version {{{board.board_part}}}]",
+            "if {[llength $parts] == 0} {",
+            f'    error "{PROGRESS_PREFIX} the {board.name} board files ({board.board_part}) are not '
+            'installed; add them from the Vivado board store (Tools > Vivado Store > Boards) '
+            'and run this script again"',
+            "}",
+            "set_property board_part [lindex $parts end] [current_project]",
+        ]
+    tcl.step("dfvg_create_project", f"project for {board.part}", body)
+
+
+def _step_sources(tcl: _Tcl, board: AlveoPlatform, interface: EngineInterface, xdc_name: str) -> None:
+    files = " ".join(f"[file join $dfvg_dir {f}]" for f in interface.verilog_files)
+    tcl.step("dfvg_add_sources", "engine Verilog and board constraints", [
+        f"add_files -norecurse [list {files}]",
+        f"add_files -fileset constrs_1 -norecurse [file join $dfvg_dir {xdc_name}]",
+        f"set_property top {interface.top} [current_fileset]",
+        "update_compile_order -fileset sources_1",
+    ])
+
+
+def _diff_clock_port(name: str, mhz: float) -> list[str]:
+    return [f"create_bd_intf_port -mode Slave -vlnv xilinx.com:interface:diff_clock_rtl:1.0 {name}",
+            f"set_property CONFIG.FREQ_HZ {round(mhz * 1e6)} [get_bd_intf_ports {name}]"]
+
+
+def _step_block_design(tcl: _Tcl, board: AlveoPlatform) -> None:
+    body = [f"create_bd_design {BD_NAME}",
+            "# Board-level ports; the XDC places them."]
+    for (name, _), res in board.resources.items():
+        if _is_diff_clock(board, name):
+            body += _diff_clock_port(name, res.clock.frequency / 1e6)
+    body += [
+        "create_bd_intf_port -mode Master -vlnv xilinx.com:interface:pcie_7x_mgt_rtl:1.0 pcie_mgt",
+        f"create_bd_port -dir I -type rst {board.pcie.perst}",
+        f"set_property CONFIG.POLARITY ACTIVE_LOW [get_bd_ports {board.pcie.perst}]",
+    ]
+    if board.memory.cattrip:
+        body.append(f"create_bd_port -dir O {board.memory.cattrip}")
+    for i, _ in enumerate(board.memory.board_interfaces):
+        body.append(f"create_bd_intf_port -mode Master -vlnv xilinx.com:interface:ddr4_rtl:1.0 ddr4_c{i}")
+    tcl.step("dfvg_create_block_design", "block design and board ports", body)
+
+
+def _step_pcie(tcl: _Tcl, board: AlveoPlatform) -> None:
+    refclk = board.pcie.refclk
+    tcl.step("dfvg_add_xdma", f"XDMA PCIe Gen{board.pcie.gen} x{board.pcie.lanes} (DMA + register BAR)", [
+        "# The 100 MHz connector clock enters a GT quad: IBUFDS_GTE4, full rate for the GTs",
+        "# and divided by two for the PCIe core.",
+        "set refclk_buf [create_bd_cell -type ip -vlnv xilinx.com:ip:util_ds_buf pcie_refclk_buf]",
+        "set_property CONFIG.C_BUF_TYPE {IBUFDSGTE} $refclk_buf",
+        f"set xdma [create_bd_cell -type ip -vlnv xilinx.com:ip:xdma {XDMA}]",
+        f"set_property -dict {_tcl_props(_xdma_config(board))} $xdma",
+        f"connect_bd_intf_net [get_bd_intf_ports {refclk}] [get_bd_intf_pins pcie_refclk_buf/CLK_IN_D]",
+        f"connect_bd_net [get_bd_pins pcie_refclk_buf/IBUF_OUT] [get_bd_pins {XDMA}/sys_clk_gt]",
+        f"connect_bd_net [get_bd_pins pcie_refclk_buf/IBUF_DS_ODIV2] [get_bd_pins {XDMA}/sys_clk]",
+        f"connect_bd_net [get_bd_ports {board.pcie.perst}] [get_bd_pins {XDMA}/sys_rst_n]",
+        f"connect_bd_intf_net [get_bd_intf_pins {XDMA}/pcie_mgt] [get_bd_intf_ports pcie_mgt]",
+    ])
+
+
+def _step_clocking(tcl: _Tcl, board: AlveoPlatform, interface: EngineInterface) -> None:
+    fabric = board.fabric_clock
+    wiz = {"PRIM_SOURCE": "Differential_clock_capable_pin",
+           "PRIM_IN_FREQ": f"{board.clock_mhz(fabric):.3f}",
+           "CLKOUT1_REQUESTED_OUT_FREQ": f"{interface.clock_mhz:.3f}",
+           "USE_RESET": "false", "USE_LOCKED": "true"}
+    body = [
+        "# The engine runs from its own clock, made from a free-running board clock so that",
+        "# it does not depend on the PCIe link.",
+        f"set wiz [create_bd_cell -type ip -vlnv xilinx.com:ip:clk_wiz {CLK_WIZ}]",
+        f"set_property -dict {_tcl_props(wiz)} $wiz",
+        f"connect_bd_intf_net [get_bd_intf_ports {fabric}] [get_bd_intf_pins {CLK_WIZ}/CLK_IN1_D]",
+        "# Engine reset: held while the PCIe link is down (axi_aresetn) or the clock unlocked.",
+        f"set rst [create_bd_cell -type ip -vlnv xilinx.com:ip:proc_sys_reset {ENGINE_RESET}]",
+        "set_property CONFIG.C_EXT_RESET_HIGH {0} $rst",
+        f"connect_bd_net {_engine_clock()} [get_bd_pins {ENGINE_RESET}/slowest_sync_clk]",
+        f"connect_bd_net [get_bd_pins {XDMA}/axi_aresetn] [get_bd_pins {ENGINE_RESET}/ext_reset_in]",
+        f"connect_bd_net [get_bd_pins {CLK_WIZ}/locked] [get_bd_pins {ENGINE_RESET}/dcm_locked]",
+    ]
+    tcl.step("dfvg_add_clocking", f"clocking ({interface.clock_mhz:g} MHz engine clock) and reset", body)
+
+
+def _smartconnect(name: str, n_si: int, n_mi: int, clocks: list[str], reset: str) -> list[str]:
+    """A SmartConnect ``name`` clocked by ``clocks`` (aclk, aclk1, …) with ``reset`` (aresetn)."""
+    props = {"NUM_SI": n_si, "NUM_MI": n_mi, "NUM_CLKS": len(clocks)}
+    body = [f"set sc [create_bd_cell -type ip -vlnv xilinx.com:ip:smartconnect {name}]",
+            f"set_property -dict {_tcl_props(props)} $sc"]
+    for i, clock in enumerate(clocks):
+        body.append(f"connect_bd_net {clock} [get_bd_pins {name}/aclk{i or ''}]")
+    body.append(f"connect_bd_net {reset} [get_bd_pins {name}/aresetn]")
+    return body
+
+
+def _hbm_port(index: int) -> str:
+    # HBM IP v1.0 names its AXI3 pseudo-channel slaves SAXI_00_8HI … SAXI_31_8HI.
+    return f"SAXI_{index:02d}_8HI"
+
+
+def _step_hbm(tcl: _Tcl, board: AlveoPlatform, interface: EngineInterface) -> None:
+    mem = board.memory
+    refclk = mem.refclks[0]
+    config = {
+        "USER_HBM_DENSITY": f"{mem.total_bytes >> 30}GB",
+        "USER_HBM_STACK": str(mem.channels),
+        # The global switch lets every AXI port reach the whole memory, so device addresses
+        # are the same for the DMA and the engine.
+        "USER_SWITCH_ENABLE_00": "TRUE",
+        "USER_SWITCH_ENABLE_01": "TRUE",
+        "USER_APB_EN": "false",
+        "USER_HBM_REF_CLK_0": f"{mem.refclk_mhz:g}",
+        "USER_HBM_REF_CLK_1": f"{mem.refclk_mhz:g}",
+        "USER_AXI_CLK_FREQ": f"{interface.clock_mhz:g}",
+        # Port 0 carries the DMA, port 1 the engine; the rest stay off.
+        **{f"USER_SAXI_{i:02d}": "true" if i < 2 else "false" for i in range(32)},
+    }
+    engine_clock, engine_rstn = _engine_clock(), f"[get_bd_pins {ENGINE_RESET}/peripheral_aresetn]"
+    body = [
+        "# HBM reference and APB clock: the board's 100 MHz clock through IBUFDS and BUFG.",
+        "set ibuf [create_bd_cell -type ip -vlnv xilinx.com:ip:util_ds_buf hbm_refclk_ibuf]",
+        f"connect_bd_intf_net [get_bd_intf_ports {refclk}] [get_bd_intf_pins hbm_refclk_ibuf/CLK_IN_D]",
+        "set bufg [create_bd_cell -type ip -vlnv xilinx.com:ip:util_ds_buf hbm_refclk_bufg]",
+        "set_property CONFIG.C_BUF_TYPE {BUFG} $bufg",
+        "connect_bd_net [get_bd_pins hbm_refclk_ibuf/IBUF_OUT] [get_bd_pins hbm_refclk_bufg/BUFG_I]",
+        f"set rst [create_bd_cell -type ip -vlnv xilinx.com:ip:proc_sys_reset {MEM_RESET}]",
+        "set_property CONFIG.C_EXT_RESET_HIGH {0} $rst",
+        f"connect_bd_net [get_bd_pins hbm_refclk_bufg/BUFG_O] [get_bd_pins {MEM_RESET}/slowest_sync_clk]",
+        f"connect_bd_net [get_bd_ports {board.pcie.perst}] [get_bd_pins {MEM_RESET}/ext_reset_in]",
+        f"set hbm [create_bd_cell -type ip -vlnv xilinx.com:ip:hbm {HBM_CELL}]",
+        f"set_property -dict {_tcl_props(config)} $hbm",
+    ]
+    for stack in range(mem.channels):
+        body += [f"connect_bd_net [get_bd_pins hbm_refclk_bufg/BUFG_O] [get_bd_pins {HBM_CELL}/HBM_REF_CLK_{stack}]",
+                 f"connect_bd_net [get_bd_pins hbm_refclk_bufg/BUFG_O] [get_bd_pins {HBM_CELL}/APB_{stack}_PCLK]",
+                 f"connect_bd_net [get_bd_pins {MEM_RESET}/peripheral_aresetn] [get_bd_pins {HBM_CELL}/APB_{stack}_PRESET_N]"]
+    for port in range(2):
+        body += [f"connect_bd_net {engine_clock} [get_bd_pins {HBM_CELL}/AXI_{port:02d}_ACLK]",
+                 f"connect_bd_net {engine_rstn} [get_bd_pins {HBM_CELL}/AXI_{port:02d}_ARESET_N]"]
+    # Either stack overheating must reach the satellite controller.
+    body += [
+        "set trip [create_bd_cell -type ip -vlnv xilinx.com:ip:util_vector_logic hbm_cattrip_or]",
+        "set_property -dict [list CONFIG.C_OPERATION {or} CONFIG.C_SIZE {1}] $trip",
+        f"connect_bd_net [get_bd_pins {HBM_CELL}/DRAM_0_STAT_CATTRIP] [get_bd_pins hbm_cattrip_or/Op1]",
+        f"connect_bd_net [get_bd_pins {HBM_CELL}/DRAM_1_STAT_CATTRIP] [get_bd_pins hbm_cattrip_or/Op2]",
+        f"connect_bd_net [get_bd_pins hbm_cattrip_or/Res] [get_bd_ports {mem.cattrip}]",
+    ]
+    gib = mem.total_bytes >> 30
+    tcl.step("dfvg_add_memory", f"HBM controller ({gib} GiB, {mem.channels} stacks)", body)
+
+
+#: DDR4 IP input-clock periods by reference frequency: the IP offers a list of periods,
+#: and for a 300 MHz reference that list has 3332 ps.
+_DDR4_INPUT_PERIOD_PS = {300.0: 3332}
+
+
+def _step_ddr4(tcl: _Tcl, board: AlveoPlatform) -> None:
+    mem = board.memory
+    period_ps = _DDR4_INPUT_PERIOD_PS[mem.refclk_mhz]
+    body = [f"set rst [create_bd_cell -type ip -vlnv xilinx.com:ip:proc_sys_reset {MEM_RESET}]",
+            "set_property CONFIG.C_EXT_RESET_HIGH {0} $rst",
+            f"connect_bd_net {_engine_clock()} [get_bd_pins {MEM_RESET}/slowest_sync_clk]",
+            f"connect_bd_net [get_bd_ports {board.pcie.perst}] [get_bd_pins {MEM_RESET}/ext_reset_in]"]
+    for i, (intf, refclk) in enumerate(zip(mem.board_interfaces, mem.refclks)):
+        cell = f"ddr4_c{i}"
+        config = {"C0_DDR4_BOARD_INTERFACE": intf, "C0_CLOCK_BOARD_INTERFACE": "Custom",
+                  "C0.DDR4_InputClockPeriod": str(period_ps), "C0.DDR4_AxiDataWidth": "512"}
+        body += [
+            f"# Channel {i}: pins from board interface {intf}, reference clock {refclk}.",
+            f"set ddr [create_bd_cell -type ip -vlnv xilinx.com:ip:ddr4 {cell}]",
+            f"set_property -dict {_tcl_props(config)} $ddr",
+            f"connect_bd_intf_net [get_bd_intf_ports {refclk}] [get_bd_intf_pins {cell}/C0_SYS_CLK]",
+            f"connect_bd_intf_net [get_bd_intf_pins {cell}/C0_DDR4] [get_bd_intf_ports {cell}]",
+            f"connect_bd_net [get_bd_pins {MEM_RESET}/peripheral_reset] [get_bd_pins {cell}/sys_rst]",
+            "# The AXI slave's reset must be synchronous to the controller's UI clock.",
+            f"set uirst [create_bd_cell -type ip -vlnv xilinx.com:ip:proc_sys_reset {cell}_ui_reset]",
+            f"connect_bd_net [get_bd_pins {cell}/c0_ddr4_ui_clk] [get_bd_pins {cell}_ui_reset/slowest_sync_clk]",
+            f"connect_bd_net [get_bd_pins {cell}/c0_ddr4_ui_clk_sync_rst] [get_bd_pins {cell}_ui_reset/ext_reset_in]",
+            f"connect_bd_net [get_bd_pins {cell}_ui_reset/peripheral_aresetn] [get_bd_pins {cell}/c0_ddr4_aresetn]",
+        ]
+    gib = mem.total_bytes >> 30
+    tcl.step("dfvg_add_memory", f"DDR4 controllers ({mem.channels} x {mem.bytes_per_channel >> 30} GiB = {gib} GiB)", body)
+
+
+def _step_engine(tcl: _Tcl, interface: EngineInterface) -> None:
+    pin = f"[get_bd_pins {ENGINE}/{interface.clock}]"
+    tcl.step("dfvg_add_engine", f"engine ({interface.top}) as a module reference", [
+        f"create_bd_cell -type module -reference {interface.top} {ENGINE}",
+        "# Tell the block design which clock and reset the inferred AXI buses use.",
+        f"set_property -dict [list CONFIG.ASSOCIATED_BUSIF {{{interface.axil_bus}:{interface.axi_bus}}} "
+        f"CONFIG.ASSOCIATED_RESET {{{interface.reset}}}] {pin}",
+        f"set_property CONFIG.POLARITY ACTIVE_HIGH [get_bd_pins {ENGINE}/{interface.reset}]",
+    ])
+
+
+def _step_connect(tcl: _Tcl, board: AlveoPlatform, interface: EngineInterface) -> None:
+    engine_clock = _engine_clock()
+    xdma_clock = f"[get_bd_pins {XDMA}/axi_aclk]"
+    engine_rstn = f"[get_bd_pins {ENGINE_RESET}/interconnect_aresetn]"
+    body = [
+        "# Engine clock, reset and interrupt.",
+        f"connect_bd_net {engine_clock} [get_bd_pins {ENGINE}/{interface.clock}]",
+        f"connect_bd_net [get_bd_pins {ENGINE_RESET}/peripheral_reset] [get_bd_pins {ENGINE}/{interface.reset}]",
+        f"connect_bd_net [get_bd_pins {ENGINE}/{interface.irq}] [get_bd_pins {XDMA}/usr_irq_req]",
+        "# Register BAR: XDMA AXI-Lite master (axi_aclk) to the engine's register file.",
+        *_smartconnect("reg_sc", 1, 1, [xdma_clock, engine_clock], engine_rstn),
+        f"connect_bd_intf_net [get_bd_intf_pins {XDMA}/M_AXI_LITE] [get_bd_intf_pins reg_sc/S00_AXI]",
+        f"connect_bd_intf_net [get_bd_intf_pins reg_sc/M00_AXI] [get_bd_intf_pins {ENGINE}/{interface.axil_bus}]",
+    ]
+    masters = [f"{XDMA}/M_AXI", f"{ENGINE}/{interface.axi_bus}"]
+    if board.memory.kind == HBM:
+        # One SmartConnect per HBM port: clock and AXI4-to-AXI3 conversion.
+        for port, (master, clocks) in enumerate(zip(masters, [[engine_clock, xdma_clock], [engine_clock]])):
+            sc = f"mem_sc_{port}"
+            body += [f"# {master} to HBM port {port}.",
+                     *_smartconnect(sc, 1, 1, clocks, engine_rstn),
+                     f"connect_bd_intf_net [get_bd_intf_pins {master}] [get_bd_intf_pins {sc}/S00_AXI]",
+                     f"connect_bd_intf_net [get_bd_intf_pins {sc}/M00_AXI] "
+                     f"[get_bd_intf_pins {HBM_CELL}/{_hbm_port(port)}]"]
+    else:
+        channels = board.memory.channels
+        ui_clocks = [f"[get_bd_pins ddr4_c{i}/c0_ddr4_ui_clk]" for i in range(channels)]
+        body += ["# Both masters reach every DDR4 channel through one SmartConnect.",
+                 *_smartconnect("mem_sc", len(masters), channels, [engine_clock, xdma_clock, *ui_clocks],
+                                engine_rstn)]
+        body += [f"connect_bd_intf_net [get_bd_intf_pins {m}] [get_bd_intf_pins mem_sc/S{i:02d}_AXI]"
+                 for i, m in enumerate(masters)]
+        body += [f"connect_bd_intf_net [get_bd_intf_pins mem_sc/M{i:02d}_AXI] "
+                 f"[get_bd_intf_pins ddr4_c{i}/C0_DDR4_S_AXI]" for i in range(channels)]
+    tcl.step("dfvg_connect", "interface connections (register BAR, memory, interrupt)", body)
+
+
+def _step_addresses(tcl: _Tcl, board: AlveoPlatform, interface: EngineInterface) -> None:
+    reg_seg = f"[get_bd_addr_segs {ENGINE}/{interface.axil_bus}/reg0]"
+    spaces = [f"[get_bd_addr_spaces {XDMA}/M_AXI]", f"[get_bd_addr_spaces {ENGINE}/{interface.axi_bus}]"]
+    body = ["# The register file at offset 0 of the AXI-Lite BAR (/dev/xdma0_user).",
+            f"assign_bd_address -target_address_space [get_bd_addr_spaces {XDMA}/M_AXI_LITE] "
+            f"-offset 0x00000000 -range {REGISTER_BAR_KIB}K {reg_seg}",
+            "# Device memory at the same addresses for the DMA (card address = file offset of",
+            "# /dev/xdma0_h2c_0 and _c2h_0) and for the engine: 0 up to its size."]
+    if board.memory.kind == HBM:
+        for space, port in zip(spaces, range(2)):
+            # HBM segments have fixed offsets: HBM_MEM00 at 0, each pseudo-channel after it.
+            body.append(f"assign_bd_address -target_address_space {space} "
+                        f"[get_bd_addr_segs {HBM_CELL}/{_hbm_port(port)}/HBM_MEM*]")
+    else:
+        size = board.memory.bytes_per_channel
+        for space in spaces:
+            for i in range(board.memory.channels):
+                body.append(f"assign_bd_address -target_address_space {space} -offset 0x{i * size:X} "
+                            f"-range {size >> 30}G [get_bd_addr_segs ddr4_c{i}/C0_DDR4_MEMORY_MAP/C0_DDR4_ADDRESS_BLOCK]")
+    tcl.step("dfvg_assign_addresses", "address map", body)
+
+
+def _step_finish_bd(tcl: _Tcl) -> None:
+    tcl.step("dfvg_finish_block_design", "validate the block design and make its wrapper", [
+        "validate_bd_design",
+        "save_bd_design",
+        f"set wrapper [make_wrapper -files [get_files {BD_NAME}.bd] -top]",
+        "add_files -norecurse $wrapper",
+        f"set_property top {BD_NAME}_wrapper [current_fileset]",
+        "update_compile_order -fileset sources_1",
+    ])
+
+
+def _step_implement(tcl: _Tcl, board: AlveoPlatform) -> None:
+    bit = f"dfvg_{board.name}.bit"
+    tcl.step("dfvg_implement", "synthesis, implementation and bitstream (long: tens of minutes)", [
+        "launch_runs synth_1 -jobs $dfvg_jobs",
+        "wait_on_run synth_1",
+        'if {[get_property PROGRESS [get_runs synth_1]] ne "100%"} {',
+        f'    error "{PROGRESS_PREFIX} synthesis failed: see [get_property DIRECTORY [get_runs synth_1]]/runme.log"',
+        "}",
+        f'puts "{PROGRESS_PREFIX} synthesis done; implementing"',
+        "launch_runs impl_1 -to_step write_bitstream -jobs $dfvg_jobs",
+        "wait_on_run impl_1",
+        'if {[get_property PROGRESS [get_runs impl_1]] ne "100%"} {',
+        f'    error "{PROGRESS_PREFIX} implementation failed: see [get_property DIRECTORY [get_runs impl_1]]/runme.log"',
+        "}",
+        "set wns [get_property STATS.WNS [get_runs impl_1]]",
+        "if {$wns < 0} {",
+        f'    puts "{PROGRESS_PREFIX} WARNING: timing not met (WNS $wns ns); the bitstream may not work at the target clock"',
+        "}",
+        "set bits [glob -nocomplain [file join [get_property DIRECTORY [get_runs impl_1]] *.bit]]",
+        "if {[llength $bits] == 0} {",
+        f'    error "{PROGRESS_PREFIX} implementation finished without a bitstream"',
+        "}",
+        f"file copy -force [lindex $bits 0] [file join $dfvg_dir {bit}]",
+        f'puts "{PROGRESS_PREFIX} bitstream: [file join $dfvg_dir {bit}]"',
+    ])
+
+
+def tcl_flow(board: AlveoPlatform, interface: EngineInterface, xdc_name: str | None = None) -> str:
+    """The Vivado batch script that builds ``interface``'s engine for ``board``."""
+    xdc_name = xdc_name or f"{board.name}.xdc"
+    tcl = _Tcl()
+    _step_project(tcl, board)
+    _step_sources(tcl, board, interface, xdc_name)
+    _step_block_design(tcl, board)
+    _step_pcie(tcl, board)
+    # The memory controllers' resets and AXI clocks come from the clocking step.
+    _step_clocking(tcl, board, interface)
+    if board.memory.kind == HBM:
+        _step_hbm(tcl, board, interface)
+    elif board.memory.kind == DDR4:
+        _step_ddr4(tcl, board)
+    else:
+        raise ValueError(f"board {board.name}: unknown memory kind {board.memory.kind!r}")
+    _step_engine(tcl, interface)
+    _step_connect(tcl, board, interface)
+    _step_addresses(tcl, board, interface)
+    _step_finish_bd(tcl)
+    _step_implement(tcl, board)
+    header = [
+        f"# DFVG draft engine: Vivado flow for {board.describe()}.",
+        "# Generated by boards.vivado; regenerate it with python -m dfvg_hw.build rather than edit.",
+        f"# Run from anywhere: vivado -mode batch -source {TCL_NAME} [-tclargs JOBS]",
+        "",
+        "set dfvg_dir [file dirname [file normalize [info script]]]",
+        "set dfvg_jobs 8",
+        "if {[info exists argv] && [llength $argv] > 0} { set dfvg_jobs [lindex $argv 0] }",
+    ]
+    return tcl.render(header)
+
+
+# ---------------------------------------------------------------------------------------
+# Build tree and running Vivado
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FlowFiles:
+    """What :func:`write_flow` wrote.
+
+    Attributes
+    ----------
+    directory : Path
+    xdc, tcl : Path
+    """
+    directory: Path
+    xdc: Path
+    tcl: Path
+
+    @property
+    def command(self) -> str:
+        """The one shell command that runs the flow on a Vivado machine."""
+        return f"cd {self.directory} && vivado -mode batch -source {TCL_NAME}"
+
+
+def write_flow(directory, board: AlveoPlatform, interface: EngineInterface) -> FlowFiles:
+    """Write ``<board>.xdc`` and ``build.tcl`` into ``directory`` (which holds the Verilog)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    xdc = directory / f"{board.name}.xdc"
+    tcl = directory / TCL_NAME
+    xdc.write_text(xdc_text(board, interface))
+    tcl.write_text(tcl_flow(board, interface, xdc.name))
+    return FlowFiles(directory, xdc, tcl)
+
+
+def vivado_command(files: FlowFiles, jobs: int | None = None) -> list[str] | None:
+    """argv that runs the flow with the ``vivado`` on PATH, or ``None`` if there is none."""
+    exe = shutil.which("vivado")
+    if exe is None:
+        return None
+    argv = [exe, "-mode", "batch", "-nojournal", "-source", str(files.tcl)]
+    return argv + (["-tclargs", str(jobs)] if jobs else [])
+
+
+def run_flow(files: FlowFiles, jobs: int | None = None, out=sys.stdout) -> int:
+    """Run the flow in Vivado, echoing its progress lines to ``out``; returns the exit code.
+
+    Vivado's full log goes to ``vivado.log`` in the build directory.
+    """
+    argv = vivado_command(files, jobs)
+    if argv is None:
+        raise FileNotFoundError(f"vivado is not on PATH; on a Vivado machine run: {files.command}")
+    log_path = files.directory / "vivado.log"
+    with open(log_path, "w") as log, subprocess.Popen(
+            argv, cwd=files.directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True) as proc:
+        for line in proc.stdout:
+            log.write(line)
+            if line.startswith((PROGRESS_PREFIX, "ERROR")):
+                out.write(line)
+                out.flush()
+    return proc.returncode

@@ -1,0 +1,249 @@
+"""The board flow without Vivado: the generated Tcl runs under tclsh against recording stubs,
+the XDC carries each card's pins, and the engine's port list lints as Verilog."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from boards import BOARDS, DEFAULT_BOARD, get_board
+from boards.vivado import TCL_NAME, EngineInterface, write_flow
+from dfvg_hw.config import get_preset
+
+#: Every Vivado command the flow may call, as stubs that log "name args…" one call a line.
+#: Queries return their last argument, so that it serves as the object handle Vivado
+#: would return. A command missing here fails the run with "invalid command name".
+STUBS = r"""
+set ::stub_log [open $::env(STUB_LOG) w]
+proc stub_record {name arguments} {
+    puts $::stub_log [concat [list $name] $arguments]
+    flush $::stub_log
+}
+foreach cmd {create_project set_property add_files update_compile_order create_bd_design
+             create_bd_intf_port create_bd_port connect_bd_intf_net connect_bd_net
+             assign_bd_address validate_bd_design save_bd_design launch_runs wait_on_run} {
+    proc $cmd {args} [format {stub_record %s $args; return {}} $cmd]
+}
+foreach cmd {get_bd_intf_ports get_bd_ports get_bd_intf_pins get_bd_pins get_bd_addr_spaces
+             get_bd_addr_segs get_files get_runs create_bd_cell} {
+    proc $cmd {args} [format {stub_record %s $args; return [lindex $args end]} $cmd]
+}
+proc current_project {} { return dfvg_project }
+proc current_fileset {} { return sources_1 }
+proc get_board_parts {args} {
+    stub_record get_board_parts $args
+    return [string map {* 1.3} [lindex $args end]]
+}
+proc make_wrapper {args} {
+    stub_record make_wrapper $args
+    return /stub/dfvg_bd_wrapper.v
+}
+proc get_property {name object} {
+    stub_record get_property [list $name $object]
+    switch -- $name {
+        PROGRESS  { return 100% }
+        STATS.WNS { return 0.042 }
+        DIRECTORY { return $::env(STUB_RUN_DIR) }
+        default   { return {} }
+    }
+}
+"""
+
+
+def _tclsh() -> str:
+    exe = shutil.which("tclsh")
+    if exe is None:
+        pytest.fail("tclsh is not installed: the Vivado flow test runs the generated Tcl under it "
+                    "(Debian/Ubuntu package 'tcl')")
+    return exe
+
+
+def _interface(board) -> EngineInterface:
+    return EngineInterface.for_config(get_preset(board.preset), ["dfvg_engine.v"])
+
+
+def _run_flow(board, tmp_path: Path) -> tuple[list[str], str, Path]:
+    """Write the flow for ``board`` and run it under tclsh; returns (calls, stdout, build dir)."""
+    build = tmp_path / "build"
+    files = write_flow(build, board, _interface(board))
+    run_dir = tmp_path / "impl_1"
+    run_dir.mkdir()
+    (run_dir / "dfvg_bd_wrapper.bit").write_bytes(b"stub bitstream")
+    driver = tmp_path / "driver.tcl"
+    driver.write_text(STUBS + f"\nsource {{{files.tcl}}}\n")
+    log = tmp_path / "calls.log"
+    proc = subprocess.run([_tclsh(), str(driver)], capture_output=True, text=True, timeout=60,
+                          env={"STUB_LOG": str(log), "STUB_RUN_DIR": str(run_dir), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return log.read_text().splitlines(), proc.stdout, build
+
+
+def _first(calls: list[str], command: str, *words: str, after: int = -1) -> int:
+    """Index of the first call of ``command`` after ``after`` whose text holds every word."""
+    for i, call in enumerate(calls):
+        # A trailing space lets a word like " xdma_0/M_AXI " match a whole argument.
+        if i > after and call.split(" ", 1)[0] == command and all(w in call + " " for w in words):
+            return i
+    raise AssertionError(f"no {command} call with {words} after call {after}:\n" + "\n".join(calls))
+
+
+@pytest.mark.parametrize("name", list(BOARDS))
+def test_tcl_flow_issues_the_block_design_in_order(name, tmp_path):
+    board = get_board(name)
+    calls, stdout, build = _run_flow(board, tmp_path)
+
+    at = _first(calls, "create_project", f"-part {board.part}")
+    at = _first(calls, "add_files", "dfvg_engine.v", after=at)
+    at = _first(calls, "add_files", "constrs_1", f"{board.name}.xdc", after=at)
+    at = _first(calls, "create_bd_design", after=at)
+    at = _first(calls, "create_bd_cell", "xilinx.com:ip:xdma", after=at)
+    xdma_config = _first(calls, "set_property", "CONFIG.axilite_master_en true", after=at)
+    assert "CONFIG.xdma_axi_intf_mm AXI_Memory_Mapped" in calls[xdma_config]
+    assert "CONFIG.xdma_num_usr_irq 1" in calls[xdma_config]
+    assert f"CONFIG.pl_link_cap_max_link_width X{board.pcie.lanes}" in calls[xdma_config]
+    if board.memory.kind == "HBM":
+        at = _first(calls, "create_bd_cell", "xilinx.com:ip:hbm", after=at)
+        assert sum("xilinx.com:ip:ddr4" in c for c in calls) == 0
+    else:
+        at = _first(calls, "create_bd_cell", "xilinx.com:ip:ddr4", after=at)
+        assert sum("xilinx.com:ip:ddr4" in c for c in calls) == board.memory.channels
+        assert _first(calls, "set_property", "board_part", "au250") < at
+    at = _first(calls, "create_bd_cell", "-type module -reference dfvg_engine", after=at)
+    engine = calls[at].split()[-1]
+    # The interface connections, in any order, after the engine exists.
+    at = max(_first(calls, "connect_bd_intf_net", "xdma_0/M_AXI_LITE", after=at),
+             _first(calls, "connect_bd_intf_net", f"{engine}/s_axil", after=at),
+             _first(calls, "connect_bd_intf_net", f"{engine}/m_axi", after=at),
+             _first(calls, "connect_bd_intf_net", " xdma_0/M_AXI ", after=at),
+             _first(calls, "connect_bd_net", f"{engine}/irq", "xdma_0/usr_irq_req", after=at))
+    at = _first(calls, "assign_bd_address", "xdma_0/M_AXI_LITE", "-offset 0x00000000",
+                f"{engine}/s_axil/reg0", after=at)
+    for space in (" xdma_0/M_AXI ", f" {engine}/m_axi "):
+        _first(calls, "assign_bd_address", space, after=at)
+    at = _first(calls, "validate_bd_design", after=at)
+    at = _first(calls, "make_wrapper", "-top", after=at)
+    at = _first(calls, "launch_runs", "synth_1", after=at)
+    _first(calls, "launch_runs", "impl_1", "-to_step write_bitstream", after=at)
+
+    # Progress: every numbered step, then the bitstream lands in the build tree.
+    steps = re.findall(r"^dfvg: \[(\d+)/(\d+)\]", stdout, re.M)
+    assert [int(n) for n, _ in steps] == list(range(1, int(steps[0][1]) + 1))
+    assert stdout.rstrip().endswith("dfvg: done")
+    assert (build / f"dfvg_{board.name}.bit").read_bytes() == b"stub bitstream"
+
+
+@pytest.mark.parametrize("name", list(BOARDS))
+def test_tcl_flow_only_refers_to_objects_it_created(name, tmp_path):
+    """Each pin, port or address space is looked up after its cell or port exists."""
+    calls, _, _ = _run_flow(get_board(name), tmp_path)
+    cells, ports = set(), set()
+    for call in calls:
+        command, *args = call.split()
+        if command == "create_bd_cell":
+            cells.add(args[-1])
+        elif command in ("create_bd_port", "create_bd_intf_port"):
+            ports.add(args[-1])
+        elif command in ("get_bd_pins", "get_bd_intf_pins", "get_bd_addr_spaces", "get_bd_addr_segs"):
+            assert args[-1].split("/")[0] in cells, f"{call}: no such cell yet"
+        elif command in ("get_bd_ports", "get_bd_intf_ports"):
+            assert args[-1] in ports, f"{call}: no such port yet"
+
+
+#: Independent spot check of the published pins (the platforms are the source the XDC uses).
+PUBLISHED_PINS = {
+    "alveo-u55c": {"pcie_refclk_clk_p": "AR15", "pcie_refclk_clk_n": "AR14", "pcie_perst_n": "BF41"},
+    "alveo-u280": {"pcie_refclk_clk_p": "AR15", "pcie_refclk_clk_n": "AR14", "pcie_perst_n": "BH26"},
+    "alveo-u250": {"pcie_refclk_clk_p": "AM11", "pcie_refclk_clk_n": "AM10", "pcie_perst_n": "BD21"},
+}
+
+
+@pytest.mark.parametrize("name", list(BOARDS))
+def test_xdc_carries_clock_and_pcie_pins(name, tmp_path):
+    board = get_board(name)
+    files = write_flow(tmp_path, board, _interface(board))
+    xdc, tcl = files.xdc.read_text(), files.tcl.read_text()
+    pins = dict(re.findall(r"^set_property PACKAGE_PIN (\w+) \[get_ports (\w+)\]", xdc, re.M))
+    pins = {port: pin for pin, port in pins.items()}
+    for port, pin in PUBLISHED_PINS[name].items():
+        assert pins.get(port) == pin, f"{port}: {pins.get(port)} != published {pin}"
+    assert re.search(r"^create_clock -period 10\.000 -name pcie_refclk \[get_ports pcie_refclk_clk_p\]",
+                     xdc, re.M)
+    # Every board clock is constrained, and every constrained port is a block-design port.
+    for clock in (board.fabric_clock, *board.memory.refclks):
+        period = 1e3 / board.clock_mhz(clock)
+        assert f"create_clock -period {period:.3f} -name {clock} [get_ports {clock}_clk_p]" in xdc
+    for port in pins:
+        bd_name = re.sub(r"_clk_[pn]$", "", port)
+        assert re.search(rf"create_bd_(intf_)?port .* {bd_name}$", tcl, re.M), port
+    assert re.search(r"IOSTANDARD LVCMOS1[28] \[get_ports pcie_perst_n\]", xdc)
+
+
+def test_unknown_board_lists_the_known_ones():
+    with pytest.raises(ValueError, match="known boards: alveo .*alveo-u55c, alveo-u280, alveo-u250"):
+        get_board("alveo-u200")
+    assert get_board("alveo").name == DEFAULT_BOARD == "alveo-u55c"
+
+
+@pytest.mark.parametrize("name", list(BOARDS))
+def test_board_records_part_preset_and_capacity(name):
+    board = get_board(name)
+    preset = get_preset(board.preset)
+    assert board.part.startswith(board.device) and board.part.endswith("-2L-e")
+    assert board.memory.total_bytes == preset.mem_bytes
+    assert board.capacity.dsp > 0 and board.capacity.uram > 0
+    table = board.capacity.table({"LUT": 1000, "FF": 2000, "DSP": 64, "BRAM": 10, "URAM": 96})
+    assert f"{board.capacity.dsp}" in table and "%" in table
+
+
+def _stand_in(interface: EngineInterface):
+    """A stand-in with the engine's ports (port-level checks only; it computes nothing).
+
+    Outputs are registered parities of the inputs, so every port is used and driven.
+    """
+    from amaranth import Cat, Module, Signal
+    from amaranth.lib import wiring
+    from amaranth.lib.wiring import In, Out
+
+    members = {name: (In if d == "in" else Out)(width) for name, d, width in interface.ports()
+               if name not in (interface.clock, interface.reset)}
+
+    class EngineStandIn(wiring.Component):
+        def __init__(self):
+            super().__init__(members)
+
+        def elaborate(self, platform):
+            m = Module()
+            parity = Signal()
+            inputs = [getattr(self, n) for n, d, _ in interface.ports()
+                      if d == "in" and n in members]
+            m.d.sync += parity.eq(Cat(*inputs).xor())
+            for name, d, width in interface.ports():
+                if d == "out":
+                    m.d.comb += getattr(self, name).eq(parity.replicate(width))
+            return m
+
+    return EngineStandIn()
+
+
+def test_engine_ports_lint_and_match_the_block_design(tmp_path):
+    """The port list the flow wires lints as Verilog and names every pin the Tcl uses."""
+    from sim.rtl_tools import to_verilog, verilator_lint
+
+    board = get_board("alveo")
+    interface = _interface(board)
+    verilog = to_verilog(_stand_in(interface), name=interface.top)
+    clean, output = verilator_lint(verilog, top=interface.top)
+    assert clean, output
+    declared = set(re.findall(r"^\s*(?:input|output)\s+(?:wire\s+|reg\s+)?(?:\[[^\]]+\]\s*)?(\w+)",
+                              verilog, re.M))
+    assert {name for name, _, _ in interface.ports()} <= declared
+    tcl = write_flow(tmp_path, board, interface).tcl.read_text()
+    for pin in set(re.findall(r"get_bd_pins engine/(\w+)", tcl)):
+        assert pin in declared, pin
+    for bus in set(re.findall(r"get_bd_intf_pins engine/(\w+)", tcl)):
+        assert any(name.startswith(bus + "_") for name in declared), bus
+    assert (tmp_path / TCL_NAME).exists()
