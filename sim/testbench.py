@@ -13,7 +13,8 @@ from pathlib import Path
 
 from amaranth.sim import Simulator
 
-__all__ = ["stream_put", "stream_get", "run_simulation", "vcd_dir"]
+__all__ = ["stream_put", "stream_get", "run_simulation", "vcd_dir", "watchdog",
+           "first_valid_after_accept"]
 
 
 async def stream_put(ctx, stream, payload) -> None:
@@ -30,6 +31,42 @@ async def stream_get(ctx, stream):
     payload, = await ctx.tick().sample(stream.payload).until(stream.valid)
     ctx.set(stream.ready, 0)
     return payload
+
+
+def watchdog(limit: int, done):
+    """A testbench that fails the run if ``done()`` is not true within ``limit`` cycles,
+    so a hung handshake fails the test instead of running forever."""
+    async def tb(ctx):
+        for _ in range(limit):
+            if done():
+                return
+            await ctx.tick()
+        raise AssertionError(f"simulation hung: not done after {limit} cycles")
+    return tb
+
+
+def first_valid_after_accept(dut, inp, out, payload, before=None) -> int:
+    """A block's latency: clock edges from the edge that accepts ``payload`` on stream
+    ``inp`` to the edge after which stream ``out`` is valid (``out`` always ready).
+    ``before(ctx)``, if given, runs first (to load a table, say)."""
+    result = []
+
+    async def tb(ctx):
+        if before is not None:
+            await before(ctx)
+        ctx.set(out.ready, 1)
+        ctx.set(inp.payload, payload)
+        ctx.set(inp.valid, 1)
+        await ctx.tick().until(inp.ready)
+        ctx.set(inp.valid, 0)
+        n = 1
+        while not ctx.get(out.valid):
+            await ctx.tick()
+            n += 1
+        result.append(n)
+
+    run_simulation(dut, tb)
+    return result[0]
 
 
 def vcd_dir() -> Path | None:

@@ -10,7 +10,7 @@ from dfvg_hw.config import get_preset
 from dfvg_hw.elementwise import ActMul, ElementwiseMul, ResidualAdd, VectorRequantizer
 from sim import rtl_tools
 from sim.rtl_tools import to_verilog, verilator_lint
-from sim.testbench import run_simulation, stream_get, stream_put
+from sim.testbench import first_valid_after_accept, run_simulation, stream_get, stream_put
 
 TINY = get_preset("tiny")
 CONFIGS = [TINY, TINY.with_changes(name="tiny-l8", lanes=8)]
@@ -42,25 +42,7 @@ def simulate(dut, beats, *, ready=READY, setup=None, params=None):
 
 
 def measure_latency(dut, beat, setup=None):
-    """Clock edges from the accepting edge to the one after which o.valid is high."""
-    result = []
-
-    async def tb(ctx):
-        if setup is not None:
-            await setup(ctx)
-        ctx.set(dut.o.ready, 1)
-        ctx.set(dut.i.payload, beat)
-        ctx.set(dut.i.valid, 1)
-        await ctx.tick().until(dut.i.ready)
-        ctx.set(dut.i.valid, 0)
-        n = 1
-        while not ctx.get(dut.o.valid):
-            await ctx.tick()
-            n += 1
-        result.append(n)
-
-    run_simulation(dut, tb)
-    return result[0]
+    return first_valid_after_accept(dut, dut.i, dut.o, beat, before=setup)
 
 
 # -- residual add --------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from dfvg_hw.config import get_preset
 from dfvg_hw.kv_buffer import KVBuffer, KVOp
 from sim.rtl_tools import to_verilog, verilator_lint
-from sim.testbench import run_simulation, stream_get, stream_put
+from sim.testbench import run_simulation, stream_get, stream_put, watchdog
 
 TINY = get_preset("tiny")
 CONFIGS = {
@@ -26,17 +26,6 @@ CONFIGS = {
     "l1h5p7r4": TINY.with_changes(kv_layers=1, kv_heads=5, kv_positions=7, reduce=4),
 }
 ONE_POSITION = TINY.with_changes(kv_layers=1, kv_heads=1, kv_positions=1)
-
-
-def watchdog(limit, done):
-    """A testbench that fails the run if ``done()`` is not true within ``limit`` cycles."""
-    async def tb(ctx):
-        for _ in range(limit):
-            if done():
-                return
-            await ctx.tick()
-        raise AssertionError(f"simulation hung: not done after {limit} cycles")
-    return tb
 
 
 class KVModel:

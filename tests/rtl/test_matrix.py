@@ -18,7 +18,7 @@ from dfvg_hw.isa import MatmulMode
 from dfvg_hw.matrix import MatrixUnit
 from dfvg_hw.requant import Requantizer
 from sim.rtl_tools import to_verilog, verilator_lint
-from sim.testbench import run_simulation, stream_get, stream_put
+from sim.testbench import run_simulation, stream_get, stream_put, watchdog
 
 TINY = get_preset("tiny")
 CONFIGS = {
@@ -27,17 +27,6 @@ CONFIGS = {
     "m3n2k4": (TINY.with_changes(rows=3, lanes=2, reduce=4), True),   # a pair and an odd row
     "m5n8k4": (TINY.with_changes(rows=5, lanes=8, reduce=4), True),   # two pairs and an odd row
 }
-
-
-def watchdog(limit, done):
-    """A testbench that fails the run if ``done()`` is not true within ``limit`` cycles."""
-    async def tb(ctx):
-        for _ in range(limit):
-            if done():
-                return
-            await ctx.tick()
-        raise AssertionError(f"simulation hung: not done after {limit} cycles")
-    return tb
 
 
 class Matmul:

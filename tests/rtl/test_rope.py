@@ -8,7 +8,7 @@ from dfvg_hw.config import get_preset
 from dfvg_hw.rope import Rope
 from sim import rtl_tools
 from sim.rtl_tools import to_verilog, verilator_lint
-from sim.testbench import run_simulation, stream_get, stream_put
+from sim.testbench import first_valid_after_accept, run_simulation, stream_get, stream_put
 
 TINY = get_preset("tiny")
 CONFIGS = [TINY, TINY.with_changes(name="tiny-hd32", head_dim=32)]
@@ -103,23 +103,9 @@ def test_heads_larger_and_smaller_than_a_beat():
 
 
 def test_latency():
-    dut, result = Rope(TINY), []
     beat = {"a": [1] * 8, "b": [2] * 8, "cos": [16384] * 8, "sin": [0] * 8}
-
-    async def tb(ctx):
-        ctx.set(dut.o.ready, 1)
-        ctx.set(dut.i.payload, beat)
-        ctx.set(dut.i.valid, 1)
-        await ctx.tick().until(dut.i.ready)
-        ctx.set(dut.i.valid, 0)
-        n = 1
-        while not ctx.get(dut.o.valid):
-            await ctx.tick()
-            n += 1
-        result.append(n)
-
-    run_simulation(dut, tb)
-    assert result[0] == Rope.LATENCY == 3
+    dut = Rope(TINY)
+    assert first_valid_after_accept(dut, dut.i, dut.o, beat) == Rope.LATENCY == 3
 
 
 def test_lint_clean(monkeypatch):

@@ -10,7 +10,7 @@ from dfvg_hw.config import get_preset
 from dfvg_hw.softmax import Attention, Normalizer, Reciprocal, SoftmaxExp, SoftmaxWeights
 from sim import rtl_tools
 from sim.rtl_tools import to_verilog, verilator_lint
-from sim.testbench import run_simulation, stream_get, stream_put
+from sim.testbench import first_valid_after_accept, run_simulation, stream_get, stream_put
 
 TINY = get_preset("tiny")
 CONFIGS = [TINY, TINY.with_changes(name="tiny-l8-hd32", lanes=8, head_dim=32)]
@@ -20,28 +20,6 @@ I32 = (-2 ** 31, 2 ** 31 - 1)
 
 def ints(v):
     return [int(x) for x in v]
-
-
-def first_valid_after_accept(dut, inp, out, payload, before=None):
-    """Edges from the edge that accepts ``payload`` on ``inp`` to a valid ``out``."""
-    result = []
-
-    async def tb(ctx):
-        if before is not None:
-            await before(ctx)
-        ctx.set(out.ready, 1)
-        ctx.set(inp.payload, payload)
-        ctx.set(inp.valid, 1)
-        await ctx.tick().until(inp.ready)
-        ctx.set(inp.valid, 0)
-        n = 1
-        while not ctx.get(out.valid):
-            await ctx.tick()
-            n += 1
-        result.append(n)
-
-    run_simulation(dut, tb)
-    return result[0]
 
 
 # -- exp path ----------------------------------------------------------------------------
