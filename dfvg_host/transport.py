@@ -3,7 +3,8 @@
 =================  ===============================================================
 ``sim://PRESET``   the functional model of the engine (``sim.device.SimDevice``)
 ``rtl://PRESET``   the generated RTL in simulation (arrives with the RTL top)
-``xdma://PATH``    an Alveo card through the XDMA driver (arrives with the board flow)
+``xdma://PATH``    an Alveo card through the XDMA driver's ``PATH_user``, ``_h2c_0``, ``_c2h_0``,
+                   ``_events_0`` (``dfvg_host.xdma``); ``xdma://`` alone is ``/dev/xdma0``
 =================  ===============================================================
 
 :class:`LinkedTransport` wraps any transport and accounts PCIe traffic with a
@@ -144,7 +145,11 @@ def open_transport(url: str) -> tuple[Transport, "object"]:
             raise TransportError(f"device {url!r}: {exc}") from None
         from sim.device import SimDevice
         return SimDevice(config), config
-    if scheme in ("rtl", "rtl+verilator", "xdma"):
+    if scheme == "xdma":
+        # The card reports its parameters in registers; the driver checks them at bring-up.
+        from dfvg_host.xdma import DEFAULT_PREFIX, XdmaTransport
+        return XdmaTransport(parsed.netloc + parsed.path or DEFAULT_PREFIX), None
+    if scheme in ("rtl", "rtl+verilator"):
         raise TransportError(f"device {url!r}: the {scheme} device is not built yet (it arrives with "
                              "the RTL engine top and the board flow); use sim://PRESET")
     raise TransportError(f"device {url!r}: unknown scheme; use sim://PRESET "
