@@ -1,0 +1,138 @@
+"""Engine efficiency: modelled draft speed of paper-sized draft shapes against the rooflines.
+
+For each shape and board preset the shape is compiled by the real compiler
+(:func:`~dfvg_host.compiler.compile_draft`, random weights: the cycle model depends on
+shapes only) and costed by :func:`~dfvg_host.report.compile_report`, exactly as
+``dfvg compile --random-weights`` does. Every figure here is *modelled*.
+
+Compiling a 160M-parameter shape takes ~20 s per preset on one core, so each report is
+cached (``~/.cache/dfvg/efficiency``) under a fingerprint of the shape, the preset and
+the compiler's sources, like the demo draft's compile cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from dfvg_hw.config import EngineConfig
+from dfvg_host.demo import _cache_dir, _fingerprint
+from dfvg_host.report import CompileReport, compile_report
+
+__all__ = ["DraftShape", "PAPER_SHAPES", "EfficiencyRow", "engine_efficiency"]
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """A Llama-family draft shape, written out as a Hugging Face ``config.json``."""
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    vocab: int
+    max_positions: int = 2048
+
+    def write_config(self, directory: Path) -> Path:
+        """Write ``config.json`` into ``directory`` (only when it changed) and return it."""
+        from transformers import LlamaConfig
+
+        directory.mkdir(parents=True, exist_ok=True)
+        config = LlamaConfig(hidden_size=self.hidden, num_hidden_layers=self.layers,
+                             num_attention_heads=self.heads, num_key_value_heads=self.heads,
+                             intermediate_size=self.intermediate, vocab_size=self.vocab,
+                             max_position_embeddings=self.max_positions, tie_word_embeddings=False)
+        text = config.to_json_string()
+        path = directory / "config.json"
+        # Rewriting identical bytes would be harmless, but skipping it keeps the file's
+        # mtime stable for anyone inspecting the cache.
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+        return directory
+
+
+#: The draft shapes of the DFVG paper's LLaMA pairs (JackFram's llama-68m / llama-160m).
+PAPER_SHAPES = (
+    DraftShape("LLaMA-68M-shaped", hidden=768, layers=2, heads=12, intermediate=3072, vocab=32000),
+    DraftShape("LLaMA-160M-shaped", hidden=768, layers=12, heads=12, intermediate=3072, vocab=32000),
+)
+
+
+@dataclass(frozen=True)
+class EfficiencyRow:
+    """One shape on one preset: the compile report's modelled figures."""
+    shape: str
+    report: CompileReport
+
+    @property
+    def bound(self) -> str:
+        """Which roofline is lower: what limits the engine on this shape."""
+        r = self.report
+        return "memory" if r.roofline_memory_tokens_per_s <= r.roofline_compute_tokens_per_s else "compute"
+
+    def to_dict(self) -> dict:
+        r = self.report
+        return dict(shape=self.shape, preset=r.preset, model=r.model, context=r.context,
+                    tokens_per_s=r.tokens_per_s, roofline_memory_tokens_per_s=r.roofline_memory_tokens_per_s,
+                    roofline_compute_tokens_per_s=r.roofline_compute_tokens_per_s,
+                    efficiency=r.efficiency, bound=self.bound, cycles_per_token=r.cycles_per_token,
+                    bytes_per_token=r.bytes_per_token, macs_per_token=r.macs_per_token,
+                    clock_mhz=r.clock_mhz, image_bytes=r.image_bytes,
+                    label="modelled: cycle model on the compiled program; rooflines from the "
+                          "preset's bandwidth and peak MACs")
+
+
+def _compile_and_report(shape_dir: Path, engine: EngineConfig, context: int, model) -> CompileReport:
+    from dfvg_host.compiler import compile_draft
+
+    compiled = compile_draft(shape_dir, engine, random_weights=True, model=model)
+    return compile_report(engine, compiled.program, model=compiled.shape.describe(),
+                          image_bytes=len(compiled.image), context_limit=compiled.context_limit,
+                          context=context)
+
+
+def engine_efficiency(engines: list[EngineConfig], shapes: tuple[DraftShape, ...] = PAPER_SHAPES, *,
+                      context: int = 256, cache: bool = True,
+                      log: Callable[[str], None] = lambda _: None) -> list[EfficiencyRow]:
+    """Modelled draft tokens/s and rooflines of every shape on every engine preset.
+
+    Parameters
+    ----------
+    engines : list of EngineConfig
+        Presets to compile for.
+    shapes : tuple of DraftShape
+        Draft shapes (default: the paper's LLaMA-68M and LLaMA-160M shapes).
+    context : int
+        KV positions the steady-state draft step is modelled at (as ``dfvg compile --context``).
+    cache : bool
+        Reuse reports cached under ``~/.cache/dfvg/efficiency``.
+    log : callable
+        Progress messages (compiling is slow for large shapes).
+
+    Returns
+    -------
+    list of EfficiencyRow
+        In shape-major order.
+    """
+    from dfvg_host.compiler import load_model
+
+    root = _cache_dir() / "efficiency"
+    rows = []
+    for shape in shapes:
+        shape_dir = shape.write_config(root / "shapes" / shape.name)
+        model = None          # loaded once per shape, and only when a preset is not cached
+        for engine in engines:
+            key = f"{shape.name}-{engine.name}-ctx{context}-{_fingerprint(shape_dir, None, engine)}"
+            path = root / f"{key}.json"
+            if cache and path.is_file():
+                report = CompileReport(**json.loads(path.read_text()))
+            else:
+                log(f"compiling {shape.name} (random weights) for {engine.name} ...")
+                if model is None:
+                    model = load_model(shape_dir, random_weights=True)
+                report = _compile_and_report(shape_dir, engine, context, model)
+                path.write_text(json.dumps(asdict(report), indent=1) + "\n")
+            rows.append(EfficiencyRow(shape.name, report))
+    return rows
