@@ -214,6 +214,91 @@ def cmd_draft(args) -> int:
     return 0
 
 
+def _parse_gammas(text: str) -> tuple[int, ...]:
+    from dfvg_hw.descriptors import MAX_DRAFT
+    try:
+        gammas = tuple(sorted({int(g) for g in text.split(",")}))
+    except ValueError:
+        raise CliError(f"--gammas {text!r}: give comma-separated integers, for example 1,2,4") from None
+    if not gammas or not all(1 <= g <= MAX_DRAFT for g in gammas):
+        raise CliError(f"--gammas {text!r}: each γ must be in 1..{MAX_DRAFT}")
+    return gammas
+
+
+def cmd_bench(args) -> int:
+    """Target-only, HF assisted generation and DFVG on a prompt set; engine efficiency."""
+    import dataclasses
+
+    import torch
+
+    from dfvg_host.bench import (DEFAULT_PROMPT_SET, FULL, QUICK, BenchError, load_prompt_set,
+                                 pick_prompts, run_benchmark)
+    from dfvg_host.bench_report import format_result
+    from dfvg_host.demo import demo_paths
+    from dfvg_host.driver import DraftDevice, DraftDeviceError
+    from dfvg_host.efficiency import engine_efficiency
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    base = QUICK if args.quick else FULL
+    settings = dataclasses.replace(
+        base, gammas=_parse_gammas(args.gammas) if args.gammas else base.gammas,
+        max_new_tokens=args.max_new_tokens or base.max_new_tokens,
+        per_task=args.per_task if args.per_task is not None else base.per_task)
+    if settings.per_task < 1:
+        raise CliError("--per-task must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CliError("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
+    if args.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CliError("--plots needs matplotlib: pip install 'dfvg[bench]'") from None
+    presets = [] if args.no_efficiency else [_preset(n) for n in args.efficiency_presets.split(",")]
+    if (args.draft is None) != (args.target is None):
+        raise CliError("give both --draft and --target, or neither (the shipped demo pair)")
+    target_dir = Path(args.target) if args.target else demo_paths()[1]
+    if not (target_dir / "config.json").is_file():
+        raise CliError(f"--target {target_dir} is not a Hugging Face model directory (no config.json)")
+    prompt_set = Path(args.prompts) if args.prompts else DEFAULT_PROMPT_SET
+    try:
+        prompts = pick_prompts(load_prompt_set(prompt_set), settings.per_task)
+    except BenchError as exc:
+        raise CliError(str(exc)) from None
+    transport, engine = _open_device(args.device)
+    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, log)
+    if not (Path(draft_dir) / "config.json").is_file():
+        raise CliError(f"assisted generation needs the float draft, but {draft_dir} (named by the "
+                       "compiled draft's manifest) is not a Hugging Face model directory")
+    try:
+        device = DraftDevice(transport, compiled, timeout_s=args.timeout)
+        result = run_benchmark(target_dir=target_dir, draft_dir=Path(draft_dir), device=device,
+                               device_url=args.device, prompts=prompts, settings=settings,
+                               prompt_set=prompt_set, verifier_device=args.verifier_device,
+                               dtype=args.dtype, log=log)
+    except (BenchError, DraftDeviceError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    if presets:
+        result.efficiency = engine_efficiency(presets, context=args.context, log=log)
+    data = result.to_dict()
+    if args.save:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        log(f"bench: results written to {args.save}")
+    if args.plots:
+        from dfvg_host.bench_plots import plot_results
+        for path in plot_results(data, args.plots):
+            log(f"bench: plot {path}")
+    if args.json:
+        print(json.dumps(data, indent=1, ensure_ascii=False))
+    else:
+        print(format_result(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dfvg_hw.config import preset_names
 
@@ -260,6 +345,33 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--gamma", type=int, default=8, help="tokens drafted per device request")
     d.add_argument("--calibration")
     d.set_defaults(func=cmd_draft)
+
+    b = sub.add_parser("bench", help="measure target-only, HF assisted and DFVG decoding on a prompt "
+                       "set, and the engine's modelled efficiency")
+    b.add_argument("--target", help="target model directory (default: the shipped demo target)")
+    b.add_argument("--draft", help="draft model directory or `dfvg compile` output (default: the demo draft)")
+    b.add_argument("--device", default="sim://alveo-u55c", help="draft device URL (default sim://alveo-u55c)")
+    b.add_argument("--prompts", help="prompt set JSON (default benchmarks/prompts/multitask.json)")
+    b.add_argument("--quick", action="store_true",
+                   help="a small run: 2 prompts per task, 64 new tokens, γ in 1,2,3,4,6")
+    b.add_argument("--per-task", type=int, help="prompts per task (default 8; quick 2)")
+    b.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 128; quick 64)")
+    b.add_argument("--gammas", help="comma-separated γ values (default 1,2,3,4,6,8; quick 1,2,3,4,6)")
+    b.add_argument("--verifier-device", help="torch device for the target and the float draft "
+                   "(default cuda if present, else cpu)")
+    b.add_argument("--dtype", default="float32", help="target and float-draft dtype: float32, bfloat16, float16")
+    b.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
+    b.add_argument("--calibration", help="calibration text when --draft needs compiling")
+    b.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
+    b.add_argument("--no-efficiency", action="store_true", help="skip the engine-efficiency table")
+    b.add_argument("--efficiency-presets", default="alveo-u55c,alveo-u280,alveo-u250",
+                   help="presets of the engine-efficiency table (comma-separated)")
+    b.add_argument("--context", type=int, default=256,
+                   help="context the engine-efficiency table is modelled at (default 256)")
+    b.add_argument("--save", metavar="FILE", help="also write the results as JSON to FILE")
+    b.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR (needs matplotlib)")
+    b.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("presets", help="list the engine presets")
     s.set_defaults(func=cmd_presets)

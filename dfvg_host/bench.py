@@ -1,0 +1,536 @@
+"""``dfvg bench``: three ways to decode the same prompts, measured in one run.
+
+1. **target-only** — autoregressive greedy decoding, transformers ``generate``;
+2. **assisted** — Hugging Face assisted generation (``assistant_model=``) with the same
+   float draft on the verifier's device: speculative decoding on the GPU alone;
+3. **dfvg** — chain speculative decoding with the compiled draft on a draft device
+   (``sim://PRESET``), over a sweep of γ.
+
+What is measured and what is modelled
+-------------------------------------
+*measured* is wall time on this host: the target's forward passes (the verifier), the
+host's own work around them, and, for assisted generation, the float draft's forward
+passes. *modelled* is the draft engine's time (cycle model at the preset clock) and
+PCIe (link model). DFVG tokens/s adds the four parts sequentially — no pipelining, as
+``dfvg generate`` projects it; the functional model's own wall time stands in for the
+FPGA and is reported but not counted. Speedups are ratios between methods run on the
+same prompts in the same process, interleaved prompt by prompt so that load from other
+processes falls on every method alike.
+
+Every method decodes greedily and ignores EOS (like ``ignore_eos`` in vLLM's
+benchmarks), so each generates exactly the same number of tokens, and each prompt's
+output is checked against target-only decoding.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dfvg_host.demo import REPO_ROOT
+from dfvg_host.driver import DraftDevice
+from dfvg_host.efficiency import EfficiencyRow
+from dfvg_host.speculative import SpeculativeDecoder
+from dfvg_host.verifier import Verifier
+
+__all__ = ["BenchError", "BenchPrompt", "BenchSettings", "QUICK", "FULL", "DEFAULT_PROMPT_SET",
+           "Tally", "BenchResult", "ForwardClock", "BenchRunner", "load_prompt_set", "pick_prompts"]
+
+DEFAULT_PROMPT_SET = REPO_ROOT / "benchmarks" / "prompts" / "multitask.json"
+ALL_TASKS = "all"
+
+
+class BenchError(ValueError):
+    """A benchmark that cannot run as asked; the message says why and what to do."""
+
+
+# -- prompts -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One prompt of a multi-task prompt set."""
+    task: str
+    source: str
+    text: str
+
+
+def load_prompt_set(path: str | Path) -> list[BenchPrompt]:
+    """Read a prompt set: a JSON object whose ``prompts`` list holds ``{task, source, text}``."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+        prompts = [BenchPrompt(str(d["task"]), str(d["source"]), str(d["text"])) for d in data["prompts"]]
+    except FileNotFoundError:
+        raise BenchError(f"prompt set {p} does not exist") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"prompt set {p} is not a JSON object with a 'prompts' list of "
+                         f"{{task, source, text}} ({type(exc).__name__}: {exc})") from None
+    if not prompts or any(not q.text for q in prompts):
+        raise BenchError(f"prompt set {p} has no prompts, or an empty one")
+    return prompts
+
+
+def pick_prompts(prompts: list[BenchPrompt], per_task: int) -> list[BenchPrompt]:
+    """The first ``per_task`` prompts of each task, tasks in order of first appearance."""
+    by_task: dict[str, list[BenchPrompt]] = {}
+    for q in prompts:
+        by_task.setdefault(q.task, []).append(q)
+    return [q for qs in by_task.values() for q in qs[:per_task]]
+
+
+# -- settings ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchSettings:
+    """What one benchmark run decodes.
+
+    Attributes
+    ----------
+    gammas : tuple of int
+        Draft lengths swept for assisted generation and DFVG.
+    max_new_tokens : int
+        Tokens generated per prompt (EOS ignored).
+    per_task : int
+        Prompts taken from each task of the prompt set.
+    assisted_hf_defaults : bool
+        Also run assisted generation with transformers' own draft-length settings.
+    warmup_tokens : int
+        Tokens of an unmeasured first run of every method (lazy initialisation).
+    """
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    max_new_tokens: int = 128
+    per_task: int = 8
+    assisted_hf_defaults: bool = True
+    warmup_tokens: int = 8
+
+
+FULL = BenchSettings()
+QUICK = BenchSettings(gammas=(1, 2, 3, 4, 6), max_new_tokens=64, per_task=2)
+
+
+# -- measuring -----------------------------------------------------------------------------
+class ForwardClock:
+    """Measured wall time and count of a model's forward passes, through module hooks.
+
+    Synchronises before and after each pass on cuda, so that asynchronous kernels are
+    charged to the pass that launched them.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.seconds = 0.0
+        self.calls = 0
+        self._t0 = 0.0
+        self._handles: list = []
+        self._cuda = next(model.parameters()).device.type == "cuda"
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+
+    def _before(self, *_):
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def _after(self, *_):
+        self._sync()
+        self.seconds += time.perf_counter() - self._t0
+        self.calls += 1
+
+    def __enter__(self) -> "ForwardClock":
+        self._handles = [self.model.register_forward_pre_hook(self._before),
+                         self.model.register_forward_hook(self._after)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@dataclass
+class Tally:
+    """Counts and times of one method (at one γ) over a set of prompts.
+
+    ``target_s`` and ``host_s`` are measured. ``draft_s`` is measured for assisted
+    generation (float draft forward passes) and modelled for DFVG (cycle model);
+    ``pcie_s`` is modelled (link model); ``simulator_s`` is the functional model's
+    measured wall time, which stands in for the FPGA and is not part of ``seconds``.
+    """
+    method: str                       # "target-only", "assisted" or "dfvg"
+    gamma: int | None                 # None: target-only, or assisted with HF's own settings
+    task: str = ALL_TASKS
+    prompts: int = 0
+    tokens: int = 0
+    rounds: int = 0                   # target forward passes that committed tokens
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    target_s: float = 0.0
+    host_s: float = 0.0
+    draft_s: float = 0.0
+    pcie_s: float = 0.0
+    simulator_s: float = 0.0
+    matches_target_only: int = 0      # prompts whose output equals target-only greedy
+
+    @property
+    def key(self) -> str:
+        if self.method == "target-only":
+            return self.method
+        return f"{self.method} γ={self.gamma}" if self.gamma is not None else f"{self.method} (HF defaults)"
+
+    def add(self, other: "Tally") -> None:
+        for name in ("prompts", "tokens", "rounds", "drafted", "accepted", "target_s", "host_s",
+                     "draft_s", "pcie_s", "simulator_s", "matches_target_only"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
+                             (self.accepted_per_position, other.accepted_per_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    @property
+    def seconds(self) -> float:
+        """Time the tokens/s is computed from: measured parts plus modelled parts."""
+        return self.target_s + self.host_s + self.draft_s + self.pcie_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target forward: accepted drafts plus the bonus token."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def host_us_per_round(self) -> float:
+        return 1e6 * self.host_s / self.rounds if self.rounds else 0.0
+
+    @property
+    def host_share(self) -> float:
+        """Host time as a fraction of the (measured + modelled) time."""
+        return self.host_s / self.seconds if self.seconds else 0.0
+
+    def labels(self, verifier_device: str) -> dict:
+        draft = {"target-only": "none",
+                 "assisted": f"measured (float draft forward passes on {verifier_device})",
+                 "dfvg": "modelled (cycle model at the preset clock)"}[self.method]
+        return dict(target_s="measured (target forward passes)",
+                    host_s="measured (wall time outside the target and draft forward passes)",
+                    draft_s=draft, pcie_s="modelled (link model)" if self.method == "dfvg" else "none",
+                    simulator_s="measured wall of the functional model; not counted",
+                    tokens_per_s=("measured" if self.method != "dfvg" else
+                                  "measured target+host + modelled FPGA+PCIe, unpipelined"),
+                    acceptance=("derived from forward-pass counts" if self.method == "assisted"
+                                else "counted per round"))
+
+    def to_dict(self, verifier_device: str) -> dict:
+        return dict(key=self.key, method=self.method, gamma=self.gamma, task=self.task,
+                    prompts=self.prompts, tokens=self.tokens, rounds=self.rounds,
+                    drafted=self.drafted, accepted=self.accepted,
+                    acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                    acceptance_per_position=self.acceptance_per_position if self.drafted_per_position else None,
+                    drafted_per_position=self.drafted_per_position or None,
+                    accepted_per_position=self.accepted_per_position or None,
+                    target_s=self.target_s, host_s=self.host_s, draft_s=self.draft_s,
+                    pcie_s=self.pcie_s, simulator_s=self.simulator_s, seconds=self.seconds,
+                    tokens_per_s=self.tokens_per_s, host_us_per_round=self.host_us_per_round,
+                    host_share=self.host_share, matches_target_only=self.matches_target_only,
+                    labels=self.labels(verifier_device))
+
+
+# -- running -------------------------------------------------------------------------------
+class BenchRunner:
+    """Runs every method on one prompt at a time, sharing one target model.
+
+    Members
+    -------
+    verifier : Verifier
+        Holds the target model (used by all three methods) and its device.
+    draft_model : transformers.PreTrainedModel
+        The float draft, on the verifier's device, for assisted generation.
+    device : DraftDevice
+        The draft device with the compiled draft loaded, for DFVG.
+    """
+
+    def __init__(self, verifier: Verifier, draft_model, device: DraftDevice):
+        self.verifier = verifier
+        self.target = verifier.model
+        self.draft_model = draft_model.to(verifier.device).eval()
+        self.device = device
+        # What transformers would use for the assistant when told nothing.
+        self._assistant_defaults = copy.deepcopy(self.draft_model.generation_config)
+
+    def _greedy_config(self, max_new_tokens: int):
+        gc = copy.deepcopy(self.target.generation_config)
+        gc.do_sample = False
+        gc.max_new_tokens = max_new_tokens
+        gc.min_new_tokens = None
+        gc.eos_token_id = None       # ignore EOS: every method generates the same count
+        if gc.pad_token_id is None:
+            gc.pad_token_id = 0
+        return gc
+
+    def _generate(self, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+        ids = torch.tensor([prompt], device=self.verifier.device)
+        with torch.no_grad():
+            out = self.target.generate(ids, generation_config=self._greedy_config(max_new_tokens),
+                                       attention_mask=torch.ones_like(ids), **kwargs)
+        return out[0, len(prompt):].tolist()
+
+    def target_only(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], Tally]:
+        t0 = time.perf_counter()
+        with ForwardClock(self.target) as target:
+            tokens = self._generate(prompt, max_new_tokens)
+        wall = time.perf_counter() - t0
+        return tokens, Tally("target-only", None, prompts=1, tokens=len(tokens), rounds=target.calls,
+                             target_s=target.seconds, host_s=max(0.0, wall - target.seconds))
+
+    def _configure_assistant(self, gamma: int | None) -> None:
+        gc = self.draft_model.generation_config
+        if gamma is None:
+            for name in ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                         "assistant_confidence_threshold"):
+                setattr(gc, name, getattr(self._assistant_defaults, name))
+        else:
+            # Exactly γ drafts per round, as DFVG's chain scheduler drafts: a constant
+            # schedule and no early stop on the draft's confidence.
+            gc.num_assistant_tokens = gamma
+            gc.num_assistant_tokens_schedule = "constant"
+            gc.assistant_confidence_threshold = 0.0
+
+    def assisted(self, prompt: list[int], max_new_tokens: int, gamma: int | None) -> tuple[list[int], Tally]:
+        self._configure_assistant(gamma)
+        t0 = time.perf_counter()
+        with ForwardClock(self.target) as target, ForwardClock(self.draft_model) as draft:
+            tokens = self._generate(prompt, max_new_tokens, assistant_model=self.draft_model)
+        wall = time.perf_counter() - t0
+        # transformers does not report acceptance; each target forward verifies one round
+        # and commits its accepted drafts plus one token, and each draft forward drafts one.
+        rounds = target.calls
+        return tokens, Tally("assisted", gamma, prompts=1, tokens=len(tokens), rounds=rounds,
+                             drafted=draft.calls, accepted=len(tokens) - rounds,
+                             target_s=target.seconds, draft_s=draft.seconds,
+                             host_s=max(0.0, wall - target.seconds - draft.seconds))
+
+    def dfvg(self, prompt: list[int], max_new_tokens: int, gamma: int) -> tuple[list[int], Tally]:
+        decoder = SpeculativeDecoder(self.device, self.verifier, gamma=gamma, eos_token_id=None)
+        out = decoder.generate(prompt, max_new_tokens)
+        if out.stop_reason != "max_new_tokens":
+            raise BenchError(f"DFVG stopped early at γ={gamma} ({out.stop_reason}): {out.message}")
+        m = out.metrics
+        return out.tokens, Tally("dfvg", gamma, prompts=1, tokens=m.emitted_tokens, rounds=m.rounds,
+                                 drafted=m.drafted_tokens, accepted=m.accepted_tokens,
+                                 drafted_per_position=list(m.drafted_per_position),
+                                 accepted_per_position=list(m.accepted_per_position),
+                                 target_s=m.verifier_seconds, host_s=m.host_seconds,
+                                 draft_s=m.device_seconds, pcie_s=m.pcie_seconds,
+                                 simulator_s=m.simulator_seconds)
+
+    def methods(self, settings: BenchSettings) -> list[tuple[str, int | None]]:
+        """(method, γ) in the order each prompt runs them."""
+        runs: list[tuple[str, int | None]] = [("target-only", None)]
+        if settings.assisted_hf_defaults:
+            runs.append(("assisted", None))
+        for g in settings.gammas:
+            runs += [("assisted", g), ("dfvg", g)]
+        return runs
+
+    def run_one(self, method: str, gamma: int | None, prompt: list[int], n: int) -> tuple[list[int], Tally]:
+        if method == "target-only":
+            return self.target_only(prompt, n)
+        if method == "assisted":
+            return self.assisted(prompt, n, gamma)
+        return self.dfvg(prompt, n, gamma)
+
+    def run(self, prompts: list[tuple[BenchPrompt, list[int]]], settings: BenchSettings,
+            log: Callable[[str], None] = lambda _: None) -> dict[tuple[str, str, int | None], Tally]:
+        """Run every method on every prompt; tallies keyed by (task, method, γ), task "all" included."""
+        limit = self.device.compiled.context_limit
+        for q, ids in prompts:
+            need = len(ids) + settings.max_new_tokens + max(settings.gammas)
+            if need > limit:
+                raise BenchError(f"a {q.task} prompt ({len(ids)} tokens) plus {settings.max_new_tokens} "
+                                 f"new tokens and γ={max(settings.gammas)} needs {need} positions, the "
+                                 f"draft's context limit is {limit}; lower --max-new-tokens")
+        plan = self.methods(settings)
+        for method, gamma in plan:          # unmeasured: lazy initialisation, allocator warm-up
+            self.run_one(method, gamma, prompts[0][1], settings.warmup_tokens)
+        tallies: dict[tuple[str, str, int | None], Tally] = {}
+        t_start = time.perf_counter()
+        for i, (q, ids) in enumerate(prompts, 1):
+            reference: list[int] | None = None
+            line = []
+            for method, gamma in plan:
+                tokens, tally = self.run_one(method, gamma, ids, settings.max_new_tokens)
+                if reference is None:
+                    reference = tokens
+                tally.matches_target_only = int(tokens == reference)
+                for task in (ALL_TASKS, q.task):
+                    key = (task, method, gamma)
+                    if key not in tallies:
+                        tallies[key] = Tally(method, gamma, task=task)
+                    tallies[key].add(tally)
+                if method != "assisted" or gamma is None:
+                    line.append(f"{tally.key} {tally.tokens_per_s:.0f}")
+            log(f"[bench {i}/{len(prompts)}, {time.perf_counter() - t_start:.0f} s] {q.task}: "
+                + ", ".join(line) + " tok/s")
+        return tallies
+
+
+# -- results -------------------------------------------------------------------------------
+@dataclass
+class BenchResult:
+    """Everything one ``dfvg bench`` run produced.
+
+    Members
+    -------
+    setup : dict
+        What ran where: models, devices, prompt set, settings.
+    tallies : dict
+        (task, method, γ) → :class:`Tally`; task ``"all"`` covers every prompt.
+    efficiency : list of EfficiencyRow
+        The engine-efficiency table (empty when not computed).
+    """
+    setup: dict
+    tallies: dict[tuple[str, str, int | None], Tally]
+    efficiency: list[EfficiencyRow] = field(default_factory=list)
+
+    @property
+    def tasks(self) -> list[str]:
+        seen = []
+        for task, _, _ in self.tallies:
+            if task != ALL_TASKS and task not in seen:
+                seen.append(task)
+        return seen
+
+    def rows(self, task: str = ALL_TASKS, method: str | None = None) -> list[Tally]:
+        return [t for (k, m, _), t in self.tallies.items() if k == task and (method is None or m == method)]
+
+    def get(self, method: str, gamma: int | None, task: str = ALL_TASKS) -> Tally | None:
+        return self.tallies.get((task, method, gamma))
+
+    def baseline(self, task: str = ALL_TASKS) -> Tally:
+        return self.tallies[(task, "target-only", None)]
+
+    def speedup(self, row: Tally, over: Tally | None) -> float | None:
+        """``row``'s tokens/s over ``over``'s, both from this run."""
+        if over is None or not over.tokens_per_s:
+            return None
+        return row.tokens_per_s / over.tokens_per_s
+
+    def best(self, method: str, task: str = ALL_TASKS) -> Tally | None:
+        rows = self.rows(task, method)
+        return max(rows, key=lambda t: t.tokens_per_s) if rows else None
+
+    def headline(self) -> dict:
+        """DFVG at its best γ against target-only and against assisted generation."""
+        dfvg, assisted = self.best("dfvg"), self.best("assisted")
+        same_gamma = self.get("assisted", dfvg.gamma) if dfvg else None
+        return dict(best_dfvg=dfvg.key if dfvg else None, best_assisted=assisted.key if assisted else None,
+                    dfvg_over_target_only=self.speedup(dfvg, self.baseline()) if dfvg else None,
+                    dfvg_over_best_assisted=self.speedup(dfvg, assisted) if dfvg else None,
+                    dfvg_over_assisted_same_gamma=self.speedup(dfvg, same_gamma) if dfvg else None,
+                    best_assisted_over_target_only=(self.speedup(assisted, self.baseline())
+                                                    if assisted else None),
+                    label="ratios of tokens/s within this run; DFVG's is projected (measured "
+                          "target+host + modelled FPGA+PCIe), the others' measured")
+
+    def to_dict(self) -> dict:
+        dev = self.setup.get("verifier_device", "?")
+        base = {task: self.baseline(task) for task in [ALL_TASKS] + self.tasks}
+
+        def row(t: Tally) -> dict:
+            d = t.to_dict(dev)
+            d["speedup_over_target_only"] = self.speedup(t, base[t.task])
+            same = self.get("assisted", t.gamma, t.task) if t.method == "dfvg" else None
+            d["speedup_over_assisted_same_gamma"] = self.speedup(t, same)
+            return d
+
+        return dict(setup=self.setup, headline=self.headline(),
+                    rows=[row(t) for t in self.rows(ALL_TASKS)],
+                    by_task={task: [row(t) for t in self.rows(task)] for task in self.tasks},
+                    efficiency=[r.to_dict() for r in self.efficiency])
+
+
+def _describe_path(path: Path) -> str:
+    """A path relative to the checkout when inside it (results stay machine-independent)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def run_benchmark(*, target_dir: Path, draft_dir: Path, device: DraftDevice, device_url: str,
+                  prompts: list[BenchPrompt], settings: BenchSettings, prompt_set: Path,
+                  verifier_device: str | None = None, dtype: str | None = None,
+                  log: Callable[[str], None] = lambda _: None) -> BenchResult:
+    """Load the pair, tokenise the prompts and run every method on them.
+
+    Parameters
+    ----------
+    target_dir, draft_dir : Path
+        Local Hugging Face directories of the target and the (float) draft.
+    device : DraftDevice
+        The draft device, with the compiled draft loaded.
+    device_url : str
+        Its URL, for the report.
+    prompts : list of BenchPrompt
+        The prompts to run (already picked per task).
+    settings : BenchSettings
+    prompt_set : Path
+        Where the prompts came from, for the report.
+    verifier_device, dtype : str, optional
+        Torch device and dtype of the target and of the float draft.
+    log : callable
+        Progress messages.
+    """
+    import platform
+
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dfvg_host.verifier import parse_dtype
+
+    # transformers' progress bars and its notes about generate() arguments would bury the
+    # benchmark's own progress lines on stderr.
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    verifier = Verifier.from_pretrained(target_dir, device=verifier_device, dtype=dtype)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=parse_dtype(dtype), local_files_only=True)
+    encoded = [(q, tok(q.text)["input_ids"]) for q in prompts]
+    if any(not ids for _, ids in encoded):
+        raise BenchError("a prompt tokenises to nothing")
+    runner = BenchRunner(verifier, draft, device)
+    mix: dict[str, int] = {}
+    for q in prompts:
+        mix[q.task] = mix.get(q.task, 0) + 1
+    setup = dict(target=_describe_path(target_dir), draft=_describe_path(draft_dir), device=device_url,
+                 verifier_device=str(verifier.device), dtype=dtype or "float32",
+                 prompt_set=_describe_path(prompt_set), prompts=len(prompts),
+                 prompt_mix=", ".join(f"{task} {n}" for task, n in mix.items()),
+                 prompt_tokens=[len(ids) for _, ids in encoded],
+                 max_new_tokens=settings.max_new_tokens, gammas=list(settings.gammas),
+                 per_task=settings.per_task, torch=torch.__version__,
+                 transformers=transformers.__version__, torch_threads=torch.get_num_threads(),
+                 host=f"{platform.machine()} {platform.processor() or ''}".strip(),
+                 cuda_device=(torch.cuda.get_device_name(verifier.device)
+                              if verifier.device.type == "cuda" else None),
+                 date=time.strftime("%Y-%m-%d %H:%M"))
+    log(f"bench: {len(prompts)} prompts x {settings.max_new_tokens} tokens; methods: "
+        + ", ".join(f"{m}{'' if g is None else f' γ={g}'}" for m, g in runner.methods(settings)))
+    return BenchResult(setup, runner.run(encoded, settings, log))

@@ -1,0 +1,139 @@
+"""Readable tables of a :class:`~dfvg_host.bench.BenchResult`.
+
+Every column header says whether its figure is measured on this host or modelled
+(cycle model, link model); the notes under each table say how tokens/s is formed.
+"""
+
+from __future__ import annotations
+
+from dfvg_host.bench import ALL_TASKS, BenchResult, Tally
+
+__all__ = ["format_result", "speed_table", "task_table", "position_table", "efficiency_table"]
+
+
+def _num(x: float | None, fmt: str, empty: str = "-") -> str:
+    return empty if x is None else format(x, fmt)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _match_note(result: BenchResult) -> str:
+    """Whether every method reproduced target-only greedy decoding, prompt by prompt."""
+    rows = [t for t in result.rows(ALL_TASKS) if t.method != "target-only"]
+    differ = [f"{t.key} ({t.prompts - t.matches_target_only} of {t.prompts})"
+              for t in rows if t.matches_target_only != t.prompts]
+    if not differ:
+        return (f"Every method's output equals target-only greedy decoding on all "
+                f"{result.baseline().prompts} prompts.")
+    return ("Outputs that differ from target-only greedy decoding (float near-ties or a bug): "
+            + ", ".join(differ) + ".")
+
+
+def speed_table(result: BenchResult) -> str:
+    s = result.setup
+    base = result.baseline()
+    head = (f"{'method':<24}{'tok/s':>8}{'target s':>10}{'host s':>8}{'draft s':>9}{'FPGA s':>9}"
+            f"{'PCIe s':>9}{'accept':>8}{'len':>6}{'host/round':>13}{'x target':>10}{'x assisted':>11}")
+    unit = (f"{'':<24}{'':>8}{'measured':>10}{'meas.':>8}{'meas.':>9}{'modelled':>9}"
+            f"{'modelled':>9}{'':>8}{'':>6}{'µs':>7}{'%':>6}{'-only':>10}{'same γ':>11}")
+    lines = [f"Decoding speed: {s['prompts']} prompts ({s['prompt_mix']}) x {s['max_new_tokens']} new "
+             "tokens, greedy, EOS ignored",
+             f"target {s['target']} on {s['verifier_device']} ({s['dtype']}) | draft {s['draft']}: "
+             f"float on {s['verifier_device']} for assisted, int8 on {s['device']} for DFVG",
+             "", head, unit]
+    for t in result.rows(ALL_TASKS):
+        same = result.get("assisted", t.gamma) if t.method == "dfvg" else None
+        lines.append(
+            f"{t.key:<24}{t.tokens_per_s:>8.1f}{t.target_s:>10.3f}{t.host_s:>8.3f}"
+            f"{_num(t.draft_s if t.method == 'assisted' else None, '9.3f'):>9}"
+            f"{_num(t.draft_s if t.method == 'dfvg' else None, '9.4f'):>9}"
+            f"{_num(t.pcie_s if t.method == 'dfvg' else None, '9.4f'):>9}"
+            f"{_num(t.acceptance_rate, '8.3f'):>8}{t.mean_accepted_length:>6.2f}"
+            f"{t.host_us_per_round:>7.0f}{100 * t.host_share:>5.1f}%"
+            f"{_ratio(result.speedup(t, base)):>10}{_ratio(result.speedup(t, same)):>11}")
+    sim = sum(t.simulator_s for t in result.rows(ALL_TASKS, "dfvg"))
+    lines += ["",
+              "tok/s: target-only and assisted are measured wall time; DFVG is projected = measured "
+              "target + host + modelled FPGA (cycle model) + PCIe (link model), unpipelined.",
+              "accept: drafted tokens accepted (assisted: derived from forward-pass counts); "
+              "len: tokens committed per target forward pass.",
+              "host/round: measured time outside the forward passes, per target forward, and as a "
+              "share of the method's time.",
+              f"The functional model stood in for the FPGA for {sim:.1f} s of measured wall time, "
+              "not counted above.",
+              _match_note(result)]
+    return "\n".join(lines)
+
+
+def task_table(result: BenchResult) -> str:
+    tasks = result.tasks + [ALL_TASKS]
+    col = 22
+    lines = ["Acceptance by task: accepted/drafted, tokens per target forward, speedup over "
+             "target-only on the same task",
+             "",
+             f"{'method':<24}" + "".join(f"{t:>{col}}" for t in tasks),
+             f"{'':<24}" + "".join(f"{'accept   len  x t-o':>{col}}" for _ in tasks)]
+    for t in result.rows(ALL_TASKS):
+        if t.method == "target-only":
+            continue
+        cells = []
+        for task in tasks:
+            r = result.get(t.method, t.gamma, task)
+            cells.append(f"{_num(r.acceptance_rate, '.3f'):>6} {r.mean_accepted_length:>5.2f} "
+                         f"{_ratio(result.speedup(r, result.baseline(task))):>6}")
+        lines.append(f"{t.key:<24}" + "".join(f"{c:>{col}}" for c in cells))
+    lines += ["", "speedups: DFVG projected / target-only measured; assisted measured / measured."]
+    return "\n".join(lines)
+
+
+def position_table(result: BenchResult) -> str:
+    rows = [t for t in result.rows(ALL_TASKS, "dfvg")]
+    width = max((len(t.acceptance_per_position) for t in rows), default=0)
+    lines = ["DFVG acceptance per draft position (accepted/drafted at position k, all tasks)", "",
+             f"{'method':<24}" + "".join(f"{k:>7}" for k in range(1, width + 1))]
+    for t in rows:
+        lines.append(f"{t.key:<24}" + "".join(f"{a:>7.3f}" for a in t.acceptance_per_position))
+    lines += ["", "Assisted generation does not expose which position was rejected, so it has no row."]
+    return "\n".join(lines)
+
+
+def efficiency_table(result: BenchResult) -> str:
+    rows = result.efficiency
+    if not rows:
+        return ""
+    ctx = rows[0].report.context
+    lines = [f"Draft-engine efficiency, all modelled: cycle model on the compiled program "
+             f"(random weights), one draft token at context {ctx}",
+             "",
+             f"{'shape':<20}{'preset':<12}{'tok/s':>9}{'memory':>10}{'compute':>10}"
+             f"{'efficiency':>12}{'bound':>9}{'cycles/tok':>12}{'MB/tok':>8}",
+             f"{'':<20}{'':<12}{'modelled':>9}{'roofline':>10}{'roofline':>10}"
+             f"{'÷ min roof':>12}{'':>9}{'':>12}{'':>8}"]
+    for r in rows:
+        p = r.report
+        lines.append(f"{r.shape:<20}{p.preset:<12}{p.tokens_per_s:>9,.0f}"
+                     f"{p.roofline_memory_tokens_per_s:>10,.0f}{p.roofline_compute_tokens_per_s:>10,.0f}"
+                     f"{100 * p.efficiency:>11.1f}%{r.bound:>9}{p.cycles_per_token:>12,}"
+                     f"{p.bytes_per_token / 1e6:>8.1f}")
+    lines += ["", "memory roofline: preset bandwidth / bytes read per token; compute roofline: "
+              "clock x lanes x reduce MACs per cycle (a chain fills one row) / MACs per token."]
+    return "\n".join(lines)
+
+
+def format_result(result: BenchResult) -> str:
+    h = result.headline()
+    parts = [speed_table(result), task_table(result), position_table(result)]
+    if h["best_dfvg"]:
+        parts.append(f"Headline: DFVG at its best γ ({h['best_dfvg']}) runs "
+                     f"{_ratio(h['dfvg_over_target_only'])} target-only decoding and "
+                     f"{_ratio(h['dfvg_over_best_assisted'])} the best assisted generation "
+                     f"({h['best_assisted']}); {_ratio(h['dfvg_over_assisted_same_gamma'])} assisted "
+                     f"at the same γ. Best assisted: {_ratio(h['best_assisted_over_target_only'])} "
+                     "target-only.\n[" + h["label"] + "]")
+    eff = efficiency_table(result)
+    if eff:
+        parts.append(eff)
+    rule = "\n\n" + "-" * 118 + "\n"
+    return rule.join(parts)
