@@ -6,14 +6,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
-if [ "$extras" = dev ] && ! command -v verilator >/dev/null; then
-  # The RTL tests lint generated Verilog with Verilator (Debian package).
-  if [ "$(id -u)" = 0 ]; then
-    echo "setup: installing verilator (apt)"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq verilator >/dev/null
-  else
-    echo "setup: verilator is missing; install it with: sudo apt-get install -y verilator" >&2
-    exit 1
+if [ "$extras" = dev ]; then
+  # The tests need Debian packages: Verilator lints and co-simulates the generated
+  # Verilog; tclsh runs the generated Vivado flow against recording stubs.
+  missing=()
+  command -v verilator >/dev/null || missing+=(verilator)
+  command -v tclsh >/dev/null || missing+=(tcl)
+  if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+      echo "setup: installing ${missing[*]} (apt)"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    else
+      echo "setup: missing ${missing[*]}; install with: sudo apt-get install -y ${missing[*]}" >&2
+      exit 1
+    fi
   fi
 fi
 python3 -m venv --system-site-packages .venv
