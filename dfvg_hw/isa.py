@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 __all__ = [
     "Op", "Flag", "MatmulMode", "Cond", "Instruction", "IllegalInstruction", "AsmError",
     "FIELDS", "INSTRUCTION_BITS", "INSTRUCTION_BYTES",
-    "encode", "decode", "assemble", "disassemble", "to_bytes", "from_bytes",
+    "encode", "decode", "assemble", "disassemble", "to_bytes", "from_bytes", "opcode_rules",
 ]
 
 INSTRUCTION_BITS = 128
@@ -103,6 +103,14 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
 }
 #: Opcodes that process ``rows`` rows; rows must be ≥ 1 for them.
 _ROW_OPS = frozenset(op for op, (used, _) in _USES.items() if "rows" in used)
+
+
+def opcode_rules(op: Op) -> tuple[frozenset[str], int, bool]:
+    """What makes an instruction with opcode ``op`` legal: the fields it uses (all others
+    must be 0), its legal flag bits, and whether it needs ``rows ≥ 1``. The RTL decoder
+    builds its checks from this."""
+    used, legal_flags = _USES[op]
+    return used, int(legal_flags), op in _ROW_OPS
 
 
 class IllegalInstruction(ValueError):

@@ -82,7 +82,7 @@ def run_simulation(dut, *testbenches, processes=(), clock_period=1e-8, name: str
     current pytest test).
     """
     sim = Simulator(dut)
-    sim.add_clock(clock_period)
+    sim.add_clock(clock_period, if_exists=True)     # purely combinational designs have none
     for tb in testbenches:
         sim.add_testbench(tb)
     for proc in processes:
