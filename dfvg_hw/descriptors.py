@@ -125,6 +125,14 @@ class DraftedToken:
     topk_ids: list[int]
     topk_probs: list[int]
 
+    def record(self, topk_max: int) -> list[int]:
+        """The :func:`record_words` words of this token in a result buffer: token, prob,
+        then ``topk_max`` (id, prob) pairs, zero past the list's end."""
+        pairs = []
+        for i in range(topk_max):
+            pairs += [self.topk_ids[i], self.topk_probs[i]] if i < len(self.topk_ids) else [0, 0]
+        return [self.token, self.prob] + pairs
+
 
 @dataclass
 class DraftResult:
@@ -146,12 +154,7 @@ class DraftResult:
     topk: int = 0
 
     def pack(self, topk_max: int) -> bytes:
-        records = []
-        for t in self.tokens:
-            pairs = []
-            for i in range(topk_max):
-                pairs += [t.topk_ids[i], t.topk_probs[i]] if i < len(t.topk_ids) else [0, 0]
-            records += [t.token, t.prob] + pairs
+        records = [word for t in self.tokens for word in t.record(topk_max)]
         header = [self.seq, int(self.status), len(self.tokens), self.end_pos,
                   self.cycles & 0xFFFFFFFF, (self.cycles >> 32) & 0xFFFFFFFF, self.n_forward,
                   self.error_pc, self.topk] + [0] * 6

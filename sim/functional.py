@@ -348,8 +348,7 @@ class FunctionalEngine:
     def _write_record(self, result_addr: int, index: int, token: DraftedToken) -> None:
         """Make a drafted token durable at once; the header and check word come at the end,
         so a half-written result never looks complete."""
-        words = DraftResult(seq=0, status=ErrorCode.OK, end_pos=0, cycles=0, n_forward=0,
-                            tokens=[token]).pack(self.config.topk_max)[4 * RESULT_HEADER_WORDS:]
+        words = np.array(token.record(self.config.topk_max), dtype="<u4").tobytes()
         try:
             self.memory.write(result_addr + 4 * RESULT_HEADER_WORDS + index * len(words), words)
         except MemoryError_:
