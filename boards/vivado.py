@@ -31,6 +31,7 @@ from pathlib import Path
 from amaranth.build import DiffPairs, Pins
 
 from boards.alveo import DDR4, HBM, AlveoPlatform
+from dfvg_hw.regmap import register_space_bits
 
 __all__ = ["EngineInterface", "register_space_bits", "xdc_text", "tcl_flow", "write_flow",
            "FlowFiles", "vivado_command", "run_flow", "TCL_NAME", "PROGRESS_PREFIX"]
@@ -44,12 +45,6 @@ PROGRESS_PREFIX = "dfvg:"
 REGISTER_BAR_KIB = 64
 #: XDMA user-interrupt line the engine's ``irq`` drives (``/dev/xdma0_events_0``).
 USER_IRQ = 0
-
-
-def register_space_bits() -> int:
-    """Address bits that cover every register of :class:`dfvg_hw.regmap.Reg`."""
-    from dfvg_hw.regmap import Reg
-    return (max(Reg) + 3).bit_length()
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from amaranth import Cat, Const, Module, Signal
 from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
-from boards.vivado import register_space_bits
+from dfvg_hw.regmap import register_space_bits
 from dfvg_hw.axi_lite import AXI4LiteSignature, AxiResp
 from dfvg_hw.config import EngineConfig
 from dfvg_hw.regmap import ENGINE_ID, ENGINE_VERSION, Control, Irq, Reg, Status, engine_params
@@ -159,7 +159,7 @@ class RegisterFile(wiring.Component):
         The engine the bitstream is built for: the parameter registers' values.
     addr_width : int or None
         Byte-address width of the bus; ``None`` (default) is the smallest that covers the
-        register map (``boards.vivado.register_space_bits()``, 8 today). Offsets beyond the
+        register map (``regmap.register_space_bits()``, 8 today). Offsets beyond the
         map are unmapped.
 
     Members

@@ -15,7 +15,7 @@ from dfvg_hw.descriptors import MAX_DRAFT, REQUEST_HEADER_WORDS, result_bytes
 from dfvg_hw.image import IMAGE_VERSION
 
 __all__ = ["Reg", "Control", "Status", "Irq", "ENGINE_ID", "ENGINE_VERSION", "MemoryMap",
-           "PARAM_REGS", "engine_params"]
+           "PARAM_REGS", "engine_params", "register_space_bits"]
 
 ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
 #: Engine version: major (ISA / descriptor / image format) << 16 | minor.
@@ -91,6 +91,11 @@ PARAM_REGS = {
     Reg.P_HEAD_DIM: "head_dim", Reg.P_VOCAB_MAX: "vocab_max", Reg.P_TOPK_MAX: "topk_max",
     Reg.P_VMEM_BYTES: "vmem_bytes", Reg.P_IMEM_WORDS: "imem_words",
 }
+
+
+def register_space_bits() -> int:
+    """Address bits of the AXI4-Lite register space: enough for every :class:`Reg`."""
+    return (max(Reg) + 3).bit_length()
 
 
 def engine_params(config: EngineConfig) -> dict[Reg, int]:
