@@ -41,7 +41,8 @@ Rules the controller relies on:
   has been answered — what the controller waits for before it raises DONE.
 * **Timing.** A read's first beat leaves ``READ_OVERHEAD`` + L edges after the command is
   accepted (L: the memory's AR-to-R latency), then one beat per cycle while neither the
-  memory nor the consumer stalls.
+  memory nor the consumer stalls; a write's beats go out one per cycle from
+  ``WRITE_OVERHEAD`` edges after the command while the data and the memory keep up.
 * **Bandwidth.** One port moves at most ``data_width/8`` bytes a cycle: 32 B at 256 bits,
   9.6 GB/s at 300 MHz — far below the Alveo presets' ``mem_bandwidth_gbps`` (460 GB/s of
   HBM is 1533 B/cycle at 300 MHz, which the cycle model's ``stream()`` assumes). Reaching
@@ -235,6 +236,11 @@ class MemoryPort(wiring.Component):
     #: register, read_data register): with neither side stalling, beat ``k`` of a command on
     #: an idle port transfers ``READ_OVERHEAD + L + k`` edges after the command.
     READ_OVERHEAD = 3
+    #: Edges from the edge that accepts a write command to the first W transfer (splitter
+    #: register, AW register and track, track FIFO output register, W register), with its
+    #: data ready: the last burst's B response transfers ``WRITE_OVERHEAD + beats − 1 + L``
+    #: edges after the command (L: the memory's last-W-to-B latency), ``write_done`` one later.
+    WRITE_OVERHEAD = 4
 
     def __init__(self, config: EngineConfig, *, data_width: int = 256, max_outstanding: int = 8):
         axi = AXI4Signature(data_width, 64)

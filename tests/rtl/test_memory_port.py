@@ -278,6 +278,20 @@ def test_long_read_streams_one_beat_per_cycle():
     assert rig.counters["busy_cycles"] == MemoryPort.READ_OVERHEAD + timing.read_latency + 771 - 1
 
 
+def test_long_write_streams_one_beat_per_cycle():
+    """A 768-beat write across four pages with its data always ready: the port is busy
+    for exactly WRITE_OVERHEAD + beats - 1 + L cycles, one W beat per cycle."""
+    timing = MemoryTiming.for_config(TINY, 128)
+    rig = Rig(data_width=128, timing=timing)
+    addr, length = PAGE - 128, 3 * PAGE
+    content = np.random.default_rng(4).integers(0, 256, length, dtype=np.uint8).tobytes()
+    run_and_snapshot(rig, rig.feed_commands(rig.dut.write_cmd, "write", [(addr, length)]),
+                     rig.feed_write_data(data_beats(content, 16, rig.rng)),
+                     rig.until_idle(2000, 1))
+    assert rig.memory.read(addr, length) == content
+    assert rig.counters["busy_cycles"] == MemoryPort.WRITE_OVERHEAD + 768 - 1 + timing.write_latency
+
+
 def test_back_to_back_commands_keep_the_bus_busy():
     """Sixteen 8-beat reads issued back to back overlap their memory latency (several
     bursts outstanding): the 128 beats arrive on consecutive cycles."""
