@@ -1,0 +1,135 @@
+"""The ``rtl`` device: the generated :class:`~dfvg_hw.engine.DraftEngine` in Amaranth's
+simulator, behind the same transport operations as the ``sim`` device and a card.
+
+* Register reads and writes are AXI4-Lite transactions on the engine's ``s_axil_*``
+  ports (:mod:`sim.axi_lite_bus`), cycle by cycle.
+* Device memory is a :class:`~sim.memory.DeviceMemory` behind an AXI4 slave model
+  (:class:`~sim.axi_memory.AXI4SlaveMemory`) with the preset's latency and bandwidth;
+  the host's DMA reads and writes it directly, as XDMA does on a card.
+* ``wait_irq`` simulates until the engine raises ``irq`` or the wall-clock timeout runs
+  out, so a hung engine is a device timeout, as on hardware.
+
+Nothing here computes a result: every figure the driver reads comes out of the engine's
+registers and the memory the engine wrote.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from types import SimpleNamespace
+
+from amaranth.sim import Simulator
+
+from dfvg_hw.config import EngineConfig
+from dfvg_hw.engine import AXI_PREFIX, AXIL_PREFIX, DraftEngine
+from sim.axi_lite_bus import axil_read, axil_write
+from sim.axi_memory import AXI4SlaveMemory, MemoryTiming
+from sim.memory import DeviceMemory
+
+__all__ = ["RtlDevice"]
+
+
+class RtlDevice:
+    """A :class:`DraftEngine` simulated by Amaranth, offering the transport operations.
+
+    Parameters
+    ----------
+    config : EngineConfig
+    data_width : int
+        The engine's AXI4 data width (128 for ``tiny``).
+    timing : MemoryTiming, optional
+        Device-memory timing (default: the preset's latency and bandwidth).
+
+    Members
+    -------
+    config : EngineConfig
+    memory : DeviceMemory
+    cycles : int
+        Clock cycles simulated so far.
+    sim_seconds : float
+        Wall time spent simulating (for cycles/s).
+    """
+
+    def __init__(self, config: EngineConfig, *, data_width: int = 128,
+                 timing: MemoryTiming | None = None):
+        self.config = config
+        self.memory = DeviceMemory(config.mem_bytes)
+        self.engine = DraftEngine(config, data_width)
+        self.slave = AXI4SlaveMemory(self.engine, self.memory,
+                                     timing or MemoryTiming.for_config(config, data_width),
+                                     prefix=AXI_PREFIX)
+        self._bus = SimpleNamespace(**{name: getattr(self.engine, AXIL_PREFIX + name)
+                                       for name in self.engine.axil.members})
+        self._queue: deque = deque()
+        self.cycles = 0
+        self.sim_seconds = 0.0
+        self._sim = Simulator(self.engine)
+        self._sim.add_clock(1e-6 / config.clock_mhz)
+        self._sim.add_process(self.slave.process)
+        self._sim.add_testbench(self._host, background=True)
+
+    # -- the host side of the simulation ---------------------------------------------------
+    async def _host(self, ctx):
+        """Runs the queued register accesses; counts cycles in between."""
+        while True:
+            if self._queue:
+                kind, args, box = self._queue.popleft()
+                if kind == "read":
+                    box.append(await axil_read(ctx, self._bus, *args))
+                else:
+                    await axil_write(ctx, self._bus, *args)
+                    box.append(None)
+            else:
+                await ctx.tick()
+                self.cycles += 1
+                if self._until is not None and self._until(ctx):
+                    self._until = None
+
+    _until = None
+
+    def _run(self, done, deadline: float | None = None) -> bool:
+        """Simulate until ``done()``; False if the wall-clock ``deadline`` passes first."""
+        start = time.monotonic()
+        try:
+            while not done():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                self._sim.advance()
+            return True
+        finally:
+            self.sim_seconds += time.monotonic() - start
+
+    def _access(self, kind: str, *args):
+        box: list = []
+        self._queue.append((kind, args, box))
+        self._run(lambda: box)
+        return box[0]
+
+    # -- transport operations ----------------------------------------------------------------
+    def read32(self, offset: int) -> int:
+        return self._access("read", offset)
+
+    def write32(self, offset: int, value: int) -> None:
+        self._access("write", offset, value & 0xFFFFFFFF)
+
+    def dma_write(self, addr: int, data: bytes) -> None:
+        self.memory.write(addr, data)
+
+    def dma_read(self, addr: int, nbytes: int) -> bytes:
+        return self.memory.read(addr, nbytes)
+
+    def wait_irq(self, timeout_s: float) -> bool:
+        raised = []
+        self._until = lambda ctx: raised.append(1) or True if ctx.get(self.engine.irq) else False
+        if not self._run(lambda: raised, time.monotonic() + timeout_s):
+            self._until = None
+            return False
+        return True
+
+    def close(self) -> None:
+        self._queue.clear()
+
+    @property
+    def cycles_per_second(self) -> float:
+        return self.cycles / self.sim_seconds if self.sim_seconds else 0.0
