@@ -17,6 +17,13 @@ Typical operand paths (lanes = 4, the ``tiny`` preset)::
 
     RMSNORM src (int16):  VectorMemory.rd ─► Gearbox(16, 8)  ─► unit (4 × int16 per beat)
     RMSNORM dst (int8):   unit (4 × int8)  ─► Gearbox(4, 16)  ─► VectorMemory.wr
+
+The writer counts lines, it does not look for ``last``: each row must arrive as exactly
+``ceil(row_bytes / 16)`` lines. Packing (unit beats ≤ 16 bytes) gives that whenever the
+unit's row is at most that many lines. Splitting a unit beat wider than a line always
+yields ``beat / 16`` lines, so a row whose last beat is partial (alveo-u55c: 64-lane int8
+beats, a 100-byte row → 8 lines, not 7) has surplus lines the controller must drop
+before ``wr``.
 """
 
 from __future__ import annotations
@@ -254,6 +261,12 @@ class VectorMemory(wiring.Component):
     cancel : In(1)
         Drops both ports' spans (after a fault): idle from the next cycle, ``rd`` empty,
         nothing further read or written; lines already written stay written.
+    peek_addr, peek_data : In(16), Out(128)
+        Random line reads while no span read is active: ``peek_data`` is the line at the
+        ``peek_addr`` of the previous cycle (read-first, like the span reader).
+    poke_en, poke_addr, poke_data : In(16), In(16), In(128)
+        Random line writes with a byte mask (``poke_en``), while no span write is active:
+        the MATMUL write-back puts each result row where it belongs in its line.
     """
 
     #: cycles from a read command's transfer to its first valid ``rd`` line
@@ -273,6 +286,11 @@ class VectorMemory(wiring.Component):
             "error": Out(1),
             "clear_error": In(1),
             "cancel": In(1),
+            "peek_addr": In(16),
+            "peek_data": Out(8 * VMEM_LINE_BYTES),
+            "poke_en": In(VMEM_LINE_BYTES),
+            "poke_addr": In(16),
+            "poke_data": In(8 * VMEM_LINE_BYTES),
         }))
 
     def elaborate(self, platform):
@@ -293,8 +311,10 @@ class VectorMemory(wiring.Component):
         m.d.comb += [
             advance.eq(~self.rd.valid | self.rd.ready),
             reader.step.eq(advance),
-            rd_port.en.eq(advance),
-            rd_port.addr.eq(reader.line[:len(rd_port.addr)]),
+            # a peek reads only when no span line waits on rd (the port register holds it)
+            rd_port.en.eq(advance | (~reader.active & ~self.rd.valid)),
+            rd_port.addr.eq(Mux(reader.active, reader.line, self.peek_addr)[:len(rd_port.addr)]),
+            self.peek_data.eq(rd_port.data),
             self.rd.p.data.eq(rd_port.data & Cat(bit.replicate(8) for bit in mask)),
         ]
         with m.If(advance):
@@ -307,9 +327,9 @@ class VectorMemory(wiring.Component):
         m.d.comb += [
             self.wr.ready.eq(writer.active),
             writer.step.eq(self.wr.valid),
-            wr_port.addr.eq(writer.line[:len(wr_port.addr)]),
-            wr_port.data.eq(self.wr.p.data),
-            wr_port.en.eq(Mux(writer.active & self.wr.valid, writer.byte_mask, 0)),
+            wr_port.addr.eq(Mux(writer.active, writer.line, self.poke_addr)[:len(wr_port.addr)]),
+            wr_port.data.eq(Mux(writer.active, self.wr.p.data, self.poke_data)),
+            wr_port.en.eq(Mux(writer.active, Mux(self.wr.valid, writer.byte_mask, 0), self.poke_en)),
             self.wr_done.eq(writer.done),
         ]
 
