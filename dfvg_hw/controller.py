@@ -21,11 +21,12 @@ instruction into the :class:`Sequencer` at once or run a unit instruction and re
 when it is done. ``pc`` past the loaded program faults ``PROGRAM``, as does an instruction
 budget of ``(n_in + n_draft + 1) · PROG_LEN · 256`` (``WATCHDOG``).
 
-Unit instructions in this controller: ``EMBED``, ``SAMPLE`` and ``NOP``; a ``MATMUL``,
-``RMSNORM``, ``ROPE``, ``KVAPPEND``, ``ATTN`` or ``ACTMUL`` stops the request with
-``PROGRAM`` and ERROR_PC at the instruction, because their sequencing is not built yet
-(issue #5); the units themselves exist (``matrix.py``, ``vector_unit.py``,
-``kv_buffer.py``).
+Unit instructions in this controller: ``EMBED``, ``MATMUL`` (all modes, wide rows; through
+:class:`~dfvg_hw.matmul_sequencer.MatmulSequencer`, for geometries it supports — see
+``MatmulSequencer.supports``), ``SAMPLE`` and ``NOP``. An ``RMSNORM``, ``ROPE``,
+``KVAPPEND``, ``ATTN`` or ``ACTMUL`` (or a MATMUL on an unsupported geometry) stops the
+request with ``PROGRAM`` and ERROR_PC at the instruction, because their sequencing is not
+built yet (issue #5); the units themselves exist (``vector_unit.py``, ``kv_buffer.py``).
 
 The result buffer is assembled on chip (records as SAMPLE produces them, the header at
 the end) and written in one burst from the result address, because records are not
@@ -34,7 +35,7 @@ aligned to the bus width.
 
 from __future__ import annotations
 
-from amaranth import Cat, Module, Mux, Signal, unsigned
+from amaranth import Cat, Module, Mux, ResetInserter, Signal, unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
@@ -44,6 +45,7 @@ from dfvg_hw.decoder import InstructionDecoder
 from dfvg_hw.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_CHECK_SALT,
                                  RESULT_HEADER_WORDS, ErrorCode, RequestFlag, record_words)
 from dfvg_hw.isa import INSTRUCTION_BYTES, Op
+from dfvg_hw.matmul_sequencer import MatmulSequencer
 from dfvg_hw.memory_port import MemoryCommand, MemoryPortError, ReadBeat
 from dfvg_hw.register_file import EngineControlSignature, EngineStatusSignature
 from dfvg_hw.sample_unit import SampleUnit
@@ -53,7 +55,7 @@ from dfvg_hw.vmem import Gearbox, VectorMemory
 __all__ = ["Controller", "MemoryClientSignature"]
 
 #: Unit instructions the controller executes itself.
-EXECUTED_OPS = (Op.NOP, Op.EMBED, Op.SAMPLE)
+EXECUTED_OPS = (Op.NOP, Op.EMBED, Op.MATMUL, Op.SAMPLE)
 
 
 class MemoryClientSignature(wiring.Signature):
@@ -134,6 +136,12 @@ class Controller(wiring.Component):
         result = m.submodules.result_buffer = Memory(shape=unsigned(32), depth=self.result_words,
                                                      init=[])
         res_w, res_r = result.write_port(), result.read_port()
+        mm, mm_cancel = None, Signal()
+        if MatmulSequencer.supports(c, DW):
+            mm = MatmulSequencer(c, DW)
+            # a fault mid-MATMUL returns the sequencer (and its matrix unit) to idle
+            m.submodules.matmul = ResetInserter({"sync": mm_cancel})(mm)
+            m.d.comb += [mm.peek_data.eq(vmem.peek_data), mm.vmem_error.eq(vmem.error)]
 
         # -- host commands arrive as pulses; keep them until their turn ----------------------
         cmd = ctrl.command
@@ -349,6 +357,11 @@ class Controller(wiring.Component):
                         fault(ErrorCode.PROGRAM)
                     with m.Else():
                         m.next = "EMBED_TOKEN"
+                with m.Elif((ins.opcode == Op.MATMUL) & (mm is not None)):
+                    with m.If(ins.rows > c.rows):
+                        fault(ErrorCode.PROGRAM)
+                    with m.Else():
+                        m.next = "MATMUL"
                 with m.Elif(ins.opcode == Op.SAMPLE):
                     with m.If((samp.n_logits == 0) | (ins.n != samp.n_logits)):
                         fault(ErrorCode.PROGRAM)
@@ -419,6 +432,50 @@ class Controller(wiring.Component):
                 with m.Elif(vmem.wr_done):
                     m.next = "RETIRE"
 
+            # -- MATMUL: the matmul sequencer owns memory reads, VMEM and the logit buffer ----------
+            if mm is not None:
+                with m.State("MATMUL"):
+                    lrel = ins.flags & 1
+                    m.d.comb += [mm.job.valid.eq(1),
+                                 mm.job.payload.addr.eq(ctrl.image_base + ins.addr
+                                                        + Mux(lrel, seq.layer * seq.lstride, 0)),
+                                 mm.job.payload.mode.eq((ins.flags >> 1) & 3),
+                                 mm.job.payload.wide.eq((ins.flags >> 3) & 1),
+                                 mm.job.payload.rows.eq(ins.rows), mm.job.payload.dst.eq(ins.dst),
+                                 mm.job.payload.src.eq(ins.src), mm.job.payload.n.eq(ins.n),
+                                 mm.job.payload.k.eq(ins.k)]
+                    with m.If(mm.job.ready):
+                        m.next = "MATMUL_RUN"
+                with m.State("MATMUL_RUN"):
+                    m.d.comb += [
+                        mem.read_cmd.valid.eq(mm.read_cmd.valid),
+                        mem.read_cmd.payload.eq(mm.read_cmd.payload),
+                        mm.read_cmd.ready.eq(mem.read_cmd.ready),
+                        mm.read_data.valid.eq(mem.read_data.valid),
+                        mm.read_data.payload.eq(mem.read_data.payload),
+                        mem.read_data.ready.eq(mm.read_data.ready),
+                        vmem.rd_cmd.valid.eq(mm.vmem_rd_cmd.valid),
+                        vmem.rd_cmd.payload.eq(mm.vmem_rd_cmd.payload),
+                        mm.vmem_rd_cmd.ready.eq(vmem.rd_cmd.ready),
+                        mm.vmem_rd.valid.eq(vmem.rd.valid), mm.vmem_rd.payload.eq(vmem.rd.payload),
+                        vmem.rd.ready.eq(mm.vmem_rd.ready),
+                        vmem.peek_addr.eq(mm.peek_addr), vmem.poke_en.eq(mm.poke_en),
+                        vmem.poke_addr.eq(mm.poke_addr), vmem.poke_data.eq(mm.poke_data),
+                        samp.begin.eq(mm.logits_begin), samp.begin_n.eq(mm.logits_n),
+                        samp.logits.valid.eq(mm.logits.valid),
+                        samp.logits.payload.eq(mm.logits.payload),
+                        mm.logits.ready.eq(samp.logits.ready),
+                    ]
+                    with m.If(mem_failed):
+                        # a refused weight read brings no data: stop the sequencer
+                        m.d.comb += mm_cancel.eq(1)
+                        fault(ErrorCode.BAD_ADDRESS)
+                    with m.Elif(mm.done):
+                        with m.If(mm.error != ErrorCode.OK):
+                            fault(mm.error)
+                        with m.Else():
+                            m.next = "RETIRE"
+
             # -- SAMPLE: the sampler over the logit buffer; the record into the result -----------
             with m.State("SAMPLE_REQ"):
                 h = header
@@ -450,7 +507,7 @@ class Controller(wiring.Component):
 
             # -- the result descriptor --------------------------------------------------------------
             with m.State("FINISH"):
-                m.d.comb += vmem.cancel.eq(1)
+                m.d.comb += [vmem.cancel.eq(1), mm_cancel.eq(1)]
                 m.d.sync += [count.eq(0), result_cycles.eq(cycles)]
                 m.next = "DRAIN"
             with m.State("DRAIN"):

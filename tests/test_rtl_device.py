@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from dfvg_hw.config import get_preset
+from dfvg_hw import numerics as nx
 from dfvg_hw.descriptors import DraftRequest, DraftResult, ErrorCode, result_bytes
+from dfvg_hw.image import pack_qparams, padded, tile_weights
 from dfvg_hw.isa import assemble, to_bytes
 from dfvg_hw.regmap import Control, Irq, MemoryMap, Reg, Status
 from sim.device import SimDevice
@@ -23,10 +25,26 @@ TINY = get_preset("tiny")
 N_EMBED = 16                 # elements per embedding row (32 bytes: two VMEM lines)
 
 
+#: weight blocks of the image: name → (offset, n, k, typical shift)
+WEIGHTS = {"logits": (0x4000, 40, 16, 27), "up": (0x5000, 24, 16, 27), "down": (0x6000, 16, 24, 13)}
+
+
 def image() -> bytes:
-    """A small image: an embedding table of TINY.vocab_max rows at offset 0."""
+    """A small image: an embedding table of TINY.vocab_max int16 rows at offset 0, and the
+    weight blocks of WEIGHTS (tiles, then per-channel requant words), as the compiler lays
+    them out."""
     rng = np.random.default_rng(0)
-    return rng.integers(-32768, 32768, (TINY.vocab_max, N_EMBED)).astype("<i2").tobytes()
+    data = bytearray(0x7000)
+    table = rng.integers(-32768, 32768, (TINY.vocab_max, N_EMBED)).astype("<i2").tobytes()
+    data[:len(table)] = table
+    for offset, n, k, shift in WEIGHTS.values():
+        w = rng.integers(-128, 128, (n, k)).astype(np.int8)
+        tiles = tile_weights(w, TINY.lanes, TINY.reduce).tobytes()
+        mult = rng.integers(1 << 14, 1 << 16, n)
+        shifts = np.clip(shift + rng.integers(-2, 3, n), 0, 63)
+        words = pack_qparams(mult, shifts, padded(n, TINY.lanes)).tobytes()
+        data[offset:offset + len(tiles) + len(words)] = tiles + words
+    return bytes(data)
 
 
 def run(device, program, request: DraftRequest, *, load: bool = True):
@@ -105,12 +123,51 @@ CASES = {
 }
 
 
+# A forward: embed the token (int16), up-project (INT8 out), down-project as a residual
+# update (RESADD), logits from the residual (wide input), sample while the draft loop wants.
+FORWARD = """
+    embed rows=1, dst=0, n=16, addr=0
+    matmul rows=1, dst=8, src=0, n=24, k=16, addr=0x5000, mode=int8, wide
+    matmul rows=1, dst=0, src=8, n=16, k=24, addr=0x6000, mode=resadd
+    matmul rows=1, dst=0, src=0, n=40, k=16, addr=0x4000, mode=logits, wide
+    branch cond=no_sample, n=6
+    sample n=40
+    next n=0
+    halt"""
+T_MULT, T_SHIFT = nx.host_temperature(0.8)
+CASES.update({
+    "greedy_drafts": (FORWARD, DraftRequest([3, 7], start_pos=5, n_draft=4, topk=4, seq=30),
+                      ErrorCode.OK),
+    "sampled_drafts": (FORWARD, DraftRequest([3, 7, 11], start_pos=0, n_draft=4, topk=3, sample=True,
+                                             t_mult=T_MULT, t_shift=T_SHIFT, seed=99, counter=5,
+                                             seq=31), ErrorCode.OK),
+    "two_row_passes": ("""
+        embed rows=1, dst=0, n=16, addr=0
+        embed rows=1, dst=2, n=16, addr=0
+        matmul rows=2, dst=8, src=0, n=24, k=16, addr=0x5000, mode=int8, wide
+        matmul rows=2, dst=0, src=8, n=16, k=24, addr=0x6000, mode=resadd
+        matmul rows=1, dst=0, src=2, n=40, k=16, addr=0x4000, mode=logits, wide
+        sample n=40
+        halt""", DraftRequest([9], start_pos=0, n_draft=1, topk=4, seq=32), ErrorCode.OK),
+    "weights_past_memory": (f"matmul rows=1, dst=0, src=0, n=40, k=16, addr={TINY.mem_bytes - 0x200000}, "
+                            "mode=logits, wide\nhalt", DraftRequest([1], start_pos=0, n_draft=0, seq=33),
+                            ErrorCode.BAD_ADDRESS),
+    "logits_with_two_rows": ("matmul rows=2, dst=0, src=0, n=40, k=16, addr=0x4000, mode=logits\nhalt",
+                             DraftRequest([1], start_pos=0, n_draft=0, seq=34), ErrorCode.PROGRAM),
+    "result_outside_vmem": (f"matmul rows=1, dst={TINY.vmem_bytes // 16 - 1}, src=0, n=24, k=16, "
+                            "addr=0x5000, mode=int8\nhalt", DraftRequest([1], start_pos=0, n_draft=0, seq=35),
+                            ErrorCode.BAD_ADDRESS),
+})
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_rtl_device_matches_the_sim_device(name):
     program, request, status = CASES[name]
     ref = run(SimDevice(TINY), program, request)
     rtl = run(RtlDevice(TINY), program, request)
     assert ref[0] is not None and ref[0].status == status
+    if status == ErrorCode.OK:
+        assert len(ref[0].tokens) == request.n_draft
     same(rtl, ref)
 
 
