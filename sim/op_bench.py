@@ -1,0 +1,162 @@
+"""A test bench for one unit-instruction sequencer against the functional model.
+
+:class:`OpBench` puts a sequencer (anything with :class:`~dfvg_hw.op_port.OpSequencerSignature`)
+between a :class:`~dfvg_hw.vmem.VectorMemory` and a :class:`~dfvg_hw.memory_port.MemoryPort`
+whose AXI4 master talks to :class:`~sim.axi_memory.AXI4SlaveMemory` over a
+:class:`~sim.memory.DeviceMemory`, exactly as the controller connects it. :func:`run_jobs`
+fills VMEM, runs instructions, reads VMEM back and returns it with each job's error code,
+so a test can hold the result against ``FunctionalEngine._unit`` on the same VMEM and
+device memory (:func:`functional_reference`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from amaranth import Module, Mux, ResetInserter
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
+
+from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.isa import Instruction
+from dfvg_hw.memory_port import MemoryPort
+from dfvg_hw.op_port import OpJob
+from dfvg_hw.vmem import VectorMemory
+from sim.axi_memory import AXI4SlaveMemory, MemoryTiming
+from sim.functional import EngineFault, FunctionalEngine
+from sim.memory import DeviceMemory
+from sim.testbench import run_simulation, stream_put
+
+__all__ = ["OpBench", "run_jobs", "functional_reference"]
+
+L = VMEM_LINE_BYTES
+
+
+class OpBench(wiring.Component):
+    """A sequencer with the VMEM and memory port it works against, and a VMEM backdoor.
+
+    Members
+    -------
+    job, done, error : the sequencer's job port, passed through
+    backdoor : In(1)
+        While high (and no job runs), ``peek_addr``/``poke_*`` reach VMEM directly.
+    mem_error : Out(1)
+        The memory port refused a command or got an error response (BAD_ADDRESS).
+    cancel : In(1)
+        Resets the sequencer (what the controller does after a memory error).
+    peek_addr, peek_data, poke_en, poke_addr, poke_data : the backdoor's VMEM line ports
+    axi : the memory port's AXI4 master
+    """
+
+    def __init__(self, config: EngineConfig, sequencer, data_width: int = 128):
+        self.config = config
+        self.sequencer = sequencer
+        self.port = MemoryPort(config, data_width=data_width)
+        super().__init__(wiring.Signature({
+            "job": sequencer.signature.members["job"],
+            "done": Out(1),
+            "error": Out(8),
+            "backdoor": In(1),
+            "mem_error": Out(1),
+            "cancel": In(1),
+            "peek_addr": In(16),
+            "peek_data": Out(8 * L),
+            "poke_en": In(L),
+            "poke_addr": In(16),
+            "poke_data": In(8 * L),
+            "axi": Out(self.port.axi.signature),
+        }))
+
+    def elaborate(self, platform):
+        m = Module()
+        seq, port = self.sequencer, self.port
+        vmem = m.submodules.vmem = VectorMemory(self.config)
+        m.submodules.sequencer = ResetInserter({"sync": self.cancel})(seq)
+        m.submodules.port = port
+        wiring.connect(m, wiring.flipped(self.job), seq.job)
+        wiring.connect(m, seq.read_cmd, port.read_cmd)
+        wiring.connect(m, port.read_data, seq.read_data)
+        wiring.connect(m, seq.vmem_rd_cmd, vmem.rd_cmd)
+        wiring.connect(m, vmem.rd, seq.vmem_rd)
+        wiring.connect(m, seq.vmem_wr_cmd, vmem.wr_cmd)
+        wiring.connect(m, seq.vmem_wr, vmem.wr)
+        wiring.connect(m, port.axi, wiring.flipped(self.axi))
+        door = self.backdoor
+        m.d.comb += [
+            self.done.eq(seq.done), self.error.eq(seq.error),
+            seq.vmem_wr_done.eq(vmem.wr_done),
+            seq.vmem_error.eq(vmem.error),
+            self.mem_error.eq(port.error.as_value().any()), port.clear_error.eq(self.cancel),
+            vmem.clear_error.eq(self.cancel), vmem.cancel.eq(self.cancel),
+            vmem.peek_addr.eq(Mux(door, self.peek_addr, seq.peek_addr)),
+            seq.peek_data.eq(vmem.peek_data), self.peek_data.eq(vmem.peek_data),
+            vmem.poke_en.eq(Mux(door, self.poke_en, seq.poke_en)),
+            vmem.poke_addr.eq(Mux(door, self.poke_addr, seq.poke_addr)),
+            vmem.poke_data.eq(Mux(door, self.poke_data, seq.poke_data)),
+        ]
+        return m
+
+
+def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMemory,
+             jobs: list[dict], *, data_width: int = 128, timing: MemoryTiming | None = None,
+             max_cycles: int = 200_000) -> tuple[np.ndarray, list[int]]:
+    """Run ``jobs`` (dicts of :class:`OpJob` fields) one after the other, starting from
+    VMEM contents ``vmem`` (uint8, ``vmem_bytes``); return VMEM afterwards and each job's
+    error code."""
+    bench = OpBench(config, sequencer, data_width)
+    slave = AXI4SlaveMemory(bench.axi, memory, timing or MemoryTiming.for_config(config, data_width))
+    lines = np.asarray(vmem, np.uint8).reshape(-1, L)
+    after = np.zeros_like(lines)
+    errors: list[int] = []
+
+    async def tb(ctx):
+        ctx.set(bench.backdoor, 1)
+        for i, line in enumerate(lines):
+            ctx.set(bench.poke_addr, i)
+            ctx.set(bench.poke_data, int.from_bytes(line.tobytes(), "little"))
+            ctx.set(bench.poke_en, (1 << L) - 1)
+            await ctx.tick()
+        ctx.set(bench.poke_en, 0)
+        ctx.set(bench.backdoor, 0)
+        for job in jobs:
+            await stream_put(ctx, bench.job, {name: 0 for name in OpJob().members} | job)
+            for _ in range(max_cycles):
+                if ctx.get(bench.done):
+                    errors.append(ctx.get(bench.error))
+                    break
+                if ctx.get(bench.mem_error):            # a refused read brings no data
+                    errors.append(int(ErrorCode.BAD_ADDRESS))
+                    ctx.set(bench.cancel, 1)
+                    await ctx.tick()
+                    ctx.set(bench.cancel, 0)
+                    break
+                await ctx.tick()
+            else:
+                raise AssertionError(f"job {job} did not finish in {max_cycles} cycles")
+            await ctx.tick()
+        ctx.set(bench.backdoor, 1)
+        for i in range(len(lines)):
+            ctx.set(bench.peek_addr, i)
+            await ctx.tick()
+            after[i] = np.frombuffer(ctx.get(bench.peek_data).to_bytes(L, "little"), np.uint8)
+
+    run_simulation(bench, tb, processes=[slave.process])
+    return after.reshape(-1), errors
+
+
+class _Registers:
+    """The controller registers ``FunctionalEngine._unit`` reads."""
+
+    def __init__(self, pos: int, layer: int, lstride: int = 0, token: int = 0):
+        self.pos, self.layer, self.lstride, self.token = pos, layer, lstride, token
+
+
+def functional_reference(engine: FunctionalEngine, ins: Instruction, *, image_base: int = 0,
+                         pos: int = 0, layer: int = 0, lstride: int = 0) -> int:
+    """Execute one unit instruction on ``engine`` (its ``vmem``, KV and memory change in
+    place); return the ErrorCode it stops with (OK if none)."""
+    try:
+        engine._unit(ins, _Registers(pos, layer, lstride), image_base)
+    except EngineFault as fault:
+        return int(fault.code)
+    return int(ErrorCode.OK)
