@@ -20,6 +20,7 @@ from dfvg_hw.isa import assemble, to_bytes
 from dfvg_hw.regmap import Control, Irq, MemoryMap, Reg, Status
 from sim.device import SimDevice
 from sim.rtl_device import RtlDevice
+from sim.verilator_device import VerilatorDevice
 
 TINY = get_preset("tiny")
 N_EMBED = 16                 # elements per embedding row (32 bytes: two VMEM lines)
@@ -71,6 +72,7 @@ def run(device, program, request: DraftRequest, *, load: bool = True):
     regs = {r: device.read32(r) for r in (Reg.STATUS, Reg.ERROR, Reg.ERROR_PC, Reg.LAST_SEQ,
                                           Reg.IRQ_STATUS)}
     raw = device.dma_read(MemoryMap.RESULT[0], result_bytes(TINY.topk_max, 4))
+    device.close()
     try:
         result = DraftResult.unpack(raw, TINY.topk_max)
     except ValueError:
@@ -160,11 +162,15 @@ CASES.update({
 })
 
 
+DEVICES = {"rtl": RtlDevice, "rtl+verilator": VerilatorDevice}
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_rtl_device_matches_the_sim_device(name):
+def test_rtl_device_matches_the_sim_device(name, device):
     program, request, status = CASES[name]
     ref = run(SimDevice(TINY), program, request)
-    rtl = run(RtlDevice(TINY), program, request)
+    rtl = run(DEVICES[device](TINY), program, request)
     assert ref[0] is not None and ref[0].status == status
     if status == ErrorCode.OK:
         assert len(ref[0].tokens) == request.n_draft
