@@ -180,6 +180,15 @@ class Controller(wiring.Component):
             m.d.sync += [code.eq(error), error_pc.eq(Mux(started, seq.pc, 0))]
             m.next = "FINISH"
 
+        def retire():
+            """Hand the decoded instruction to the sequencer (always ready while running)."""
+            m.d.comb += [seq.retire.valid.eq(1),
+                         seq.retire.payload.opcode.eq(ins.opcode),
+                         seq.retire.payload.flags.eq(ins.flags),
+                         seq.retire.payload.n.eq(ins.n),
+                         seq.retire.payload.addr.eq(ins.addr),
+                         seq.retire.payload.token.eq(token)]
+
         def read(addr, length):
             m.d.comb += [mem.read_cmd.valid.eq(1), mem.read_cmd.payload.addr.eq(addr),
                          mem.read_cmd.payload.length.eq(length)]
@@ -335,8 +344,14 @@ class Controller(wiring.Component):
 
             # -- execution ------------------------------------------------------------------------
             with m.State("FETCH"):
-                # IMEM's read port is synchronous: the word at seq.pc is valid next cycle
-                with m.If(seq.pc >= program_len):
+                # the previous instruction's retirement shows here; IMEM's read port is
+                # synchronous: the word at seq.pc is valid next cycle
+                with m.If(seq.fault.valid):
+                    m.d.sync += [code.eq(seq.fault.code), error_pc.eq(seq.fault.pc)]
+                    m.next = "FINISH"
+                with m.Elif(seq.halted):
+                    m.next = "FINISH"
+                with m.Elif(seq.pc >= program_len):
                     fault(ErrorCode.PROGRAM)
                 with m.Elif(budget == 0):
                     fault(ErrorCode.WATCHDOG)
@@ -351,7 +366,8 @@ class Controller(wiring.Component):
                 with m.If(dec.illegal):
                     fault(ErrorCode.ILLEGAL_INSTRUCTION)
                 with m.Elif(control | (ins.opcode == Op.NOP)):
-                    m.next = "RETIRE"
+                    retire()
+                    m.next = "FETCH"
                 with m.Elif(ins.opcode == Op.EMBED):
                     with m.If(ins.rows != 1):
                         fault(ErrorCode.PROGRAM)
@@ -372,21 +388,8 @@ class Controller(wiring.Component):
                 with m.Else():
                     fault(ErrorCode.PROGRAM)        # a unit instruction not sequenced yet
             with m.State("RETIRE"):
-                m.d.comb += [seq.retire.valid.eq(1),
-                             seq.retire.payload.opcode.eq(ins.opcode),
-                             seq.retire.payload.flags.eq(ins.flags),
-                             seq.retire.payload.n.eq(ins.n),
-                             seq.retire.payload.addr.eq(ins.addr),
-                             seq.retire.payload.token.eq(token)]
-                m.next = "CHECK"
-            with m.State("CHECK"):
-                with m.If(seq.fault.valid):
-                    m.d.sync += [code.eq(seq.fault.code), error_pc.eq(seq.fault.pc)]
-                    m.next = "FINISH"
-                with m.Elif(seq.halted):
-                    m.next = "FINISH"
-                with m.Else():
-                    m.next = "FETCH"
+                retire()
+                m.next = "FETCH"
 
             # -- EMBED: the token's row of the table into VMEM ----------------------------------
             with m.State("EMBED_TOKEN"):
