@@ -1,0 +1,219 @@
+"""RMSNORM sequencing (docs/isa.md §3.3, ``FunctionalEngine._unit``): the parameter
+block from device memory, each source row twice through :class:`~dfvg_hw.rmsnorm.RMSNorm`,
+the normalised rows into VMEM.
+
+Per job:
+
+1. **Head.** The block's first line (``eps`` = word 0, ``gamma_shift`` = word 1) is read;
+   the read covers the block's 40-byte head, so a head past device memory is refused by
+   the memory port (``BAD_ADDRESS``, the controller resets the sequencer).
+2. **Checks**, in the functional model's order after the head: ``gamma_shift >
+   GAMMA_SHIFT_MAX`` (``PROGRAM``); gamma past device memory, the source span, the
+   destination span outside VMEM (all ``BAD_ADDRESS``). They are all made before VMEM's
+   writer is given the destination span, so a refused instruction leaves VMEM untouched
+   and no port waiting. ``rows > config.rows`` (``PROGRAM``) is checked first of all,
+   as ``_unit`` does.
+3. **Rows.** The destination is one write span (``rows`` rows); each row is then read
+   from VMEM twice, as two one-row spans: pass 1 (Σx²) and pass 2, in which every x beat
+   meets the gamma beat of the same lanes. **Gamma is re-read from device memory for
+   every row** (issued as the row starts, so its latency hides behind pass 1): no
+   on-chip gamma buffer, which would have to hold ``vmem_bytes`` bytes for the longest
+   legal row; the cost is ``2n`` more bytes of device-memory traffic per extra row
+   (the cycle model counts gamma once).
+
+Parameter blocks may sit at any byte address (:class:`~dfvg_hw.line_streams.UnalignedReader`):
+compiled images align them to 16 bytes, but a 256-bit bus needs 32, and gamma itself
+is at ``addr + 40``.
+
+A row of ``n`` elements takes about ``2·ceil(2n/16)·max(1, 16/(2·lanes))`` beats plus
+:meth:`~dfvg_hw.rmsnorm.RMSNorm.turnaround` and two VMEM read latencies; results are
+written as they come. ``src == dst`` is exact: an output line is written only after the
+input lines it overlays were read for the last time (the output row is never longer
+than the input row, and starts no later). A destination overlapping the source
+otherwise is not supported (the functional model reads all rows first).
+"""
+
+from __future__ import annotations
+
+from amaranth import Cat, Module, Mux, Signal, unsigned
+from amaranth.lib import wiring
+
+from dfvg_hw import numerics as nx
+from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.image import NORM_PARAM_BYTES
+from dfvg_hw.isa import Flag
+from dfvg_hw.line_streams import RowWriter, UnalignedReader, lines_of
+from dfvg_hw.operand_access import vmem_span_outside
+from dfvg_hw.op_port import OpJob, OpSequencerSignature
+from dfvg_hw.rmsnorm import RMSNorm
+from dfvg_hw.vmem import Gearbox
+
+__all__ = ["NormSequencer"]
+
+L = VMEM_LINE_BYTES
+
+
+class NormSequencer(wiring.Component):
+    """Runs one RMSNORM per ``job`` (see the module docstring for the order of work and
+    the checks) and answers with ``done`` and an error code.
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``lanes``, ``rows``, ``vmem_bytes``, ``mem_bytes``.
+    data_width : int
+        Memory bus width in bits (at least 128).
+
+    Members
+    -------
+    job : In(stream.Signature(OpJob()))
+        The RMSNORM: ``addr`` (parameter block), ``flags`` (``WIDE``), ``rows``, ``dst``,
+        ``src``, ``n``.
+    done : Out(1)
+        One-cycle pulse: the job is finished, ``error`` holds its outcome.
+    error : Out(8)
+        :class:`~dfvg_hw.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
+    read_cmd, read_data : the memory port's read side (parameter head and gamma)
+    vmem_rd_cmd, vmem_rd : VMEM's span reader (one-row spans, each row twice)
+    vmem_wr_cmd, vmem_wr, vmem_wr_done : VMEM's span writer (one span per job)
+    vmem_error : In(1)
+        Unused: spans are checked before they are issued.
+    peek_addr, peek_data, poke_en, poke_addr, poke_data : unused (idle)
+    """
+
+    def __init__(self, config: EngineConfig, data_width: int):
+        self.config, self.data_width = config, data_width
+        super().__init__(OpSequencerSignature(config, data_width))
+
+    def elaborate(self, platform):
+        m = Module()
+        c = self.config
+        lanes = c.lanes
+        reader = m.submodules.reader = UnalignedReader(c, self.data_width)
+        norm = m.submodules.norm = RMSNorm(c)
+        x_cut = m.submodules.x_cut = Gearbox(L, 2 * lanes)         # VMEM lines → lanes × int16
+        gamma_cut = m.submodules.gamma_cut = Gearbox(L, 2 * lanes)  # gamma lines, cut alike
+        writer = m.submodules.writer = RowWriter(c)
+
+        wiring.connect(m, reader.read_cmd, wiring.flipped(self.read_cmd))
+        wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
+
+        job = Signal(OpJob())
+        wide = (job.flags & Flag.WIDE).any()
+        in_bytes = Signal(17)                       # 2n
+        out_bytes = Signal(17)                      # n, or 2n when wide
+        eps, gamma_shift = Signal(32), Signal(32)
+        row = Signal(8)
+        writes_done = Signal()                      # vmem_wr_done seen for this job's span
+        error = Signal(8)
+        gamma_addr = job.addr + NORM_PARAM_BYTES
+
+        m.d.comb += [
+            self.error.eq(error),
+            norm.eps.eq(eps), norm.gamma_shift.eq(gamma_shift[:5]), norm.wide.eq(wide),
+            writer.wide.eq(wide), writer.row_lines.eq(lines_of(out_bytes)),
+            self.vmem_wr.valid.eq(writer.o.valid), self.vmem_wr.p.eq(writer.o.p),
+            writer.o.ready.eq(self.vmem_wr.ready),
+            writer.i.valid.eq(norm.o.valid), writer.i.p.last.eq(norm.o.p.last),
+            norm.o.ready.eq(writer.i.ready),
+            # VMEM lines feed x_cut, memory lines gamma_cut (except the head's line)
+            x_cut.i.valid.eq(self.vmem_rd.valid), x_cut.i.p.data.eq(self.vmem_rd.p.data),
+            x_cut.i.p.last.eq(self.vmem_rd.p.row_last), self.vmem_rd.ready.eq(x_cut.i.ready),
+            gamma_cut.i.valid.eq(reader.o.valid), gamma_cut.i.p.data.eq(reader.o.p.data),
+            gamma_cut.i.p.last.eq(reader.o.p.last), reader.o.ready.eq(gamma_cut.i.ready),
+        ]
+        m.d.comb += [writer.i.p.y[j].eq(norm.o.p.y[j]) for j in range(lanes)]
+        x_bytes, g_bytes = x_cut.o.p.data.as_value(), gamma_cut.o.p.data.as_value()
+        for j in range(lanes):
+            m.d.comb += [norm.i.p.x[j].eq(x_bytes.word_select(j, 16)),
+                         norm.i.p.gamma[j].eq(g_bytes.word_select(j, 16))]
+        m.d.comb += norm.i.p.last.eq(x_cut.o.p.last)
+        with m.If(self.vmem_wr_done):
+            m.d.sync += writes_done.eq(1)
+
+        def row_span(port):
+            """Source row ``row`` as a one-row span on ``port``."""
+            return [port.valid.eq(1), port.p.line.eq(job.src + row * lines_of(in_bytes)),
+                    port.p.rows.eq(1), port.p.row_bytes.eq(in_bytes)]
+
+        with m.FSM(name="rmsnorm"):
+            with m.State("IDLE"):
+                m.d.comb += self.job.ready.eq(1)
+                with m.If(self.job.valid):
+                    p = self.job.payload
+                    p_wide = (p.flags & Flag.WIDE).any()
+                    m.d.sync += [job.eq(p), in_bytes.eq(2 * p.n),
+                                 out_bytes.eq(Mux(p_wide, 2 * p.n, p.n)), row.eq(0),
+                                 writes_done.eq(0), error.eq(ErrorCode.OK)]
+                    m.next = "HEAD_CMD"
+            with m.State("HEAD_CMD"):
+                with m.If(job.rows > c.rows):
+                    m.d.sync += error.eq(ErrorCode.PROGRAM)
+                    m.next = "DONE"
+                with m.Else():
+                    m.d.comb += [reader.cmd.valid.eq(1), reader.cmd.p.addr.eq(job.addr),
+                                 reader.cmd.p.length.eq(NORM_PARAM_BYTES), reader.cmd.p.lines.eq(1)]
+                    with m.If(reader.cmd.ready):
+                        m.next = "HEAD"
+            with m.State("HEAD"):
+                m.d.comb += [gamma_cut.i.valid.eq(0), reader.o.ready.eq(1)]
+                with m.If(reader.o.valid):
+                    head = reader.o.p.data.as_value()
+                    m.d.sync += [eps.eq(head[:32]), gamma_shift.eq(head[32:64])]
+                    m.next = "CHECK"
+            with m.State("CHECK"):
+                with m.If(gamma_shift > nx.GAMMA_SHIFT_MAX):
+                    m.d.sync += error.eq(ErrorCode.PROGRAM)
+                    m.next = "DONE"
+                with m.Elif((gamma_addr + in_bytes > c.mem_bytes)
+                            | vmem_span_outside(c, job.src, job.rows, in_bytes)
+                            | vmem_span_outside(c, job.dst, job.rows, out_bytes)):
+                    m.d.sync += error.eq(ErrorCode.BAD_ADDRESS)
+                    m.next = "DONE"
+                with m.Elif(job.n == 0):                # nothing to read or write
+                    m.next = "DONE"
+                with m.Else():
+                    m.next = "WRITE_CMD"
+            with m.State("WRITE_CMD"):
+                m.d.comb += [self.vmem_wr_cmd.valid.eq(1), self.vmem_wr_cmd.p.line.eq(job.dst),
+                             self.vmem_wr_cmd.p.rows.eq(job.rows),
+                             self.vmem_wr_cmd.p.row_bytes.eq(out_bytes)]
+                with m.If(self.vmem_wr_cmd.ready):
+                    m.next = "GAMMA_CMD"
+            with m.State("GAMMA_CMD"):
+                m.d.comb += [reader.cmd.valid.eq(1), reader.cmd.p.addr.eq(gamma_addr),
+                             reader.cmd.p.length.eq(in_bytes),
+                             reader.cmd.p.lines.eq(lines_of(in_bytes))]
+                with m.If(reader.cmd.ready):
+                    m.next = "PASS1_CMD"
+            with m.State("PASS1_CMD"):
+                m.d.comb += row_span(self.vmem_rd_cmd)
+                with m.If(self.vmem_rd_cmd.ready):
+                    m.next = "PASS1"
+            with m.State("PASS1"):                       # Σx²: gamma is not looked at
+                m.d.comb += [norm.i.valid.eq(x_cut.o.valid), x_cut.o.ready.eq(norm.i.ready)]
+                with m.If(x_cut.o.valid & norm.i.ready & x_cut.o.p.last):
+                    m.next = "PASS2_CMD"
+            with m.State("PASS2_CMD"):
+                m.d.comb += row_span(self.vmem_rd_cmd)
+                with m.If(self.vmem_rd_cmd.ready):
+                    m.next = "PASS2"
+            with m.State("PASS2"):                       # x beats meet gamma beats
+                both = x_cut.o.valid & gamma_cut.o.valid
+                take = both & norm.i.ready
+                m.d.comb += [norm.i.valid.eq(both), x_cut.o.ready.eq(take),
+                             gamma_cut.o.ready.eq(take)]
+                with m.If(take & x_cut.o.p.last):
+                    m.d.sync += row.eq(row + 1)
+                    with m.If(row + 1 == job.rows):
+                        m.next = "FINISH"
+                    with m.Else():
+                        m.next = "GAMMA_CMD"
+            with m.State("FINISH"):                      # the last row reaches VMEM
+                with m.If(writes_done):
+                    m.next = "DONE"
+            with m.State("DONE"):
+                m.d.comb += self.done.eq(1)
+                m.next = "IDLE"
+        return m
