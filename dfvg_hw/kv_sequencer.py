@@ -1,0 +1,361 @@
+"""KVAPPEND and ATTN sequencing around the engine's KV buffer and attention datapath
+(docs/isa.md §1.4, §3.6, §3.7; ``FunctionalEngine._unit`` and ``_attention``).
+
+:class:`KvSequencer` owns the :class:`~dfvg_hw.kv_buffer.KVBuffer` — the KV cache is state
+of the engine and survives from job to job (a controller reset of the sequencer clears
+its registers, never the memories) — and the :class:`~dfvg_hw.softmax.Attention` unit.
+Every job first sets the buffer's position register to the job's ``pos`` (ROLLBACK),
+since the controller's POS register is the one source of truth.
+
+**KVAPPEND** (``rows = 1``; ``n`` KV heads of ``k`` int8 for K, then the same for V, in one
+VMEM row at ``src``). Checks in the model's order: ``rows ≠ 1``; ``layer ≥ kv_layers``,
+``n > kv_heads`` or ``k > head_dim`` (PROGRAM); ``pos ≥ kv_positions`` (KV_OVERFLOW); the
+``2·n·k``-byte row outside VMEM (BAD_ADDRESS). Then per head ``h`` the K bytes at
+``h·k`` and the V bytes at ``n·k + h·k`` are gathered and appended at (layer, h, pos);
+bytes ``k … head_dim − 1`` of the entry keep their contents.
+
+**ATTN** (``rows = 1``; ``n`` query heads of ``k`` int8 at ``src``). Checks: ``rows ≠ 1``;
+``layer ≥ kv_layers`` or ``k > head_dim`` (PROGRAM); ``pos ≥ kv_positions``
+(KV_OVERFLOW); the 16-byte parameter block at ``addr`` (past device memory: the memory
+port refuses it, BAD_ADDRESS through the controller's reset); its ``G = kv_heads`` word
+outside ``1 … cfg.kv_heads`` or not dividing ``n`` (PROGRAM; ``n / G`` by a 16-step
+divider); ``q`` or the output (``n·k`` bytes, ``2·n·k`` with WIDE) outside VMEM
+(BAD_ADDRESS). Then per head ``h``: gather ``q[h]`` (zero past ``k``, so the stale bytes
+``k …`` of a KV entry add nothing to a score), stream KV head ``h // (n / G)``, positions
+``0 … pos``, through the attention unit (K words packed into rows, then V rows), and
+scatter the ``k`` outputs (int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``.
+
+**Clear.** ``clear`` (the controller's soft reset; the functional model zeroes KV there)
+writes zeros over every entry: APPENDs of all-zero entries, position by position. It is
+an extra member rather than a job because a soft reset is no instruction: it has no
+fields, no error and no ``done`` in the instruction flow.
+
+Cycles (measured on ``tiny``, 128-bit bus; ``T = pos + 1``, ``W = head_dim /
+gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND about ``5 + 14·n`` for
+line-aligned heads (n = 2, k = 16: 33); ATTN about ``40 + n·(2·W·T + ceil(log2 D) + 55)``
+including the parameter read (n = 4, k = 16: 293 at T = 1, 533 at T = 16, 1301 at
+T = 64). The KV buffer streams one word per cycle, so a head spends ``W`` cycles per
+position on K and again on V where the attention unit could take a row per cycle (its
+own ``2·T + ceil(log2 D) + 45``); heads run one after the other. Clear: about
+``kv_positions · (1 + kv_layers · kv_heads · (2·W + 3))`` (tiny: ~1.9k).
+"""
+
+from __future__ import annotations
+
+from amaranth import Cat, Module, Mux, Signal
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
+
+from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.image import ATTN_PARAM_BYTES
+from dfvg_hw.isa import Flag, Op
+from dfvg_hw.kv_buffer import KVBuffer, KVOp
+from dfvg_hw.op_port import OpJob, OpSequencerSignature
+from dfvg_hw.operand_access import BlockReader, VmemWindow, vmem_span_outside
+from dfvg_hw.softmax import Attention
+from dfvg_hw.vmem import Gearbox
+
+__all__ = ["KvSequencer"]
+
+L = VMEM_LINE_BYTES
+#: bits of ``n``, the dividend of the GQA group size ``n / G``
+N_BITS = 16
+
+
+class KvSequencer(wiring.Component):
+    """Runs KVAPPEND and ATTN jobs (dispatched on ``job.opcode``) against the KV buffer it
+    owns, and clears that buffer on request.
+
+    Parameters
+    ----------
+    config : EngineConfig
+        KV geometry (``kv_layers``, ``kv_heads``, ``kv_positions``, ``head_dim``,
+        ``reduce``), ``vmem_bytes``.
+    data_width : int
+        Memory bus width in bits.
+
+    Members
+    -------
+    job : In(stream.Signature(OpJob()))
+        A KVAPPEND or ATTN (any other opcode finishes at once with PROGRAM): ``flags``
+        (WIDE), ``rows``, ``dst``, ``src``, ``n``, ``k``, ``addr`` (ATTN's parameter
+        block), ``pos``, ``layer``.
+    done : Out(1)
+        One-cycle pulse when the job is finished; ``error`` holds its outcome then.
+    error : Out(8)
+        :class:`~dfvg_hw.descriptors.ErrorCode` of the finished job.
+    read_cmd, read_data : the memory port's read side (ATTN's parameter block)
+    peek_addr, peek_data, poke_en, poke_addr, poke_data : VMEM's random line ports
+    vmem_rd_cmd, vmem_rd, vmem_wr_cmd, vmem_wr, vmem_wr_done, vmem_error : VMEM's span
+        ports; unused (heads sit at arbitrary byte offsets, so they go through the line
+        ports), their commands stay invalid.
+    clear : In(1)
+        Pulse: zero the whole KV buffer (soft reset). Remembered if a job is running and
+        served before the next job is taken.
+    clearing : Out(1)
+        A clear is pending or running; the job port is not ready meanwhile.
+    """
+
+    def __init__(self, config: EngineConfig, data_width: int):
+        self.config, self.data_width = config, data_width
+        members = dict(OpSequencerSignature(config, data_width).members)
+        members.update({"clear": In(1), "clearing": Out(1)})
+        super().__init__(wiring.Signature(members))
+
+    def elaborate(self, platform):
+        m = Module()
+        c = self.config
+        D = c.head_dim
+        kv = m.submodules.kv = KVBuffer(c)
+        WB, W = kv.word_bytes, kv.words
+        attn = m.submodules.attention = Attention(c)
+        params = m.submodules.params = BlockReader(c, self.data_width, ATTN_PARAM_BYTES)
+        window = m.submodules.window = VmemWindow(c, 2 * D)      # a WIDE output head
+        rows_of = m.submodules.kv_rows = Gearbox(WB, D)          # KV words → rows
+        wiring.connect(m, params.read_cmd, wiring.flipped(self.read_cmd))
+        wiring.connect(m, wiring.flipped(self.read_data), params.read_data)
+        m.d.comb += [self.peek_addr.eq(window.peek_addr), window.peek_data.eq(self.peek_data),
+                     self.poke_en.eq(window.poke_en), self.poke_addr.eq(window.poke_addr),
+                     self.poke_data.eq(window.poke_data)]
+
+        job = Signal(OpJob())
+        wide = Signal()
+        head_bytes = Signal(32)             # n·k: all heads of K, of V, of q
+        out_head_bytes = Signal(range(2 * D + 1))   # k int8 or int16 outputs of one head
+        head = Signal(16)
+        in_offset, out_offset = Signal(32), Signal(32)
+        # ATTN parameters and the GQA mapping
+        mult, shift, groups = Signal(16), Signal(6), Signal(32)
+        g_bits = c.kv_heads.bit_length()
+        dividend, quotient = Signal(N_BITS), Signal(N_BITS)
+        remainder = Signal(g_bits)
+        steps = Signal(range(N_BITS))
+        kv_head = Signal(g_bits)
+        in_group = Signal(N_BITS)           # query heads of the current group so far
+        # KV buffer command registers (shared by KVAPPEND and clear)
+        kv_layer = Signal.like(kv.cmd.payload.layer)
+        kv_arg = Signal(16)
+        entry = Signal(16 * D)              # K bytes, then V bytes, of one entry
+        word = Signal(range(2 * W))
+        clearing_kv = Signal()              # the append states serve a clear
+        clear_pending = Signal()
+        clear_pos = Signal(range(c.kv_positions))
+        v_phase = Signal()                  # the attention unit is taking V rows
+        result = Signal(16 * D)
+
+        m.d.comb += self.clearing.eq(clear_pending | clearing_kv)
+        with m.If(self.clear):
+            m.d.sync += clear_pending.eq(1)
+
+        # KV words → D-byte rows → the attention unit's K port, then its V port
+        m.d.comb += [rows_of.i.valid.eq(kv.rdata.valid), kv.rdata.ready.eq(rows_of.i.ready),
+                     rows_of.i.payload.data.as_value().eq(kv.rdata.payload.data.as_value()),
+                     rows_of.i.payload.last.eq(kv.rdata.payload.last),
+                     attn.k.payload.row.as_value().eq(rows_of.o.payload.data.as_value()),
+                     attn.k.payload.last.eq(rows_of.o.payload.last),
+                     attn.v.payload.as_value().eq(rows_of.o.payload.data.as_value())]
+        with m.If(v_phase):
+            m.d.comb += [attn.v.valid.eq(rows_of.o.valid), rows_of.o.ready.eq(attn.v.ready)]
+        with m.Else():
+            m.d.comb += [attn.k.valid.eq(rows_of.o.valid), rows_of.o.ready.eq(attn.k.ready)]
+            with m.If(attn.k.valid & attn.k.ready & attn.k.payload.last):
+                m.d.sync += v_phase.eq(1)
+
+        m.d.comb += [attn.q.payload.q.as_value().eq(window.data[:8 * D]),
+                     attn.q.payload.mult.eq(mult), attn.q.payload.shift.eq(shift),
+                     attn.q.payload.wide.eq(wide)]
+        narrow_out = Cat(lane[:8] for lane in attn.o.payload)
+        wide_out = Cat(lane[:16] for lane in attn.o.payload)
+
+        def finish(code):
+            m.d.sync += self.error.eq(code)
+            m.next = "DONE"
+
+        def gather(offset, then):
+            """A state body: gather k bytes at ``src + offset``, then go to ``then``."""
+            m.d.comb += [window.cmd.valid.eq(1), window.cmd.payload.addr.eq(job.src * L + offset),
+                         window.cmd.payload.count.eq(job.k)]
+            with m.If(window.cmd.ready):
+                m.next = then
+
+        with m.FSM(name="kv"):
+            with m.State("IDLE"):
+                m.d.comb += self.job.ready.eq(~clear_pending)
+                with m.If(clear_pending):
+                    m.d.sync += [clear_pending.eq(self.clear), clearing_kv.eq(1), clear_pos.eq(0),
+                                 kv_layer.eq(0), kv_head.eq(0), kv_arg.eq(D), entry.eq(0)]
+                    m.next = "CLEAR_POS"
+                with m.Elif(self.job.valid):
+                    p = self.job.payload
+                    wide_job = (p.flags & Flag.WIDE) != 0
+                    m.d.sync += [job.eq(p), wide.eq(wide_job), head_bytes.eq(p.n * p.k),
+                                 out_head_bytes.eq(Mux(wide_job, 2 * p.k, p.k)),
+                                 self.error.eq(ErrorCode.OK)]
+                    m.next = "CHECK"
+            with m.State("CHECK"):
+                appending = job.opcode == Op.KVAPPEND
+                m.d.sync += [head.eq(0), in_offset.eq(0), out_offset.eq(0), kv_head.eq(0),
+                             in_group.eq(0), kv_layer.eq(job.layer), kv_arg.eq(job.k)]
+                with m.If(~appending & (job.opcode != Op.ATTN)):
+                    finish(ErrorCode.PROGRAM)
+                with m.Elif(job.rows != 1):
+                    finish(ErrorCode.PROGRAM)
+                with m.Elif((job.layer >= c.kv_layers) | (job.k > D)
+                            | (appending & (job.n > c.kv_heads))):
+                    finish(ErrorCode.PROGRAM)
+                with m.Elif(job.pos >= c.kv_positions):
+                    finish(ErrorCode.KV_OVERFLOW)
+                with m.Elif(appending):
+                    with m.If(vmem_span_outside(c, job.src, 1, 2 * head_bytes)):
+                        finish(ErrorCode.BAD_ADDRESS)
+                    with m.Else():
+                        m.next = "SET_POS"
+                with m.Else():
+                    m.next = "PARAMS"
+
+            # -- ATTN parameters and the GQA group size --------------------------------------
+            with m.State("PARAMS"):
+                m.d.comb += [params.cmd.valid.eq(1), params.cmd.payload.addr.eq(job.addr),
+                             params.cmd.payload.length.eq(ATTN_PARAM_BYTES)]
+                with m.If(params.cmd.ready):
+                    m.next = "PARAMS_WAIT"
+            with m.State("PARAMS_WAIT"):
+                word0 = params.data[:32]
+                with m.If(params.done):
+                    m.d.sync += [mult.eq(word0[:16]), shift.eq(word0[16:22]),
+                                 groups.eq(params.data[32:64]),
+                                 dividend.eq(job.n), quotient.eq(0), remainder.eq(0), steps.eq(0)]
+                    m.next = "GROUPS"
+            with m.State("GROUPS"):
+                with m.If((groups == 0) | (groups > c.kv_heads)):
+                    finish(ErrorCode.PROGRAM)
+                with m.Else():
+                    m.next = "DIVIDE"
+            with m.State("DIVIDE"):             # n / G, one quotient bit per cycle
+                partial = Cat(dividend[-1], remainder)
+                fits = partial >= groups[:g_bits]
+                m.d.sync += [remainder.eq(Mux(fits, partial - groups[:g_bits], partial)),
+                             quotient.eq(Cat(fits, quotient)), dividend.eq(dividend << 1),
+                             steps.eq(steps + 1)]
+                with m.If(steps == N_BITS - 1):
+                    m.next = "ATTN_SPANS"
+            with m.State("ATTN_SPANS"):
+                with m.If(remainder != 0):
+                    finish(ErrorCode.PROGRAM)
+                with m.Elif(vmem_span_outside(c, job.src, 1, head_bytes)
+                            | vmem_span_outside(c, job.dst, 1, Mux(wide, 2, 1) * head_bytes)):
+                    finish(ErrorCode.BAD_ADDRESS)
+                with m.Else():
+                    m.next = "SET_POS"
+
+            with m.State("SET_POS"):            # the buffer's POS for APPEND / READ
+                m.d.comb += [kv.cmd.valid.eq(1), kv.cmd.payload.op.eq(KVOp.ROLLBACK),
+                             kv.cmd.payload.arg.eq(job.pos)]
+                with m.If(kv.cmd.ready):
+                    with m.If(job.n == 0):
+                        finish(ErrorCode.OK)
+                    with m.Elif(job.opcode == Op.KVAPPEND):
+                        m.next = "GATHER_K"
+                    with m.Else():
+                        m.next = "GATHER_Q"
+
+            # -- KVAPPEND ----------------------------------------------------------------------
+            with m.State("GATHER_K"):
+                gather(in_offset, "GATHER_K_WAIT")
+            with m.State("GATHER_K_WAIT"):
+                with m.If(window.done):
+                    m.d.sync += entry[:8 * D].eq(window.data[:8 * D])
+                    m.next = "GATHER_V"
+            with m.State("GATHER_V"):
+                gather(head_bytes + in_offset, "GATHER_V_WAIT")
+            with m.State("GATHER_V_WAIT"):
+                with m.If(window.done):
+                    m.d.sync += entry[8 * D:].eq(window.data[:8 * D])
+                    m.next = "APPEND"
+            with m.State("APPEND"):             # also a clear's entry
+                m.d.comb += [kv.cmd.valid.eq(1), kv.cmd.payload.op.eq(KVOp.APPEND),
+                             kv.cmd.payload.layer.eq(kv_layer), kv.cmd.payload.head.eq(kv_head),
+                             kv.cmd.payload.arg.eq(kv_arg)]
+                with m.If(kv.cmd.ready):
+                    m.d.sync += word.eq(0)
+                    m.next = "APPEND_DATA"
+            with m.State("APPEND_DATA"):
+                m.d.comb += [kv.wdata.valid.eq(1),
+                             kv.wdata.payload.as_value().eq(entry.word_select(word, 8 * WB))]
+                with m.If(kv.wdata.ready):
+                    m.d.sync += word.eq(word + 1)
+                    with m.If(word == 2 * W - 1):
+                        m.next = "APPENDED"
+            with m.State("APPENDED"):
+                with m.If(clearing_kv):
+                    m.next = "CLEAR_NEXT"
+                with m.Else():
+                    m.d.sync += [kv_head.eq(kv_head + 1), in_offset.eq(in_offset + job.k)]
+                    with m.If(kv_head + 1 == job.n):
+                        finish(ErrorCode.OK)
+                    with m.Else():
+                        m.next = "GATHER_K"
+
+            # -- ATTN, head by head ------------------------------------------------------------
+            with m.State("GATHER_Q"):
+                gather(in_offset, "GATHER_Q_WAIT")
+            with m.State("GATHER_Q_WAIT"):
+                with m.If(window.done):
+                    m.next = "READ_KV"
+            with m.State("READ_KV"):
+                m.d.comb += [kv.cmd.valid.eq(1), kv.cmd.payload.op.eq(KVOp.READ),
+                             kv.cmd.payload.layer.eq(kv_layer), kv.cmd.payload.head.eq(kv_head)]
+                with m.If(kv.cmd.ready):
+                    m.d.sync += v_phase.eq(0)
+                    m.next = "QUERY"
+            with m.State("QUERY"):
+                m.d.comb += attn.q.valid.eq(1)
+                with m.If(attn.q.ready):
+                    m.next = "ATTEND"
+            with m.State("ATTEND"):
+                m.d.comb += attn.o.ready.eq(1)
+                with m.If(attn.o.valid):
+                    m.d.sync += result.eq(Mux(wide, wide_out, narrow_out))
+                    m.next = "SCATTER"
+            with m.State("SCATTER"):
+                m.d.comb += [window.cmd.valid.eq(1), window.cmd.payload.write.eq(1),
+                             window.cmd.payload.addr.eq(job.dst * L + out_offset),
+                             window.cmd.payload.count.eq(out_head_bytes),
+                             window.cmd.payload.data.eq(result)]
+                with m.If(window.cmd.ready):
+                    m.next = "SCATTER_WAIT"
+            with m.State("SCATTER_WAIT"):
+                with m.If(window.done):
+                    m.d.sync += [head.eq(head + 1), in_offset.eq(in_offset + job.k),
+                                 out_offset.eq(out_offset + out_head_bytes),
+                                 in_group.eq(in_group + 1)]
+                    with m.If(in_group + 1 == quotient):       # next KV head's group
+                        m.d.sync += [in_group.eq(0), kv_head.eq(kv_head + 1)]
+                    with m.If(head + 1 == job.n):
+                        finish(ErrorCode.OK)
+                    with m.Else():
+                        m.next = "GATHER_Q"
+
+            # -- clear: zero entries, position by position -----------------------------------
+            with m.State("CLEAR_POS"):
+                m.d.comb += [kv.cmd.valid.eq(1), kv.cmd.payload.op.eq(KVOp.ROLLBACK),
+                             kv.cmd.payload.arg.eq(clear_pos)]
+                with m.If(kv.cmd.ready):
+                    m.next = "APPEND"
+            with m.State("CLEAR_NEXT"):
+                m.d.sync += kv_head.eq(kv_head + 1)
+                m.next = "APPEND"
+                with m.If(kv_head == c.kv_heads - 1):
+                    m.d.sync += [kv_head.eq(0), kv_layer.eq(kv_layer + 1)]
+                    with m.If(kv_layer == c.kv_layers - 1):
+                        m.d.sync += [kv_layer.eq(0), clear_pos.eq(clear_pos + 1)]
+                        m.next = "CLEAR_POS"
+                        with m.If(clear_pos == c.kv_positions - 1):
+                            m.d.sync += clearing_kv.eq(0)
+                            m.next = "IDLE"
+
+            with m.State("DONE"):
+                m.d.comb += self.done.eq(1)
+                m.next = "IDLE"
+        return m

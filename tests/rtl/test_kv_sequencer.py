@@ -1,0 +1,193 @@
+"""KvSequencer against the functional model's KVAPPEND and ATTN (sim/op_bench.py).
+
+Each test runs a sequence of jobs in one bench, so the KV buffer carries from job to job
+as it does in the engine; the functional model runs the same jobs on the same VMEM and
+device memory. KVAPPEND is checked through the ATTN outputs that read it back (every
+head, every position up to POS, partial ``k`` leaving stale bytes in place).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from amaranth import Module, Signal
+from amaranth.lib import wiring
+
+from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
+from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.image import ATTN_PARAM_BYTES
+from dfvg_hw.isa import Flag, Instruction, Op
+from dfvg_hw.kv_sequencer import KvSequencer
+from dfvg_hw.op_port import OpSequencerSignature
+from sim.functional import FunctionalEngine
+from sim.memory import DeviceMemory
+from sim.op_bench import functional_reference, run_jobs
+from sim.rtl_tools import to_verilog, verilator_lint
+
+TINY = get_preset("tiny")
+L = VMEM_LINE_BYTES
+OK, PROGRAM, KV_OVERFLOW, BAD_ADDRESS = (ErrorCode.OK, ErrorCode.PROGRAM, ErrorCode.KV_OVERFLOW,
+                                         ErrorCode.BAD_ADDRESS)
+#: ATTN parameter blocks: G = 2 (aligned), G = 1 (aligned), G = 2 (not bus-aligned),
+#: then bad ones: G = 0, G = 3 > kv_heads, and a block running past device memory
+GQA2, MHA1, GQA2_ODD, G0, G3 = 0x3000, 0x3010, 0x3024, 0x3040, 0x3050
+PAST_END = TINY.mem_bytes - 8
+
+
+class ClearOnNop(wiring.Component):
+    """Test adapter: a NOP job pulses the sequencer's ``clear`` and finishes (OK) when the
+    KV buffer is zero, so run_jobs can put a soft reset between jobs."""
+
+    def __init__(self, sequencer: KvSequencer):
+        self.sequencer = sequencer
+        super().__init__(OpSequencerSignature(TINY, 128))
+
+    def elaborate(self, platform):
+        m = Module()
+        seq = m.submodules.sequencer = self.sequencer
+        for name, member in self.signature.members.items():
+            if name != "job":
+                inner, outer = getattr(seq, name), getattr(self, name)
+                if member.is_port:
+                    m.d.comb += (outer.eq(inner) if member.flow == wiring.Out else inner.eq(outer))
+                else:
+                    wiring.connect(m, wiring.flipped(outer), inner)
+        is_nop = self.job.payload.opcode == Op.NOP
+        busy = Signal()
+        m.d.comb += [seq.job.payload.eq(self.job.payload),
+                     seq.job.valid.eq(self.job.valid & ~is_nop),
+                     self.job.ready.eq(seq.job.ready | (is_nop & ~busy)),
+                     seq.clear.eq(self.job.valid & is_nop & ~busy)]
+        with m.If(self.job.valid & is_nop & ~busy):
+            m.d.sync += busy.eq(1)
+        with m.If(busy & ~seq.clearing):
+            m.d.sync += busy.eq(0)
+            m.d.comb += [self.done.eq(1), self.error.eq(OK)]
+        return m
+
+
+def _memory(rng) -> DeviceMemory:
+    memory = DeviceMemory(TINY.mem_bytes)
+    for addr, groups in ((GQA2, 2), (MHA1, 1), (GQA2_ODD, 2), (G0, 0), (G3, 3), (PAST_END, 2)):
+        # scores of random int8 vectors are ~±2^12: mult/shift that give spread softmaxes
+        block = np.zeros(ATTN_PARAM_BYTES // 4, "<u4")
+        block[0] = int(rng.integers(200, 4000)) | int(rng.integers(14, 19)) << 16
+        block[1] = groups
+        memory.write(addr, block.tobytes()[:TINY.mem_bytes - addr])
+    return memory
+
+
+def _run(rng, jobs, memory, *, clear_adapter=False):
+    """Run ``jobs`` on the RTL and on the functional model; compare errors and VMEM."""
+    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
+    sequencer = KvSequencer(TINY, 128)
+    after, errors = run_jobs(TINY, ClearOnNop(sequencer) if clear_adapter else sequencer,
+                             vmem, memory, jobs)
+    engine = FunctionalEngine(TINY, memory)
+    engine.vmem[:] = vmem
+    expected = []
+    for job in jobs:
+        if job["opcode"] == Op.NOP:             # the adapter's soft reset of KV
+            engine.kv_k.fill(0)
+            engine.kv_v.fill(0)
+            expected.append(OK)
+            continue
+        ins = Instruction(Op(job["opcode"]), flags=job.get("flags", 0), rows=job["rows"],
+                          dst=job.get("dst", 0), src=job["src"], n=job["n"], k=job["k"],
+                          addr=job.get("addr", 0))
+        expected.append(functional_reference(engine, ins, pos=job["pos"], layer=job["layer"]))
+    assert errors == expected
+    np.testing.assert_array_equal(after, engine.vmem)
+    return errors
+
+
+def _append(n, k, src, pos, layer=0, rows=1):
+    return dict(opcode=Op.KVAPPEND, rows=rows, n=n, k=k, src=src, pos=pos, layer=layer)
+
+
+def _attn(n, k, src, dst, pos, addr, layer=0, wide=False, rows=1):
+    return dict(opcode=Op.ATTN, flags=Flag.WIDE if wide else 0, rows=rows, n=n, k=k, src=src,
+                dst=dst, pos=pos, layer=layer, addr=addr)
+
+
+def _outputs(jobs, errors) -> int:
+    return sum(j["n"] * j["k"] for j, e in zip(jobs, errors) if j["opcode"] == Op.ATTN and e == OK)
+
+
+def test_appends_then_attention_gqa_wide_and_narrow():
+    """Per position: KVAPPEND of both layers (random k, row at any line), then ATTN of
+    both layers with 2 or 4 query heads over 2 KV heads or 1, narrow or wide, at byte
+    offsets that are not line-aligned."""
+    rng = np.random.default_rng(10)
+    jobs = []
+    for pos in range(14):
+        for layer in range(TINY.kv_layers):
+            # mostly full heads; sometimes a shorter k, leaving stale bytes k… behind
+            k = TINY.head_dim if rng.random() < 0.7 else int(rng.integers(5, TINY.head_dim))
+            jobs.append(_append(TINY.kv_heads, k, int(rng.integers(0, 200)), pos, layer))
+        for layer in range(TINY.kv_layers):
+            n, addr = [(2, GQA2), (4, GQA2_ODD), (2, MHA1), (4, GQA2)][int(rng.integers(4))]
+            k = TINY.head_dim if rng.random() < 0.8 else int(rng.integers(3, TINY.head_dim))
+            jobs.append(_attn(n, k, int(rng.integers(0, 120)), int(rng.integers(120, 240)), pos,
+                              addr, layer, wide=bool(rng.random() < 0.5)))
+    errors = _run(rng, jobs, _memory(rng))
+    assert errors == [OK] * len(jobs)
+    assert _outputs(jobs, errors) >= 1000
+
+
+def test_full_context_and_overflow():
+    """All 64 positions of one layer, attention at the last ones, then POS = kv_positions:
+    KV_OVERFLOW for KVAPPEND and ATTN, with nothing changed."""
+    rng = np.random.default_rng(11)
+    P = TINY.kv_positions
+    jobs = [_append(2, 16, int(rng.integers(0, 200)), pos, layer=1) for pos in range(P)]
+    jobs += [_attn(4, 16, 10, 100, P - 1, GQA2, layer=1, wide=True),
+             _attn(2, 16, 20, 140, P - 2, MHA1, layer=1),
+             _append(2, 16, 30, P, layer=1), _attn(2, 16, 30, 160, P, GQA2, layer=1),
+             _attn(2, 16, 40, 180, P - 1, MHA1, layer=1)]
+    errors = _run(rng, jobs, _memory(rng))
+    assert errors[-5:] == [OK, OK, KV_OVERFLOW, KV_OVERFLOW, OK]
+
+
+def test_faults_in_the_functional_models_order():
+    rng = np.random.default_rng(12)
+    last = TINY.vmem_bytes // L - 1
+    jobs = [_append(2, 16, 0, 0), _append(2, 16, 2, 1), _append(1, 9, 4, 2),
+            # PROGRAM: rows ≠ 1 (before the position), layer, n > kv_heads, k > head_dim
+            _append(2, 16, 0, 99, rows=2), _attn(2, 16, 0, 8, 99, GQA2, rows=2),
+            _append(2, 16, 0, 99, layer=2), _attn(2, 16, 0, 8, 99, PAST_END, layer=2),
+            _append(3, 16, 0, 1), _append(2, 17, 0, 1), _attn(2, 17, 0, 8, 1, GQA2),
+            # KV_OVERFLOW before the parameter block and the spans
+            _attn(2, 16, 0, 8, 64, PAST_END), _append(2, 16, last, 64),
+            # G outside 1 … kv_heads, G not dividing n: PROGRAM before the spans
+            _attn(2, 16, last, 8, 1, G0), _attn(2, 16, last, 8, 1, G3),
+            _attn(3, 16, last, 8, 1, GQA2), _attn(3, 5, 0, 8, 2, GQA2),
+            # BAD_ADDRESS: the KV row, q, the output (narrow fits, wide does not)
+            _append(2, 16, last - 2, 1), _attn(2, 16, last, 8, 2, GQA2),
+            _attn(2, 16, 8, last, 2, GQA2), _attn(2, 16, 8, last - 1, 2, GQA2),
+            _attn(2, 16, 8, last - 1, 2, GQA2, wide=True),
+            # the parameter block past device memory: the port refuses, the bench resets
+            # the sequencer; the KV contents survive the reset
+            _attn(2, 16, 8, 20, 2, PAST_END),
+            _attn(4, 16, 8, 24, 2, GQA2), _attn(2, 16, 8, 40, 2, MHA1, wide=True),
+            # n = 0 does nothing but check
+            _attn(0, 16, 8, 60, 2, GQA2), _append(0, 16, 8, 3)]
+    errors = _run(rng, jobs, _memory(rng))
+    assert errors == [OK, OK, OK] + [PROGRAM] * 7 + [KV_OVERFLOW] * 2 + [PROGRAM] * 4 \
+        + [BAD_ADDRESS] * 3 + [OK, BAD_ADDRESS, BAD_ADDRESS, OK, OK, OK, OK]
+
+
+def test_clear_zeroes_kv():
+    """A soft reset between appends: attention afterwards sees zeros where the appends
+    before it were, and the appends after it."""
+    rng = np.random.default_rng(13)
+    jobs = [_append(2, 16, 2 * p, p, layer) for p in range(4) for layer in range(2)]
+    jobs += [_attn(2, 16, 40, 100, 3, GQA2, layer=1), {"opcode": Op.NOP},
+             _append(2, 16, 50, 1, 1), _attn(4, 16, 60, 120, 3, GQA2, layer=1, wide=True),
+             _attn(2, 16, 60, 140, 2, MHA1, layer=0)]
+    errors = _run(rng, jobs, _memory(rng), clear_adapter=True)
+    assert errors == [OK] * len(jobs)
+
+
+def test_lint_clean():
+    clean, output = verilator_lint(to_verilog(KvSequencer(TINY, 128), "kv_sequencer"), "kv_sequencer")
+    assert clean, output
