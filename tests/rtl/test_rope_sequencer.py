@@ -1,0 +1,113 @@
+"""RopeSequencer against the functional model's ROPE (sim/op_bench.py): many heads and
+rows at every byte offset, in place and not, table rows at every bus offset, and the
+faults in the model's order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
+from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.isa import Instruction, Op
+from dfvg_hw.rope_sequencer import RopeSequencer
+from sim.functional import FunctionalEngine
+from sim.memory import DeviceMemory
+from sim.op_bench import functional_reference, run_jobs
+from sim.rtl_tools import to_verilog, verilator_lint
+
+TINY = get_preset("tiny")
+L = VMEM_LINE_BYTES
+OK, PROGRAM, KV_OVERFLOW, BAD_ADDRESS = (ErrorCode.OK, ErrorCode.PROGRAM, ErrorCode.KV_OVERFLOW,
+                                         ErrorCode.BAD_ADDRESS)
+#: the RoPE table's base: not bus-aligned, so table rows start at many byte offsets
+TABLE = 0x2000 + 6
+
+
+def _memory(rng) -> DeviceMemory:
+    memory = DeviceMemory(TINY.mem_bytes)
+    span = TINY.kv_positions * 2 * TINY.head_dim + 64
+    memory.write(TABLE, rng.integers(0, 256, span, dtype=np.uint8).tobytes())
+    return memory
+
+
+def _rope(rows, n, k, src, dst, pos, addr=TABLE):
+    return dict(opcode=Op.ROPE, rows=rows, n=n, k=k, src=src, dst=dst, pos=pos, addr=addr)
+
+
+def _run(rng, jobs, *, data_width=128):
+    """Run ``jobs`` on the RTL and on the functional model; compare errors and VMEM."""
+    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
+    memory = _memory(rng)
+    after, errors = run_jobs(TINY, RopeSequencer(TINY, data_width), vmem, memory, jobs,
+                             data_width=data_width)
+    engine = FunctionalEngine(TINY, memory)
+    engine.vmem[:] = vmem
+    expected = [functional_reference(engine, Instruction(Op.ROPE, rows=j["rows"], dst=j["dst"],
+                                                         src=j["src"], n=j["n"], k=j["k"],
+                                                         addr=j["addr"]), pos=j["pos"])
+                for j in jobs]
+    assert errors == expected
+    np.testing.assert_array_equal(after, engine.vmem)
+    return errors
+
+
+def _random_jobs(rng, count):
+    """ROPEs of 1–2 rows, 1–8 heads of even k ≤ head_dim at any position; half in place,
+    the rest into a disjoint region (the model reads all rows before writing any)."""
+    jobs = []
+    for _ in range(count):
+        rows, n = int(rng.integers(1, TINY.rows + 1)), int(rng.integers(1, 9))
+        k = 2 * int(rng.integers(1, TINY.head_dim // 2 + 1))
+        src = int(rng.integers(0, 100))
+        dst = src if rng.random() < 0.5 else int(rng.integers(128, 240))
+        jobs.append(_rope(rows, n, k, src, dst, int(rng.integers(0, TINY.kv_positions))))
+    return jobs
+
+
+@pytest.mark.parametrize("data_width", [128, 256])
+def test_heads_rows_in_place_and_table_offsets(data_width):
+    rng = np.random.default_rng(20 + data_width)
+    jobs = _random_jobs(rng, 30 if data_width == 128 else 12)
+    errors = _run(rng, jobs, data_width=data_width)
+    assert errors == [OK] * len(jobs)
+    if data_width == 128:
+        assert sum(j["rows"] * j["n"] * j["k"] for j in jobs) >= 1000
+
+
+def test_faults_in_the_functional_models_order():
+    rng = np.random.default_rng(30)
+    last = TINY.vmem_bytes // L - 1
+    past_end = TINY.mem_bytes - 2 * TINY.head_dim + 4
+    jobs = [_rope(1, 2, 16, 0, 0, 5),
+            # PROGRAM: rows > cfg.rows before an odd k before the position
+            _rope(3, 2, 16, 0, 0, 64), _rope(1, 2, 7, 0, 0, 64), _rope(2, 1, 15, last, 0, 1),
+            # KV_OVERFLOW before the table and the spans
+            _rope(1, 2, 16, last, last, 64, addr=past_end),
+            # BAD_ADDRESS: the table row past device memory (the port refuses; the bench
+            # resets the sequencer), then src, then dst
+            _rope(1, 2, 16, 0, 0, 0, addr=past_end), _rope(1, 2, 16, 0, 0, 1),
+            _rope(1, 2, 16, last, 0, 3), _rope(2, 1, 16, last, 0, 3), _rope(1, 4, 8, 0, last, 3),
+            _rope(1, 1, 16, last, last, 3),
+            # n = 0 or k = 0 rotate nothing
+            _rope(1, 0, 16, 0, 0, 2), _rope(2, 3, 0, 0, 0, 2), _rope(2, 3, 10, 7, 7, 63)]
+    errors = _run(rng, jobs)
+    assert errors == [OK] + [PROGRAM] * 3 + [KV_OVERFLOW] + [BAD_ADDRESS, OK] \
+        + [BAD_ADDRESS] * 3 + [OK] * 4
+
+
+def test_head_beyond_head_dim_is_refused():
+    """The documented limit: an even k > head_dim (which the model would rotate) faults
+    PROGRAM rather than computing something else."""
+    rng = np.random.default_rng(31)
+    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
+    after, errors = run_jobs(TINY, RopeSequencer(TINY, 128), vmem, _memory(rng),
+                             [_rope(1, 1, TINY.head_dim + 2, 0, 0, 1)])
+    assert errors == [PROGRAM]
+    np.testing.assert_array_equal(after, vmem)
+
+
+def test_lint_clean():
+    clean, output = verilator_lint(to_verilog(RopeSequencer(TINY, 128), "rope_sequencer"),
+                                   "rope_sequencer")
+    assert clean, output
