@@ -1,0 +1,261 @@
+"""ACTMUL sequencing (docs/isa.md §3.8, ``FunctionalEngine._unit``): the activation table
+from device memory into :class:`~dfvg_hw.elementwise.ActMul`, then each source row's gate
+and up halves through it, the results into VMEM.
+
+Per job:
+
+1. **Parameters.** The whole 528-byte block is read as one stream
+   (:class:`~dfvg_hw.line_streams.UnalignedReader`, any byte address): its first line gives
+   ``mult = word0 & 0xFFFF`` and ``shift = (word0 >> 16) & 0x3F``, the next 32 lines the
+   256 int16 table entries, written into ActMul's table one per cycle. A block past
+   device memory is refused by the memory port (``BAD_ADDRESS``; the controller resets
+   the sequencer before VMEM was touched).
+2. **Checks.** ``rows > config.rows`` (``PROGRAM``) first of all, as ``_unit`` does; the
+   source (``rows × 2n`` int8) and destination spans outside VMEM (``BAD_ADDRESS``) before
+   VMEM's writer is given the destination, so a refused instruction changes nothing.
+3. **Rows.** The destination is one write span; each source row is one read span whose
+   lines are forked: the first ``ceil(n/16)`` (the gate half) into an on-chip **gate
+   buffer**, and all of them into a :class:`~dfvg_hw.line_streams.LineAligner` that
+   re-cuts the row from byte ``n`` (the up half). Each up line meets the gate line of the
+   same elements from the buffer, both are cut into ``lanes``-element beats and go
+   through ActMul together. The next row's span is issued when the row's last pair has
+   left, so the buffer is never overwritten while it is still read.
+
+The gate buffer holds ``ceil(vmem_bytes / 32)`` lines (half of VMEM: the longest gate a
+row inside VMEM can have). It is what makes ``src == dst`` exact for wide results too:
+a wide output line overlays gate bytes needed by later outputs, which the buffer has
+already taken; every other byte an output line overlays was read before that line is
+written (reads run ahead of writes, a line per cycle). A destination partly overlapping
+the source is not supported (the functional model reads all rows first).
+
+A row takes about ``ceil(2n/16)`` cycles of VMEM reads plus the read latency and the
+pipeline's drain (ActMul's is :attr:`~dfvg_hw.elementwise.ActMul.LATENCY`); at ``lanes <
+16`` ActMul's ``ceil(n/16)·16/lanes`` beats set the pace instead.
+"""
+
+from __future__ import annotations
+
+from amaranth import Module, Mux, Signal, unsigned
+from amaranth.lib import wiring
+from amaranth.lib.fifo import SyncFIFOBuffered
+from amaranth.lib.memory import Memory
+
+from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.elementwise import ActMul
+from dfvg_hw.image import ACT_PARAM_BYTES
+from dfvg_hw.isa import Flag
+from dfvg_hw.line_streams import LineAligner, RowWriter, UnalignedReader, lines_of
+from dfvg_hw.op_port import OpJob, OpSequencerSignature
+from dfvg_hw.operand_access import vmem_span_outside
+from dfvg_hw.vmem import Gearbox
+
+__all__ = ["ActMulSequencer"]
+
+L = VMEM_LINE_BYTES
+#: the parameter block's lines: the head word's line, then 32 lines of table entries
+_HEAD_LINES = 1
+_TABLE_LINES = 2 * ActMul.LUT_DEPTH // L
+#: result-row ``last`` flags in flight through ActMul (its beats carry none); a full FIFO
+#: only pauses the input, so this sets no bound on correctness
+_LAST_FIFO_DEPTH = 8
+
+
+class ActMulSequencer(wiring.Component):
+    """Runs one ACTMUL per ``job`` (see the module docstring for the order of work and the
+    checks) and answers with ``done`` and an error code.
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``lanes``, ``rows``, ``vmem_bytes`` (the gate buffer), ``mem_bytes``.
+    data_width : int
+        Memory bus width in bits (at least 128).
+
+    Members
+    -------
+    job : In(stream.Signature(OpJob()))
+        The ACTMUL: ``addr`` (parameter block), ``flags`` (``WIDE``), ``rows``, ``dst``,
+        ``src``, ``n``.
+    done : Out(1)
+        One-cycle pulse: the job is finished, ``error`` holds its outcome.
+    error : Out(8)
+        :class:`~dfvg_hw.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
+    read_cmd, read_data : the memory port's read side (the parameter block)
+    vmem_rd_cmd, vmem_rd : VMEM's span reader (one span per row)
+    vmem_wr_cmd, vmem_wr, vmem_wr_done : VMEM's span writer (one span per job)
+    vmem_error : In(1)
+        Unused: spans are checked before they are issued.
+    peek_addr, peek_data, poke_en, poke_addr, poke_data : unused (idle)
+    """
+
+    def __init__(self, config: EngineConfig, data_width: int):
+        self.config, self.data_width = config, data_width
+        self.gate_depth = -(-config.vmem_bytes // (2 * L))
+        super().__init__(OpSequencerSignature(config, data_width))
+
+    def elaborate(self, platform):
+        m = Module()
+        c = self.config
+        lanes = c.lanes
+        reader = m.submodules.reader = UnalignedReader(c, self.data_width)
+        act = m.submodules.act = ActMul(c)
+        table_cut = m.submodules.table_cut = Gearbox(L, 2)          # table lines → entries
+        up_align = m.submodules.up_align = LineAligner()
+        gate_cut = m.submodules.gate_cut = Gearbox(L, lanes)        # lines → lanes × int8
+        up_cut = m.submodules.up_cut = Gearbox(L, lanes)
+        lasts = m.submodules.row_lasts = SyncFIFOBuffered(width=1, depth=_LAST_FIFO_DEPTH)
+        writer = m.submodules.writer = RowWriter(c)
+        gate_buffer = m.submodules.gate_buffer = Memory(shape=unsigned(8 * L),
+                                                        depth=self.gate_depth, init=[])
+        gate_wr, gate_rd = gate_buffer.write_port(), gate_buffer.read_port()
+
+        wiring.connect(m, reader.read_cmd, wiring.flipped(self.read_cmd))
+        wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
+
+        job = Signal(OpJob())
+        wide = (job.flags & Flag.WIDE).any()
+        in_bytes = Signal(17)                       # 2n: gate and up
+        out_bytes = Signal(17)                      # n, or 2n when wide
+        gate_lines = lines_of(job.n)
+        head = Signal(32)
+        table_index = Signal(range(ActMul.LUT_DEPTH + 1))
+        row = Signal(8)
+        row_line = Signal(16)                       # lines of the current row read so far
+        pair = Signal(16)                           # up line (and gate line) to pair next
+        gate_at = Signal(16)                        # the gate line on gate_rd.data
+        writes_done = Signal()
+        error = Signal(8)
+
+        m.d.comb += [
+            self.error.eq(error),
+            act.mult.eq(head[:16]), act.shift.eq(head[16:22]), act.wide.eq(wide),
+            writer.wide.eq(wide), writer.row_lines.eq(lines_of(out_bytes)),
+            self.vmem_wr.valid.eq(writer.o.valid), self.vmem_wr.p.eq(writer.o.p),
+            writer.o.ready.eq(self.vmem_wr.ready),
+        ]
+        with m.If(self.vmem_wr_done):
+            m.d.sync += writes_done.eq(1)
+
+        # -- table: memory lines after the head, one entry per cycle -------------------------
+        m.d.comb += [
+            table_cut.i.valid.eq(reader.o.valid), table_cut.i.p.eq(reader.o.p),
+            reader.o.ready.eq(table_cut.i.ready),
+            table_cut.o.ready.eq(1),
+            act.lut_we.eq(table_cut.o.valid), act.lut_addr.eq(table_index[:8]),
+            act.lut_data.eq(table_cut.o.p.data.as_value()),
+        ]
+        with m.If(table_cut.o.valid):
+            m.d.sync += table_index.eq(table_index + 1)
+
+        # -- rows: VMEM lines forked into the gate buffer and the up aligner ------------------
+        line_taken = self.vmem_rd.valid & self.vmem_rd.ready
+        m.d.comb += [
+            up_align.i.valid.eq(self.vmem_rd.valid), up_align.i.p.data.eq(self.vmem_rd.p.data),
+            up_align.i.p.last.eq(self.vmem_rd.p.last), self.vmem_rd.ready.eq(up_align.i.ready),
+            gate_wr.en.eq(line_taken & (row_line < gate_lines)),
+            gate_wr.addr.eq(row_line), gate_wr.data.eq(self.vmem_rd.p.data),
+        ]
+        with m.If(line_taken):
+            m.d.sync += row_line.eq(row_line + 1)
+
+        # each up line meets gate line `pair`: the read port shows the line addressed in
+        # the previous cycle, and re-reads it every cycle, so a line written since is seen
+        pair_valid = up_align.o.valid & (gate_at == pair)
+        pair_taken = pair_valid & gate_cut.i.ready & up_cut.i.ready
+        m.d.comb += [
+            gate_rd.addr.eq(Mux(pair_taken, pair + 1, pair)),
+            gate_cut.i.valid.eq(pair_valid & up_cut.i.ready),
+            up_cut.i.valid.eq(pair_valid & gate_cut.i.ready),
+            up_align.o.ready.eq(pair_taken),
+            gate_cut.i.p.data.eq(gate_rd.data), gate_cut.i.p.last.eq(up_align.o.p.last),
+            up_cut.i.p.eq(up_align.o.p),
+        ]
+        m.d.sync += gate_at.eq(gate_rd.addr)
+        with m.If(pair_taken):
+            m.d.sync += pair.eq(pair + 1)
+
+        # -- ActMul, with each beat's end-of-row flag beside it --------------------------------
+        beat_valid = gate_cut.o.valid & up_cut.o.valid & lasts.w_rdy
+        beat_taken = beat_valid & act.i.ready
+        m.d.comb += [
+            act.i.valid.eq(beat_valid), gate_cut.o.ready.eq(beat_taken), up_cut.o.ready.eq(beat_taken),
+            lasts.w_en.eq(beat_taken), lasts.w_data.eq(gate_cut.o.p.last),
+            writer.i.valid.eq(act.o.valid & lasts.r_rdy),
+            act.o.ready.eq(writer.i.ready & lasts.r_rdy),
+            lasts.r_en.eq(act.o.valid & writer.i.ready),
+            writer.i.p.last.eq(lasts.r_data),
+        ]
+        for j in range(lanes):
+            m.d.comb += [act.i.p.gate[j].eq(gate_cut.o.p.data[j]), act.i.p.up[j].eq(up_cut.o.p.data[j]),
+                         writer.i.p.y[j].eq(act.o.p[j])]
+
+        with m.FSM(name="actmul"):
+            with m.State("IDLE"):
+                m.d.comb += self.job.ready.eq(1)
+                with m.If(self.job.valid):
+                    p = self.job.payload
+                    m.d.sync += [job.eq(p), in_bytes.eq(2 * p.n),
+                                 out_bytes.eq(Mux((p.flags & Flag.WIDE).any(), 2 * p.n, p.n)),
+                                 row.eq(0), table_index.eq(0), writes_done.eq(0),
+                                 error.eq(ErrorCode.OK)]
+                    m.next = "PARAM_CMD"
+            with m.State("PARAM_CMD"):
+                with m.If(job.rows > c.rows):
+                    m.d.sync += error.eq(ErrorCode.PROGRAM)
+                    m.next = "DONE"
+                with m.Else():
+                    m.d.comb += [reader.cmd.valid.eq(1), reader.cmd.p.addr.eq(job.addr),
+                                 reader.cmd.p.length.eq(ACT_PARAM_BYTES),
+                                 reader.cmd.p.lines.eq(_HEAD_LINES + _TABLE_LINES)]
+                    with m.If(reader.cmd.ready):
+                        m.next = "HEAD"
+            with m.State("HEAD"):
+                m.d.comb += [table_cut.i.valid.eq(0), reader.o.ready.eq(1)]
+                with m.If(reader.o.valid):
+                    m.d.sync += head.eq(reader.o.p.data.as_value()[:32])
+                    m.next = "TABLE"
+            with m.State("TABLE"):
+                with m.If(table_index == ActMul.LUT_DEPTH):
+                    m.next = "CHECK"
+            with m.State("CHECK"):
+                with m.If(vmem_span_outside(c, job.src, job.rows, in_bytes)
+                          | vmem_span_outside(c, job.dst, job.rows, out_bytes)):
+                    m.d.sync += error.eq(ErrorCode.BAD_ADDRESS)
+                    m.next = "DONE"
+                with m.Elif(job.n == 0):                # nothing to read or write
+                    m.next = "DONE"
+                with m.Else():
+                    m.next = "WRITE_CMD"
+            with m.State("WRITE_CMD"):
+                m.d.comb += [self.vmem_wr_cmd.valid.eq(1), self.vmem_wr_cmd.p.line.eq(job.dst),
+                             self.vmem_wr_cmd.p.rows.eq(job.rows),
+                             self.vmem_wr_cmd.p.row_bytes.eq(out_bytes)]
+                with m.If(self.vmem_wr_cmd.ready):
+                    m.next = "ROW_ALIGN"
+            with m.State("ROW_ALIGN"):                   # the up half starts n bytes in
+                m.d.comb += [up_align.setup.valid.eq(1), up_align.setup.p.skip.eq(job.n),
+                             up_align.setup.p.lines.eq(gate_lines)]
+                m.d.sync += [row_line.eq(0), pair.eq(0)]
+                with m.If(up_align.setup.ready):
+                    m.next = "ROW_CMD"
+            with m.State("ROW_CMD"):
+                m.d.comb += [self.vmem_rd_cmd.valid.eq(1),
+                             self.vmem_rd_cmd.p.line.eq(job.src + row * lines_of(in_bytes)),
+                             self.vmem_rd_cmd.p.rows.eq(1), self.vmem_rd_cmd.p.row_bytes.eq(in_bytes)]
+                with m.If(self.vmem_rd_cmd.ready):
+                    m.next = "ROW"
+            with m.State("ROW"):
+                with m.If(pair_taken & up_align.o.p.last):
+                    m.d.sync += row.eq(row + 1)
+                    with m.If(row + 1 == job.rows):
+                        m.next = "FINISH"
+                    with m.Else():
+                        m.next = "ROW_ALIGN"
+            with m.State("FINISH"):                      # the last row reaches VMEM
+                with m.If(writes_done):
+                    m.next = "DONE"
+            with m.State("DONE"):
+                m.d.comb += self.done.eq(1)
+                m.next = "IDLE"
+        return m
