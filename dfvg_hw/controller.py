@@ -48,6 +48,7 @@ from dfvg_hw.isa import INSTRUCTION_BYTES, Op
 from dfvg_hw.matmul_sequencer import MatmulSequencer
 from dfvg_hw.memory_port import MemoryCommand, MemoryPortError, ReadBeat
 from dfvg_hw.register_file import EngineControlSignature, EngineStatusSignature
+from dfvg_hw.regmap import OP_CYCLE_BUCKETS
 from dfvg_hw.sample_unit import SampleUnit
 from dfvg_hw.sequencer import Sequencer
 from dfvg_hw.vmem import Gearbox, VectorMemory
@@ -193,7 +194,7 @@ class Controller(wiring.Component):
             m.d.comb += [mem.read_cmd.valid.eq(1), mem.read_cmd.payload.addr.eq(addr),
                          mem.read_cmd.payload.length.eq(length)]
 
-        with m.FSM(name="phase"):
+        with m.FSM(name="phase") as phase:
             # -- idle: take the pending commands in order --------------------------------------
             with m.State("IDLE"):
                 with m.If(want_reset):
@@ -580,5 +581,34 @@ class Controller(wiring.Component):
                     m.d.sync += [st.last_seq.eq(header[0]), st.busy_cycles.eq(st.busy_cycles + cycles)]
                 m.d.comb += st.done_pulse.eq(1)
                 m.next = "IDLE"
+        # -- per-unit busy counters (regmap.OP_CYCLE_BUCKETS) ------------------------------------
+        # An instruction's fetch and decode cycles go to its opcode (as the cycle model's ISSUE
+        # does), then every cycle until it retires; all other busy cycles are the request's.
+        request_bucket = OP_CYCLE_BUCKETS.index("REQUEST")
+        bucket = Signal(range(len(OP_CYCLE_BUCKETS)), init=request_bucket)
+        decoded = Signal.like(bucket)
+        with m.Switch(ins.opcode):
+            for op in Op:
+                with m.Case(op):
+                    m.d.comb += decoded.eq(OP_CYCLE_BUCKETS.index(op.name))
+            with m.Default():
+                m.d.comb += decoded.eq(request_bucket)
+        counters = st.op_cycles
+        with m.If(want_start & phase.ongoing("IDLE") & ~want_reset & ~want_load):
+            m.d.sync += [counters.as_value().eq(0), bucket.eq(request_bucket)]
+        with m.Elif(busy):
+            with m.If(phase.ongoing("DECODE")):
+                m.d.sync += [bucket.eq(decoded), counters[decoded].eq(counters[decoded] + 2)]
+            with m.Elif(phase.ongoing("FETCH")):
+                # counted with the decode, unless the request ends here
+                with m.If(seq.fault.valid | seq.halted | (seq.pc >= program_len) | (budget == 0)):
+                    m.d.sync += counters[request_bucket].eq(counters[request_bucket] + 1)
+            with m.Elif(phase.ongoing("FINISH")):
+                m.d.sync += [bucket.eq(request_bucket),
+                             counters[request_bucket].eq(counters[request_bucket] + 1)]
+            with m.Else():
+                m.d.sync += counters[bucket].eq(counters[bucket] + 1)
+        with m.If(want_reset & phase.ongoing("IDLE")):
+            m.d.sync += counters.as_value().eq(0)
         return m
 

@@ -38,10 +38,10 @@ from amaranth import Cat, Const, Module, Signal
 from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.regmap import register_space_bits
 from dfvg_hw.axi_lite import AXI4LiteSignature, AxiResp
 from dfvg_hw.config import EngineConfig
-from dfvg_hw.regmap import ENGINE_ID, ENGINE_VERSION, Control, Irq, Reg, Status, engine_params
+from dfvg_hw.regmap import (ENGINE_ID, ENGINE_VERSION, OP_CYCLE_BUCKETS, Control, Irq, Reg, Status,
+                            engine_params, op_cycles_offset, register_space_bits)
 
 __all__ = ["RegisterFile", "EngineCommand", "EngineControlSignature", "EngineStatusSignature",
            "UNMAPPED_READ"]
@@ -123,6 +123,9 @@ class EngineStatusSignature(wiring.Signature):
         ``CYCLES``: engine cycles of the last request.
     busy_cycles : Out(64)
         ``BUSY_CYCLES``: request cycles since the last soft reset.
+    op_cycles : Out(ArrayLayout(unsigned(32), len(OP_CYCLE_BUCKETS)))
+        The per-unit counters of the last request, in ``regmap.OP_CYCLE_BUCKETS`` order
+        (read at ``regmap.op_cycles_offset``).
     done_pulse : Out(1)
         High for one cycle when a request finishes or a ``LOAD_PROGRAM`` fails: sets
         ``IRQ_STATUS.DONE``.
@@ -140,6 +143,7 @@ class EngineStatusSignature(wiring.Signature):
             "last_seq": Out(_WORD_BITS),
             "cycles": Out(_ADDR_BITS),
             "busy_cycles": Out(_ADDR_BITS),
+            "op_cycles": Out(data.ArrayLayout(_WORD_BITS, len(OP_CYCLE_BUCKETS))),
             "done_pulse": Out(1),
         })
 
@@ -179,7 +183,7 @@ class RegisterFile(wiring.Component):
         addr_width = needed if addr_width is None else addr_width
         if addr_width < needed:
             raise ValueError(f"an address width of {addr_width} bits does not reach the last "
-                             f"register (0x{max(Reg):03X}); it needs {needed}")
+                             f"register; it needs {needed}")
         self.config = config
         self.addr_width = addr_width
         super().__init__({
@@ -230,6 +234,8 @@ class RegisterFile(wiring.Component):
                     **rw_registers}
         # A register added to regmap must be decoded here too, not silently read as unmapped.
         assert set(readable) == set(Reg), set(Reg) ^ set(readable)
+        readable.update({op_cycles_offset(bucket): status.op_cycles[i]
+                         for i, bucket in enumerate(OP_CYCLE_BUCKETS)})
 
         # -- read channel: one read at a time, the data registered at the AR handshake ----
         m.d.comb += [bus.arready.eq(~bus.rvalid), bus.rresp.eq(AxiResp.OKAY)]

@@ -13,9 +13,11 @@ import enum
 from dfvg_hw.config import EngineConfig
 from dfvg_hw.descriptors import MAX_DRAFT, REQUEST_HEADER_WORDS, result_bytes
 from dfvg_hw.image import IMAGE_VERSION
+from dfvg_hw.isa import Op
 
 __all__ = ["Reg", "Control", "Status", "Irq", "ENGINE_ID", "ENGINE_VERSION", "MemoryMap",
-           "PARAM_REGS", "engine_params", "register_space_bits"]
+           "PARAM_REGS", "engine_params", "register_space_bits", "OP_CYCLES", "OP_CYCLE_BUCKETS",
+           "op_cycles_offset"]
 
 ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
 #: Engine version: major (ISA / descriptor / image format) << 16 | minor.
@@ -65,6 +67,18 @@ class Reg(enum.IntEnum):
     RES1_HI = 0x0AC
 
 
+#: Per-unit busy counters: the cycles of the last request spent in each opcode's
+#: instructions (fetch to retire), then in the request's own overhead (reading the
+#: request, writing the result), each a read-only 32-bit register from ``OP_CYCLES``.
+OP_CYCLE_BUCKETS = tuple(op.name for op in Op) + ("REQUEST",)
+OP_CYCLES = 0x100
+
+
+def op_cycles_offset(bucket: str) -> int:
+    """Register offset of an :data:`OP_CYCLE_BUCKETS` counter (an opcode name or REQUEST)."""
+    return OP_CYCLES + 4 * OP_CYCLE_BUCKETS.index(bucket)
+
+
 class Control(enum.IntFlag):
     START = 1 << 0            #: run the request in buffer BUF
     ABORT = 1 << 1            #: stop the running request at the next instruction
@@ -94,8 +108,9 @@ PARAM_REGS = {
 
 
 def register_space_bits() -> int:
-    """Address bits of the AXI4-Lite register space: enough for every :class:`Reg`."""
-    return (max(Reg) + 3).bit_length()
+    """Address bits of the AXI4-Lite register space: every :class:`Reg` and the per-unit
+    counters."""
+    return (max(max(Reg), op_cycles_offset(OP_CYCLE_BUCKETS[-1])) + 3).bit_length()
 
 
 def engine_params(config: EngineConfig) -> dict[Reg, int]:

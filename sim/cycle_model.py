@@ -27,9 +27,12 @@ class CycleCounts:
     mem_bytes: int = 0
     macs: int = 0
 
-    def add(self, op: Op, cycles: int, nbytes: int = 0, macs: int = 0):
+    def add(self, op: Op | str, cycles: int, nbytes: int = 0, macs: int = 0):
+        """Count ``cycles`` for an opcode, or for the bucket ``"REQUEST"`` (the request's own
+        overhead), as the engine's per-unit counters do (``regmap.OP_CYCLE_BUCKETS``)."""
+        name = op if isinstance(op, str) else op.name
         self.total += cycles
-        self.by_op[op.name] = self.by_op.get(op.name, 0) + cycles
+        self.by_op[name] = self.by_op.get(name, 0) + cycles
         self.mem_bytes += nbytes
         self.macs += macs
 
@@ -133,7 +136,7 @@ def estimate_request(config: EngineConfig, program: list[int], *, n_in: int, n_d
     model = CycleModel(config)
     counts = CycleCounts()
     cyc, nbytes = model.request_overhead(n_in)
-    counts.add(Op.NOP, cyc, nbytes)
+    counts.add("REQUEST", cyc, nbytes)
     seq = Sequencer([0] * n_in, start_pos, n_draft)
     budget = (n_in + n_draft + 1) * len(program) * 256
     while not seq.halted and budget:

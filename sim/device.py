@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dfvg_hw.config import EngineConfig
 from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.regmap import ENGINE_ID, ENGINE_VERSION, Control, Irq, Reg, Status, engine_params
+from dfvg_hw.regmap import (ENGINE_ID, ENGINE_VERSION, OP_CYCLE_BUCKETS, Control, Irq, Reg, Status,
+                            engine_params, op_cycles_offset)
 from sim.functional import EngineFault, FunctionalEngine
 from sim.memory import DeviceMemory, MemoryError_
 
@@ -44,9 +45,12 @@ class SimDevice:
         self._regs.update(engine_params(config))
         self._regs[Reg.ID] = ENGINE_ID
         self._regs[Reg.VERSION] = ENGINE_VERSION
+        self._op_cycles = {op_cycles_offset(b): 0 for b in OP_CYCLE_BUCKETS}
 
     # -- transport operations ----------------------------------------------------------
     def read32(self, offset: int) -> int:
+        if offset in self._op_cycles:
+            return self._op_cycles[offset]
         try:
             return self._regs[Reg(offset)]
         except ValueError:
@@ -96,6 +100,7 @@ class SimDevice:
             for reg in (Reg.STATUS, Reg.ERROR, Reg.ERROR_PC, Reg.IRQ_STATUS, Reg.LAST_SEQ,
                         Reg.CYCLES_LO, Reg.CYCLES_HI, Reg.BUSY_CYCLES_LO, Reg.BUSY_CYCLES_HI):
                 self._regs[reg] = 0
+            self._op_cycles = dict.fromkeys(self._op_cycles, 0)
         if cmd & Control.LOAD_PROGRAM:
             try:
                 self.engine.load_program(self._addr(Reg.PROG_BASE_LO), self._regs[Reg.PROG_LEN])
@@ -127,4 +132,6 @@ class SimDevice:
         self._regs[Reg.CYCLES_LO], self._regs[Reg.CYCLES_HI] = cycles & 0xFFFFFFFF, cycles >> 32
         self._regs[Reg.BUSY_CYCLES_LO], self._regs[Reg.BUSY_CYCLES_HI] = busy & 0xFFFFFFFF, busy >> 32
         self._regs[Reg.LAST_SEQ] = result.seq
+        by_op = self.engine.counts.by_op
+        self._op_cycles = {op_cycles_offset(b): by_op.get(b, 0) & 0xFFFFFFFF for b in OP_CYCLE_BUCKETS}
         self._finish(result.status, result.error_pc)

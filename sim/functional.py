@@ -113,10 +113,11 @@ class FunctionalEngine:
                 header = DraftRequest.unpack_header(self.memory.read(request_addr, 4 * REQUEST_HEADER_WORDS))
             except MemoryError_ as exc:
                 raise EngineFault(ErrorCode.BAD_ADDRESS, f"request descriptor: {exc}") from None
+            # the engine reads the request and writes a result even when it refuses it
+            cyc, nbytes = self.cycle_model.request_overhead(header["n_in"])
+            self.counts.add("REQUEST", cyc, nbytes)
             tokens = self._read_request_tokens(header, request_addr)
             seq = Sequencer(tokens, header["start_pos"], header["n_draft"])
-            cyc, nbytes = self.cycle_model.request_overhead(len(tokens))
-            self.counts.add(Op.NOP, cyc, nbytes)
             budget = watchdog if watchdog is not None else \
                 (len(tokens) + header["n_draft"] + 1) * max(len(self.imem), 1) * 256
             self._execute(seq, header, image_base, drafted, result_addr, budget)

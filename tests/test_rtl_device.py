@@ -17,7 +17,7 @@ from dfvg_hw import numerics as nx
 from dfvg_hw.descriptors import DraftRequest, DraftResult, ErrorCode, result_bytes
 from dfvg_hw.image import pack_qparams, padded, tile_weights
 from dfvg_hw.isa import assemble, to_bytes
-from dfvg_hw.regmap import Control, Irq, MemoryMap, Reg, Status
+from dfvg_hw.regmap import OP_CYCLE_BUCKETS, Control, Irq, MemoryMap, Reg, Status, op_cycles_offset
 from sim.device import SimDevice
 from sim.rtl_device import RtlDevice
 from sim.verilator_device import VerilatorDevice
@@ -71,6 +71,8 @@ def run(device, program, request: DraftRequest, *, load: bool = True):
     assert device.wait_irq(120.0), "no completion interrupt"
     regs = {r: device.read32(r) for r in (Reg.STATUS, Reg.ERROR, Reg.ERROR_PC, Reg.LAST_SEQ,
                                           Reg.IRQ_STATUS)}
+    regs["units"] = {b: device.read32(op_cycles_offset(b)) for b in OP_CYCLE_BUCKETS}
+    regs["cycles"] = device.read32(Reg.CYCLES_LO)
     raw = device.dma_read(MemoryMap.RESULT[0], result_bytes(TINY.topk_max, 4))
     device.close()
     try:
@@ -81,9 +83,16 @@ def run(device, program, request: DraftRequest, *, load: bool = True):
 
 
 def same(rtl, ref):
-    """Compare everything but the cycle counts."""
+    """Compare everything but the cycle counts; of those, the RTL's per-unit counters must
+    add up to its CYCLES and count the same units as the cycle model."""
     (r_res, r_regs, r_raw), (f_res, f_regs, f_raw) = rtl, ref
+    r_units, f_units = r_regs.pop("units"), f_regs.pop("units")
+    r_cycles, f_cycles = r_regs.pop("cycles"), f_regs.pop("cycles")
     assert r_regs == f_regs
+    assert sum(f_units.values()) == f_cycles
+    if r_cycles:
+        assert sum(r_units.values()) == r_cycles
+        assert {b for b, n in r_units.items() if n} == {b for b, n in f_units.items() if n}
     if f_res is None:
         assert r_res is None and r_raw == f_raw
         return
