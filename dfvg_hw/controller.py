@@ -374,11 +374,12 @@ class Controller(wiring.Component):
                         fault(ErrorCode.PROGRAM)
                     with m.Else():
                         m.next = "EMBED_TOKEN"
-                with m.Elif((ins.opcode == Op.MATMUL) & (mm is not None)):
-                    with m.If(ins.rows > c.rows):
-                        fault(ErrorCode.PROGRAM)
-                    with m.Else():
-                        m.next = "MATMUL"
+                if mm is not None:
+                    with m.Elif(ins.opcode == Op.MATMUL):
+                        with m.If(ins.rows > c.rows):
+                            fault(ErrorCode.PROGRAM)
+                        with m.Else():
+                            m.next = "MATMUL"
                 with m.Elif(ins.opcode == Op.SAMPLE):
                     with m.If((samp.n_logits == 0) | (ins.n != samp.n_logits)):
                         fault(ErrorCode.PROGRAM)
