@@ -76,13 +76,13 @@ def _memory(rng) -> DeviceMemory:
     return memory
 
 
-def _run(rng, jobs, memory, *, clear_adapter=False):
+def _run(rng, jobs, memory, *, clear_adapter=False, config=TINY, data_width=128):
     """Run ``jobs`` on the RTL and on the functional model; compare errors and VMEM."""
-    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
-    sequencer = KvSequencer(TINY, 128)
-    after, errors = run_jobs(TINY, ClearOnNop(sequencer) if clear_adapter else sequencer,
-                             vmem, memory, jobs)
-    engine = FunctionalEngine(TINY, memory)
+    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    sequencer = KvSequencer(config, data_width)
+    after, errors = run_jobs(config, ClearOnNop(sequencer) if clear_adapter else sequencer,
+                             vmem, memory, jobs, data_width=data_width)
+    engine = FunctionalEngine(config, memory)
     engine.vmem[:] = vmem
     expected = []
     for job in jobs:
@@ -185,6 +185,23 @@ def test_clear_zeroes_kv():
              _append(2, 16, 50, 1, 1), _attn(4, 16, 60, 120, 3, GQA2, layer=1, wide=True),
              _attn(2, 16, 60, 140, 2, MHA1, layer=0)]
     errors = _run(rng, jobs, _memory(rng), clear_adapter=True)
+    assert errors == [OK] * len(jobs)
+
+
+def test_one_word_entries_and_a_wide_bus():
+    """head_dim 32 with reduce 32: one KV word per entry (no row packing), heads over
+    three VMEM lines, wide outputs over five; a 256-bit bus, so the parameter blocks sit
+    at several offsets inside a beat."""
+    config = TINY.with_changes(head_dim=32, reduce=32, kv_positions=12)
+    rng = np.random.default_rng(14)
+    jobs = []
+    for pos in range(6):
+        jobs += [_append(2, int(rng.choice([32, 32, 19])), int(rng.integers(0, 150)), pos, layer)
+                 for layer in range(2)]
+        jobs.append(_attn(4, int(rng.choice([32, 23])), int(rng.integers(0, 100)),
+                          int(rng.integers(100, 230)), pos, [GQA2, GQA2_ODD, MHA1][pos % 3],
+                          layer=pos % 2, wide=bool(pos % 2)))
+    errors = _run(rng, jobs, _memory(rng), config=config, data_width=256)
     assert errors == [OK] * len(jobs)
 
 
