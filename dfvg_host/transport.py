@@ -2,7 +2,9 @@
 
 =================  ===============================================================
 ``sim://PRESET``   the functional model of the engine (``sim.device.SimDevice``)
-``rtl://PRESET``   the generated RTL in simulation (arrives with the RTL top)
+``rtl://PRESET``   the generated engine in Amaranth's simulator (``sim.rtl_device.RtlDevice``)
+``rtl+verilator://PRESET``
+                   the same Verilog in Verilator (``sim.verilator_device.VerilatorDevice``)
 ``xdma://PATH``    an Alveo card through the XDMA driver's ``PATH_user``, ``_h2c_0``, ``_c2h_0``,
                    ``_events_0`` (``dfvg_host.xdma``); ``xdma://`` alone is ``/dev/xdma0``
 =================  ===============================================================
@@ -137,20 +139,26 @@ def open_transport(url: str) -> tuple[Transport, "object"]:
 
     parsed = urlparse(url)
     scheme = parsed.scheme
-    if scheme == "sim":
+    if scheme in ("sim", "rtl", "rtl+verilator"):
         name = parsed.netloc or parsed.path.lstrip("/")
         try:
-            config = get_preset(name or "alveo-u55c")
+            config = get_preset(name or ("alveo-u55c" if scheme == "sim" else "tiny"))
         except ConfigError as exc:
             raise TransportError(f"device {url!r}: {exc}") from None
-        from sim.device import SimDevice
-        return SimDevice(config), config
+        if scheme == "sim":
+            from sim.device import SimDevice
+            return SimDevice(config), config
+        if scheme == "rtl":
+            from sim.rtl_device import RtlDevice
+            return RtlDevice(config), config
+        from sim.verilator_device import VerilatorDevice
+        try:
+            return VerilatorDevice(config), config
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise TransportError(f"device {url!r}: {exc}") from None
     if scheme == "xdma":
         # The card reports its parameters in registers; the driver checks them at bring-up.
         from dfvg_host.xdma import DEFAULT_PREFIX, XdmaTransport
         return XdmaTransport(parsed.netloc + parsed.path or DEFAULT_PREFIX), None
-    if scheme in ("rtl", "rtl+verilator"):
-        raise TransportError(f"device {url!r}: the {scheme} device is not built yet (it arrives with "
-                             "the RTL engine top and the board flow); use sim://PRESET")
     raise TransportError(f"device {url!r}: unknown scheme; use sim://PRESET "
                          "(for example sim://alveo-u55c)")

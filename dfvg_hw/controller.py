@@ -144,6 +144,16 @@ class Controller(wiring.Component):
             m.submodules.matmul = ResetInserter({"sync": mm_cancel})(mm)
             m.d.comb += [mm.peek_data.eq(vmem.peek_data), mm.vmem_error.eq(vmem.error)]
 
+        # unit-instruction sequencers with the common OpSequencerSignature (op_port.py);
+        # each is reset (ResetInserter) when a fault stops the request under it
+        op_units = []
+        for opcodes, name, factory in unit_sequencers():
+            unit, cancel = factory(c, DW), Signal(name=f"{name}_cancel")
+            m.submodules[name] = ResetInserter({"sync": cancel})(unit)
+            m.d.comb += [unit.peek_data.eq(vmem.peek_data), unit.vmem_error.eq(vmem.error),
+                         unit.vmem_wr_done.eq(vmem.wr_done)]
+            op_units.append((opcodes, name.upper(), unit, cancel))
+
         # -- host commands arrive as pulses; keep them until their turn ----------------------
         cmd = ctrl.command
         want_reset, want_load, want_start, start_buf = Signal(), Signal(), Signal(), Signal()
@@ -240,6 +250,18 @@ class Controller(wiring.Component):
             with m.State("CLEAR_VMEM_LINES"):
                 m.d.comb += vmem.wr.valid.eq(1)          # data 0
                 with m.If(vmem.wr_done):
+                    m.next = "CLEAR_KV"
+            with m.State("CLEAR_KV"):
+                # the functional model's soft reset zeroes the KV cache too
+                kv = next((u for _, name, u, _ in op_units if hasattr(u, "clear")), None)
+                if kv is None:
+                    m.next = "IDLE"
+                else:
+                    m.d.comb += kv.clear.eq(1)
+                    m.next = "CLEAR_KV_WAIT"
+            with m.State("CLEAR_KV_WAIT"):
+                kv = next((u for _, name, u, _ in op_units if hasattr(u, "clear")), None)
+                with m.If(kv is None or ~kv.clearing):
                     m.next = "IDLE"
 
             # -- LOAD_PROGRAM --------------------------------------------------------------------
@@ -380,6 +402,12 @@ class Controller(wiring.Component):
                             fault(ErrorCode.PROGRAM)
                         with m.Else():
                             m.next = "MATMUL"
+                for opcodes, name, unit, _ in op_units:
+                    with m.Elif(Cat(*(ins.opcode == op for op in opcodes)).any()):
+                        with m.If(ins.rows > c.rows):
+                            fault(ErrorCode.PROGRAM)
+                        with m.Else():
+                            m.next = f"{name}_JOB"
                 with m.Elif(ins.opcode == Op.SAMPLE):
                     with m.If((samp.n_logits == 0) | (ins.n != samp.n_logits)):
                         fault(ErrorCode.PROGRAM)
@@ -481,6 +509,31 @@ class Controller(wiring.Component):
                         with m.Else():
                             m.next = "RETIRE"
 
+            # -- the other unit instructions: their sequencers own the shared ports meanwhile ---
+            for opcodes, name, unit, cancel in op_units:
+                with m.State(f"{name}_JOB"):
+                    lrel = ins.flags & 1
+                    job = unit.job.payload
+                    m.d.comb += [unit.job.valid.eq(1),
+                                 job.opcode.eq(ins.opcode), job.flags.eq(ins.flags),
+                                 job.rows.eq(ins.rows), job.dst.eq(ins.dst), job.src.eq(ins.src),
+                                 job.n.eq(ins.n), job.k.eq(ins.k),
+                                 job.addr.eq(ctrl.image_base + ins.addr
+                                             + Mux(lrel, seq.layer * seq.lstride, 0)),
+                                 job.pos.eq(seq.pos), job.layer.eq(seq.layer)]
+                    with m.If(unit.job.ready):
+                        m.next = f"{name}_RUN"
+                with m.State(f"{name}_RUN"):
+                    _lend_shared_ports(m, unit, mem, vmem)
+                    with m.If(mem_failed):
+                        m.d.comb += cancel.eq(1)         # a refused read brings no data
+                        fault(ErrorCode.BAD_ADDRESS)
+                    with m.Elif(unit.done):
+                        with m.If(unit.error != ErrorCode.OK):
+                            fault(unit.error)
+                        with m.Else():
+                            m.next = "RETIRE"
+
             # -- SAMPLE: the sampler over the logit buffer; the record into the result -----------
             with m.State("SAMPLE_REQ"):
                 h = header
@@ -513,6 +566,7 @@ class Controller(wiring.Component):
             # -- the result descriptor --------------------------------------------------------------
             with m.State("FINISH"):
                 m.d.comb += [vmem.cancel.eq(1), mm_cancel.eq(1)]
+                m.d.comb += [cancel.eq(1) for *_, cancel in op_units]
                 m.d.sync += [count.eq(0), result_cycles.eq(cycles)]
                 m.next = "DRAIN"
             with m.State("DRAIN"):
@@ -613,3 +667,24 @@ class Controller(wiring.Component):
             m.d.sync += counters.as_value().eq(0)
         return m
 
+
+def unit_sequencers():
+    """(opcodes, name, factory(config, data_width)) of every unit-instruction sequencer
+    with the common :class:`~dfvg_hw.op_port.OpSequencerSignature`."""
+    from dfvg_hw.actmul_sequencer import ActMulSequencer
+    from dfvg_hw.kv_sequencer import KvSequencer
+    from dfvg_hw.rope_sequencer import RopeSequencer
+    return [((Op.KVAPPEND, Op.ATTN), "kv", KvSequencer),
+            ((Op.ROPE,), "rope", RopeSequencer),
+            ((Op.ACTMUL,), "actmul", ActMulSequencer)]
+
+
+def _lend_shared_ports(m: Module, unit, mem, vmem: VectorMemory) -> None:
+    """Connect ``unit``'s memory-read and VMEM ports to the shared ones (while it runs)."""
+    for source, sink in ((unit.read_cmd, mem.read_cmd), (mem.read_data, unit.read_data),
+                         (unit.vmem_rd_cmd, vmem.rd_cmd), (vmem.rd, unit.vmem_rd),
+                         (unit.vmem_wr_cmd, vmem.wr_cmd), (unit.vmem_wr, vmem.wr)):
+        m.d.comb += [sink.valid.eq(source.valid), sink.payload.eq(source.payload),
+                     source.ready.eq(sink.ready)]
+    m.d.comb += [vmem.peek_addr.eq(unit.peek_addr), vmem.poke_en.eq(unit.poke_en),
+                 vmem.poke_addr.eq(unit.poke_addr), vmem.poke_data.eq(unit.poke_data)]

@@ -94,7 +94,7 @@ def test_generate_streams_text_and_labels_figures(demo_pair):
 
 @pytest.mark.parametrize("args, message", [
     (["generate", "--device", "bogus://x", "--prompt", "a"], "unknown scheme"),
-    (["generate", "--device", "rtl://tiny", "--prompt", "a"], "not built yet"),
+    (["generate", "--device", "rtl://alveo-v80", "--prompt", "a"], "unknown engine preset"),
     (["generate", "--target", "/no/such", "--draft", "/no/such", "--prompt", "a"], "not a Hugging Face model"),
     (["generate", "--target", "models/demo-target", "--prompt", "a"], "give both --draft and --target"),
 ])

@@ -127,7 +127,7 @@ def test_engine_checks(tiny_engine, tiny_compiled, demo_compiled):
 
 @pytest.mark.parametrize("url, message", [
     ("sim://alveo-v80", "unknown engine preset"),
-    ("rtl://tiny", "not built yet"),
+    ("rtl+verilator://alveo-v80", "unknown engine preset"),
     ("pcie://x", "unknown scheme"),
 ])
 def test_bad_device_urls(url, message):
