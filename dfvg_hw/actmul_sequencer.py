@@ -124,6 +124,7 @@ class ActMulSequencer(wiring.Component):
         row_line = Signal(16)                       # lines of the current row read so far
         pair = Signal(16)                           # up line (and gate line) to pair next
         gate_at = Signal(16)                        # the gate line on gate_rd.data
+        rows_written = Signal(8)                    # rows that have left the RowWriter
         writes_done = Signal()
         error = Signal(8)
 
@@ -136,6 +137,8 @@ class ActMulSequencer(wiring.Component):
         ]
         with m.If(self.vmem_wr_done):
             m.d.sync += writes_done.eq(1)
+        with m.If(writer.row_done):
+            m.d.sync += rows_written.eq(rows_written + 1)
 
         # -- table: memory lines after the head, one entry per cycle -------------------------
         m.d.comb += [
@@ -197,7 +200,7 @@ class ActMulSequencer(wiring.Component):
                     p = self.job.payload
                     m.d.sync += [job.eq(p), in_bytes.eq(2 * p.n),
                                  out_bytes.eq(Mux((p.flags & Flag.WIDE).any(), 2 * p.n, p.n)),
-                                 row.eq(0), table_index.eq(0), writes_done.eq(0),
+                                 row.eq(0), table_index.eq(0), writes_done.eq(0), rows_written.eq(0),
                                  error.eq(ErrorCode.OK)]
                     m.next = "PARAM_CMD"
             with m.State("PARAM_CMD"):
@@ -253,7 +256,7 @@ class ActMulSequencer(wiring.Component):
                     with m.Else():
                         m.next = "ROW_ALIGN"
             with m.State("FINISH"):                      # the last row reaches VMEM
-                with m.If(writes_done):
+                with m.If(writes_done & (rows_written == job.rows)):
                     m.next = "DONE"
             with m.State("DONE"):
                 m.d.comb += self.done.eq(1)

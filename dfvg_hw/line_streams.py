@@ -252,6 +252,11 @@ class RowWriter(wiring.Component):
         Lines each output row occupies (stable likewise).
     o : Out(stream.Signature(VmemWriteBeat()))
         Lines for ``VectorMemory.wr``.
+    row_done : Out(1)
+        One-cycle pulse: a row's final line has left (written or dropped). A job is over
+        when all its rows are done *and* VMEM's ``wr_done`` has come: the writer's
+        ``wr_done`` alone can come while dropped lines of the last row still wait here,
+        and they would be taken for the next job's lines.
     """
 
     def __init__(self, config: EngineConfig):
@@ -261,6 +266,7 @@ class RowWriter(wiring.Component):
             "wide": In(1),
             "row_lines": In(LINE_COUNT_BITS),
             "o": Out(stream.Signature(VmemWriteBeat())),
+            "row_done": Out(1),
         }))
 
     def elaborate(self, platform):
@@ -287,6 +293,7 @@ class RowWriter(wiring.Component):
             line_taken.eq(line_valid & (self.o.ready | ~keep)),
             pack8.o.ready.eq(~self.wide & (self.o.ready | ~keep)),
             pack16.o.ready.eq(self.wide & (self.o.ready | ~keep)),
+            self.row_done.eq(line_taken & line_last),
         ]
         with m.If(line_taken):
             m.d.sync += sent.eq(Mux(line_last, 0, sent + 1))

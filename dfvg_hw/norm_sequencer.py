@@ -105,6 +105,7 @@ class NormSequencer(wiring.Component):
         out_bytes = Signal(17)                      # n, or 2n when wide
         eps, gamma_shift = Signal(32), Signal(32)
         row = Signal(8)
+        rows_written = Signal(8)                    # rows that have left the RowWriter
         writes_done = Signal()                      # vmem_wr_done seen for this job's span
         error = Signal(8)
         gamma_addr = job.addr + NORM_PARAM_BYTES
@@ -131,6 +132,8 @@ class NormSequencer(wiring.Component):
         m.d.comb += norm.i.p.last.eq(x_cut.o.p.last)
         with m.If(self.vmem_wr_done):
             m.d.sync += writes_done.eq(1)
+        with m.If(writer.row_done):
+            m.d.sync += rows_written.eq(rows_written + 1)
 
         def row_span(port):
             """Source row ``row`` as a one-row span on ``port``."""
@@ -145,7 +148,7 @@ class NormSequencer(wiring.Component):
                     p_wide = (p.flags & Flag.WIDE).any()
                     m.d.sync += [job.eq(p), in_bytes.eq(2 * p.n),
                                  out_bytes.eq(Mux(p_wide, 2 * p.n, p.n)), row.eq(0),
-                                 writes_done.eq(0), error.eq(ErrorCode.OK)]
+                                 writes_done.eq(0), rows_written.eq(0), error.eq(ErrorCode.OK)]
                     m.next = "HEAD_CMD"
             with m.State("HEAD_CMD"):
                 with m.If(job.rows > c.rows):
@@ -211,7 +214,7 @@ class NormSequencer(wiring.Component):
                     with m.Else():
                         m.next = "GAMMA_CMD"
             with m.State("FINISH"):                      # the last row reaches VMEM
-                with m.If(writes_done):
+                with m.If(writes_done & (rows_written == job.rows)):
                     m.next = "DONE"
             with m.State("DONE"):
                 m.d.comb += self.done.eq(1)

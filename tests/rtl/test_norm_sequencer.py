@@ -38,8 +38,8 @@ def _memory(rng) -> DeviceMemory:
     return memory
 
 
-def _reference(vmem, memory, jobs):
-    engine = FunctionalEngine(TINY, memory)
+def _reference(vmem, memory, jobs, config=TINY):
+    engine = FunctionalEngine(config, memory)
     engine.vmem[:] = vmem
     errors = []
     for job in jobs:
@@ -54,12 +54,12 @@ def _norm(rows, n, src, dst, addr=BLOCKS[0], wide=False):
                 dst=dst, addr=addr)
 
 
-def _check(rng, jobs, data_width=128):
-    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
+def _check(rng, jobs, data_width=128, config=TINY):
+    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
     memory = _memory(rng)
-    after, errors = run_jobs(TINY, NormSequencer(TINY, data_width), vmem, memory, jobs,
+    after, errors = run_jobs(config, NormSequencer(config, data_width), vmem, memory, jobs,
                              data_width=data_width)
-    expected, expected_errors = _reference(vmem, memory, jobs)
+    expected, expected_errors = _reference(vmem, memory, jobs, config)
     assert errors == expected_errors
     np.testing.assert_array_equal(after, expected)
     return errors
@@ -126,6 +126,19 @@ def test_wide_bus():
     jobs = [_norm(2, 40, 10, 50, addr=BLOCKS[0] + 16), _norm(1, 33, 5, 5, addr=BLOCKS[1], wide=True),
             _norm(1, 8, 0, 40, addr=BAD_SHIFT)]
     assert _check(rng, jobs, data_width=256) == [ErrorCode.OK, ErrorCode.OK, ErrorCode.PROGRAM]
+
+
+def test_wide_lanes():
+    """64 lanes (the Alveo presets'): unit beats wider than a line, so rows are packed
+    into beats and results split into lines, with surplus lines past a row's end; each
+    job starts only after the previous one's surplus has left."""
+    rng = np.random.default_rng(5)
+    blocks = BLOCKS
+    jobs = [_norm(2, 20, 60, 60, addr=blocks[1], wide=True), _norm(1, 100, 10, 40, addr=blocks[0]),
+            _norm(2, 9, 100, 100, addr=blocks[2], wide=True), _norm(1, 70, 150, 200, addr=blocks[3], wide=True),
+            _norm(2, 33, 80, 30, addr=blocks[0])]
+    errors = _check(rng, jobs, data_width=256, config=TINY.with_changes(lanes=64))
+    assert errors == [ErrorCode.OK] * len(jobs)
 
 
 def test_lint():
