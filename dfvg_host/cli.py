@@ -112,7 +112,7 @@ def cmd_generate(args) -> int:
 
     from dfvg_host.acceptance import SamplingParams
     from dfvg_host.demo import demo_paths
-    from dfvg_host.driver import DraftDevice, DraftDeviceError
+    from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
     from dfvg_host.speculative import SpeculativeDecoder
     from dfvg_host.verifier import Verifier
 
@@ -133,7 +133,8 @@ def cmd_generate(args) -> int:
         raise CliError("the prompt tokenises to nothing")
     try:
         verifier = Verifier.from_pretrained(target_dir, device=args.verifier_device, dtype=args.dtype)
-        device = DraftDevice(transport, compiled, timeout_s=args.timeout)
+        device = DraftDevice(transport, compiled, timeout_s=args.timeout,
+                             cycle_source=cycle_source(args.device))
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
         decoder = SpeculativeDecoder(device, verifier, gamma=args.gamma, sampling=sampling,
                                      eos_token_id=tok.eos_token_id)
@@ -177,14 +178,14 @@ def cmd_draft(args) -> int:
     from transformers import AutoTokenizer
 
     from dfvg_host.compiler import load_model
-    from dfvg_host.driver import DraftDevice, DraftDeviceError
+    from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
 
     transport, engine = _open_device(args.device)
     compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, print)
     tok = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
     prompt = tok(args.prompt)["input_ids"]
     try:
-        device = DraftDevice(transport, compiled)
+        device = DraftDevice(transport, compiled, cycle_source=cycle_source(args.device))
     except DraftDeviceError as exc:
         raise CliError(str(exc)) from None
     print(f"draft engine {args.device}, greedy, {args.gamma} tokens per request\n")
@@ -207,7 +208,7 @@ def cmd_draft(args) -> int:
     print(f"\n\nint8 engine vs float draft (transformers, greedy): first {same} of {len(drafted)} "
           f"tokens identical")
     print(f"engine time   {cycles:,} cycles incl. prompt prefill = "
-          f"{cycles / engine.clock_mhz / 1e3:.3f} ms at {engine.clock_mhz:g} MHz [modelled: cycle model]")
+          f"{cycles / engine.clock_mhz / 1e3:.3f} ms at {engine.clock_mhz:g} MHz [{device.cycle_source}]")
     link = device.transport.stats
     print(f"PCIe          {link.bytes:,} bytes in {link.dma_transfers} DMA transfers incl. the image "
           f"load, {link.seconds * 1e3:.2f} ms [modelled: link model]")
@@ -235,7 +236,7 @@ def cmd_bench(args) -> int:
                                  pick_prompts, run_benchmark)
     from dfvg_host.bench_report import format_result
     from dfvg_host.demo import demo_paths
-    from dfvg_host.driver import DraftDevice, DraftDeviceError
+    from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
     from dfvg_host.efficiency import engine_efficiency
 
     def log(msg: str) -> None:
@@ -274,7 +275,8 @@ def cmd_bench(args) -> int:
         raise CliError(f"assisted generation needs the float draft, but {draft_dir} (named by the "
                        "compiled draft's manifest) is not a Hugging Face model directory")
     try:
-        device = DraftDevice(transport, compiled, timeout_s=args.timeout)
+        device = DraftDevice(transport, compiled, timeout_s=args.timeout,
+                             cycle_source=cycle_source(args.device))
         result = run_benchmark(target_dir=target_dir, draft_dir=Path(draft_dir), device=device,
                                device_url=args.device, prompts=prompts, settings=settings,
                                prompt_set=prompt_set, verifier_device=args.verifier_device,

@@ -19,8 +19,22 @@ from dfvg_hw.regmap import (ENGINE_ID, ENGINE_VERSION, PARAM_REGS, Control, Irq,
 from dfvg_host.compiler import CompiledDraft
 from dfvg_host.transport import LinkedTransport, Transport, open_transport
 
-__all__ = ["DraftDevice", "DraftOutput", "DraftDeviceError", "DeviceTimeout", "DeviceFault",
+__all__ = ["DraftDevice", "DraftOutput", "CYCLE_SOURCES", "cycle_source", "DraftDeviceError", "DeviceTimeout", "DeviceFault",
            "EngineMismatch", "MalformedResult", "ContextFull"]
+
+
+#: What a device's cycle counters are, by URL scheme: the sim device reports the cycle
+#: model's count, the RTL devices count the engine's clock in simulation, a card counts
+#: its own.
+CYCLE_SOURCES = {"sim": "modelled: cycle model",
+                 "rtl": "measured: RTL simulation",
+                 "rtl+verilator": "measured: RTL simulation",
+                 "xdma": "measured: engine counters"}
+
+
+def cycle_source(url: str) -> str:
+    """What the cycle counts of the device at ``url`` are (:data:`CYCLE_SOURCES`)."""
+    return CYCLE_SOURCES.get(url.split("://", 1)[0], "measured: engine counters")
 
 
 class DraftDeviceError(RuntimeError):
@@ -83,8 +97,11 @@ class DraftDevice:
         ``kv_length`` (``rollback``) is O(1): nothing moves on the device.
     """
 
-    def __init__(self, transport: Transport, compiled: CompiledDraft, *, timeout_s: float = 30.0):
+    def __init__(self, transport: Transport, compiled: CompiledDraft, *, timeout_s: float = 30.0,
+                 cycle_source: str = "measured: engine counters"):
         self.transport = transport if isinstance(transport, LinkedTransport) else LinkedTransport(transport)
+        #: where the engine's cycle counts come from, as every printed figure says
+        self.cycle_source = cycle_source
         self.compiled = compiled
         self.timeout_s = timeout_s
         self.topk_max = compiled.manifest["engine"]["topk_max"]
@@ -99,6 +116,7 @@ class DraftDevice:
     @classmethod
     def open(cls, url: str, compiled: CompiledDraft, **kwargs) -> "DraftDevice":
         transport, _ = open_transport(url)
+        kwargs.setdefault("cycle_source", cycle_source(url))
         return cls(transport, compiled, **kwargs)
 
     # -- bring-up ------------------------------------------------------------------------
@@ -143,7 +161,8 @@ class DraftDevice:
             self._write_addr((Reg.RES0_LO, Reg.RES1_LO)[i], MemoryMap.RESULT[i])
         t.write32(Reg.IRQ_ENABLE, Irq.DONE)
         t.write32(Reg.CONTROL, Control.LOAD_PROGRAM)
-        if not t.read32(Reg.STATUS) & Status.PROGRAM_LOADED:
+        status = self._wait_idle("the soft reset and program load")
+        if not status & Status.PROGRAM_LOADED:
             code = ErrorCode(t.read32(Reg.ERROR))
             raise DeviceFault(code, 0, [])
         self.kv_length = self.committed = 0
@@ -201,6 +220,16 @@ class DraftDevice:
                                   f"{n_draft} without an error status; the device is misbehaving")
         self.committed = result.end_pos
         return DraftOutput(result.tokens, result.cycles, result.end_pos, result.n_forward)
+
+    def _wait_idle(self, what: str) -> int:
+        """Poll STATUS until BUSY clears (commands other than START raise no interrupt on
+        success); returns the final STATUS."""
+        deadline = time.monotonic() + self.timeout_s
+        while (status := self.transport.read32(Reg.STATUS)) & Status.BUSY:
+            if time.monotonic() >= deadline:
+                raise DeviceTimeout(f"{what} did not finish within {self.timeout_s:g} s "
+                                    f"(STATUS=0x{status:x}); check the device")
+        return status
 
     def _wait(self) -> None:
         deadline = time.monotonic() + self.timeout_s

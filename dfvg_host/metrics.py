@@ -24,8 +24,9 @@ class SpecDecodeMetrics:
     verifier_seconds: float = 0.0          # measured
     host_seconds: float = 0.0              # measured
     simulator_seconds: float = 0.0         # measured wall of a simulated device (not host time)
-    device_cycles: int = 0                 # modelled (cycle model) on sim; counters on hardware
+    device_cycles: int = 0                 # the device's counters: see device_cycle_source
     device_clock_hz: float = 0.0
+    device_cycle_source: str = "modelled: cycle model"   # DraftDevice.cycle_source
     pcie_bytes: int = 0                    # modelled traffic (link model)
     pcie_transfers: int = 0
     pcie_seconds: float = 0.0              # modelled
@@ -72,7 +73,7 @@ class SpecDecodeMetrics:
                  device_seconds=self.device_seconds, projected_seconds=self.projected_seconds,
                  labels=dict(verifier_seconds="measured", host_seconds="measured",
                              simulator_seconds="measured (simulator wall, not in projection)",
-                             device_seconds="modelled (cycle model)", pcie_seconds="modelled (link model)",
+                             device_seconds=self.device_cycle_source, pcie_seconds="modelled (link model)",
                              projected_seconds="measured verifier+host + modelled device+pcie"))
         return d
 
@@ -89,7 +90,7 @@ class SpecDecodeMetrics:
             f"target forwards  {self.target_forward_passes} (incl. prefill)",
             f"verifier         {self.verifier_seconds:8.4f} s  [measured]",
             f"host             {self.host_seconds:8.4f} s  [measured]",
-            f"draft engine     {self.device_seconds:8.4f} s  [modelled: cycle model, "
+            f"draft engine     {self.device_seconds:8.4f} s  [{self.device_cycle_source}, "
             f"{self.device_cycles:,} cycles at {self.device_clock_hz / 1e6:g} MHz]",
             f"PCIe             {self.pcie_seconds:8.4f} s  [modelled: link model, "
             f"{self.pcie_bytes:,} bytes in {self.pcie_transfers} DMA transfers]",

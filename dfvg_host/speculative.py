@@ -82,6 +82,8 @@ class SpeculativeDecoder:
         """Generate up to ``max_new_tokens`` after ``prompt``; ``on_tokens`` streams each round."""
         t_start = time.perf_counter()
         m = SpecDecodeMetrics(gamma=self.gamma, device_clock_hz=self.draft.clock_hz,
+                              device_cycle_source=getattr(self.draft, "cycle_source",
+                                                          "measured: engine counters"),
                               prefill_tokens=len(prompt))
         link0 = self.draft.transport.stats.snapshot()
         verifier_s0, forwards0 = self.verifier.seconds, self.verifier.forwards

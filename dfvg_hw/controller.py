@@ -21,12 +21,11 @@ instruction into the :class:`Sequencer` at once or run a unit instruction and re
 when it is done. ``pc`` past the loaded program faults ``PROGRAM``, as does an instruction
 budget of ``(n_in + n_draft + 1) · PROG_LEN · 256`` (``WATCHDOG``).
 
-Unit instructions in this controller: ``EMBED``, ``MATMUL`` (all modes, wide rows; through
-:class:`~dfvg_hw.matmul_sequencer.MatmulSequencer`, for geometries it supports — see
-``MatmulSequencer.supports``), ``SAMPLE`` and ``NOP``. An ``RMSNORM``, ``ROPE``,
-``KVAPPEND``, ``ATTN`` or ``ACTMUL`` (or a MATMUL on an unsupported geometry) stops the
-request with ``PROGRAM`` and ERROR_PC at the instruction, because their sequencing is not
-built yet (issue #5); the units themselves exist (``vector_unit.py``, ``kv_buffer.py``).
+Unit instructions: ``EMBED``, ``SAMPLE`` and ``NOP`` here; ``MATMUL`` through
+:class:`~dfvg_hw.matmul_sequencer.MatmulSequencer` (for the geometries it supports, see
+``MatmulSequencer.supports``; otherwise a MATMUL stops the request with ``PROGRAM``);
+``RMSNORM``, ``ROPE``, ``KVAPPEND``/``ATTN`` and ``ACTMUL`` through the sequencers of
+:func:`unit_sequencers`, which share the :class:`~dfvg_hw.op_port.OpSequencerSignature`.
 
 The result buffer is assembled on chip (records as SAMPLE produces them, the header at
 the end) and written in one burst from the result address, because records are not
@@ -180,7 +179,8 @@ class Controller(wiring.Component):
         token = Signal(16)                   # the current forward's token (EMBED)
         ins = dec.fields
         busy = Signal()
-        m.d.comb += [st.busy.eq(busy), st.cycles.eq(cycles)]
+        # STATUS.BUSY: a request runs, or a command is pending or in progress (docs/registers.md)
+        m.d.comb += st.cycles.eq(cycles)
         with m.If(busy):
             m.d.sync += cycles.eq(cycles + 1)
 
@@ -665,6 +665,7 @@ class Controller(wiring.Component):
                 m.d.sync += counters[bucket].eq(counters[bucket] + 1)
         with m.If(want_reset & phase.ongoing("IDLE")):
             m.d.sync += counters.as_value().eq(0)
+        m.d.comb += st.busy.eq(busy | want_reset | want_load | want_start | ~phase.ongoing("IDLE"))
         return m
 
 
@@ -673,8 +674,10 @@ def unit_sequencers():
     with the common :class:`~dfvg_hw.op_port.OpSequencerSignature`."""
     from dfvg_hw.actmul_sequencer import ActMulSequencer
     from dfvg_hw.kv_sequencer import KvSequencer
+    from dfvg_hw.norm_sequencer import NormSequencer
     from dfvg_hw.rope_sequencer import RopeSequencer
-    return [((Op.KVAPPEND, Op.ATTN), "kv", KvSequencer),
+    return [((Op.RMSNORM,), "norm", NormSequencer),
+            ((Op.KVAPPEND, Op.ATTN), "kv", KvSequencer),
             ((Op.ROPE,), "rope", RopeSequencer),
             ((Op.ACTMUL,), "actmul", ActMulSequencer)]
 

@@ -1,0 +1,118 @@
+"""The driver on the RTL devices: a tiny Llama draft, compiled by the real compiler,
+drafting greedily and sampled on the generated engine (Verilator, and Amaranth's
+simulator for a shorter run), against the same driver calls on the sim device.
+
+Tokens, probabilities and top-k lists must be equal bit for bit; so must the KV lengths
+and everything the driver reads back (cycle counts aside: the RTL's are measured).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dfvg_hw.regmap import Reg
+from dfvg_host.driver import DeviceFault, DraftDevice
+from dfvg_host.transport import open_transport
+from sim.device import SimDevice
+from sim.rtl_device import RtlDevice
+from sim.verilator_device import VerilatorDevice
+
+PROMPT = [5, 17, 99, 3, 42, 7]
+SAMPLED = dict(sample=True, temperature=0.7, topk=3, seed=11, counter=5)
+
+
+def session(device, compiled, steps):
+    """Run ``steps`` (draft and rollback calls) through a driver on ``device``; return what
+    the driver saw."""
+    dev = DraftDevice(device, compiled, timeout_s=600)
+    seen = []
+    for kind, args, kwargs in steps:
+        if kind == "rollback":
+            dev.rollback(*args)
+            seen.append(("rollback", dev.kv_length, dev.committed))
+        else:
+            out = dev.draft(*args, **kwargs)
+            seen.append(("draft", out.tokens, out.end_pos, out.n_forward, dev.kv_length))
+    device.close()
+    return seen
+
+
+def steps_for(n_greedy: int, n_sampled: int):
+    return [
+        ("draft", (PROMPT, n_greedy), {}),
+        ("rollback", (len(PROMPT) + 1,), {}),       # keep the first drafted token
+        ("draft", ([11, 12], n_sampled), SAMPLED),
+        ("rollback", (3,), {}),                   # back into the prompt: re-draft from there
+        ("draft", ([3, 42], 4), {}),
+    ]
+
+
+@pytest.mark.parametrize("device", ["rtl+verilator", "rtl"])
+def test_driver_on_the_rtl_engine_equals_the_sim_device(device, tiny_engine, tiny_compiled):
+    n = 8 if device == "rtl+verilator" else 2          # Amaranth's simulator is ~250x slower
+    steps = steps_for(n, n)
+    expected = session(SimDevice(tiny_engine), tiny_compiled, steps)
+    make = VerilatorDevice if device == "rtl+verilator" else RtlDevice
+    got = session(make(tiny_engine), tiny_compiled, steps)
+    assert got == expected
+    assert len(expected[0][1]) == n and len(expected[2][1]) == n
+
+
+def test_engine_error_reaches_the_driver(tiny_engine, tiny_compiled):
+    """A program fault on the RTL engine raises DeviceFault with the code and the pc,
+    as on the sim device."""
+    from dfvg_host.compiler import CompiledDraft
+    words = list(tiny_compiled.program)
+    words[2] = 0xFF                              # an illegal opcode where a real one was
+    broken = CompiledDraft(tiny_compiled.image, words, tiny_compiled.manifest)
+    faults = []
+    for device in (SimDevice(tiny_engine), VerilatorDevice(tiny_engine)):
+        dev = DraftDevice(device, broken, timeout_s=600)
+        with pytest.raises(DeviceFault) as info:
+            dev.draft(PROMPT, 2)
+        faults.append((info.value.code, info.value.pc))
+        device.close()
+    assert faults[0] == faults[1]
+
+
+@pytest.mark.parametrize("url, kind", [("rtl://tiny", RtlDevice), ("rtl+verilator://tiny", VerilatorDevice)])
+def test_rtl_urls_open_the_rtl_devices(url, kind):
+    device, config = open_transport(url)
+    assert isinstance(device, kind) and config.name == "tiny"
+    assert device.read32(Reg.P_LANES) == config.lanes
+    device.close()
+
+
+def _with_char_tokenizer(model_dir, out_dir):
+    """A copy of a tiny model directory with a 256-symbol character tokenizer (the tiny
+    test models have a vocabulary of 256 and no tokenizer of their own)."""
+    import shutil
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    shutil.copytree(model_dir, out_dir)
+    vocab = {chr(32 + i): i for i in range(256)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=chr(32)))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token=chr(32)).save_pretrained(out_dir)
+    return out_dir
+
+
+def test_generate_runs_end_to_end_on_verilator(tiny_draft_dir, tmp_path, capsys):
+    """`dfvg generate --device rtl+verilator://tiny`: a tiny Llama drafting on the Verilated
+    engine for itself as the target (so every greedy draft is accepted)."""
+    from dfvg_host.cli import main
+    model = str(_with_char_tokenizer(tiny_draft_dir, tmp_path / "tiny"))
+    runs = {}
+    for device in ("rtl+verilator://tiny", "sim://tiny"):
+        code = main(["generate", "--target", model, "--draft", model, "--device", device,
+                     "--prompt", "hello", "--max-new-tokens", "12", "--gamma", "4", "--json"])
+        assert code == 0
+        runs[device] = json.loads(capsys.readouterr().out)
+    rtl, ref = runs["rtl+verilator://tiny"], runs["sim://tiny"]
+    assert len(rtl["token_ids"]) == 12 and rtl["token_ids"] == ref["token_ids"]
+    for key in ("acceptance_rate", "drafted_tokens", "accepted_tokens", "acceptance_per_position"):
+        assert rtl["metrics"][key] == ref["metrics"][key], key
+    assert rtl["metrics"]["labels"]["device_seconds"] == "measured: RTL simulation"
+    assert ref["metrics"]["labels"]["device_seconds"] == "modelled: cycle model"
