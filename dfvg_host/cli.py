@@ -258,6 +258,10 @@ def cmd_bench(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise CliError("--plots needs matplotlib: pip install 'dfvg[bench]'") from None
+    if not args.device.startswith("sim://"):
+        # the tables label DFVG's engine time as the cycle model's projection
+        raise CliError(f"dfvg bench projects the engine's time with the cycle model: use a sim:// "
+                       f"device, not {args.device}")
     presets = [] if args.no_efficiency else [_preset(n) for n in args.efficiency_presets.split(",")]
     if (args.draft is None) != (args.target is None):
         raise CliError("give both --draft and --target, or neither (the shipped demo pair)")
