@@ -45,9 +45,10 @@ from dfvg_hw.descriptors import ErrorCode
 from dfvg_hw.elementwise import ActMul
 from dfvg_hw.image import ACT_PARAM_BYTES
 from dfvg_hw.isa import Flag
-from dfvg_hw.line_streams import LineAligner, RowWriter, UnalignedReader, lines_of
+from dfvg_hw.line_streams import (LineAligner, RowWriteProgress, RowWriter, UnalignedReader,
+                                  lines_of, read_request, span_request)
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
-from dfvg_hw.operand_access import vmem_span_outside
+from dfvg_hw.operand_access import job_spans_outside
 from dfvg_hw.vmem import Gearbox
 
 __all__ = ["ActMulSequencer"]
@@ -124,21 +125,14 @@ class ActMulSequencer(wiring.Component):
         row_line = Signal(16)                       # lines of the current row read so far
         pair = Signal(16)                           # up line (and gate line) to pair next
         gate_at = Signal(16)                        # the gate line on gate_rd.data
-        rows_written = Signal(8)                    # rows that have left the RowWriter
-        writes_done = Signal()
         error = Signal(8)
 
         m.d.comb += [
             self.error.eq(error),
             act.mult.eq(head[:16]), act.shift.eq(head[16:22]), act.wide.eq(wide),
-            writer.wide.eq(wide), writer.row_lines.eq(lines_of(out_bytes)),
-            self.vmem_wr.valid.eq(writer.o.valid), self.vmem_wr.p.eq(writer.o.p),
-            writer.o.ready.eq(self.vmem_wr.ready),
         ]
-        with m.If(self.vmem_wr_done):
-            m.d.sync += writes_done.eq(1)
-        with m.If(writer.row_done):
-            m.d.sync += rows_written.eq(rows_written + 1)
+        progress = RowWriteProgress(m, writer, self.vmem_wr, self.vmem_wr_done,
+                                    wide=wide, row_bytes=out_bytes)
 
         # -- table: memory lines after the head, one entry per cycle -------------------------
         m.d.comb += [
@@ -200,17 +194,16 @@ class ActMulSequencer(wiring.Component):
                     p = self.job.payload
                     m.d.sync += [job.eq(p), in_bytes.eq(2 * p.n),
                                  out_bytes.eq(Mux((p.flags & Flag.WIDE).any(), 2 * p.n, p.n)),
-                                 row.eq(0), table_index.eq(0), writes_done.eq(0), rows_written.eq(0),
-                                 error.eq(ErrorCode.OK)]
+                                 row.eq(0), table_index.eq(0), error.eq(ErrorCode.OK),
+                                 *progress.restart()]
                     m.next = "PARAM_CMD"
             with m.State("PARAM_CMD"):
                 with m.If(job.rows > c.rows):
                     m.d.sync += error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
                 with m.Else():
-                    m.d.comb += [reader.cmd.valid.eq(1), reader.cmd.p.addr.eq(job.addr),
-                                 reader.cmd.p.length.eq(ACT_PARAM_BYTES),
-                                 reader.cmd.p.lines.eq(_HEAD_LINES + _TABLE_LINES)]
+                    m.d.comb += read_request(reader, job.addr, ACT_PARAM_BYTES,
+                                             _HEAD_LINES + _TABLE_LINES)
                     with m.If(reader.cmd.ready):
                         m.next = "HEAD"
             with m.State("HEAD"):
@@ -222,8 +215,7 @@ class ActMulSequencer(wiring.Component):
                 with m.If(table_index == ActMul.LUT_DEPTH):
                     m.next = "CHECK"
             with m.State("CHECK"):
-                with m.If(vmem_span_outside(c, job.src, job.rows, in_bytes)
-                          | vmem_span_outside(c, job.dst, job.rows, out_bytes)):
+                with m.If(job_spans_outside(c, job, in_bytes, out_bytes)):
                     m.d.sync += error.eq(ErrorCode.BAD_ADDRESS)
                     m.next = "DONE"
                 with m.Elif(job.n == 0):                # nothing to read or write
@@ -231,9 +223,7 @@ class ActMulSequencer(wiring.Component):
                 with m.Else():
                     m.next = "WRITE_CMD"
             with m.State("WRITE_CMD"):
-                m.d.comb += [self.vmem_wr_cmd.valid.eq(1), self.vmem_wr_cmd.p.line.eq(job.dst),
-                             self.vmem_wr_cmd.p.rows.eq(job.rows),
-                             self.vmem_wr_cmd.p.row_bytes.eq(out_bytes)]
+                m.d.comb += span_request(self.vmem_wr_cmd, job.dst, job.rows, out_bytes)
                 with m.If(self.vmem_wr_cmd.ready):
                     m.next = "ROW_ALIGN"
             with m.State("ROW_ALIGN"):                   # the up half starts n bytes in
@@ -243,22 +233,12 @@ class ActMulSequencer(wiring.Component):
                 with m.If(up_align.setup.ready):
                     m.next = "ROW_CMD"
             with m.State("ROW_CMD"):
-                m.d.comb += [self.vmem_rd_cmd.valid.eq(1),
-                             self.vmem_rd_cmd.p.line.eq(job.src + row * lines_of(in_bytes)),
-                             self.vmem_rd_cmd.p.rows.eq(1), self.vmem_rd_cmd.p.row_bytes.eq(in_bytes)]
+                m.d.comb += span_request(self.vmem_rd_cmd, job.src + row * lines_of(in_bytes), 1,
+                                         in_bytes)
                 with m.If(self.vmem_rd_cmd.ready):
                     m.next = "ROW"
             with m.State("ROW"):
                 with m.If(pair_taken & up_align.o.p.last):
-                    m.d.sync += row.eq(row + 1)
-                    with m.If(row + 1 == job.rows):
-                        m.next = "FINISH"
-                    with m.Else():
-                        m.next = "ROW_ALIGN"
-            with m.State("FINISH"):                      # the last row reaches VMEM
-                with m.If(writes_done & (rows_written == job.rows)):
-                    m.next = "DONE"
-            with m.State("DONE"):
-                m.d.comb += self.done.eq(1)
-                m.next = "IDLE"
+                    progress.end_row(m, row, job.rows, next_row_state="ROW_ALIGN")
+            progress.add_finish_states(m, job.rows, self.done)
         return m

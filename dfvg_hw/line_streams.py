@@ -32,7 +32,8 @@ from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 from dfvg_hw.vmem import ByteBeat, Gearbox, VmemWriteBeat
 
 __all__ = ["lines_of", "LineAlignSetup", "LineAligner", "ReadRequest",
-           "UnalignedReader", "UnitRowBeat", "RowWriter"]
+           "UnalignedReader", "UnitRowBeat", "RowWriter", "read_request", "span_request",
+           "RowWriteProgress"]
 
 L = VMEM_LINE_BYTES
 #: widest skip a LineAligner takes: a 16-bit element count (ACTMUL's up half starts n bytes in)
@@ -298,3 +299,104 @@ class RowWriter(wiring.Component):
         with m.If(line_taken):
             m.d.sync += sent.eq(Mux(line_last, 0, sent + 1))
         return m
+
+
+def read_request(reader: UnalignedReader, addr, length, lines):
+    """Comb statements that ask ``reader`` for ``length`` bytes at ``addr``, as ``lines``
+    lines (see :class:`ReadRequest`); the caller moves on when ``reader.cmd.ready`` is
+    high."""
+    return [reader.cmd.valid.eq(1), reader.cmd.p.addr.eq(addr), reader.cmd.p.length.eq(length),
+            reader.cmd.p.lines.eq(lines)]
+
+
+def span_request(port, line, rows, row_bytes):
+    """Comb statements that offer one VMEM span on a span-command ``port``.
+
+    Parameters
+    ----------
+    port : stream interface of :class:`~dfvg_hw.vmem.VmemSpan`
+        VMEM's ``rd_cmd`` or ``wr_cmd`` as the sequencer sees it.
+    line, rows, row_bytes : Value
+        The span: ``rows`` rows of ``row_bytes`` bytes from VMEM line ``line``.
+
+    Returns
+    -------
+    list of Assign
+        For ``m.d.comb``; the caller moves on when ``port.ready`` is high.
+    """
+    return [port.valid.eq(1), port.p.line.eq(line), port.p.rows.eq(rows),
+            port.p.row_bytes.eq(row_bytes)]
+
+
+class RowWriteProgress:
+    """A :class:`RowWriter` wired to VMEM's span writer, and the count that tells when a
+    job's rows have all reached VMEM.
+
+    Not a component: it adds its logic to the sequencer's module ``m``, so the writer
+    stays the sequencer's own submodule. Create it before the sequencer's FSM, so that
+    :meth:`restart` (issued from the FSM) wins over the counting in the same cycle.
+
+    Parameters
+    ----------
+    m : Module
+        The sequencer's module.
+    writer : RowWriter
+        The sequencer's result writer.
+    vmem_wr : stream interface of :class:`~dfvg_hw.vmem.VmemWriteBeat`
+        VMEM's ``wr`` as the sequencer sees it.
+    vmem_wr_done : Value
+        VMEM's ``wr_done``: the job's write span has taken its last line.
+    wide : Value
+        int16 results (stable while a job runs).
+    row_bytes : Value
+        Bytes of each output row (stable likewise).
+
+    Attributes
+    ----------
+    rows_written : Signal(8)
+        Rows that have left the writer (written or their surplus lines dropped).
+    writes_done : Signal(1)
+        ``vmem_wr_done`` has come for this job's span.
+    """
+
+    def __init__(self, m, writer: RowWriter, vmem_wr, vmem_wr_done, *, wide, row_bytes):
+        self.rows_written = Signal(8, name="rows_written")
+        self.writes_done = Signal(name="writes_done")
+        m.d.comb += [
+            writer.wide.eq(wide), writer.row_lines.eq(lines_of(row_bytes)),
+            vmem_wr.valid.eq(writer.o.valid), vmem_wr.p.eq(writer.o.p),
+            writer.o.ready.eq(vmem_wr.ready),
+        ]
+        with m.If(vmem_wr_done):
+            m.d.sync += self.writes_done.eq(1)
+        with m.If(writer.row_done):
+            m.d.sync += self.rows_written.eq(self.rows_written + 1)
+
+    def restart(self):
+        """Sync statements that start counting a new job."""
+        return [self.writes_done.eq(0), self.rows_written.eq(0)]
+
+    def finished(self, rows):
+        """Whether all ``rows`` rows have left the writer *and* VMEM has confirmed the span
+        (see :class:`RowWriter`: either alone can come first)."""
+        return self.writes_done & (self.rows_written == rows)
+
+    def end_row(self, m, row, rows, next_row_state: str):
+        """In the FSM state where a source row's last input is taken: count ``row`` on, and
+        go to ``next_row_state`` for the next row or to ``FINISH`` after the last one."""
+        m.d.sync += row.eq(row + 1)
+        with m.If(row + 1 == rows):
+            m.next = "FINISH"
+        with m.Else():
+            m.next = next_row_state
+
+    def add_finish_states(self, m, rows, done):
+        """Add the FSM's last two states: ``FINISH`` waits until the ``rows`` rows have
+        reached VMEM (the sequencer's inputs are drained well before its writes), then
+        ``DONE`` pulses ``done`` for a cycle and returns to ``IDLE``."""
+        with m.State("FINISH"):
+            with m.If(self.finished(rows)):
+                m.next = "DONE"
+        with m.State("DONE"):
+            m.d.comb += done.eq(1)
+            m.next = "IDLE"

@@ -43,8 +43,9 @@ from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.descriptors import ErrorCode
 from dfvg_hw.image import NORM_PARAM_BYTES
 from dfvg_hw.isa import Flag
-from dfvg_hw.line_streams import RowWriter, UnalignedReader, lines_of
-from dfvg_hw.operand_access import vmem_span_outside
+from dfvg_hw.line_streams import (RowWriteProgress, RowWriter, UnalignedReader, lines_of,
+                                  read_request, span_request)
+from dfvg_hw.operand_access import job_spans_outside
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.rmsnorm import RMSNorm
 from dfvg_hw.vmem import Gearbox
@@ -105,17 +106,12 @@ class NormSequencer(wiring.Component):
         out_bytes = Signal(17)                      # n, or 2n when wide
         eps, gamma_shift = Signal(32), Signal(32)
         row = Signal(8)
-        rows_written = Signal(8)                    # rows that have left the RowWriter
-        writes_done = Signal()                      # vmem_wr_done seen for this job's span
         error = Signal(8)
         gamma_addr = job.addr + NORM_PARAM_BYTES
 
         m.d.comb += [
             self.error.eq(error),
             norm.eps.eq(eps), norm.gamma_shift.eq(gamma_shift[:5]), norm.wide.eq(wide),
-            writer.wide.eq(wide), writer.row_lines.eq(lines_of(out_bytes)),
-            self.vmem_wr.valid.eq(writer.o.valid), self.vmem_wr.p.eq(writer.o.p),
-            writer.o.ready.eq(self.vmem_wr.ready),
             writer.i.valid.eq(norm.o.valid), writer.i.p.last.eq(norm.o.p.last),
             norm.o.ready.eq(writer.i.ready),
             # VMEM lines feed x_cut, memory lines gamma_cut (except the head's line)
@@ -130,15 +126,12 @@ class NormSequencer(wiring.Component):
             m.d.comb += [norm.i.p.x[j].eq(x_bytes.word_select(j, 16)),
                          norm.i.p.gamma[j].eq(g_bytes.word_select(j, 16))]
         m.d.comb += norm.i.p.last.eq(x_cut.o.p.last)
-        with m.If(self.vmem_wr_done):
-            m.d.sync += writes_done.eq(1)
-        with m.If(writer.row_done):
-            m.d.sync += rows_written.eq(rows_written + 1)
+        progress = RowWriteProgress(m, writer, self.vmem_wr, self.vmem_wr_done,
+                                    wide=wide, row_bytes=out_bytes)
 
-        def row_span(port):
-            """Source row ``row`` as a one-row span on ``port``."""
-            return [port.valid.eq(1), port.p.line.eq(job.src + row * lines_of(in_bytes)),
-                    port.p.rows.eq(1), port.p.row_bytes.eq(in_bytes)]
+        def request_source_row():
+            """Source row ``row`` as a one-row span (each row is read twice: pass 1 and 2)."""
+            return span_request(self.vmem_rd_cmd, job.src + row * lines_of(in_bytes), 1, in_bytes)
 
         with m.FSM(name="rmsnorm"):
             with m.State("IDLE"):
@@ -148,15 +141,14 @@ class NormSequencer(wiring.Component):
                     p_wide = (p.flags & Flag.WIDE).any()
                     m.d.sync += [job.eq(p), in_bytes.eq(2 * p.n),
                                  out_bytes.eq(Mux(p_wide, 2 * p.n, p.n)), row.eq(0),
-                                 writes_done.eq(0), rows_written.eq(0), error.eq(ErrorCode.OK)]
+                                 error.eq(ErrorCode.OK), *progress.restart()]
                     m.next = "HEAD_CMD"
             with m.State("HEAD_CMD"):
                 with m.If(job.rows > c.rows):
                     m.d.sync += error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
                 with m.Else():
-                    m.d.comb += [reader.cmd.valid.eq(1), reader.cmd.p.addr.eq(job.addr),
-                                 reader.cmd.p.length.eq(NORM_PARAM_BYTES), reader.cmd.p.lines.eq(1)]
+                    m.d.comb += read_request(reader, job.addr, NORM_PARAM_BYTES, lines=1)
                     with m.If(reader.cmd.ready):
                         m.next = "HEAD"
             with m.State("HEAD"):
@@ -170,8 +162,7 @@ class NormSequencer(wiring.Component):
                     m.d.sync += error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
                 with m.Elif((gamma_addr + in_bytes > c.mem_bytes)
-                            | vmem_span_outside(c, job.src, job.rows, in_bytes)
-                            | vmem_span_outside(c, job.dst, job.rows, out_bytes)):
+                            | job_spans_outside(c, job, in_bytes, out_bytes)):
                     m.d.sync += error.eq(ErrorCode.BAD_ADDRESS)
                     m.next = "DONE"
                 with m.Elif(job.n == 0):                # nothing to read or write
@@ -179,19 +170,15 @@ class NormSequencer(wiring.Component):
                 with m.Else():
                     m.next = "WRITE_CMD"
             with m.State("WRITE_CMD"):
-                m.d.comb += [self.vmem_wr_cmd.valid.eq(1), self.vmem_wr_cmd.p.line.eq(job.dst),
-                             self.vmem_wr_cmd.p.rows.eq(job.rows),
-                             self.vmem_wr_cmd.p.row_bytes.eq(out_bytes)]
+                m.d.comb += span_request(self.vmem_wr_cmd, job.dst, job.rows, out_bytes)
                 with m.If(self.vmem_wr_cmd.ready):
                     m.next = "GAMMA_CMD"
             with m.State("GAMMA_CMD"):
-                m.d.comb += [reader.cmd.valid.eq(1), reader.cmd.p.addr.eq(gamma_addr),
-                             reader.cmd.p.length.eq(in_bytes),
-                             reader.cmd.p.lines.eq(lines_of(in_bytes))]
+                m.d.comb += read_request(reader, gamma_addr, in_bytes, lines_of(in_bytes))
                 with m.If(reader.cmd.ready):
                     m.next = "PASS1_CMD"
             with m.State("PASS1_CMD"):
-                m.d.comb += row_span(self.vmem_rd_cmd)
+                m.d.comb += request_source_row()
                 with m.If(self.vmem_rd_cmd.ready):
                     m.next = "PASS1"
             with m.State("PASS1"):                       # Σx²: gamma is not looked at
@@ -199,7 +186,7 @@ class NormSequencer(wiring.Component):
                 with m.If(x_cut.o.valid & norm.i.ready & x_cut.o.p.last):
                     m.next = "PASS2_CMD"
             with m.State("PASS2_CMD"):
-                m.d.comb += row_span(self.vmem_rd_cmd)
+                m.d.comb += request_source_row()
                 with m.If(self.vmem_rd_cmd.ready):
                     m.next = "PASS2"
             with m.State("PASS2"):                       # x beats meet gamma beats
@@ -208,15 +195,6 @@ class NormSequencer(wiring.Component):
                 m.d.comb += [norm.i.valid.eq(both), x_cut.o.ready.eq(take),
                              gamma_cut.o.ready.eq(take)]
                 with m.If(take & x_cut.o.p.last):
-                    m.d.sync += row.eq(row + 1)
-                    with m.If(row + 1 == job.rows):
-                        m.next = "FINISH"
-                    with m.Else():
-                        m.next = "GAMMA_CMD"
-            with m.State("FINISH"):                      # the last row reaches VMEM
-                with m.If(writes_done & (rows_written == job.rows)):
-                    m.next = "DONE"
-            with m.State("DONE"):
-                m.d.comb += self.done.eq(1)
-                m.next = "IDLE"
+                    progress.end_row(m, row, job.rows, next_row_state="GAMMA_CMD")
+            progress.add_finish_states(m, job.rows, self.done)
         return m

@@ -27,7 +27,7 @@ from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 
 __all__ = ["BlockRead", "BlockReader", "WindowAccess", "VmemWindow", "vmem_span_outside",
-           "byte_mask"]
+           "job_spans_outside", "byte_mask"]
 
 L = VMEM_LINE_BYTES
 
@@ -38,6 +38,15 @@ def vmem_span_outside(config: EngineConfig, line, rows, row_bytes):
     rounded up to whole lines (docs/isa.md §1.3). ``rows`` must be ≥ 1."""
     stride = (row_bytes + L - 1) // L * L
     return line * L + (rows - 1) * stride + row_bytes > config.vmem_bytes
+
+
+def job_spans_outside(config: EngineConfig, job, src_row_bytes, dst_row_bytes):
+    """Whether a row job's source or destination (``job.rows`` rows from ``job.src`` and
+    ``job.dst``, of ``src_row_bytes`` and ``dst_row_bytes`` bytes) lies outside VMEM:
+    :func:`vmem_span_outside` for both operands, the ``BAD_ADDRESS`` check every row
+    sequencer makes before it writes anything."""
+    return (vmem_span_outside(config, job.src, job.rows, src_row_bytes)
+            | vmem_span_outside(config, job.dst, job.rows, dst_row_bytes))
 
 
 def byte_mask(count, n_bytes: int):
