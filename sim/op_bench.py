@@ -6,7 +6,8 @@ whose AXI4 master talks to :class:`~sim.axi_memory.AXI4SlaveMemory` over a
 :class:`~sim.memory.DeviceMemory`, exactly as the controller connects it. :func:`run_jobs`
 fills VMEM, runs instructions, reads VMEM back and returns it with each job's error code,
 so a test can hold the result against ``FunctionalEngine._unit`` on the same VMEM and
-device memory (:func:`functional_reference`).
+device memory (:func:`functional_reference` for one instruction, :func:`reference_jobs`
+for the same job list; :func:`compare_with_reference` runs both and asserts they agree).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.isa import Instruction
+from dfvg_hw.isa import Instruction, Op
 from dfvg_hw.memory_port import MemoryPort
 from dfvg_hw.op_port import OpJob
 from dfvg_hw.vmem import VectorMemory
@@ -27,7 +28,7 @@ from sim.functional import EngineFault, FunctionalEngine
 from sim.memory import DeviceMemory
 from sim.testbench import run_simulation, stream_put
 
-__all__ = ["OpBench", "run_jobs", "functional_reference"]
+__all__ = ["OpBench", "run_jobs", "functional_reference", "reference_jobs", "compare_with_reference"]
 
 L = VMEM_LINE_BYTES
 
@@ -160,3 +161,50 @@ def functional_reference(engine: FunctionalEngine, ins: Instruction, *, image_ba
     except EngineFault as fault:
         return int(fault.code)
     return int(ErrorCode.OK)
+
+
+#: the job fields that are instruction fields (``pos`` and ``layer`` are registers)
+_INSTRUCTION_FIELDS = ("flags", "rows", "dst", "src", "n", "k", "addr")
+
+
+def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
+                   jobs: list[dict]) -> tuple[np.ndarray, list[int]]:
+    """The functional model's answer to :func:`run_jobs` with the same arguments.
+
+    Parameters
+    ----------
+    config : EngineConfig
+    vmem : np.ndarray
+        VMEM contents before the first job (uint8, ``vmem_bytes``); not changed.
+    memory : DeviceMemory
+        Device memory the jobs read (and KV state lives beside it in the engine).
+    jobs : list of dict
+        :class:`OpJob` fields; missing ones are 0, ``pos`` and ``layer`` become the
+        controller registers.
+
+    Returns
+    -------
+    (np.ndarray, list of int)
+        VMEM after the last job, and each job's ErrorCode.
+    """
+    engine = FunctionalEngine(config, memory)
+    engine.vmem[:] = vmem
+    errors = []
+    for job in jobs:
+        ins = Instruction(Op(job["opcode"]), **{name: job.get(name, 0) for name in _INSTRUCTION_FIELDS})
+        errors.append(functional_reference(engine, ins, pos=job.get("pos", 0),
+                                           layer=job.get("layer", 0)))
+    return engine.vmem, errors
+
+
+def compare_with_reference(config: EngineConfig, sequencer, vmem: np.ndarray,
+                           memory: DeviceMemory, jobs: list[dict], *,
+                           data_width: int = 128) -> list[int]:
+    """Run ``jobs`` on ``sequencer`` (:func:`run_jobs`) and on the functional model
+    (:func:`reference_jobs`) from the same VMEM and device memory; assert both give the
+    same error codes and the same VMEM, and return the error codes."""
+    after, errors = run_jobs(config, sequencer, vmem, memory, jobs, data_width=data_width)
+    expected, expected_errors = reference_jobs(config, vmem, memory, jobs)
+    assert errors == expected_errors
+    np.testing.assert_array_equal(after, expected)
+    return errors

@@ -6,19 +6,16 @@ import struct
 
 import numpy as np
 
-from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.descriptors import ErrorCode
 from dfvg_hw.image import ACT_PARAM_BYTES
-from dfvg_hw.isa import Flag, Instruction, Op
+from dfvg_hw.isa import Op
 from dfvg_hw.actmul_sequencer import ActMulSequencer
-from sim.functional import FunctionalEngine
 from sim.memory import DeviceMemory
-from sim.op_bench import functional_reference, run_jobs
 from sim.rtl_tools import to_verilog, verilator_lint
+# the row-job harness shared with the other row sequencer's tests (tests/rtl/)
+from sequencer_cases import (TINY, L, check_random_row_jobs, check_row_jobs, check_wide_lanes,
+                             row_job)
 
-TINY = get_preset("tiny")
-L = VMEM_LINE_BYTES
-MAX_N = 64
 #: parameter blocks (bus-aligned, odd, 8 mod 16, 13 mod 16) and their head words: int8
 #: results spread, int16 results spread, saturating, and a word with bits above the shift
 #: field set (the model masks them off)
@@ -36,48 +33,12 @@ def _memory(rng) -> DeviceMemory:
     return memory
 
 
-def _reference(vmem, memory, jobs, config=TINY):
-    engine = FunctionalEngine(config, memory)
-    engine.vmem[:] = vmem
-    errors = []
-    for job in jobs:
-        ins = Instruction(Op.ACTMUL, flags=job["flags"], rows=job["rows"], dst=job["dst"],
-                          src=job["src"], n=job["n"], addr=job["addr"])
-        errors.append(functional_reference(engine, ins))
-    return engine.vmem, errors
-
-
 def _actmul(rows, n, src, dst, addr=0x1000, wide=False):
-    return dict(opcode=Op.ACTMUL, flags=Flag.WIDE if wide else 0, rows=rows, n=n, src=src,
-                dst=dst, addr=addr)
+    return row_job(Op.ACTMUL, rows, n, src, dst, addr=addr, wide=wide)
 
 
 def _check(rng, jobs, data_width=128, config=TINY):
-    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
-    memory = _memory(rng)
-    after, errors = run_jobs(config, ActMulSequencer(config, data_width), vmem, memory, jobs,
-                             data_width=data_width)
-    expected, expected_errors = _reference(vmem, memory, jobs, config)
-    assert errors == expected_errors
-    np.testing.assert_array_equal(after, expected)
-    return errors
-
-
-def _random_job(rng):
-    n = int(rng.integers(1, MAX_N + 1))
-    rows = int(rng.integers(1, TINY.rows + 1))
-    wide = bool(rng.integers(2))
-    lines = TINY.vmem_bytes // L
-    src_lines = rows * -(-2 * n // L)
-    dst_lines = rows * -(-(2 if wide else 1) * n // L)
-    src = int(rng.integers(0, lines - src_lines))
-    dst = src
-    while rng.random() >= 0.25 and dst == src:
-        # in place or apart: a partly overlapping destination is not supported
-        candidate = int(rng.integers(0, lines - dst_lines))
-        if candidate + dst_lines <= src or src + src_lines <= candidate:
-            dst = candidate
-    return _actmul(rows, n, src, dst, addr=list(BLOCKS)[int(rng.integers(len(BLOCKS)))], wide=wide)
+    return check_row_jobs(rng, ActMulSequencer, _memory, jobs, data_width, config)
 
 
 def test_rows_widths_alignments_and_in_place():
@@ -111,11 +72,7 @@ def test_errors():
 
 
 def test_random_jobs():
-    rng = np.random.default_rng(13)
-    jobs = [_random_job(rng) for _ in range(24)]
-    _check(rng, jobs)
-    elements = sum(j["rows"] * j["n"] for j in jobs)
-    assert elements >= 1000, elements
+    check_random_row_jobs(np.random.default_rng(13), ActMulSequencer, _memory, Op.ACTMUL, list(BLOCKS))
 
 
 def test_wide_bus():
@@ -127,16 +84,8 @@ def test_wide_bus():
 
 
 def test_wide_lanes():
-    """64 lanes (the Alveo presets'): unit beats wider than a line, so rows are packed
-    into beats and results split into lines, with surplus lines past a row's end; each
-    job starts only after the previous one's surplus has left."""
-    rng = np.random.default_rng(5)
-    blocks = list(BLOCKS)
-    jobs = [_actmul(2, 20, 60, 60, addr=blocks[1], wide=True), _actmul(1, 100, 10, 40, addr=blocks[0]),
-            _actmul(2, 9, 100, 100, addr=blocks[2], wide=True), _actmul(1, 70, 150, 200, addr=blocks[3], wide=True),
-            _actmul(2, 33, 80, 30, addr=blocks[0])]
-    errors = _check(rng, jobs, data_width=256, config=TINY.with_changes(lanes=64))
-    assert errors == [ErrorCode.OK] * len(jobs)
+    """64 lanes: rows packed into beats wider than a line (see check_wide_lanes)."""
+    check_wide_lanes(np.random.default_rng(5), ActMulSequencer, _memory, Op.ACTMUL, list(BLOCKS))
 
 
 def test_lint():

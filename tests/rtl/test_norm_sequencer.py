@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.descriptors import ErrorCode
 from dfvg_hw.image import NORM_PARAM_BYTES, pack_norm_params
-from dfvg_hw.isa import Flag, Instruction, Op
+from dfvg_hw.isa import Op
 from dfvg_hw.norm_sequencer import NormSequencer
-from sim.functional import FunctionalEngine
 from sim.memory import DeviceMemory
-from sim.op_bench import functional_reference, run_jobs
 from sim.rtl_tools import to_verilog, verilator_lint
+# the row-job harness shared with the other row sequencer's tests (tests/rtl/)
+from sequencer_cases import (MAX_N, TINY, L, check_random_row_jobs, check_row_jobs,
+                             check_wide_lanes, row_job)
 
-TINY = get_preset("tiny")
-L = VMEM_LINE_BYTES
-MAX_N = 64
 #: parameter blocks: bus-aligned, odd (the head and gamma at every byte offset), 8 mod 16
 BLOCKS = (0x1000, 0x2003, 0x3008, 0x400D)
 #: a block whose gamma_shift is 17 (> GAMMA_SHIFT_MAX: PROGRAM)
@@ -38,48 +35,12 @@ def _memory(rng) -> DeviceMemory:
     return memory
 
 
-def _reference(vmem, memory, jobs, config=TINY):
-    engine = FunctionalEngine(config, memory)
-    engine.vmem[:] = vmem
-    errors = []
-    for job in jobs:
-        ins = Instruction(Op.RMSNORM, flags=job["flags"], rows=job["rows"], dst=job["dst"],
-                          src=job["src"], n=job["n"], addr=job["addr"])
-        errors.append(functional_reference(engine, ins))
-    return engine.vmem, errors
-
-
 def _norm(rows, n, src, dst, addr=BLOCKS[0], wide=False):
-    return dict(opcode=Op.RMSNORM, flags=Flag.WIDE if wide else 0, rows=rows, n=n, src=src,
-                dst=dst, addr=addr)
+    return row_job(Op.RMSNORM, rows, n, src, dst, addr=addr, wide=wide)
 
 
 def _check(rng, jobs, data_width=128, config=TINY):
-    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
-    memory = _memory(rng)
-    after, errors = run_jobs(config, NormSequencer(config, data_width), vmem, memory, jobs,
-                             data_width=data_width)
-    expected, expected_errors = _reference(vmem, memory, jobs, config)
-    assert errors == expected_errors
-    np.testing.assert_array_equal(after, expected)
-    return errors
-
-
-def _random_job(rng):
-    n = int(rng.integers(1, MAX_N + 1))
-    rows = int(rng.integers(1, TINY.rows + 1))
-    wide = bool(rng.integers(2))
-    lines = TINY.vmem_bytes // L
-    src_lines = rows * -(-2 * n // L)
-    dst_lines = rows * -(-(2 if wide else 1) * n // L)
-    src = int(rng.integers(0, lines - src_lines))
-    dst = src
-    while rng.random() >= 0.25 and dst == src:
-        # in place or apart: a partly overlapping destination is not supported
-        candidate = int(rng.integers(0, lines - dst_lines))
-        if candidate + dst_lines <= src or src + src_lines <= candidate:
-            dst = candidate
-    return _norm(rows, n, src, dst, addr=BLOCKS[int(rng.integers(len(BLOCKS)))], wide=wide)
+    return check_row_jobs(rng, NormSequencer, _memory, jobs, data_width, config)
 
 
 def test_rows_widths_alignments_and_in_place():
@@ -113,11 +74,7 @@ def test_errors_in_the_functional_models_order():
 
 
 def test_random_jobs():
-    rng = np.random.default_rng(3)
-    jobs = [_random_job(rng) for _ in range(24)]
-    _check(rng, jobs)
-    elements = sum(j["rows"] * j["n"] for j in jobs)
-    assert elements >= 1000, elements
+    check_random_row_jobs(np.random.default_rng(3), NormSequencer, _memory, Op.RMSNORM, BLOCKS)
 
 
 def test_wide_bus():
@@ -129,16 +86,8 @@ def test_wide_bus():
 
 
 def test_wide_lanes():
-    """64 lanes (the Alveo presets'): unit beats wider than a line, so rows are packed
-    into beats and results split into lines, with surplus lines past a row's end; each
-    job starts only after the previous one's surplus has left."""
-    rng = np.random.default_rng(5)
-    blocks = BLOCKS
-    jobs = [_norm(2, 20, 60, 60, addr=blocks[1], wide=True), _norm(1, 100, 10, 40, addr=blocks[0]),
-            _norm(2, 9, 100, 100, addr=blocks[2], wide=True), _norm(1, 70, 150, 200, addr=blocks[3], wide=True),
-            _norm(2, 33, 80, 30, addr=blocks[0])]
-    errors = _check(rng, jobs, data_width=256, config=TINY.with_changes(lanes=64))
-    assert errors == [ErrorCode.OK] * len(jobs)
+    """64 lanes: rows packed into beats wider than a line (see check_wide_lanes)."""
+    check_wide_lanes(np.random.default_rng(5), NormSequencer, _memory, Op.RMSNORM, BLOCKS)
 
 
 def test_lint():

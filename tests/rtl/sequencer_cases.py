@@ -1,0 +1,82 @@
+"""Cases shared by the row sequencers' tests (ActMulSequencer, NormSequencer).
+
+Both run jobs of ``rows`` rows of ``n`` int16 source elements (``2n`` bytes) into int8
+or, with ``WIDE``, int16 results, with a parameter block at ``addr``; they are checked
+the same way against the functional model (:func:`sim.op_bench.compare_with_reference`).
+Each test file keeps its own parameter blocks and cases.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
+from dfvg_hw.isa import Flag
+from sim.op_bench import compare_with_reference
+
+TINY = get_preset("tiny")
+L = VMEM_LINE_BYTES
+#: the longest row the random jobs use
+MAX_N = 64
+
+
+def row_job(opcode, rows, n, src, dst, addr, wide=False) -> dict:
+    """A row job for :func:`sim.op_bench.run_jobs`: ``rows`` rows of ``n`` elements from
+    VMEM line ``src`` to line ``dst``, parameter block at ``addr``, int16 results if
+    ``wide``."""
+    return dict(opcode=opcode, flags=Flag.WIDE if wide else 0, rows=rows, n=n, src=src,
+                dst=dst, addr=addr)
+
+
+def random_row_job(rng, opcode, blocks) -> dict:
+    """A random row job on ``TINY`` with one of ``blocks`` as its parameter block, either
+    in place or with source and destination apart."""
+    n = int(rng.integers(1, MAX_N + 1))
+    rows = int(rng.integers(1, TINY.rows + 1))
+    wide = bool(rng.integers(2))
+    lines = TINY.vmem_bytes // L
+    src_lines = rows * -(-2 * n // L)
+    dst_lines = rows * -(-(2 if wide else 1) * n // L)
+    src = int(rng.integers(0, lines - src_lines))
+    dst = src
+    while rng.random() >= 0.25 and dst == src:
+        # in place or apart: a partly overlapping destination is not supported
+        candidate = int(rng.integers(0, lines - dst_lines))
+        if candidate + dst_lines <= src or src + src_lines <= candidate:
+            dst = candidate
+    return row_job(opcode, rows, n, src, dst, addr=blocks[int(rng.integers(len(blocks)))],
+                   wide=wide)
+
+
+def check_row_jobs(rng, sequencer_class, make_memory, jobs, data_width=128, config=TINY):
+    """Run ``jobs`` on a ``sequencer_class(config, data_width)`` and on the functional model
+    from random VMEM and the device memory ``make_memory(rng)`` gives; assert they agree
+    and return the error codes."""
+    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    memory = make_memory(rng)
+    return compare_with_reference(config, sequencer_class(config, data_width), vmem, memory,
+                                  jobs, data_width=data_width)
+
+
+def check_random_row_jobs(rng, sequencer_class, make_memory, opcode, blocks, count=24):
+    """:func:`check_row_jobs` on ``count`` :func:`random_row_job`\\ s; assert they moved
+    at least 1000 elements, so the run is not a handful of short rows."""
+    jobs = [random_row_job(rng, opcode, blocks) for _ in range(count)]
+    check_row_jobs(rng, sequencer_class, make_memory, jobs)
+    elements = sum(j["rows"] * j["n"] for j in jobs)
+    assert elements >= 1000, elements
+
+
+def check_wide_lanes(rng, sequencer_class, make_memory, opcode, blocks):
+    """64 lanes (the Alveo presets') on a 256-bit bus: unit beats wider than a line, so
+    rows are packed into beats and results split into lines, with surplus lines past a
+    row's end; each job must start only after the previous one's surplus has left. The
+    jobs use ``blocks[0]`` to ``blocks[3]`` and must all be OK."""
+    jobs = [row_job(opcode, 2, 20, 60, 60, addr=blocks[1], wide=True),
+            row_job(opcode, 1, 100, 10, 40, addr=blocks[0]),
+            row_job(opcode, 2, 9, 100, 100, addr=blocks[2], wide=True),
+            row_job(opcode, 1, 70, 150, 200, addr=blocks[3], wide=True),
+            row_job(opcode, 2, 33, 80, 30, addr=blocks[0])]
+    errors = check_row_jobs(rng, sequencer_class, make_memory, jobs, data_width=256,
+                            config=TINY.with_changes(lanes=64))
+    assert errors == [0] * len(jobs)            # ErrorCode.OK
