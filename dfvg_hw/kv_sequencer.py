@@ -52,7 +52,7 @@ from dfvg_hw.image import ATTN_PARAM_BYTES
 from dfvg_hw.isa import Flag, Op
 from dfvg_hw.kv_buffer import KVBuffer, KVOp
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
-from dfvg_hw.operand_access import BlockReader, VmemWindow, vmem_span_outside
+from dfvg_hw.operand_access import BlockReader, VmemWindow, vmem_span_outside, window_request
 from dfvg_hw.softmax import Attention
 from dfvg_hw.vmem import Gearbox
 
@@ -172,10 +172,16 @@ class KvSequencer(wiring.Component):
             m.d.sync += self.error.eq(code)
             m.next = "DONE"
 
+        def kv_command(op, **fields):
+            """Comb statements offering KV-buffer command ``op`` with the given payload
+            ``fields`` (``layer``, ``head``, ``arg``); fields not given stay 0. The state
+            moves on when ``kv.cmd.ready`` is high."""
+            return [kv.cmd.valid.eq(1), kv.cmd.payload.op.eq(op),
+                    *(getattr(kv.cmd.payload, name).eq(value) for name, value in fields.items())]
+
         def gather(offset, then):
             """A state body: gather k bytes at ``src + offset``, then go to ``then``."""
-            m.d.comb += [window.cmd.valid.eq(1), window.cmd.payload.addr.eq(job.src * L + offset),
-                         window.cmd.payload.count.eq(job.k)]
+            m.d.comb += window_request(window, job.src * L + offset, job.k)
             with m.If(window.cmd.ready):
                 m.next = then
 
@@ -250,8 +256,7 @@ class KvSequencer(wiring.Component):
                     m.next = "SET_POS"
 
             with m.State("SET_POS"):            # the buffer's POS for APPEND / READ
-                m.d.comb += [kv.cmd.valid.eq(1), kv.cmd.payload.op.eq(KVOp.ROLLBACK),
-                             kv.cmd.payload.arg.eq(job.pos)]
+                m.d.comb += kv_command(KVOp.ROLLBACK, arg=job.pos)
                 with m.If(kv.cmd.ready):
                     with m.If(job.n == 0):
                         finish(ErrorCode.OK)
@@ -274,9 +279,7 @@ class KvSequencer(wiring.Component):
                     m.d.sync += entry[8 * D:].eq(window.data[:8 * D])
                     m.next = "APPEND"
             with m.State("APPEND"):             # also a clear's entry
-                m.d.comb += [kv.cmd.valid.eq(1), kv.cmd.payload.op.eq(KVOp.APPEND),
-                             kv.cmd.payload.layer.eq(kv_layer), kv.cmd.payload.head.eq(kv_head),
-                             kv.cmd.payload.arg.eq(kv_arg)]
+                m.d.comb += kv_command(KVOp.APPEND, layer=kv_layer, head=kv_head, arg=kv_arg)
                 with m.If(kv.cmd.ready):
                     m.d.sync += word.eq(0)
                     m.next = "APPEND_DATA"
@@ -304,8 +307,7 @@ class KvSequencer(wiring.Component):
                 with m.If(window.done):
                     m.next = "READ_KV"
             with m.State("READ_KV"):
-                m.d.comb += [kv.cmd.valid.eq(1), kv.cmd.payload.op.eq(KVOp.READ),
-                             kv.cmd.payload.layer.eq(kv_layer), kv.cmd.payload.head.eq(kv_head)]
+                m.d.comb += kv_command(KVOp.READ, layer=kv_layer, head=kv_head)
                 with m.If(kv.cmd.ready):
                     m.d.sync += v_phase.eq(0)
                     m.next = "QUERY"
@@ -319,10 +321,8 @@ class KvSequencer(wiring.Component):
                     m.d.sync += result.eq(Mux(wide, wide_out, narrow_out))
                     m.next = "SCATTER"
             with m.State("SCATTER"):
-                m.d.comb += [window.cmd.valid.eq(1), window.cmd.payload.write.eq(1),
-                             window.cmd.payload.addr.eq(job.dst * L + out_offset),
-                             window.cmd.payload.count.eq(out_head_bytes),
-                             window.cmd.payload.data.eq(result)]
+                m.d.comb += window_request(window, job.dst * L + out_offset, out_head_bytes,
+                                           data=result)
                 with m.If(window.cmd.ready):
                     m.next = "SCATTER_WAIT"
             with m.State("SCATTER_WAIT"):
@@ -339,8 +339,7 @@ class KvSequencer(wiring.Component):
 
             # -- clear: zero entries, position by position -----------------------------------
             with m.State("CLEAR_POS"):
-                m.d.comb += [kv.cmd.valid.eq(1), kv.cmd.payload.op.eq(KVOp.ROLLBACK),
-                             kv.cmd.payload.arg.eq(clear_pos)]
+                m.d.comb += kv_command(KVOp.ROLLBACK, arg=clear_pos)
                 with m.If(kv.cmd.ready):
                     m.next = "APPEND"
             with m.State("CLEAR_NEXT"):

@@ -27,7 +27,7 @@ from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 
 __all__ = ["BlockRead", "BlockReader", "WindowAccess", "VmemWindow", "vmem_span_outside",
-           "job_spans_outside", "byte_mask"]
+           "job_spans_outside", "window_request", "byte_mask"]
 
 L = VMEM_LINE_BYTES
 
@@ -162,6 +162,17 @@ class WindowAccess(data.StructLayout):
             "count": range(max_bytes + 1),
             "data": unsigned(8 * max_bytes),
         })
+
+
+def window_request(window: "VmemWindow", addr, count, data=None):
+    """Comb statements that offer one access on ``window.cmd``: gather ``count`` bytes at
+    VMEM byte ``addr``, or, given ``data``, scatter its low ``count`` bytes there. The
+    caller moves on when ``window.cmd.ready`` is high and waits for ``window.done``."""
+    statements = [window.cmd.valid.eq(1), window.cmd.payload.write.eq(data is not None),
+                  window.cmd.payload.addr.eq(addr), window.cmd.payload.count.eq(count)]
+    if data is not None:
+        statements.append(window.cmd.payload.data.eq(data))
+    return statements
 
 
 class VmemWindow(wiring.Component):

@@ -33,7 +33,8 @@ from amaranth.lib import wiring
 from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.descriptors import ErrorCode
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
-from dfvg_hw.operand_access import BlockReader, VmemWindow, byte_mask, vmem_span_outside
+from dfvg_hw.operand_access import (BlockReader, VmemWindow, byte_mask, job_spans_outside,
+                                    window_request)
 from dfvg_hw.rope import Rope
 
 __all__ = ["RopeSequencer"]
@@ -142,17 +143,14 @@ class RopeSequencer(wiring.Component):
                     m.next = "SPANS"
             with m.State("SPANS"):
                 m.d.sync += [row.eq(0), head.eq(0), row_start.eq(0), offset.eq(0)]
-                with m.If(vmem_span_outside(c, job.src, job.rows, row_bytes)
-                          | vmem_span_outside(c, job.dst, job.rows, row_bytes)):
+                with m.If(job_spans_outside(c, job, row_bytes, row_bytes)):
                     finish(ErrorCode.BAD_ADDRESS)
                 with m.Elif(row_bytes == 0):      # n = 0 or k = 0: nothing to rotate
                     finish(ErrorCode.OK)
                 with m.Else():
                     m.next = "GATHER"
             with m.State("GATHER"):
-                m.d.comb += [window.cmd.valid.eq(1), window.cmd.payload.write.eq(0),
-                             window.cmd.payload.addr.eq(job.src * L + offset),
-                             window.cmd.payload.count.eq(job.k)]
+                m.d.comb += window_request(window, job.src * L + offset, job.k)
                 with m.If(window.cmd.ready):
                     m.next = "GATHER_WAIT"
             with m.State("GATHER_WAIT"):
@@ -168,10 +166,7 @@ class RopeSequencer(wiring.Component):
                     m.d.sync += rotated.eq(a_out | (b_out << (half << 3)))
                     m.next = "SCATTER"
             with m.State("SCATTER"):
-                m.d.comb += [window.cmd.valid.eq(1), window.cmd.payload.write.eq(1),
-                             window.cmd.payload.addr.eq(job.dst * L + offset),
-                             window.cmd.payload.count.eq(job.k),
-                             window.cmd.payload.data.eq(rotated)]
+                m.d.comb += window_request(window, job.dst * L + offset, job.k, data=rotated)
                 with m.If(window.cmd.ready):
                     m.next = "SCATTER_WAIT"
             with m.State("SCATTER_WAIT"):
