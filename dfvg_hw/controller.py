@@ -54,9 +54,6 @@ from dfvg_hw.vmem import Gearbox, VectorMemory
 
 __all__ = ["Controller", "MemoryClientSignature"]
 
-#: Unit instructions the controller executes itself.
-EXECUTED_OPS = (Op.NOP, Op.EMBED, Op.MATMUL, Op.SAMPLE)
-
 
 class MemoryClientSignature(wiring.Signature):
     """The controller's side of the :class:`~dfvg_hw.memory_port.MemoryPort` (members named
