@@ -149,6 +149,7 @@ class Controller(wiring.Component):
             m.d.comb += [unit.peek_data.eq(vmem.peek_data), unit.vmem_error.eq(vmem.error),
                          unit.vmem_wr_done.eq(vmem.wr_done)]
             op_units.append((opcodes, name.upper(), unit, cancel))
+        self.units = {name.lower(): unit for _, name, unit, _ in op_units}   # for co-simulation
 
         # -- host commands arrive as pulses; keep them until their turn ----------------------
         cmd = ctrl.command

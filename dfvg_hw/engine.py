@@ -68,6 +68,7 @@ class DraftEngine(wiring.Component):
         m = Module()
         regs = m.submodules.registers = RegisterFile(self.config)
         ctl = m.submodules.controller = Controller(self.config, self.data_width)
+        self.controller = ctl                   # co-simulation reaches the engine's state through it
         port = m.submodules.memory_port = MemoryPort(self.config, data_width=self.data_width)
         connect_prefixed(m, self, AXIL_PREFIX, regs.bus)
         connect_flat(m, port.axi, self, AXI_PREFIX)

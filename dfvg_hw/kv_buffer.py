@@ -168,6 +168,8 @@ class KVBuffer(wiring.Component):
                                             attrs=attrs)
         m.submodules.v_mem = v_mem = Memory(shape=unsigned(width), depth=self.depth, init=[],
                                             attrs=attrs)
+        # kept for co-simulation, which compares the stored KV with the functional model's
+        self.memories = (k_mem, v_mem)
         k_wr, v_wr = k_mem.write_port(), v_mem.write_port()
         k_rd, v_rd = k_mem.read_port(), v_mem.read_port()
 

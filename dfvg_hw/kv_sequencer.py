@@ -108,6 +108,7 @@ class KvSequencer(wiring.Component):
         c = self.config
         D = c.head_dim
         kv = m.submodules.kv = KVBuffer(c)
+        self.kv_buffer = kv                     # co-simulation reads the KV through it
         WB, W = kv.word_bytes, kv.words
         attn = m.submodules.attention = Attention(c)
         params = m.submodules.params = BlockReader(c, self.data_width, ATTN_PARAM_BYTES)

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from types import SimpleNamespace
 
+import numpy as np
 from amaranth.sim import Simulator
 
 from dfvg_hw.config import EngineConfig
@@ -77,6 +78,11 @@ class RtlDevice:
                 kind, args, box = self._queue.popleft()
                 if kind == "read":
                     box.append(await axil_read(ctx, self._bus, *args))
+                elif kind == "kv":
+                    kv, = args
+                    width = kv.word_bytes
+                    box.append([b"".join(int(ctx.get(mem.data[i])).to_bytes(width, "little")
+                                         for i in range(kv.depth)) for mem in kv.memories])
                 else:
                     await axil_write(ctx, self._bus, *args)
                     box.append(None)
@@ -126,6 +132,18 @@ class RtlDevice:
             self._until = None
             return False
         return True
+
+    def kv_contents(self):
+        """The engine's KV cache as (K, V) int8 arrays ``[kv_layers, kv_heads, kv_positions,
+        head_dim]``, read from the KV buffer's memories in simulation (the functional
+        model's ``kv_k``/``kv_v`` layout)."""
+        kv = self.engine.controller.units["kv"].kv_buffer
+        c = self.config
+        box: list = []
+        self._queue.append(("kv", (kv,), box))
+        self._run(lambda: box)
+        shape = (c.kv_layers, c.kv_heads, c.kv_positions, c.head_dim)
+        return tuple(np.frombuffer(raw, dtype=np.int8).reshape(shape) for raw in box[0])
 
     def close(self) -> None:
         self._queue.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from dfvg_hw.regmap import Reg
@@ -25,7 +26,7 @@ SAMPLED = dict(sample=True, temperature=0.7, topk=3, seed=11, counter=5)
 
 def session(device, compiled, steps):
     """Run ``steps`` (draft and rollback calls) through a driver on ``device``; return what
-    the driver saw."""
+    the driver saw, and the KV cache the engine holds at the end."""
     dev = DraftDevice(device, compiled, timeout_s=600)
     seen = []
     for kind, args, kwargs in steps:
@@ -35,8 +36,14 @@ def session(device, compiled, steps):
         else:
             out = dev.draft(*args, **kwargs)
             seen.append(("draft", out.tokens, out.end_pos, out.n_forward, dev.kv_length))
+    if isinstance(device, SimDevice):
+        kv = (device.engine.kv_k.copy(), device.engine.kv_v.copy())
+    elif isinstance(device, RtlDevice):
+        kv = device.kv_contents()
+    else:
+        kv = None                      # the Verilator harness has no KV read-back
     device.close()
-    return seen
+    return seen, kv
 
 
 def steps_for(n_greedy: int, n_sampled: int):
@@ -53,11 +60,15 @@ def steps_for(n_greedy: int, n_sampled: int):
 def test_driver_on_the_rtl_engine_equals_the_sim_device(device, tiny_engine, tiny_compiled):
     n = 8 if device == "rtl+verilator" else 2          # Amaranth's simulator is ~250x slower
     steps = steps_for(n, n)
-    expected = session(SimDevice(tiny_engine), tiny_compiled, steps)
+    expected, kv_expected = session(SimDevice(tiny_engine), tiny_compiled, steps)
     make = VerilatorDevice if device == "rtl+verilator" else RtlDevice
-    got = session(make(tiny_engine), tiny_compiled, steps)
+    got, kv = session(make(tiny_engine), tiny_compiled, steps)
     assert got == expected
     assert len(expected[0][1]) == n and len(expected[2][1]) == n
+    if kv is not None:                 # the KV cache itself, every layer, head and position
+        for rtl_half, model_half in zip(kv, kv_expected):
+            np.testing.assert_array_equal(rtl_half, model_half)
+        assert np.any(kv_expected[0])
 
 
 def test_engine_error_reaches_the_driver(tiny_engine, tiny_compiled):
