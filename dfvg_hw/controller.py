@@ -12,14 +12,19 @@ start; several may arrive in one ``CONTROL`` write):
   PC 0 until HALT or a fault, then write the result descriptor (header, records, check
   word) and complete: ``DONE`` (and ``ERROR``) in STATUS, ERROR/ERROR_PC, LAST_SEQ,
   CYCLES, the completion interrupt.
-* **SOFT_RESET** clears the status and counter registers and ``PROGRAM_LOADED``, VMEM and
-  the logit buffer.
+* **SOFT_RESET** clears the status and counter registers and ``PROGRAM_LOADED``, VMEM, the
+  KV cache and the logit buffer.
+
+``STATUS.BUSY`` is up from the moment a command arrives until it is done (soft reset and
+program load take time too), and every busy cycle of a request is also counted against
+the unit it is spent in (``OP_CYCLES``: the instruction's opcode, or the request's own
+overhead).
 
 Execution: fetch (IMEM is a synchronous memory), decode (:class:`InstructionDecoder`;
 an illegal word faults ``ILLEGAL_INSTRUCTION`` when fetched), then either retire a control
 instruction into the :class:`Sequencer` at once or run a unit instruction and retire it
-when it is done. ``pc`` past the loaded program faults ``PROGRAM``, as does an instruction
-budget of ``(n_in + n_draft + 1) · PROG_LEN · 256`` (``WATCHDOG``).
+when it is done. ``pc`` past the loaded program faults ``PROGRAM``; running through an
+instruction budget of ``(n_in + n_draft + 1) · PROG_LEN · 256`` faults ``WATCHDOG``.
 
 Unit instructions: ``EMBED``, ``SAMPLE`` and ``NOP`` here; ``MATMUL`` through
 :class:`~dfvg_hw.matmul_sequencer.MatmulSequencer` (for the geometries it supports, see
