@@ -155,6 +155,7 @@ class Controller(wiring.Component):
                          unit.vmem_wr_done.eq(vmem.wr_done)]
             op_units.append((opcodes, name.upper(), unit, cancel))
         self.units = {name.lower(): unit for _, name, unit, _ in op_units}   # for co-simulation
+        kv = self.units.get("kv")             # its `clear` zeroes the KV cache on soft reset
 
         # -- host commands arrive as pulses; keep them until their turn ----------------------
         cmd = ctrl.command
@@ -256,14 +257,12 @@ class Controller(wiring.Component):
                     m.next = "CLEAR_KV"
             with m.State("CLEAR_KV"):
                 # the functional model's soft reset zeroes the KV cache too
-                kv = next((u for _, name, u, _ in op_units if hasattr(u, "clear")), None)
                 if kv is None:
                     m.next = "IDLE"
                 else:
                     m.d.comb += kv.clear.eq(1)
                     m.next = "CLEAR_KV_WAIT"
             with m.State("CLEAR_KV_WAIT"):
-                kv = next((u for _, name, u, _ in op_units if hasattr(u, "clear")), None)
                 with m.If(kv is None or ~kv.clearing):
                     m.next = "IDLE"
 

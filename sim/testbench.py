@@ -13,7 +13,7 @@ from pathlib import Path
 
 from amaranth.sim import Simulator
 
-__all__ = ["stream_put", "stream_get", "run_simulation", "vcd_dir", "watchdog",
+__all__ = ["stream_put", "stream_get", "stream_through", "run_simulation", "vcd_dir", "watchdog",
            "first_valid_after_accept"]
 
 
@@ -43,6 +43,26 @@ def watchdog(limit: int, done):
             await ctx.tick()
         raise AssertionError(f"simulation hung: not done after {limit} cycles")
     return tb
+
+
+def stream_through(dut, payloads, *, ready=None) -> list:
+    """Stream ``payloads`` into ``dut.i`` and take as many beats from ``dut.o``; return the
+    output payloads. ``ready`` is a repeating pattern of the sink's readiness (0: one cycle
+    of backpressure before that beat), so a unit is exercised with stalls."""
+    got = []
+
+    async def put(ctx):
+        for payload in payloads:
+            await stream_put(ctx, dut.i, payload)
+
+    async def get(ctx):
+        for k in range(len(payloads)):
+            if ready is not None and not ready[k % len(ready)]:
+                await ctx.tick()
+            got.append(await stream_get(ctx, dut.o))
+
+    run_simulation(dut, put, get)
+    return got
 
 
 def first_valid_after_accept(dut, inp, out, payload, before=None) -> int:

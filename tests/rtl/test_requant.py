@@ -6,24 +6,12 @@ import pytest
 from dfvg_hw import numerics as nx
 from dfvg_hw.requant import Requantizer
 from sim.rtl_tools import to_verilog, verilator_lint
-from sim.testbench import run_simulation, stream_get, stream_put
+from sim.testbench import stream_through
 
 
 def simulate(bits, acc, mult, shift, ready_pattern=None):
-    dut, got = Requantizer(bits), []
-
-    async def put(ctx):
-        for a, mu, s in zip(acc, mult, shift):
-            await stream_put(ctx, dut.i, {"acc": int(a), "mult": int(mu), "shift": int(s)})
-
-    async def get(ctx):
-        for i in range(len(acc)):
-            if ready_pattern is not None and not ready_pattern[i % len(ready_pattern)]:
-                await ctx.tick()                     # backpressure: a cycle not ready
-            got.append(await stream_get(ctx, dut.o))
-
-    run_simulation(dut, put, get)
-    return np.array(got)
+    beats = [{"acc": int(a), "mult": int(mu), "shift": int(s)} for a, mu, s in zip(acc, mult, shift)]
+    return np.array(stream_through(Requantizer(bits), beats, ready=ready_pattern))
 
 
 @pytest.mark.parametrize("bits", [8, 16])

@@ -10,7 +10,7 @@ from dfvg_hw.config import get_preset
 from dfvg_hw.softmax import Attention, Normalizer, Reciprocal, SoftmaxExp, SoftmaxWeights
 from sim import rtl_tools
 from sim.rtl_tools import to_verilog, verilator_lint
-from sim.testbench import first_valid_after_accept, run_simulation, stream_get, stream_put
+from sim.testbench import first_valid_after_accept, run_simulation, stream_get, stream_put, stream_through
 
 TINY = get_preset("tiny")
 CONFIGS = [TINY, TINY.with_changes(name="tiny-l8-hd32", lanes=8, head_dim=32)]
@@ -160,19 +160,7 @@ def test_reciprocal_random_and_edges():
     bits = 23
     e = rng.integers(1 << 16, 1 << bits, 400)
     e[:6] = [1 << 16, (1 << 16) + 1, (1 << bits) - 1, 1, 2, 3]
-    dut, got = Reciprocal(bits), []
-
-    async def put(ctx):
-        for v in e:
-            await stream_put(ctx, dut.i, int(v))
-
-    async def get(ctx):
-        for k in range(len(e)):
-            if k % 2:
-                await ctx.tick()
-            got.append(await stream_get(ctx, dut.o))
-
-    run_simulation(dut, put, get)
+    got = stream_through(Reciprocal(bits), [int(v) for v in e], ready=(1, 0))
     np.testing.assert_array_equal(np.array(got), (1 << 32) // e)
 
 
