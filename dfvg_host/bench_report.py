@@ -108,17 +108,19 @@ def efficiency_table(result: BenchResult) -> str:
              f"(random weights), one draft token at context {ctx}",
              "",
              f"{'shape':<20}{'preset':<12}{'tok/s':>9}{'memory':>10}{'compute':>10}"
-             f"{'efficiency':>12}{'bound':>9}{'cycles/tok':>12}{'MB/tok':>8}",
+             f"{'efficiency':>12}{'bound':>9}{'cycles/tok':>12}{'MB/tok':>8}{'board mem':>11}",
              f"{'':<20}{'':<12}{'modelled':>9}{'roofline':>10}{'roofline':>10}"
-             f"{'÷ min roof':>12}{'':>9}{'':>12}{'':>8}"]
+             f"{'÷ min roof':>12}{'':>9}{'':>12}{'':>8}{'roofline':>11}"]
     for r in rows:
         p = r.report
         lines.append(f"{r.shape:<20}{p.preset:<12}{p.tokens_per_s:>9,.0f}"
                      f"{p.roofline_memory_tokens_per_s:>10,.0f}{p.roofline_compute_tokens_per_s:>10,.0f}"
                      f"{100 * p.efficiency:>11.1f}%{r.bound:>9}{p.cycles_per_token:>12,}"
-                     f"{p.bytes_per_token / 1e6:>8.1f}")
-    lines += ["", "memory roofline: preset bandwidth / bytes read per token; compute roofline: "
-              "clock x lanes x reduce MACs per cycle (a chain fills one row) / MACs per token."]
+                     f"{p.bytes_per_token / 1e6:>8.1f}{p.roofline_board_tokens_per_s:>11,.0f}")
+    lines += ["", "memory roofline: the bandwidth of the engine's one memory port / bytes read per "
+              "token; compute roofline: clock x lanes x reduce MACs per cycle (a chain fills one "
+              "row) / MACs per token; board mem roofline: the card's whole memory bandwidth / "
+              "bytes per token, which needs a multi-port memory system the engine does not have yet."]
     return "\n".join(lines)
 
 

@@ -71,7 +71,8 @@ def cmd_presets(args) -> int:
     for cfg in PRESETS.values():
         print(f"{cfg.name:12s} tile {cfg.rows}x{cfg.lanes}x{cfg.reduce}  KV {cfg.kv_layers}L x "
               f"{cfg.kv_heads}H x {cfg.kv_positions}P x {cfg.head_dim}  {cfg.clock_mhz:g} MHz  "
-              f"{cfg.mem_bandwidth_gbps:g} GB/s\n{'':12s} {cfg.source}")
+              f"memory {cfg.mem_bandwidth_gbps:g} GB/s, engine port {cfg.mem_port_bits} bits = "
+              f"{cfg.engine_bandwidth_gbps:g} GB/s\n{'':12s} {cfg.source}")
     return 0
 
 

@@ -12,6 +12,7 @@ the compiler's sources, like the demo draft's compile cache.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,8 +81,21 @@ class EfficiencyRow:
                     efficiency=r.efficiency, bound=self.bound, cycles_per_token=r.cycles_per_token,
                     bytes_per_token=r.bytes_per_token, macs_per_token=r.macs_per_token,
                     clock_mhz=r.clock_mhz, image_bytes=r.image_bytes,
+                    roofline_board_tokens_per_s=r.roofline_board_tokens_per_s,
+                    engine_bandwidth_gbps=r.engine_bandwidth_gbps,
                     label="modelled: cycle model on the compiled program; rooflines from the "
-                          "preset's bandwidth and peak MACs")
+                          "engine port's bandwidth and peak MACs")
+
+
+def _report_fingerprint() -> str:
+    """The sources that turn a compiled program into figures: a changed cycle model or
+    report must not reuse cached figures."""
+    import sim.cycle_model
+    from dfvg_host import report
+    h = hashlib.sha256()
+    for module in (sim.cycle_model, report):
+        h.update(Path(module.__file__).read_bytes())
+    return h.hexdigest()[:8]
 
 
 def _compile_and_report(shape_dir: Path, engine: EngineConfig, context: int, model) -> CompileReport:
@@ -124,7 +138,8 @@ def engine_efficiency(engines: list[EngineConfig], shapes: tuple[DraftShape, ...
         shape_dir = shape.write_config(root / "shapes" / shape.name)
         model = None          # loaded once per shape, and only when a preset is not cached
         for engine in engines:
-            key = f"{shape.name}-{engine.name}-ctx{context}-{_fingerprint(shape_dir, None, engine)}"
+            key = (f"{shape.name}-{engine.name}-ctx{context}-{_fingerprint(shape_dir, None, engine)}"
+                   f"-{_report_fingerprint()}")
             path = root / f"{key}.json"
             if cache and path.is_file():
                 report = CompileReport(**json.loads(path.read_text()))

@@ -1,8 +1,10 @@
 """The compile report: sizes, instruction count and modelled draft speed.
 
 Every speed figure here is *modelled*: cycles come from the cycle model
-(:mod:`sim.cycle_model`) at the preset's clock, and the roofline from the preset's
-device-memory bandwidth. Nothing is measured on hardware.
+(:mod:`sim.cycle_model`) at the preset's clock; the memory roofline is the bandwidth the
+engine's memory port can move (``EngineConfig.engine_bandwidth_gbps``), and the board
+roofline the card's whole device-memory bandwidth, which only a multi-port memory system
+would reach. Nothing is measured on hardware.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ class CompileReport:
     roofline_compute_tokens_per_s: float
     macs_per_token: int
     cycles_by_op: dict
+    engine_bandwidth_gbps: float
+    board_bandwidth_gbps: float
+
+    @property
+    def roofline_board_tokens_per_s(self) -> float:
+        """The memory roofline at the board's whole bandwidth (not reachable through one
+        port when the board has more)."""
+        return self.board_bandwidth_gbps * 1e9 / self.bytes_per_token
 
     @property
     def efficiency(self) -> float:
@@ -56,7 +66,12 @@ class CompileReport:
             f"draft speed   {self.tokens_per_s:,.0f} tokens/s at {self.clock_mhz:g} MHz "
             f"[modelled]",
             f"memory        {self.bytes_per_token:,} bytes read per token -> roofline "
-            f"{self.roofline_memory_tokens_per_s:,.0f} tokens/s [modelled: preset bandwidth]",
+            f"{self.roofline_memory_tokens_per_s:,.0f} tokens/s [modelled: the engine's memory "
+            f"port, {self.engine_bandwidth_gbps:g} GB/s]",
+            f"board memory  {self.board_bandwidth_gbps:g} GB/s -> roofline "
+            f"{self.roofline_board_tokens_per_s:,.0f} tokens/s [modelled: needs a multi-port "
+            f"memory system]" if self.board_bandwidth_gbps > self.engine_bandwidth_gbps else
+            f"board memory  {self.board_bandwidth_gbps:g} GB/s (the port is not the limit)",
             f"compute       {self.macs_per_token:,} MACs per token -> roofline "
             f"{self.roofline_compute_tokens_per_s:,.0f} tokens/s [modelled: peak MACs at clock]",
             f"efficiency    {100 * self.efficiency:.1f}% of min(rooflines)",
@@ -74,7 +89,9 @@ def compile_report(engine: EngineConfig, program: list[int], *, model: str, imag
         program_bytes=16 * len(program), context_limit=context_limit, context=context,
         cycles_per_token=counts.total, bytes_per_token=counts.mem_bytes, clock_mhz=engine.clock_mhz,
         tokens_per_s=clock / counts.total,
-        roofline_memory_tokens_per_s=engine.mem_bandwidth_gbps * 1e9 / counts.mem_bytes,
+        roofline_memory_tokens_per_s=engine.engine_bandwidth_gbps * 1e9 / counts.mem_bytes,
+        engine_bandwidth_gbps=engine.engine_bandwidth_gbps,
+        board_bandwidth_gbps=engine.mem_bandwidth_gbps,
         # A chain drafts one row: it uses lanes x reduce of the M x N x K MACs per cycle.
         roofline_compute_tokens_per_s=clock * engine.lanes * engine.reduce / counts.macs,
         macs_per_token=counts.macs, cycles_by_op=counts.by_op)

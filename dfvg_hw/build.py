@@ -40,8 +40,8 @@ def build(board_name: str, preset: str | None = None, out: str | Path | None = N
     """Write the build tree; return (board, config, FlowFiles, Verilog path)."""
     board = get_board(board_name)
     config = get_preset(preset or board.preset)
-    iface = EngineInterface.for_config(config, [f"{TOP}.v"])
-    width = data_width or iface.axi_data_width
+    width = data_width or config.mem_port_bits
+    iface = EngineInterface.for_config(config, [f"{TOP}.v"], axi_data_width=width)
     directory = Path(out or f"build/{board.name}-{config.name}")
     directory.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

@@ -61,6 +61,11 @@ class EngineConfig:
         Device-memory read latency (first beat of a burst).
     mem_bytes : int
         Device-memory capacity.
+    mem_port_bits : int
+        Data width of the engine's AXI4 master into device memory (128: one VMEM line a
+        beat; 256: one HBM pseudo-channel beat). One port moves at most one beat a
+        cycle, so the engine sees ``min(mem_bandwidth_gbps, mem_port_bits/8 · clock)``
+        (:attr:`engine_bytes_per_cycle`).
     source : str
         Where the numbers come from.
     """
@@ -81,6 +86,7 @@ class EngineConfig:
     mem_bandwidth_gbps: float
     mem_latency_ns: float
     mem_bytes: int
+    mem_port_bits: int = 128
     data_bits: int = 8
     residual_bits: int = 16
     acc_bits: int = 32
@@ -97,6 +103,17 @@ class EngineConfig:
     @property
     def mem_bytes_per_cycle(self) -> float:
         return self.mem_bandwidth_gbps * 1e9 / (self.clock_mhz * 1e6)
+
+    @property
+    def engine_bytes_per_cycle(self) -> float:
+        """Device-memory bytes per cycle the engine can move: the memory's bandwidth,
+        capped at one beat a cycle of its single port."""
+        return min(self.mem_bytes_per_cycle, self.mem_port_bits / 8)
+
+    @property
+    def engine_bandwidth_gbps(self) -> float:
+        """:attr:`engine_bytes_per_cycle` in GB/s (10^9 bytes/s) at the engine clock."""
+        return self.engine_bytes_per_cycle * self.clock_mhz * 1e6 / 1e9
 
     @property
     def mem_latency_cycles(self) -> int:
@@ -148,6 +165,8 @@ class EngineConfig:
              f"must be a multiple of {VMEM_LINE_BYTES}")
         need(self.vmem_bytes <= VMEM_LINE_BYTES * 65536, "vmem_bytes",
              "VMEM addresses are 16-bit line numbers (at most 1 MiB)")
+        need(self.mem_port_bits in (128, 256, 384, 512), "mem_port_bits",
+             "the memory port is 128, 256, 384 or 512 bits (whole 16-byte VMEM lines a beat)")
         need(self.imem_words <= 65536, "imem_words", "program counters are 16-bit")
         need(self.mem_bytes <= 1 << 36, "mem_bytes", "device addresses are at most 36-bit (64 GiB)")
         # int8 x int8 products summed over K must not overflow the accumulator for any
@@ -173,6 +192,7 @@ PRESETS: dict[str, EngineConfig] = {
             kv_layers=12, kv_heads=12, kv_positions=1024, head_dim=64,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=300.0, mem_bytes=16 * GiB,
+            mem_port_bits=256,
             source="Alveo U55C (XCU55C, DS978): 16 GB HBM2 at 460 GB/s, 9024 DSP, "
                    "960 URAM (33.75 MB) — the KV buffer (18.9 MB) lives in URAM; "
                    "300 MHz as in the DFVG paper"),
@@ -181,6 +201,7 @@ PRESETS: dict[str, EngineConfig] = {
             kv_layers=12, kv_heads=12, kv_positions=1024, head_dim=64,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=300.0, mem_bytes=8 * GiB,
+            mem_port_bits=256,
             source="Alveo U280 (XCU280, DS963): 8 GB HBM2 at 460 GB/s (plus 32 GB DDR4, "
                    "unused), 9024 DSP, 960 URAM; 300 MHz"),
         EngineConfig(
@@ -188,6 +209,7 @@ PRESETS: dict[str, EngineConfig] = {
             kv_layers=12, kv_heads=12, kv_positions=1024, head_dim=64,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=77.0, mem_latency_ns=250.0, mem_bytes=64 * GiB,
+            mem_port_bits=256,
             source="Alveo U250 (XCU250, DS962): 64 GB DDR4 in 4 channels at 77 GB/s, "
                    "12288 DSP, 1280 URAM; 300 MHz. DDR bandwidth makes the tile smaller "
                    "(32 x 32) while staying memory-bound for chains"),

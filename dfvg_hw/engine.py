@@ -39,9 +39,10 @@ class DraftEngine(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-    data_width : int
-        Width of the AXI4 master's data bus in bits (128 for ``tiny``: one 16-byte VMEM
-        line per beat; 256 for an Alveo HBM pseudo-channel).
+    data_width : int, optional
+        Width of the AXI4 master's data bus in bits; by default the configuration's
+        ``mem_port_bits`` (128 for ``tiny``: one 16-byte VMEM line per beat; 256 for an
+        Alveo HBM pseudo-channel), which is what the cycle model assumes.
 
     Members
     -------
@@ -53,9 +54,9 @@ class DraftEngine(wiring.Component):
         Completion interrupt.
     """
 
-    def __init__(self, config: EngineConfig, data_width: int = 128):
+    def __init__(self, config: EngineConfig, data_width: int | None = None):
         self.config = config
-        self.data_width = data_width
+        self.data_width = data_width = data_width or config.mem_port_bits
         self.axil = AXI4LiteSignature(register_space_bits())
         self.axi = AXI4Signature(data_width, 64)
         super().__init__(wiring.Signature({

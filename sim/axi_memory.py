@@ -90,12 +90,12 @@ class MemoryTiming:
             raise ValueError("the memory must accept at least one burst")
 
     @classmethod
-    def for_config(cls, config: EngineConfig, data_width: int, **changes) -> "MemoryTiming":
-        """The configured memory seen through one ``data_width``-bit port at the engine
-        clock: latency = ``mem_latency_ns`` in cycles (both directions), bandwidth =
+    def for_config(cls, config: EngineConfig, data_width: int | None = None, **changes) -> "MemoryTiming":
+        """The configured memory seen through one ``data_width``-bit port (default: the
+        configuration's ``mem_port_bits``) at the engine clock: latency = ``mem_latency_ns`` in cycles (both directions), bandwidth =
         ``mem_bandwidth_gbps`` in beats per cycle, at most one (a single port cannot move
         more than a beat a cycle, whatever the memory could)."""
-        bytes_per_beat = data_width // 8
+        bytes_per_beat = (data_width or config.mem_port_bits) // 8
         timing = cls(read_latency=config.mem_latency_cycles,
                      write_latency=config.mem_latency_cycles,
                      beats_per_cycle=min(1.0, config.mem_bytes_per_cycle / bytes_per_beat))

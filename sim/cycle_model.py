@@ -53,7 +53,7 @@ class CycleModel:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.latency = config.mem_latency_cycles
-        self.bytes_per_cycle = config.mem_bytes_per_cycle
+        self.bytes_per_cycle = config.engine_bytes_per_cycle
         # multiply, adder tree over `reduce`, accumulate, requantise (multiply, round, sat)
         self.matmul_pipe = 2 + ceil(log2(config.reduce)) + 1 + 3
         self.vector_pipe = 4

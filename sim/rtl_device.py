@@ -37,8 +37,8 @@ class RtlDevice:
     Parameters
     ----------
     config : EngineConfig
-    data_width : int
-        The engine's AXI4 data width (128 for ``tiny``).
+    data_width : int, optional
+        The engine's AXI4 data width (default: the configuration's ``mem_port_bits``).
     timing : MemoryTiming, optional
         Device-memory timing (default: the preset's latency and bandwidth).
 
@@ -52,7 +52,7 @@ class RtlDevice:
         Wall time spent simulating (for cycles/s).
     """
 
-    def __init__(self, config: EngineConfig, *, data_width: int = 128,
+    def __init__(self, config: EngineConfig, *, data_width: int | None = None,
                  timing: MemoryTiming | None = None):
         self.config = config
         self.memory = DeviceMemory(config.mem_bytes)

@@ -38,7 +38,7 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("DFVG_CACHE", Path.home() / ".cache" / "dfvg")) / "verilator"
 
 
-def build_harness(config: EngineConfig, data_width: int = 128, log=None) -> Path:
+def build_harness(config: EngineConfig, data_width: int | None = None, log=None) -> Path:
     """The harness binary for ``config`` (built unless the cache has it)."""
     exe = shutil.which("verilator")
     if exe is None:
@@ -77,7 +77,7 @@ class VerilatorDevice:
         Wall time spent in the simulator.
     """
 
-    def __init__(self, config: EngineConfig, *, data_width: int = 128,
+    def __init__(self, config: EngineConfig, *, data_width: int | None = None,
                  timing: MemoryTiming | None = None, log=None):
         self.config = config
         binary = build_harness(config, data_width, log)

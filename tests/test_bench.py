@@ -158,7 +158,8 @@ def test_efficiency_agrees_with_compile_and_an_independent_count(tmp_path, monke
         assert r.bytes_per_token >= weights
         assert r.roofline_compute_tokens_per_s == pytest.approx(
             engine.clock_mhz * 1e6 * engine.lanes * engine.reduce / macs)
-        assert r.roofline_memory_tokens_per_s == pytest.approx(engine.mem_bandwidth_gbps * 1e9 / r.bytes_per_token)
+        assert r.roofline_memory_tokens_per_s == pytest.approx(engine.engine_bandwidth_gbps * 1e9 / r.bytes_per_token)
+        assert r.roofline_board_tokens_per_s == pytest.approx(engine.mem_bandwidth_gbps * 1e9 / r.bytes_per_token)
         assert row.bound in ("memory", "compute")
         # the same figures as `dfvg compile --random-weights` for that shape and preset
         assert main(["compile", "--draft", str(shape_dir), "--random-weights", "--preset", engine.name,
