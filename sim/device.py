@@ -127,7 +127,7 @@ class SimDevice:
         except MemoryError_:
             self._finish(ErrorCode.BAD_ADDRESS)
             return
-        cycles = result.cycles
+        cycles = self.engine.counts.total          # the whole request, result write included
         busy = self._addr(Reg.BUSY_CYCLES_LO) + cycles
         self._regs[Reg.CYCLES_LO], self._regs[Reg.CYCLES_HI] = cycles & 0xFFFFFFFF, cycles >> 32
         self._regs[Reg.BUSY_CYCLES_LO], self._regs[Reg.BUSY_CYCLES_HI] = busy & 0xFFFFFFFF, busy >> 32

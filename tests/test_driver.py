@@ -26,7 +26,7 @@ def test_driver_results_equal_the_functional_model(tiny_engine, tiny_compiled):
     assert out.tokens == direct.tokens and out.cycles == direct.cycles
     assert out.end_pos == dev.kv_length == dev.committed == len(PROMPT) + 5
     last, busy = dev.cycles()
-    assert last == out.cycles and busy >= last
+    assert last > out.cycles and busy >= last        # CYCLES runs on through the result write
     # ping-pong: consecutive requests alternate buffers
     dev.rollback(len(PROMPT))
     again = dev.draft(out.ids[:1], 5, sample=True, temperature=0.7, topk=3, seed=11, counter=6)

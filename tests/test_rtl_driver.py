@@ -3,7 +3,8 @@ drafting greedily and sampled on the generated engine (Verilator, and Amaranth's
 simulator for a shorter run), against the same driver calls on the sim device.
 
 Tokens, probabilities and top-k lists must be equal bit for bit; so must the KV lengths
-and everything the driver reads back (cycle counts aside: the RTL's are measured).
+and everything the driver reads back. Cycle counts too: the RTL's are measured, the sim
+device's come from the cycle model, and they must agree for every unit.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from dfvg_hw.regmap import Reg
+from dfvg_hw.regmap import OP_CYCLE_BUCKETS, Reg, op_cycles_offset
 from dfvg_host.driver import DeviceFault, DraftDevice
 from dfvg_host.transport import open_transport
 from sim.device import SimDevice
@@ -35,7 +36,9 @@ def session(device, compiled, steps):
             seen.append(("rollback", dev.kv_length, dev.committed))
         else:
             out = dev.draft(*args, **kwargs)
-            seen.append(("draft", out.tokens, out.end_pos, out.n_forward, dev.kv_length))
+            units = {b: device.read32(op_cycles_offset(b)) for b in OP_CYCLE_BUCKETS}
+            seen.append(("draft", out.tokens, out.end_pos, out.n_forward, dev.kv_length,
+                         out.cycles, units))
     if isinstance(device, SimDevice):
         kv = (device.engine.kv_k.copy(), device.engine.kv_v.copy())
     elif isinstance(device, RtlDevice):
