@@ -36,17 +36,28 @@ with ``rows ≠ 1`` or ``n > vocab_max`` (``PROGRAM``), the destination span out
   residual row likewise takes ``R = max(1, 2N/16)`` line reads (one per cycle, one more
   cycle to start each row). LOGITS rows go to the logit buffer as one ``N``-lane tile.
 
-**Timing.** At the ``tiny`` geometry (``N·eb ≤ 16``, ``4N`` = one beat, aligned weights)
-every step is one cycle as before. Otherwise a group row occupies the output stage for
-``W`` cycles (INT8, ``max(1, N/16)``) or ``R + 1`` (RESADD); with one line per row that is
-1 and 2. While the next group's weights stream this is hidden (it is as long as the
-next group's ``tile + requant`` beats at most); the pass's last group adds it to the
-tail.
+**Timing.** At ``tiny`` (every result row inside one line, requant words one beat,
+blocks bus-aligned) the sequencer takes exactly the cycles of the one-line sequencer
+before it (tests/rtl/test_matmul_sequencer.py pins them). Wider rows cost more at the
+output: a group row holds the write-back for ``W = max(1, N/16)`` cycles in INT8 and
+``R + 1`` in RESADD (``R = max(1, 2N/16)`` residual lines read, the same ``R`` lines
+written; a group's first residual is read in advance), 1 in LOGITS. Against one line per
+row, each pass's last group adds ``rows_pass · (W − 1)`` cycles (INT8) or
+``rows_pass · (R − 1)`` (RESADD) to the pass's tail, ``rows_pass`` being the pass's output
+rows (a wide row counts once). Earlier groups' write-backs overlap the next group's
+weight stream and cost nothing while ``rows_pass · W`` (RESADD: ``rows_pass · (R + 1)``) is
+at most that group's ``N·Kp/B + max(1, 4N/B)`` beats: at the Alveo presets 32 (72) cycles
+for 8 rows against at least 72 beats. A weight block off the bus alignment costs one
+more beat per read whose bytes straddle one more beat (every tile read; a requant read
+unless ``4N < B`` and its words stay inside one beat).
 
 The x buffer holds ``ceil(min(65535, vmem_bytes) / K)`` K-slices: the longest ``k`` a
 MATMUL can use (the ``k`` field is 16-bit, and an int8 source row of ``k`` bytes must fit
-in VMEM). A destination that overlaps source rows of a later pass is not supported (the
-functional model reads all rows first); compiled programs never do that.
+in VMEM): 2048 × 2304 bits (4.7 Mbit, 32 URAM288 or 128 BRAM36 at 2304 bits wide) at
+the Alveo presets, where ``vmem_bytes / K`` entries would be 8192 (18.9 Mbit). A
+destination that overlaps source rows of a later pass is not supported (the functional
+model reads all rows first); the compiler's matmuls are single-row with ``dst`` apart
+from ``src``.
 """
 
 from __future__ import annotations
@@ -91,7 +102,7 @@ class BeatAligner(wiring.Component):
     Parameters
     ----------
     data_width : int
-        Bus width in bits.
+        Bus width in bits (``B = data_width / 8`` bytes per beat).
 
     Members
     -------
@@ -151,10 +162,17 @@ class TilePacker(wiring.Component):
     cycle, the tile valid the cycle after its last beat) without its 256-byte limit, and a
     shift register instead of a slot demultiplexer.
 
+    Parameters
+    ----------
+    beat_bytes, tile_bytes : int
+        Beat and tile widths; the tile is whole beats.
+
     Members
     -------
     i : In(stream.Signature(unsigned(8 · beat_bytes)))
+        Beats, one per cycle at most.
     o : Out(stream.Signature(unsigned(8 · tile_bytes)))
+        Tiles (held until taken).
     """
 
     def __init__(self, beat_bytes: int, tile_bytes: int):
