@@ -27,10 +27,12 @@ when it is done. ``pc`` past the loaded program faults ``PROGRAM``; running thro
 instruction budget of ``(n_in + n_draft + 1) · PROG_LEN · 256`` faults ``WATCHDOG``.
 
 Unit instructions: ``EMBED``, ``SAMPLE`` and ``NOP`` here; ``MATMUL`` through
-:class:`~dfvg_hw.matmul_sequencer.MatmulSequencer` (for the geometries it supports, see
-``MatmulSequencer.supports``; otherwise a MATMUL stops the request with ``PROGRAM``);
-``RMSNORM``, ``ROPE``, ``KVAPPEND``/``ATTN`` and ``ACTMUL`` through the sequencers of
-:func:`unit_sequencers`, which share the :class:`~dfvg_hw.op_port.OpSequencerSignature`.
+:class:`~dfvg_hw.matmul_sequencer.MatmulSequencer` (every preset geometry; for one it
+does not support, see ``MatmulSequencer.supports``, a MATMUL stops the request with
+``PROGRAM``); ``RMSNORM``, ``ROPE``, ``KVAPPEND``/``ATTN`` and ``ACTMUL`` through the
+sequencers of :func:`unit_sequencers`. All of them share the
+:class:`~dfvg_hw.op_port.OpSequencerSignature` (the MATMUL sequencer adds the logit
+buffer's write side).
 
 The result buffer is assembled on chip (records as SAMPLE produces them, the header at
 the end) and written in one burst from the result address, because records are not
@@ -138,22 +140,22 @@ class Controller(wiring.Component):
         result = m.submodules.result_buffer = Memory(shape=unsigned(32), depth=self.result_words,
                                                      init=[])
         res_w, res_r = result.write_port(), result.read_port()
-        mm, mm_cancel = None, Signal()
-        if MatmulSequencer.supports(c, DW):
-            mm = MatmulSequencer(c, DW)
-            # a fault mid-MATMUL returns the sequencer (and its matrix unit) to idle
-            m.submodules.matmul = ResetInserter({"sync": mm_cancel})(mm)
-            m.d.comb += [mm.peek_data.eq(vmem.peek_data), mm.vmem_error.eq(vmem.error)]
-
         # unit-instruction sequencers with the common OpSequencerSignature (op_port.py);
-        # each is reset (ResetInserter) when a fault stops the request under it
+        # each is reset (ResetInserter) when a fault stops the request under it. MATMUL's
+        # also writes the logit buffer (wired in its RUN state).
+        sequencers = unit_sequencers()
+        mm = None
+        if MatmulSequencer.supports(c, DW):
+            sequencers.insert(0, ((Op.MATMUL,), "matmul", MatmulSequencer))
         op_units = []
-        for opcodes, name, factory in unit_sequencers():
+        for opcodes, name, factory in sequencers:
             unit, cancel = factory(c, DW), Signal(name=f"{name}_cancel")
             m.submodules[name] = ResetInserter({"sync": cancel})(unit)
             m.d.comb += [unit.peek_data.eq(vmem.peek_data), unit.vmem_error.eq(vmem.error),
                          unit.vmem_wr_done.eq(vmem.wr_done)]
             op_units.append((opcodes, name.upper(), unit, cancel))
+            if name == "matmul":
+                mm = unit
         self.units = {name.lower(): unit for _, name, unit, _ in op_units}   # for co-simulation
         kv = self.units.get("kv")             # its `clear` zeroes the KV cache on soft reset
 
@@ -398,12 +400,6 @@ class Controller(wiring.Component):
                         fault(ErrorCode.PROGRAM)
                     with m.Else():
                         m.next = "EMBED_TOKEN"
-                if mm is not None:
-                    with m.Elif(ins.opcode == Op.MATMUL):
-                        with m.If(ins.rows > c.rows):
-                            fault(ErrorCode.PROGRAM)
-                        with m.Else():
-                            m.next = "MATMUL"
                 for opcodes, name, unit, _ in op_units:
                     with m.Elif(Cat(*(ins.opcode == op for op in opcodes)).any()):
                         with m.If(ins.rows > c.rows):
@@ -467,51 +463,7 @@ class Controller(wiring.Component):
                 with m.Elif(vmem.wr_done):
                     m.next = "RETIRE"
 
-            # -- MATMUL: the matmul sequencer owns memory reads, VMEM and the logit buffer ----------
-            if mm is not None:
-                with m.State("MATMUL"):
-                    lrel = ins.flags & 1
-                    m.d.comb += [mm.job.valid.eq(1),
-                                 mm.job.payload.addr.eq(ctrl.image_base + ins.addr
-                                                        + Mux(lrel, seq.layer * seq.lstride, 0)),
-                                 mm.job.payload.mode.eq((ins.flags >> 1) & 3),
-                                 mm.job.payload.wide.eq((ins.flags >> 3) & 1),
-                                 mm.job.payload.rows.eq(ins.rows), mm.job.payload.dst.eq(ins.dst),
-                                 mm.job.payload.src.eq(ins.src), mm.job.payload.n.eq(ins.n),
-                                 mm.job.payload.k.eq(ins.k)]
-                    with m.If(mm.job.ready):
-                        m.next = "MATMUL_RUN"
-                with m.State("MATMUL_RUN"):
-                    m.d.comb += [
-                        mem.read_cmd.valid.eq(mm.read_cmd.valid),
-                        mem.read_cmd.payload.eq(mm.read_cmd.payload),
-                        mm.read_cmd.ready.eq(mem.read_cmd.ready),
-                        mm.read_data.valid.eq(mem.read_data.valid),
-                        mm.read_data.payload.eq(mem.read_data.payload),
-                        mem.read_data.ready.eq(mm.read_data.ready),
-                        vmem.rd_cmd.valid.eq(mm.vmem_rd_cmd.valid),
-                        vmem.rd_cmd.payload.eq(mm.vmem_rd_cmd.payload),
-                        mm.vmem_rd_cmd.ready.eq(vmem.rd_cmd.ready),
-                        mm.vmem_rd.valid.eq(vmem.rd.valid), mm.vmem_rd.payload.eq(vmem.rd.payload),
-                        vmem.rd.ready.eq(mm.vmem_rd.ready),
-                        vmem.peek_addr.eq(mm.peek_addr), vmem.poke_en.eq(mm.poke_en),
-                        vmem.poke_addr.eq(mm.poke_addr), vmem.poke_data.eq(mm.poke_data),
-                        samp.begin.eq(mm.logits_begin), samp.begin_n.eq(mm.logits_n),
-                        samp.logits.valid.eq(mm.logits.valid),
-                        samp.logits.payload.eq(mm.logits.payload),
-                        mm.logits.ready.eq(samp.logits.ready),
-                    ]
-                    with m.If(mem_failed):
-                        # a refused weight read brings no data: stop the sequencer
-                        m.d.comb += mm_cancel.eq(1)
-                        fault(ErrorCode.BAD_ADDRESS)
-                    with m.Elif(mm.done):
-                        with m.If(mm.error != ErrorCode.OK):
-                            fault(mm.error)
-                        with m.Else():
-                            m.next = "RETIRE"
-
-            # -- the other unit instructions: their sequencers own the shared ports meanwhile ---
+            # -- unit instructions: their sequencers own the shared ports meanwhile --------------
             for opcodes, name, unit, cancel in op_units:
                 with m.State(f"{name}_JOB"):
                     lrel = ins.flags & 1
@@ -527,6 +479,10 @@ class Controller(wiring.Component):
                         m.next = f"{name}_RUN"
                 with m.State(f"{name}_RUN"):
                     _lend_shared_ports(m, unit, mem, vmem)
+                    if unit is mm:
+                        # the MATMUL sequencer also owns the logit buffer's write side
+                        m.d.comb += [samp.begin.eq(mm.logits_begin), samp.begin_n.eq(mm.logits_n)]
+                        wiring.connect(m, mm.logits, samp.logits)
                     with m.If(mem_failed):
                         m.d.comb += cancel.eq(1)         # a refused read brings no data
                         fault(ErrorCode.BAD_ADDRESS)
@@ -567,7 +523,7 @@ class Controller(wiring.Component):
 
             # -- the result descriptor --------------------------------------------------------------
             with m.State("FINISH"):
-                m.d.comb += [vmem.cancel.eq(1), mm_cancel.eq(1)]
+                m.d.comb += vmem.cancel.eq(1)
                 m.d.comb += [cancel.eq(1) for *_, cancel in op_units]
                 m.d.sync += [count.eq(0), result_cycles.eq(cycles)]
                 m.next = "DRAIN"

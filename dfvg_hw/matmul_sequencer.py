@@ -1,8 +1,8 @@
 """MATMUL sequencing: operands from VMEM and device memory through the matrix unit, results
 back to VMEM or into the logit buffer (isa.md §3.4, ``FunctionalEngine._matmul``).
 
-One MATMUL runs in row passes. A pass holds ``rows`` rows (``rows // 2`` wide rows, each
-as a hi/lo digit pair, :func:`~dfvg_hw.numerics.wide_digits`):
+One MATMUL is checked, then runs in row passes. A pass holds ``rows`` rows (``rows // 2``
+wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.numerics.wide_digits`):
 
 1. **x load.** The pass's source rows are read from VMEM once and cut into K-slices in
    the x buffer (entry ``kt`` holds slice ``kt`` of every row slot, as the matrix unit's
@@ -14,97 +14,253 @@ as a hi/lo digit pair, :func:`~dfvg_hw.numerics.wide_digits`):
 3. **Write-back.** Each output row of a group goes to VMEM (INT8: int8, RESADD: int16,
    the residual read from the same place first) or, in LOGITS mode, to the logit buffer.
 
-Errors, in the functional model's order: the weight block past device memory
-(``BAD_ADDRESS``), the source span outside VMEM (``BAD_ADDRESS``), LOGITS with
-``rows ≠ 1`` or ``n > vocab_max`` (``PROGRAM``), the destination span outside VMEM
-(``BAD_ADDRESS``).
+**Checks**, all before the first pass and in the functional model's order, so a refused
+MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), the weight block past
+device memory (``BAD_ADDRESS``), the source span outside VMEM (``BAD_ADDRESS``), LOGITS
+with ``rows ≠ 1`` or ``n > vocab_max`` (``PROGRAM``), the destination span outside VMEM
+(``BAD_ADDRESS``). A MATMUL with ``n = 0`` writes nothing (LOGITS: an empty vector); with
+``k = 0`` every accumulator is 0 (no tile is read: each group gets one zero tile).
 
-Limits of this first sequencer: weight blocks must be aligned to the memory bus (the
-image's blocks are) and ``4·lanes`` bytes (a group's requant words) at least one bus
-beat; results are written one VMEM line per cycle.
+**Geometry** (:meth:`MatmulSequencer.supports`): any lanes ``N`` and reduce ``K`` with
+``N·K`` at least one bus beat (a tile is whole beats) and ``2K ≤ 256`` (the x cutter).
+
+* *Weights at any byte address.* The memory port takes bus-aligned addresses only, and
+  the image aligns blocks to 16 bytes, not to a 256-bit beat. Each read asks for the
+  aligned run around its bytes and :class:`BeatAligner` shifts the beats back (one more
+  beat per read when the address is not aligned; none when it is).
+* *Requant words* ``4N`` bytes per group: whole beats, or, when ``4N`` is less than a
+  beat, part of one (the aligner puts them at byte 0).
+* *Write-back*: a group's result row is ``N`` bytes (INT8) or ``2N`` (RESADD). Up to a
+  line it is one masked write inside a line; beyond, it starts a line and takes
+  ``W = N·eb/16`` line writes, one per cycle, the lanes past ``n`` masked off. A RESADD
+  residual row likewise takes ``R = max(1, 2N/16)`` line reads (one per cycle, one more
+  cycle to start each row). LOGITS rows go to the logit buffer as one ``N``-lane tile.
+
+**Timing.** At ``tiny`` (every result row inside one line, requant words one beat,
+blocks bus-aligned) the sequencer takes exactly the cycles of the one-line sequencer
+before it (tests/rtl/test_matmul_sequencer.py pins them). Wider rows cost more at the
+output: a group row holds the write-back for ``W = max(1, N/16)`` cycles in INT8 and
+``R + 1`` in RESADD (``R = max(1, 2N/16)`` residual lines read, the same ``R`` lines
+written; a group's first residual is read in advance), 1 in LOGITS. Against one line per
+row, each pass's last group adds ``rows_pass · (W − 1)`` cycles (INT8) or
+``rows_pass · (R − 1)`` (RESADD) to the pass's tail, ``rows_pass`` being the pass's output
+rows (a wide row counts once). Earlier groups' write-backs overlap the next group's
+weight stream and cost nothing while ``rows_pass · W`` (RESADD: ``rows_pass · (R + 1)``) is
+at most that group's ``N·Kp/B + max(1, 4N/B)`` beats: at the Alveo presets 32 (72) cycles
+for 8 rows against at least 72 beats. A weight block off the bus alignment costs one
+more beat per read whose bytes straddle one more beat (every tile read; a requant read
+unless ``4N < B`` and its words stay inside one beat).
+
+The x buffer holds ``ceil(min(65535, vmem_bytes) / K)`` K-slices: the longest ``k`` a
+MATMUL can use (the ``k`` field is 16-bit, and an int8 source row of ``k`` bytes must fit
+in VMEM): 2048 × 2304 bits (4.7 Mbit, 32 URAM288 or 128 BRAM36 at 2304 bits wide) at
+the Alveo presets, where ``vmem_bytes / K`` entries would be 8192 (18.9 Mbit). A
+destination that overlaps source rows of a later pass is not supported (the functional
+model reads all rows first); the compiler's matmuls are single-row with ``dst`` apart
+from ``src``.
 """
 
 from __future__ import annotations
 
-from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
+from amaranth import Cat, Module, Mux, Signal, unsigned
 from amaranth.lib import data, stream, wiring
-from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
+from amaranth.lib.memory import Memory
+from amaranth.utils import exact_log2
 
 from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.descriptors import ErrorCode
 from dfvg_hw.isa import MatmulMode
 from dfvg_hw.matrix import DIGIT_BITS, MatrixUnit
-from dfvg_hw.memory_port import MemoryCommand, ReadBeat
+from dfvg_hw.memory_port import ReadBeat
+from dfvg_hw.op_port import OpJob, OpSequencerSignature
+from dfvg_hw.operand_access import vmem_span_outside
 from dfvg_hw.sample_unit import LogitTile
-from dfvg_hw.vmem import Gearbox, VmemSpan, VmemReadBeat
+from dfvg_hw.vmem import Gearbox
 
-__all__ = ["MatmulSequencer", "MatmulJob"]
+__all__ = ["MatmulSequencer", "BeatAligner", "TilePacker"]
 
 L = VMEM_LINE_BYTES
+#: the longest k the 16-bit instruction field allows
+K_MAX = (1 << 16) - 1
 
 
-class MatmulJob(data.StructLayout):
-    """One MATMUL as the controller hands it over: the instruction's fields and the
-    weight block's device address (image base, offset and layer stride applied)."""
+class BeatAligner(wiring.Component):
+    """Re-cuts the beats of a bus-aligned read so that they start ``offset`` bytes in.
 
-    def __init__(self):
-        super().__init__({"addr": unsigned(64), "mode": unsigned(2), "wide": unsigned(1),
-                          "rows": unsigned(8), "dst": unsigned(16), "src": unsigned(16),
-                          "n": unsigned(16), "k": unsigned(16)})
+    A read of ``len`` bytes at byte address ``a`` is issued as ``a − offset`` (aligned,
+    ``offset = a mod B``) with length ``offset + len``; its ``ceil((offset + len)/B)``
+    beats come in on ``i`` and leave as the ``ceil(len/B)`` beats of ``[a, a + len)`` on
+    ``o``. The owner says which output beat is the read's last (``final``, while that
+    beat is on ``o``) and holds ``offset`` for the whole read.
 
+    With ``offset = 0`` beats pass straight through (no register, no added cycle).
+    Otherwise output beat ``j`` is input beats ``j`` and ``j + 1`` through a byte
+    shifter: the first input beat is only held, and when the input ends first (its last
+    beat carries the output's final bytes) the final beat is flushed from the held one.
 
-class MatmulSequencer(wiring.Component):
-    """Runs one MATMUL per ``job`` and answers with ``done`` and an error code.
+    Parameters
+    ----------
+    data_width : int
+        Bus width in bits (``B = data_width / 8`` bytes per beat).
 
     Members
     -------
-    job : In(stream.Signature(MatmulJob()))
+    offset : In(range(B))
+        Byte offset of the current read in its first beat.
+    final : In(1)
+        The beat now on ``o`` is the read's last (the aligner starts afresh after it).
+    i : In(stream.Signature(ReadBeat(data_width)))
+        The memory port's beats (``last`` on a read's final beat).
+    o : Out(stream.Signature(unsigned(data_width)))
+        The aligned beats.
+    """
+
+    def __init__(self, data_width: int):
+        self.data_width = data_width
+        super().__init__(wiring.Signature({
+            "offset": In(range(data_width // 8)),
+            "final": In(1),
+            "i": In(stream.Signature(ReadBeat(data_width))),
+            "o": Out(stream.Signature(unsigned(data_width))),
+        }))
+
+    def elaborate(self, platform):
+        m = Module()
+        DW = self.data_width
+        held = Signal(DW)
+        have_held = Signal()        # the read's first beat is held
+        input_done = Signal()       # the read's last input beat has been taken
+        # the held beat and the next one (zeros once the input has ended), shifted by whole bytes
+        window = Cat(held, Mux(input_done, 0, self.i.p.data))
+        m.d.comb += self.o.p.eq((window >> (self.offset * 8))[:DW])
+        take = self.i.valid & self.i.ready
+        give = self.o.valid & self.o.ready
+        with m.If(self.offset == 0):
+            m.d.comb += [self.o.valid.eq(self.i.valid), self.o.p.eq(self.i.p.data),
+                         self.i.ready.eq(self.o.ready)]
+        with m.Elif(~have_held):
+            m.d.comb += self.i.ready.eq(1)
+            with m.If(take):
+                m.d.sync += [held.eq(self.i.p.data), have_held.eq(1),
+                             input_done.eq(self.i.p.last)]
+        with m.Elif(~input_done):
+            m.d.comb += [self.o.valid.eq(self.i.valid), self.i.ready.eq(self.o.ready)]
+            with m.If(take):
+                m.d.sync += [held.eq(self.i.p.data), input_done.eq(self.i.p.last)]
+        with m.Else():                              # flush the held beat's last bytes
+            m.d.comb += self.o.valid.eq(1)
+        with m.If(give & self.final):
+            m.d.sync += [have_held.eq(0), input_done.eq(0)]
+        return m
+
+
+class TilePacker(wiring.Component):
+    """Packs ``tile_bytes / beat_bytes`` beats into one tile (the first beat in the lowest
+    bytes), with an output register; beats enter while the tile register is empty or
+    being taken. The timing of :class:`~dfvg_hw.vmem.Gearbox` packing (one beat per
+    cycle, the tile valid the cycle after its last beat) without its 256-byte limit, and a
+    shift register instead of a slot demultiplexer.
+
+    Parameters
+    ----------
+    beat_bytes, tile_bytes : int
+        Beat and tile widths; the tile is whole beats.
+
+    Members
+    -------
+    i : In(stream.Signature(unsigned(8 · beat_bytes)))
+        Beats, one per cycle at most.
+    o : Out(stream.Signature(unsigned(8 · tile_bytes)))
+        Tiles (held until taken).
+    """
+
+    def __init__(self, beat_bytes: int, tile_bytes: int):
+        assert tile_bytes % beat_bytes == 0
+        self.beat_bits, self.ratio = 8 * beat_bytes, tile_bytes // beat_bytes
+        super().__init__(wiring.Signature({
+            "i": In(stream.Signature(unsigned(8 * beat_bytes))),
+            "o": Out(stream.Signature(unsigned(8 * tile_bytes))),
+        }))
+
+    def elaborate(self, platform):
+        m = Module()
+        B, ratio = self.beat_bits, self.ratio
+        tile = Signal(B * ratio)
+        count = Signal(range(max(2, ratio)))
+        m.d.comb += [self.o.p.eq(tile), self.i.ready.eq(~self.o.valid | self.o.ready)]
+        with m.If(self.o.valid & self.o.ready):
+            m.d.sync += self.o.valid.eq(0)
+        with m.If(self.i.valid & self.i.ready):
+            # each beat enters at the top; after `ratio` beats the first is at the bottom
+            m.d.sync += tile.eq(Cat(tile[B:], self.i.p) if ratio > 1 else self.i.p)
+            m.d.sync += count.eq(Mux(count == ratio - 1, 0, count + 1))
+            with m.If(count == ratio - 1):
+                m.d.sync += self.o.valid.eq(1)
+        return m
+
+
+class MatmulSequencer(wiring.Component):
+    """Runs one MATMUL per ``job`` (see the module docstring for the order of work, the
+    checks and the timing) and answers with ``done`` and an error code.
+
+    Parameters
+    ----------
+    config : EngineConfig
+        ``rows``, ``lanes``, ``reduce`` (the matrix unit), ``vmem_bytes``, ``mem_bytes``,
+        ``vocab_max``.
+    data_width : int
+        Memory bus width in bits (a multiple of 128; see :meth:`supports`).
+
+    Members
+    -------
+    job : In(stream.Signature(OpJob()))
+        The MATMUL: ``addr`` (weight block), ``flags`` (mode ``(flags >> 1) & 3``,
+        ``WIDE``), ``rows``, ``dst``, ``src``, ``n``, ``k``.
     done : Out(1)
-        One-cycle pulse when the job is finished (``error`` says how).
+        One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
-        :class:`~dfvg_hw.descriptors.ErrorCode` of the finished job (``OK`` = 0).
-    read_cmd, read_data : memory-port read interface (controller side)
-    vmem_rd_cmd, vmem_rd : the VMEM span reader (controller side)
-    peek_addr, peek_data : VMEM random line reads (data one cycle after the address)
-    poke_en, poke_addr, poke_data : VMEM random line writes with a byte mask
+        :class:`~dfvg_hw.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
+    read_cmd, read_data : the memory port's read side (weight tiles, requant words)
+    vmem_rd_cmd, vmem_rd : VMEM's span reader (the x rows, one span per pass)
+    vmem_wr_cmd, vmem_wr, vmem_wr_done : unused (results go through the poke port)
     vmem_error : In(1)
-        The VMEM refused a span.
-    logits_begin, logits_n, logits : the logit buffer's write side
+        VMEM refused a span (cannot happen: spans are checked first; kept as a guard).
+    peek_addr, peek_data : VMEM line reads (RESADD residuals; data one cycle after the address)
+    poke_en, poke_addr, poke_data : VMEM line writes with a byte mask (results)
+    logits_begin : Out(1)
+        One-cycle pulse: a LOGITS vector of ``logits_n`` entries starts.
+    logits_n : Out(16)
+    logits : Out(stream.Signature(LogitTile(lanes)))
+        The logit buffer's write side (:class:`~dfvg_hw.sample_unit.SampleUnit`).
     """
 
     @staticmethod
     def supports(config: EngineConfig, data_width: int) -> bool:
-        """Whether this sequencer handles the geometry: a result row of a group (``lanes``
-        int16) fits in one VMEM line, and a group's requant words fill whole bus beats."""
-        return 2 * config.lanes <= L and (4 * config.lanes) % (data_width // 8) == 0
+        """Whether this sequencer handles the geometry: a weight tile (``lanes·reduce``
+        bytes) is whole bus beats, and the x cutter's wide slice (``2·reduce`` bytes) is
+        at most 256 bytes (:class:`~dfvg_hw.vmem.Gearbox`). Every preset qualifies at 128
+        and 256 bits."""
+        beat = data_width // 8
+        return (data_width % 128 == 0 and config.lanes * config.reduce >= beat
+                and 2 * config.reduce <= 256)
 
     def __init__(self, config: EngineConfig, data_width: int):
         if not self.supports(config, data_width):
-            raise ValueError(f"MatmulSequencer does not handle lanes={config.lanes} with a "
-                             f"{data_width}-bit bus yet")
+            raise ValueError(f"MatmulSequencer does not handle lanes={config.lanes}, "
+                             f"reduce={config.reduce} with a {data_width}-bit bus")
         self.config = config
         self.data_width = data_width
         c = config
-        self.x_depth = c.vmem_bytes // c.reduce          # K-slices of the longest int8 row
-        super().__init__(wiring.Signature({
-            "job": In(stream.Signature(MatmulJob())),
-            "done": Out(1),
-            "error": Out(8),
-            "read_cmd": Out(stream.Signature(MemoryCommand(config))),
-            "read_data": In(stream.Signature(ReadBeat(data_width))),
-            "vmem_rd_cmd": Out(stream.Signature(VmemSpan(config))),
-            "vmem_rd": In(stream.Signature(VmemReadBeat())),
-            "vmem_error": In(1),
-            "peek_addr": Out(16),
-            "peek_data": In(8 * L),
-            "poke_en": Out(L),
-            "poke_addr": Out(16),
-            "poke_data": Out(8 * L),
+        #: K-slices of the longest source row a MATMUL can name (see the module docstring)
+        self.x_depth = -(-min(K_MAX, c.vmem_bytes) // c.reduce)
+        members = dict(OpSequencerSignature(config, data_width).members.items())
+        members.update({
             "logits_begin": Out(1),
             "logits_n": Out(16),
             "logits": Out(stream.Signature(LogitTile(c.lanes))),
-        }))
+        })
+        super().__init__(wiring.Signature(members))
 
     def elaborate(self, platform):
         m = Module()
@@ -118,36 +274,58 @@ class MatmulSequencer(wiring.Component):
         xw, xr = xbuf.write_port(granularity=slot_bits), xbuf.read_port()
         cut8 = m.submodules.cut_int8 = Gearbox(L, K)          # VMEM lines → K int8
         cut16 = m.submodules.cut_int16 = Gearbox(L, 2 * K)    # VMEM lines → K int16
-        tiles = m.submodules.tiles = Gearbox(beat_bytes, N * K)
+        align = m.submodules.align = BeatAligner(DW)
+        tiles = m.submodules.tiles = TilePacker(beat_bytes, N * K)
 
-        job = Signal(MatmulJob())
+        job = Signal(OpJob())
+        mode = job.flags[1:3]
+        wide = job.flags[3]
         n_groups, k_tiles = Signal(16), Signal(16)
-        stride_in, stride_out, out_bytes = Signal(32), Signal(32), Signal(32)
-        per_pass = Mux(job.wide, M // 2, M)
+        stride_in, stride_out, in_bytes, out_bytes = Signal(32), Signal(32), Signal(32), Signal(32)
+        per_pass = Mux(wide, M // 2, M)
         first, pass_rows = Signal(8), Signal(8)
         weight_bytes = Signal(48)
-        out_eb = Mux(job.mode == MatmulMode.INT8, 1, 2)
+        out_eb = Mux(mode == MatmulMode.INT8, 1, 2)
+        k_zero = k_tiles == 0            # no tiles: each group gets one zero tile
+        offset_bits = exact_log2(beat_bytes)
 
         def padded(x, mult):
             return (x + mult - 1) // mult * mult
 
-        m.d.comb += self.job.ready.eq(0)
+        m.d.comb += [self.job.ready.eq(0), mx.res.valid.eq(0)]
+        peek_live = Signal()            # peek_data answers a STREAM peek (set in STREAM)
+        m.d.sync += peek_live.eq(0)
         with m.FSM(name="matmul"):
             with m.State("IDLE"):
                 m.d.comb += self.job.ready.eq(1)
                 with m.If(self.job.valid):
                     p = self.job.payload
+                    p_wide, p_mode = p.flags[3], p.flags[1:3]
                     npad, kpad = padded(p.n, N), padded(p.k, K)
-                    in_bytes = p.k * Mux(p.wide, 2, 1)
+                    p_in = p.k * Mux(p_wide, 2, 1)
+                    p_out = p.n * Mux(p_mode == MatmulMode.INT8, 1, 2)
                     m.d.sync += [job.eq(p), n_groups.eq(npad // N), k_tiles.eq(kpad // K),
                                  weight_bytes.eq(npad * kpad), first.eq(0),
-                                 stride_in.eq(padded(in_bytes, L)),
-                                 stride_out.eq(padded(p.n * Mux(p.mode == MatmulMode.INT8, 1, 2), L)),
-                                 out_bytes.eq(p.n * Mux(p.mode == MatmulMode.INT8, 1, 2))]
+                                 in_bytes.eq(p_in), stride_in.eq(padded(p_in, L)),
+                                 out_bytes.eq(p_out), stride_out.eq(padded(p_out, L))]
                     m.next = "RANGE"
             with m.State("RANGE"):
+                # every check, in the functional model's order, before anything moves
+                logits = mode == MatmulMode.LOGITS
                 end = job.addr + weight_bytes + 4 * n_groups * N
-                with m.If(end > c.mem_bytes):
+                with m.If(job.rows > M):
+                    m.d.sync += self.error.eq(ErrorCode.PROGRAM)
+                    m.next = "DONE"
+                with m.Elif(end > c.mem_bytes):
+                    m.d.sync += self.error.eq(ErrorCode.BAD_ADDRESS)
+                    m.next = "DONE"
+                with m.Elif(vmem_span_outside(c, job.src, job.rows, in_bytes)):
+                    m.d.sync += self.error.eq(ErrorCode.BAD_ADDRESS)
+                    m.next = "DONE"
+                with m.Elif(logits & ((job.rows != 1) | (job.n > c.vocab_max))):
+                    m.d.sync += self.error.eq(ErrorCode.PROGRAM)
+                    m.next = "DONE"
+                with m.Elif(~logits & vmem_span_outside(c, job.dst, job.rows, out_bytes)):
                     m.d.sync += self.error.eq(ErrorCode.BAD_ADDRESS)
                     m.next = "DONE"
                 with m.Else():
@@ -159,24 +337,26 @@ class MatmulSequencer(wiring.Component):
                 m.d.sync += pass_rows.eq(Mux(rows_left > per_pass, per_pass, rows_left))
                 m.next = "X_CMD"
             with m.State("X_CMD"):
-                m.d.comb += [self.vmem_rd_cmd.valid.eq(1),
-                             self.vmem_rd_cmd.payload.line.eq(job.src + first * stride_in // L),
-                             self.vmem_rd_cmd.payload.rows.eq(pass_rows),
-                             self.vmem_rd_cmd.payload.row_bytes.eq(_saturate(
-                                 job.k * Mux(job.wide, 2, 1), len(self.vmem_rd_cmd.payload.row_bytes)))]
-                with m.If(self.vmem_rd_cmd.ready):
-                    m.next = "X_LOAD"
+                with m.If(k_zero):              # an empty row: VMEM would stream nothing
+                    m.next = "CHECK"
+                with m.Else():
+                    m.d.comb += [self.vmem_rd_cmd.valid.eq(1),
+                                 self.vmem_rd_cmd.payload.line.eq(job.src + first * stride_in // L),
+                                 self.vmem_rd_cmd.payload.rows.eq(pass_rows),
+                                 self.vmem_rd_cmd.payload.row_bytes.eq(in_bytes)]
+                    with m.If(self.vmem_rd_cmd.ready):
+                        m.next = "X_LOAD"
             x_row, x_kt = Signal(8), Signal(16)
             with m.State("X_LOAD"):
                 src = self.vmem_rd
                 for cut in (cut8, cut16):
                     m.d.comb += [cut.i.payload.data.eq(src.payload.data),
                                  cut.i.payload.last.eq(src.payload.row_last)]
-                m.d.comb += [cut8.i.valid.eq(src.valid & ~job.wide), cut16.i.valid.eq(src.valid & job.wide),
-                             src.ready.eq(Mux(job.wide, cut16.i.ready, cut8.i.ready)),
+                m.d.comb += [cut8.i.valid.eq(src.valid & ~wide), cut16.i.valid.eq(src.valid & wide),
+                             src.ready.eq(Mux(wide, cut16.i.ready, cut8.i.ready)),
                              cut8.o.ready.eq(1), cut16.o.ready.eq(1)]
-                slice_valid = Mux(job.wide, cut16.o.valid, cut8.o.valid)
-                slice_last = Mux(job.wide, cut16.o.payload.last, cut8.o.payload.last)
+                slice_valid = Mux(wide, cut16.o.valid, cut8.o.valid)
+                slice_last = Mux(wide, cut16.o.payload.last, cut8.o.payload.last)
                 # the slice as matrix-unit digits, placed in its row slot(s)
                 slots = Signal(M * slot_bits)
                 enable = Signal(M)
@@ -186,7 +366,7 @@ class MatmulSequencer(wiring.Component):
                     v = Cat(cut16.o.payload.data[2 * j], cut16.o.payload.data[2 * j + 1]).as_signed()
                     lo_digits.append(_sext(v[:8], DIGIT_BITS))
                     hi_digits.append((v[8:].as_signed() + v[7])[:DIGIT_BITS])
-                with m.If(job.wide):
+                with m.If(wide):
                     for r in range(M // 2):
                         with m.If(x_row == r):
                             m.d.comb += [slots.word_select(2 * r, slot_bits).eq(Cat(*hi_digits)),
@@ -206,49 +386,55 @@ class MatmulSequencer(wiring.Component):
                         with m.If(x_row + 1 == pass_rows):
                             m.d.sync += x_row.eq(0)
                             m.next = "CHECK"
-                with m.If(self.vmem_error):
+                with m.If(self.vmem_error):     # not expected: the span was checked
                     m.d.sync += [self.error.eq(ErrorCode.BAD_ADDRESS), x_kt.eq(0), x_row.eq(0)]
                     m.next = "DONE"
             with m.State("CHECK"):
-                logits = job.mode == MatmulMode.LOGITS
-                dst_end = job.dst * L + (job.rows - 1) * stride_out + out_bytes
-                with m.If(logits & ((job.rows != 1) | (job.n > c.vocab_max))):
-                    m.d.sync += self.error.eq(ErrorCode.PROGRAM)
-                    m.next = "DONE"
-                with m.Elif(~logits & (dst_end > c.vmem_bytes)):
-                    m.d.sync += self.error.eq(ErrorCode.BAD_ADDRESS)
+                # (the checks are made in RANGE; this cycle starts the pass's stream)
+                m.d.comb += [self.logits_begin.eq(mode == MatmulMode.LOGITS),
+                             self.logits_n.eq(job.n)]
+                with m.If(n_groups == 0):       # nothing to compute or write
                     m.next = "DONE"
                 with m.Else():
-                    m.d.comb += [self.logits_begin.eq(logits), self.logits_n.eq(job.n)]
                     m.next = "STREAM"
 
             # -- stream weights and requant words; write results back ------------------------------
             cmd_group, cmd_q = Signal(16), Signal()
-            data_q, data_beats = Signal(), Signal(32)
-            out_group, out_count = Signal(16), Signal(16)
+            data_q, data_beats, data_group = Signal(), Signal(32), Signal(16)
+            out_group = Signal(16)
             with m.State("STREAM"):
                 tile_beats = N * k_tiles * K // beat_bytes
                 q_beats = max(1, 4 * N // beat_bytes)
-                # commands: tiles of group g, then its requant words
+                # commands: tiles of group g (none when k = 0), then its requant words; each
+                # from the bus-aligned address below its first byte
+                is_q = cmd_q | k_zero
+                q_addr = job.addr + weight_bytes + 4 * N * cmd_group
+                tile_addr = job.addr + cmd_group * N * k_tiles * K
+                cmd_addr = Mux(is_q, q_addr, tile_addr)
+                cmd_offset = cmd_addr[:offset_bits]
                 with m.If(cmd_group < n_groups):
                     m.d.comb += [
                         self.read_cmd.valid.eq(1),
-                        self.read_cmd.payload.addr.eq(Mux(cmd_q,
-                                                          job.addr + weight_bytes + 4 * N * cmd_group,
-                                                          job.addr + cmd_group * N * k_tiles * K)),
-                        self.read_cmd.payload.length.eq(Mux(cmd_q, 4 * N, N * k_tiles * K)),
+                        self.read_cmd.payload.addr.eq(cmd_addr & ~(beat_bytes - 1)),
+                        self.read_cmd.payload.length.eq(cmd_offset + Mux(is_q, 4 * N, N * k_tiles * K)),
                     ]
                     with m.If(self.read_cmd.ready):
-                        m.d.sync += cmd_q.eq(~cmd_q)
-                        with m.If(cmd_q):
+                        m.d.sync += cmd_q.eq(~is_q)
+                        with m.If(is_q):
                             m.d.sync += cmd_group.eq(cmd_group + 1)
-                # data: route beats to the tile cutter or the requant-word register
-                beat = self.read_data
+                # data: aligned beats to the tile packer or the requant-word register. The
+                # tiles of every group share the block's offset (a group's tiles are whole
+                # beats); the requant words of group g start 4N·g bytes after the tiles.
+                in_q = data_q | k_zero
+                q_data_offset = (job.addr + weight_bytes + 4 * N * data_group)[:offset_bits]
+                m.d.comb += [align.offset.eq(Mux(in_q, q_data_offset, job.addr[:offset_bits])),
+                             align.final.eq(data_beats + 1 == Mux(in_q, q_beats, tile_beats))]
+                wiring.connect(m, wiring.flipped(self.read_data), align.i)
+                beat = align.o
                 qbuf = Signal(32 * N)
                 q_full = Signal()
-                m.d.comb += [tiles.i.payload.data.eq(beat.payload.data),
-                             tiles.i.payload.last.eq(0)]
-                with m.If(~data_q):
+                m.d.comb += tiles.i.p.eq(beat.p)
+                with m.If(~in_q):
                     m.d.comb += [tiles.i.valid.eq(beat.valid), beat.ready.eq(tiles.i.ready)]
                     with m.If(beat.valid & tiles.i.ready):
                         m.d.sync += data_beats.eq(data_beats + 1)
@@ -258,42 +444,73 @@ class MatmulSequencer(wiring.Component):
                     m.d.comb += beat.ready.eq(~q_full)
                     with m.If(beat.valid & ~q_full):
                         if q_beats > 1:
-                            m.d.sync += qbuf.word_select(data_beats[:(q_beats - 1).bit_length()],
-                                                         DW).eq(beat.payload.data)
+                            m.d.sync += qbuf.word_select(data_beats[:exact_log2(q_beats)],
+                                                         DW).eq(beat.p)
                         else:
-                            m.d.sync += qbuf.eq(beat.payload.data[:32 * N])
+                            m.d.sync += qbuf.eq(beat.p[:32 * N])
                         m.d.sync += data_beats.eq(data_beats + 1)
                         with m.If(data_beats + 1 == q_beats):
-                            m.d.sync += [data_beats.eq(0), data_q.eq(0), q_full.eq(1)]
+                            m.d.sync += [data_beats.eq(0), data_q.eq(0), q_full.eq(1),
+                                         data_group.eq(data_group + 1)]
                 m.d.comb += [mx.q.valid.eq(q_full), mx.q.payload.words.as_value().eq(qbuf),
-                             mx.q.payload.mode.eq(job.mode), mx.q.payload.wide.eq(job.wide),
+                             mx.q.payload.mode.eq(mode), mx.q.payload.wide.eq(wide),
                              mx.q.payload.rows.eq(pass_rows)]
                 with m.If(mx.q.valid & mx.q.ready):
                     m.d.sync += q_full.eq(0)
                 # tiles meet x-buffer entries: the read port shows entry `x_at`
-                kt, x_at = Signal(16), Signal(16)
+                kt, x_at, zero_tiles = Signal(16), Signal(16), Signal(16)
                 take = mx.w.valid & mx.w.ready
                 next_kt = Mux(kt + 1 == k_tiles, 0, kt + 1)
                 m.d.comb += [xr.addr.eq(Mux(take, next_kt, kt)),
-                             mx.w.valid.eq(tiles.o.valid & (x_at == kt)),
-                             mx.w.payload.data.as_value().eq(tiles.o.payload.data.as_value()),
-                             mx.w.payload.last.eq(kt + 1 == k_tiles),
+                             mx.w.valid.eq(Mux(k_zero, zero_tiles < n_groups,
+                                               tiles.o.valid & (x_at == kt))),
+                             mx.w.payload.data.as_value().eq(Mux(k_zero, 0, tiles.o.p)),
+                             mx.w.payload.last.eq(k_zero | (kt + 1 == k_tiles)),
                              tiles.o.ready.eq(mx.w.ready & (x_at == kt)),
                              mx.x.valid.eq(mx.w.valid),
                              mx.x.payload.as_value().eq(xr.data)]
                 m.d.sync += x_at.eq(xr.addr)
                 with m.If(take):
                     m.d.sync += kt.eq(next_kt)
+                    with m.If(k_zero):
+                        m.d.sync += zero_tiles.eq(zero_tiles + 1)
 
                 # RESADD: the residual of each output row, read in output order (group by
-                # group, its rows in turn); `peek_at` is the line whose data is on peek_data
+                # group, its rows in turn) as R lines; `peek_at` is the line on peek_data,
+                # if it was peeked in this state (x loads use the same VMEM read port)
                 res_group, res_row, peek_at = Signal(16), Signal(8), Signal(16)
+                m.d.sync += peek_live.eq(1)
                 res_offset = (first + res_row) * stride_out + res_group * N * 2
-                res_line = (job.dst + res_offset // L)[:16]
-                res_bytes = self.peek_data >> (8 * (res_offset % L))
-                m.d.comb += self.peek_addr.eq(res_line)
-                m.d.sync += peek_at.eq(res_line)
-                m.d.comb += mx.res.valid.eq((job.mode == MatmulMode.RESADD) & (peek_at == res_line))
+                res_lines = max(1, 2 * N // L)
+                restart_residuals = []
+                if res_lines == 1:
+                    # the row inside one line
+                    res_line = (job.dst + res_offset // L)[:16]
+                    res_bytes = self.peek_data >> (8 * (res_offset % L))
+                    m.d.comb += self.peek_addr.eq(res_line)
+                    m.d.sync += peek_at.eq(res_line)
+                    m.d.comb += mx.res.valid.eq((mode == MatmulMode.RESADD) & peek_live
+                                                & (peek_at == res_line))
+                else:
+                    # whole lines from a line boundary; the earlier ones wait in `res_held`
+                    res_j = Signal(range(res_lines))
+                    res_held = Signal(8 * L * (res_lines - 1))
+                    row_line = (job.dst + res_offset // L)[:16]
+                    here = peek_live & (peek_at == (row_line + res_j)[:16])
+                    more = here & (res_j != res_lines - 1)
+                    # ask for the next line as the current one arrives: one line per cycle
+                    m.d.comb += self.peek_addr.eq(row_line + res_j + more)
+                    m.d.sync += peek_at.eq(self.peek_addr)
+                    with m.If(more):
+                        m.d.sync += [res_held.word_select(res_j, 8 * L).eq(self.peek_data),
+                                     res_j.eq(res_j + 1)]
+                    res_bytes = Cat(res_held, self.peek_data)
+                    m.d.comb += mx.res.valid.eq((mode == MatmulMode.RESADD) & here
+                                                & (res_j == res_lines - 1))
+                    with m.If(mx.res.valid & mx.res.ready):
+                        m.d.sync += res_j.eq(0)
+                    # past the last group it gathers lines nobody takes: start the next pass afresh
+                    restart_residuals = [res_j.eq(0)]
                 for lane in range(N):
                     m.d.comb += mx.res.payload[lane].eq(res_bytes.word_select(lane, 16).as_signed())
                 with m.If(mx.res.valid & mx.res.ready):
@@ -301,29 +518,42 @@ class MatmulSequencer(wiring.Component):
                     with m.If(res_row + 1 == pass_rows):
                         m.d.sync += [res_row.eq(0), res_group.eq(res_group + 1)]
 
-                # results: one row of a group per beat, to the logit buffer or into dst
+                # results: to the logit buffer (a tile per row) or into dst, a line per cycle
                 o = mx.o
-                with m.If(job.mode == MatmulMode.LOGITS):
+                wb_lines = {eb: max(1, N * eb // L) for eb in (1, 2)}
+                wb_line = Signal(range(max(2, *wb_lines.values())))      # (no 0-bit signal)
+                with m.If(mode == MatmulMode.LOGITS):
                     m.d.comb += [self.logits.valid.eq(o.valid), o.ready.eq(self.logits.ready),
                                  self.logits.payload.data.as_value().eq(o.payload.data.as_value())]
                 with m.Else():
-                    # N·eb ≤ 16 bytes at byte `row·stride + group·N·eb` of dst: inside one line;
-                    # the lanes past n are not written
+                    # the group's row is N·eb bytes at byte `row·stride + group·N·eb` of dst:
+                    # inside one line when N·eb ≤ 16 (at `shift`), else whole lines from a
+                    # line boundary; bytes past the row's n elements are not written
                     offset = (first + o.payload.row) * stride_out + out_group * N * out_eb
                     shift = offset % L
-                    int8_bytes = Cat(*(v[:8] for v in o.payload.data))
-                    int16_bytes = Cat(*(v[:16] for v in o.payload.data))
-                    in_row = Cat(*((out_group * N * out_eb + i) < out_bytes for i in range(2 * N)))
-                    mask = Mux(out_eb == 1, in_row[:N], in_row[:2 * N])
-                    m.d.comb += [self.poke_addr.eq(job.dst + offset // L),
-                                 self.poke_data.eq(Mux(out_eb == 1, int8_bytes, int16_bytes) << (8 * shift)),
-                                 self.poke_en.eq(Mux(o.valid, mask << shift, 0)),
-                                 o.ready.eq(1)]
+                    left = out_bytes - (out_group * N * out_eb + L * wb_line)      # signed
+                    last_line = wb_line == Mux(out_eb == 1, wb_lines[1], wb_lines[2]) - 1
+                    pieces, masks = [], []
+                    for eb in (1, 2):
+                        row_bytes = Cat(*(v[:8 * eb] for v in o.payload.data))
+                        nbytes = N * eb
+                        pieces.append(row_bytes if nbytes <= L
+                                      else row_bytes.word_select(wb_line, 8 * L))
+                        masks.append(Cat(*(left > i for i in range(min(L, nbytes)))))
+                    m.d.comb += [self.poke_addr.eq(job.dst + offset // L + wb_line),
+                                 self.poke_data.eq(Mux(out_eb == 1, pieces[0], pieces[1]) << (8 * shift)),
+                                 self.poke_en.eq(Mux(o.valid, Mux(out_eb == 1, masks[0], masks[1]) << shift,
+                                                     0)),
+                                 o.ready.eq(last_line)]
+                    with m.If(o.valid):
+                        m.d.sync += wb_line.eq(Mux(last_line, 0, wb_line + 1))
                 with m.If(o.valid & o.ready & o.payload.last):
                     m.d.sync += out_group.eq(out_group + 1)
                     with m.If(out_group + 1 == n_groups):
                         m.d.sync += [out_group.eq(0), cmd_group.eq(0), cmd_q.eq(0), kt.eq(0),
-                                     res_group.eq(0), res_row.eq(0), first.eq(first + pass_rows)]
+                                     res_group.eq(0), res_row.eq(0), data_group.eq(0),
+                                     zero_tiles.eq(0), first.eq(first + pass_rows),
+                                     *restart_residuals]
                         m.next = "NEXT_PASS"
             with m.State("NEXT_PASS"):
                 with m.If(first < job.rows):
@@ -344,9 +574,3 @@ def _sext(value, bits):
     """Sign-extend a value (taken as signed) to ``bits`` bits."""
     v = value.as_signed()
     return Cat(v, v[-1].replicate(bits - len(v)))
-
-
-def _saturate(value, bits):
-    """``value`` clamped to an unsigned ``bits``-bit field (its maximum stands for 'too big')."""
-    top = (1 << bits) - 1
-    return Mux(value > top, top, value)

@@ -8,6 +8,11 @@ fills VMEM, runs instructions, reads VMEM back and returns it with each job's er
 so a test can hold the result against ``FunctionalEngine._unit`` on the same VMEM and
 device memory (:func:`functional_reference` for one instruction, :func:`reference_jobs`
 for the same job list; :func:`compare_with_reference` runs both and asserts they agree).
+
+A sequencer that also writes the logit buffer (the MATMUL sequencer's ``logits_begin``,
+``logits_n`` and ``logits`` ports, as :class:`~dfvg_hw.sample_unit.SampleUnit` takes
+them) gets an always-ready sink that collects each logit vector it streams, so LOGITS
+results are compared too.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from sim.functional import EngineFault, FunctionalEngine
 from sim.memory import DeviceMemory
 from sim.testbench import run_simulation, stream_put
 
-__all__ = ["OpBench", "run_jobs", "functional_reference", "reference_jobs", "compare_with_reference"]
+__all__ = ["OpBench", "run_jobs", "functional_reference", "reference_jobs", "compare_with_reference",
+           "has_logit_port"]
 
 L = VMEM_LINE_BYTES
 
@@ -98,17 +104,32 @@ class OpBench(wiring.Component):
         return m
 
 
+def has_logit_port(sequencer) -> bool:
+    """Whether ``sequencer`` streams logits (``logits_begin``, ``logits_n``, ``logits``)."""
+    return "logits" in sequencer.signature.members
+
+
 def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMemory,
              jobs: list[dict], *, data_width: int = 128, timing: MemoryTiming | None = None,
-             max_cycles: int = 200_000) -> tuple[np.ndarray, list[int]]:
+             max_cycles: int = 200_000, logits: list | None = None,
+             cycles: list | None = None) -> tuple[np.ndarray, list[int]]:
     """Run ``jobs`` (dicts of :class:`OpJob` fields) one after the other, starting from
     VMEM contents ``vmem`` (uint8, ``vmem_bytes``); return VMEM afterwards and each job's
-    error code."""
+    error code.
+
+    ``logits``, if given, receives each logit vector the sequencer streams (int16 arrays,
+    in order; a sequencer with a logit port only). ``cycles``, if given, receives each
+    job's cycle count from the clock edge that transfers the job to the one after which
+    ``done`` is high.
+    """
     bench = OpBench(config, sequencer, data_width)
     slave = AXI4SlaveMemory(bench.axi, memory, timing or MemoryTiming.for_config(config, data_width))
     lines = np.asarray(vmem, np.uint8).reshape(-1, L)
     after = np.zeros_like(lines)
     errors: list[int] = []
+    processes = [slave.process]
+    if has_logit_port(sequencer):
+        processes.append(_logit_sink(sequencer, [] if logits is None else logits))
 
     async def tb(ctx):
         ctx.set(bench.backdoor, 1)
@@ -121,9 +142,11 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
         ctx.set(bench.backdoor, 0)
         for job in jobs:
             await stream_put(ctx, bench.job, {name: 0 for name in OpJob().members} | job)
-            for _ in range(max_cycles):
+            for elapsed in range(max_cycles):
                 if ctx.get(bench.done):
                     errors.append(ctx.get(bench.error))
+                    if cycles is not None:
+                        cycles.append(elapsed + 1)
                     break
                 if ctx.get(bench.mem_error):            # a refused read brings no data
                     errors.append(int(ErrorCode.BAD_ADDRESS))
@@ -141,8 +164,33 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
             await ctx.tick()
             after[i] = np.frombuffer(ctx.get(bench.peek_data).to_bytes(L, "little"), np.uint8)
 
-    run_simulation(bench, tb, processes=[slave.process])
+    run_simulation(bench, tb, processes=processes)
     return after.reshape(-1), errors
+
+
+def _logit_sink(sequencer, vectors: list):
+    """A simulator process standing in for the logit buffer: always ready; each
+    ``logits_begin`` starts a vector of ``logits_n`` entries that the following tiles
+    fill. A vector that gets more tiles than it needs fails the run."""
+    lanes = len(sequencer.logits.payload.data)
+
+    async def process(ctx):
+        ctx.set(sequencer.logits.ready, 1)
+        want = 0
+        async for _, _, begin, n, valid, tile in ctx.tick().sample(
+                sequencer.logits_begin, sequencer.logits_n, sequencer.logits.valid,
+                sequencer.logits.payload.data):
+            if valid:
+                assert vectors and len(vectors[-1]) < want, "a logit tile past the vector's end"
+                vectors[-1].extend(int(tile[j]) for j in range(lanes))
+                if len(vectors[-1]) >= want:
+                    vectors[-1] = np.array(vectors[-1][:want], np.int16)
+            if begin:
+                assert not vectors or isinstance(vectors[-1], np.ndarray), "a vector cut short"
+                want = n
+                vectors.append([] if n else np.zeros(0, np.int16))
+
+    return process
 
 
 class _Registers:
@@ -168,7 +216,7 @@ _INSTRUCTION_FIELDS = ("flags", "rows", "dst", "src", "n", "k", "addr")
 
 
 def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
-                   jobs: list[dict]) -> tuple[np.ndarray, list[int]]:
+                   jobs: list[dict], *, logits: list | None = None) -> tuple[np.ndarray, list[int]]:
     """The functional model's answer to :func:`run_jobs` with the same arguments.
 
     Parameters
@@ -181,6 +229,8 @@ def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
     jobs : list of dict
         :class:`OpJob` fields; missing ones are 0, ``pos`` and ``layer`` become the
         controller registers.
+    logits : list, optional
+        Receives the logit buffer of each job that completes a LOGITS matmul.
 
     Returns
     -------
@@ -192,8 +242,11 @@ def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
     errors = []
     for job in jobs:
         ins = Instruction(Op(job["opcode"]), **{name: job.get(name, 0) for name in _INSTRUCTION_FIELDS})
+        engine.logits = None
         errors.append(functional_reference(engine, ins, pos=job.get("pos", 0),
                                            layer=job.get("layer", 0)))
+        if logits is not None and engine.logits is not None:
+            logits.append(np.asarray(engine.logits, np.int16))
     return engine.vmem, errors
 
 
@@ -202,9 +255,17 @@ def compare_with_reference(config: EngineConfig, sequencer, vmem: np.ndarray,
                            data_width: int = 128) -> list[int]:
     """Run ``jobs`` on ``sequencer`` (:func:`run_jobs`) and on the functional model
     (:func:`reference_jobs`) from the same VMEM and device memory; assert both give the
-    same error codes and the same VMEM, and return the error codes."""
-    after, errors = run_jobs(config, sequencer, vmem, memory, jobs, data_width=data_width)
-    expected, expected_errors = reference_jobs(config, vmem, memory, jobs)
+    same error codes, the same VMEM and (a sequencer with a logit port) the same logit
+    vectors, and return the error codes."""
+    got_logits, want_logits = [], []
+    after, errors = run_jobs(config, sequencer, vmem, memory, jobs, data_width=data_width,
+                             logits=got_logits)
+    expected, expected_errors = reference_jobs(config, vmem, memory, jobs, logits=want_logits)
     assert errors == expected_errors
     np.testing.assert_array_equal(after, expected)
+    if has_logit_port(sequencer):
+        assert len(got_logits) == len(want_logits)
+        for got, want in zip(got_logits, want_logits):
+            assert isinstance(got, np.ndarray), "a logit vector cut short"
+            np.testing.assert_array_equal(got, want)
     return errors

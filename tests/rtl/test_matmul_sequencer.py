@@ -1,0 +1,226 @@
+"""MatmulSequencer against the functional model's MATMUL (sim/op_bench.py), bit for bit:
+VMEM after every job, the logit vectors of LOGITS jobs and the error codes.
+
+Geometries: ``tiny`` (one VMEM line per result row, one bus beat of requant words),
+``tiny`` with 16 lanes (a RESADD row is two lines, requant words four beats), 32 lanes
+× reduce 4 × 4 rows on a 256-bit bus (INT8 rows two lines, RESADD rows four, x slices
+split from lines), and ``tiny`` on a 256-bit bus (requant words in half a beat, weight
+blocks 16 bytes off the bus alignment). Weight padding and the requant words' reserved
+bits are random, so nothing may depend on them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
+from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.image import padded, tile_weights
+from dfvg_hw.isa import Flag, MatmulMode, Op
+from dfvg_hw.matmul_sequencer import MatmulSequencer
+from sim.memory import DeviceMemory
+from sim.op_bench import compare_with_reference, run_jobs
+from sim.rtl_tools import to_verilog, verilator_lint
+
+TINY = get_preset("tiny")
+L = VMEM_LINE_BYTES
+INT8, RESADD, LOGITS = MatmulMode.INT8, MatmulMode.RESADD, MatmulMode.LOGITS
+
+#: (n, k) of the weight blocks the random jobs use: n and k multiples of the geometry's
+#: lanes/reduce and not, one group, one K-tile
+SHAPES = ((40, 40), (7, 5), (64, 24), (33, 17), (4, 8), (96, 3), (1, 70))
+
+
+def _mm(mode, rows, n, k, src, dst, addr, wide=False) -> dict:
+    flags = (int(mode) << 1) | (Flag.WIDE if wide else 0)
+    return dict(opcode=Op.MATMUL, flags=flags, rows=rows, n=n, k=k, src=src, dst=dst, addr=addr)
+
+
+def _write_block(rng, memory: DeviceMemory, config, addr: int, n: int, k: int) -> int:
+    """A weight block for ``n × k`` at ``addr`` with random weights, random bytes in the
+    tile padding, and requant words with random ``mult``, a ``shift`` from 10 to 36 (some
+    outputs saturate, some do not) and random reserved bits; returns its size."""
+    lanes, reduce = config.lanes, config.reduce
+    npad, kpad = padded(n, lanes), padded(k, reduce)
+    tiles = tile_weights(rng.integers(-128, 128, (n, k)).astype(np.int8), lanes, reduce)
+    real = tile_weights(np.ones((n, k), np.int8), lanes, reduce) != 0
+    tiles = np.where(real, tiles, rng.integers(-128, 128, tiles.size).astype(np.int8))
+    words = (rng.integers(0, 1 << 16, npad) | (rng.integers(10, 37, npad) << 16)
+             | (rng.integers(0, 1 << 10, npad) << 22)).astype("<u4")
+    memory.write(addr, tiles.tobytes() + words.tobytes())
+    return npad * kpad + 4 * npad
+
+
+def _blocks(rng, config, shapes=SHAPES, misalign=(0,)):
+    """Device memory with one block per shape, block ``i`` ``misalign[i % len(misalign)]``
+    bytes past a 64-byte boundary; returns the memory and ``{(n, k): addr}``."""
+    memory = DeviceMemory(config.mem_bytes)
+    addrs, addr = {}, 0x1000
+    for i, (n, k) in enumerate(shapes):
+        at = addr + misalign[i % len(misalign)]
+        addrs[(n, k)] = at
+        addr = padded(at + _write_block(rng, memory, config, at, n, k), 64)
+    return memory, addrs
+
+
+def _lines(nbytes: int) -> int:
+    return -(-nbytes // L)
+
+
+def _random_job(rng, config, addrs) -> dict:
+    """A random MATMUL over one of the blocks: any mode, wide or not, 1 … rows rows
+    (LOGITS: 1), source and destination apart, somewhere in VMEM."""
+    (n, k), addr = list(addrs.items())[int(rng.integers(len(addrs)))]
+    mode = MatmulMode(int(rng.integers(3)))
+    wide = bool(rng.integers(2))
+    rows = 1 if mode == LOGITS else int(rng.integers(1, config.rows + 1))
+    lines = config.vmem_bytes // L
+    src_lines = rows * _lines(k * (2 if wide else 1))
+    dst_lines = 0 if mode == LOGITS else rows * _lines(n * (1 if mode == INT8 else 2))
+    while True:
+        src = int(rng.integers(0, lines - src_lines + 1))
+        dst = int(rng.integers(0, lines - dst_lines + 1))
+        if dst + dst_lines <= src or src + src_lines <= dst:
+            return _mm(mode, rows, n, k, src, dst, addr, wide)
+
+
+def _check(rng, config, jobs, memory, data_width=128):
+    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    return compare_with_reference(config, MatmulSequencer(config, data_width), vmem, memory,
+                                  jobs, data_width=data_width)
+
+
+def _check_random(seed, config, data_width=128, count=16, misalign=(0,)):
+    """``count`` random jobs plus one wide job of every mode with all rows (a RESADD and
+    an INT8 of more rows than a pass holds), all OK."""
+    rng = np.random.default_rng(seed)
+    memory, addrs = _blocks(rng, config, misalign=misalign)
+    jobs = [_random_job(rng, config, addrs) for _ in range(count)]
+    a = addrs[(33, 17)]
+    jobs += [_mm(RESADD, config.rows, 33, 17, 0, 100, a, wide=True),
+             _mm(INT8, config.rows, 33, 17, 0, 100, a, wide=True),
+             _mm(LOGITS, 1, 33, 17, 20, 0, a, wide=True)]
+    errors = _check(rng, config, jobs, memory, data_width)
+    assert errors == [ErrorCode.OK] * len(jobs)
+    modes = {(j["flags"] >> 1) & 3 for j in jobs}
+    assert modes == {INT8, RESADD, LOGITS}
+
+
+# -- tiny: one line per result row ------------------------------------------------------------
+
+def test_tiny_random_jobs():
+    _check_random(1, TINY, count=20)
+
+
+def test_tiny_unaligned_weights():
+    """Weight blocks at byte offsets the 128-bit bus cannot address directly."""
+    _check_random(2, TINY, count=6, misalign=(3, 8, 0, 13))
+
+
+def test_errors_in_the_functional_models_order():
+    rng = np.random.default_rng(3)
+    memory, addrs = _blocks(rng, TINY, shapes=((40, 40), (8, 8)))
+    a, small = addrs[(40, 40)], addrs[(8, 8)]
+    last_line = TINY.vmem_bytes // L - 1
+    end_block = TINY.mem_bytes - (8 * 8 + 4 * 8)      # an 8 × 8 block ending with memory
+    _write_block(rng, memory, TINY, end_block, 8, 8)
+    jobs = [
+        _mm(INT8, 3, 8, 8, 0, 40, small),                          # rows > config.rows: PROGRAM
+        _mm(INT8, 3, 8, 8, last_line + 5, 40, end_block + 1),      # ... before anything else
+        _mm(INT8, 1, 8, 8, last_line + 5, 40, end_block + 1),      # weights past memory
+        _mm(INT8, 1, 8, 8, 0, 40, end_block),                      # weights end with memory: OK
+        _mm(INT8, 2, 40, 40, last_line - 3, 40, a),                # src's second row outside VMEM
+        _mm(LOGITS, 2, 8, 8, last_line + 5, 0, small),             # src before LOGITS' PROGRAM
+        _mm(LOGITS, 2, 8, 8, 0, 0, small),                         # LOGITS rows ≠ 1: PROGRAM
+        _mm(LOGITS, 1, TINY.vocab_max + 1, 8, 0, 0, small),        # n > vocab_max: PROGRAM
+        _mm(RESADD, 1, 40, 40, 0, last_line - 3, a),               # int16 dst outside VMEM
+        _mm(INT8, 1, 40, 40, 0, last_line - 3, a),                 # the same, int8: inside
+        _mm(INT8, 2, 8, 8, 0, last_line, small, wide=True),        # two rows: outside
+        _mm(LOGITS, 1, 8, 8, 0, last_line + 100, small),           # LOGITS ignores dst
+        _mm(INT8, 2, 40, 40, 10, 30, a, wide=True),                # and the engine still works
+    ]
+    errors = _check(rng, TINY, jobs, memory)
+    assert errors == [ErrorCode.PROGRAM, ErrorCode.PROGRAM, ErrorCode.BAD_ADDRESS, ErrorCode.OK,
+                      ErrorCode.BAD_ADDRESS, ErrorCode.BAD_ADDRESS, ErrorCode.PROGRAM,
+                      ErrorCode.PROGRAM, ErrorCode.BAD_ADDRESS, ErrorCode.OK,
+                      ErrorCode.BAD_ADDRESS, ErrorCode.OK, ErrorCode.OK]
+
+
+def test_empty_operands():
+    """n = 0 writes nothing (LOGITS: an empty vector); k = 0 gives zero accumulators."""
+    rng = np.random.default_rng(4)
+    memory, addrs = _blocks(rng, TINY, shapes=((10, 16),))
+    a = addrs[(10, 16)]
+    last_line = TINY.vmem_bytes // L - 1
+    jobs = [_mm(INT8, 2, 0, 16, 0, 40, a), _mm(LOGITS, 1, 0, 16, 0, 0, a),
+            _mm(INT8, 2, 10, 0, last_line + 1, 40, a),         # an empty row just past VMEM: OK
+            _mm(RESADD, 2, 10, 0, 3, 40, a),
+            _mm(INT8, 2, 10, 0, 3, 50, a, wide=True), _mm(LOGITS, 1, 10, 0, 3, 0, a),
+            _mm(RESADD, 2, 0, 0, 3, last_line + 2, a), _mm(INT8, 2, 10, 16, 0, 60, a)]
+    errors = _check(rng, TINY, jobs, memory)
+    assert errors == [ErrorCode.OK] * 6 + [ErrorCode.BAD_ADDRESS, ErrorCode.OK]
+
+
+# -- wider geometries: result rows over several lines --------------------------------------------
+
+def test_16_lanes():
+    """RESADD rows of two lines, INT8 rows of one, requant words four beats."""
+    _check_random(5, TINY.with_changes(lanes=16), count=12)
+
+
+def test_32_lanes_wide_bus():
+    """256-bit bus, 32 lanes × reduce 4 × 4 rows: INT8 rows two lines, RESADD rows four,
+    requant words four beats, weights on and off the bus alignment; wide jobs of 3 and
+    4 rows take two passes."""
+    _check_random(6, TINY.with_changes(lanes=32, reduce=4, rows=4), data_width=256, count=10,
+                  misalign=(16, 0, 8))
+
+
+def test_reduce_32_eight_rows():
+    """256-bit bus, 4 lanes × reduce 32 × 8 rows (the Alveo presets' reduce and rows): x
+    slices packed from two lines (four when wide), up to four wide rows per pass."""
+    _check_random(9, TINY.with_changes(reduce=32, rows=8), data_width=256, count=6,
+                  misalign=(0, 16))
+
+
+def test_tiny_wide_bus():
+    """256-bit bus at 4 lanes: a group's requant words are half a beat, at either half
+    (or across two beats when the block is not 16-byte aligned)."""
+    _check_random(7, TINY, data_width=256, count=8, misalign=(16, 0, 5, 27))
+
+
+# -- timing: unchanged at tiny ----------------------------------------------------------------------
+
+#: cycles from job to done of TIMING_JOBS at tiny on a 128-bit bus, as the sequencer before
+#: multi-line write-back took them (commit de4d14c); the cycle model is fitted to them
+TINY_CYCLES = [148, 155, 292, 148, 109, 194, 148, 40, 41]
+
+
+def _timing_jobs(addrs):
+    a, b, c = addrs[(40, 40)], addrs[(7, 5)], addrs[(33, 17)]
+    return [_mm(INT8, 1, 40, 40, 0, 100, a), _mm(INT8, 2, 40, 40, 0, 100, a),
+            _mm(INT8, 2, 40, 40, 0, 100, a, wide=True), _mm(RESADD, 1, 40, 40, 0, 100, a),
+            _mm(RESADD, 2, 33, 17, 10, 100, c), _mm(RESADD, 2, 33, 17, 10, 100, c, wide=True),
+            _mm(LOGITS, 1, 40, 40, 0, 0, a), _mm(LOGITS, 1, 7, 5, 0, 0, b, wide=True),
+            _mm(INT8, 1, 7, 5, 3, 7, b)]
+
+
+def tiny_cycles(sequencer) -> list[int]:
+    """Each timing job's cycles on ``sequencer`` (any sequencer with the MATMUL ports)."""
+    rng = np.random.default_rng(8)
+    memory, addrs = _blocks(rng, TINY)
+    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
+    cycles = []
+    _, errors = run_jobs(TINY, sequencer, vmem, memory, _timing_jobs(addrs), cycles=cycles)
+    assert errors == [ErrorCode.OK] * len(errors)
+    return cycles
+
+
+def test_tiny_timing_unchanged():
+    assert tiny_cycles(MatmulSequencer(TINY, 128)) == TINY_CYCLES
+
+
+def test_lint():
+    ok, log = verilator_lint(to_verilog(MatmulSequencer(TINY, 128), "matmul_sequencer"),
+                             "matmul_sequencer")
+    assert ok, log
