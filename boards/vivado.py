@@ -68,8 +68,8 @@ class EngineInterface:
     axi_prefix : str
         Prefix of the AXI4 master ports (``m_axi_araddr`` …) into device memory.
     axi_data_width, axi_addr_width : int
-        Memory master data width (256: one HBM pseudo-channel beat; the SmartConnect
-        converts for DDR4's 512) and address width (64, as the XDMA's).
+        Memory master data width (the preset's ``mem_port_bits``; 256 at the Alveo
+        presets: one HBM pseudo-channel beat; the SmartConnect converts for DDR4's 512) and address width (64, as the XDMA's).
     irq : str
         Level interrupt output (``IRQ_STATUS & IRQ_ENABLE ≠ 0``) to XDMA user IRQ 0.
     """
@@ -89,7 +89,9 @@ class EngineInterface:
 
     @classmethod
     def for_config(cls, config, verilog_files, **changes) -> "EngineInterface":
-        """The interface of an engine built from ``config`` (an ``EngineConfig``)."""
+        """The interface of an engine built from ``config`` (an ``EngineConfig``): its clock
+        and its memory port's width."""
+        changes = {"axi_data_width": config.mem_port_bits, **changes}
         return cls(verilog_files=tuple(str(f) for f in verilog_files), clock_mhz=config.clock_mhz,
                    **changes)
 

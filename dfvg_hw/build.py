@@ -11,7 +11,11 @@ address map, synthesis to bitstream) into the build directory, then:
 * otherwise prints the one command that runs it on a Vivado machine;
 * ``--estimate`` synthesises the Verilog with Yosys (``synth_xilinx -family xcup``,
   ``pip install 'dfvg[synth]'``) and prints LUT / FF / DSP / BRAM / URAM next to the
-  part's capacity.
+  part's capacity. A matrix unit wider than :data:`MATRIX_SLICE_LANES` lanes (thousands
+  of multipliers: Yosys does not finish it here) is left out of the engine's synthesis
+  and estimated from a slice of that many lanes, scaled by lanes ÷ slice lanes; lanes
+  are independent columns, so the scaling is linear. The table says which rows are
+  extrapolated.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from dfvg_hw.engine import DraftEngine
 __all__ = ["build", "main"]
 
 TOP = "dfvg_engine"
+#: The matrix unit is synthesised as a slice of this many lanes when it is wider.
+MATRIX_SLICE_LANES = 4
+MATRIX_MODULE = f"{TOP}.controller.matmul.matrix"
 
 
 def _log(message: str) -> None:
@@ -49,11 +56,42 @@ def build(board_name: str, preset: str | None = None, out: str | Path | None = N
         f"({width}-bit memory port); large presets take minutes")
     from sim.rtl_tools import to_verilog
     verilog = directory / f"{TOP}.v"
-    verilog.write_text(to_verilog(DraftEngine(config, width), TOP))
+    verilog.write_text(to_verilog(DraftEngine(config, width), TOP, for_fpga=True))
     log(f"wrote {verilog} ({verilog.stat().st_size / 1e6:.1f} MB) in {time.monotonic() - start:.0f} s")
     files = write_flow(directory, board, iface)
     log(f"wrote {files.xdc.name} and {files.tcl.name}")
     return board, config, files, verilog
+
+
+def _count(x: float) -> str:
+    return f"{x:,.0f}" if x == int(x) else f"{x:,.1f}"
+
+
+def estimate(config, verilog_text: str, log=_log) -> tuple[dict, list[tuple[str, dict]]]:
+    """Yosys estimate of the engine: (total, [(part, counts), …]) with the matrix unit
+    extrapolated from a slice when it is wider than :data:`MATRIX_SLICE_LANES`."""
+    from dfvg_hw.matrix import MatrixUnit
+    from sim.rtl_tools import to_verilog, yosys_resources
+
+    if config.lanes <= MATRIX_SLICE_LANES:
+        log("synthesising the engine with Yosys synth_xilinx -family xcup")
+        used = yosys_resources(verilog_text, TOP, timeout=24 * 3600)
+        return used, [("engine [synthesised]", used)]
+    start = time.monotonic()
+    log(f"synthesising the engine without its matrix unit (Yosys synth_xilinx -family xcup; "
+        f"an hour or more at board presets)")
+    rest = yosys_resources(verilog_text, TOP, timeout=24 * 3600, blackbox=(MATRIX_MODULE,))
+    log(f"done in {time.monotonic() - start:.0f} s; synthesising a {MATRIX_SLICE_LANES}-lane "
+        "slice of the matrix unit")
+    scale = config.lanes / MATRIX_SLICE_LANES
+    slice_cfg = config.with_changes(lanes=MATRIX_SLICE_LANES)
+    matrix = yosys_resources(to_verilog(MatrixUnit(slice_cfg), "matrix", for_fpga=True), "matrix",
+                             timeout=24 * 3600)
+    matrix = {k: v * scale for k, v in matrix.items()}
+    total = {k: rest.get(k, 0) + matrix.get(k, 0) for k in set(rest) | set(matrix)}
+    return total, [("engine without the matrix unit [synthesised]", rest),
+                   (f"matrix unit {config.rows}x{config.lanes}x{config.reduce} [extrapolated "
+                    f"x{scale:g} from a {MATRIX_SLICE_LANES}-lane slice, synthesised]", matrix)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConfigError) as exc:
         ap.error(str(exc))
     if args.estimate:
-        from sim.rtl_tools import yosys_resources
-        _log("estimating resources with Yosys synth_xilinx -family xcup (slow for board presets)")
-        used = yosys_resources(verilog.read_text(), TOP, timeout=24 * 3600)
+        used, parts = estimate(config, verilog.read_text())
         print(f"{board.name} ({board.part}), engine preset {config.name}: Yosys estimate "
-              "[synthesised, not placed]")
+              "[not placed]")
+        for name, counts in parts:
+            print(f"  {name}: " + ", ".join(f"{k} {_count(counts.get(k, 0))}"
+                                           for k in ("LUT", "FF", "DSP", "BRAM", "URAM")))
         print(board.capacity.table(used))
     if args.run:
         if vivado_command(files) is None:

@@ -206,7 +206,7 @@ def test_engine_ports_lint_and_match_the_block_design(tmp_path):
     from sim.rtl_tools import verilator_lint
 
     board = get_board("alveo")
-    interface = _interface(board)
+    interface = EngineInterface.for_config(get_preset("tiny"), ["dfvg_engine.v"])
     assert build_main(["--board", "alveo", "--preset", "tiny", "--out", str(tmp_path)]) == 0
     verilog = (tmp_path / "dfvg_engine.v").read_text()
     clean, output = verilator_lint(verilog, top=interface.top)
