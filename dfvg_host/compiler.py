@@ -113,6 +113,13 @@ def check_fits(shape: ModelShape, engine: EngineConfig) -> None:
         raise DoesNotFit(f"head_dim {shape.head_dim} is not a multiple of {VMEM_LINE_BYTES}")
     if shape.heads % shape.kv_heads:
         raise DoesNotFit(f"{shape.heads} heads are not a multiple of {shape.kv_heads} KV heads")
+    port_bytes = engine.mem_port_bits // 8
+    if (2 * shape.hidden) % port_bytes:
+        # EMBED reads the token's int16 row at token · 2·hidden; the memory port takes
+        # bus-aligned addresses only.
+        raise DoesNotFit(f"hidden {shape.hidden}: an embedding row (2·hidden bytes) must be a "
+                         f"whole number of the '{engine.name}' preset's {port_bytes}-byte memory "
+                         f"beats, i.e. hidden a multiple of {port_bytes // 2}")
 
 
 # -- calibration ------------------------------------------------------------------------

@@ -54,6 +54,17 @@ def test_model_that_does_not_fit_names_the_limit(tmp_path):
     assert "layers 3 exceeds the 'tiny' preset's kv_layers = 2" in line
 
 
+def test_embedding_rows_must_fill_memory_beats(tmp_path):
+    """EMBED reads a row at token·2·hidden: on a 256-bit port that must be beat-aligned."""
+    from transformers import LlamaConfig
+    LlamaConfig(hidden_size=40, head_dim=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, intermediate_size=64, vocab_size=256,
+                max_position_embeddings=128).save_pretrained(tmp_path / "m")
+    line = error_line(dfvg("compile", "--draft", tmp_path / "m", "--preset", "alveo-u55c", "-o",
+                           tmp_path / "o", "--random-weights"))
+    assert "hidden 40" in line and "32-byte memory beats" in line and "multiple of 16" in line
+
+
 @pytest.mark.parametrize("args, message", [
     (["compile", "--draft", "/no/such/dir", "-o", "x"], "is not a directory"),
     (["compile", "--draft", ".", "--preset", "v80", "-o", "x"], "unknown engine preset 'v80'"),
