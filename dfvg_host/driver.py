@@ -42,7 +42,12 @@ class DraftDeviceError(RuntimeError):
 
 
 class DeviceTimeout(DraftDeviceError):
-    pass
+    """The engine did not finish in time. ``tokens`` holds what it drafted before the
+    driver aborted it (empty when the abort did not land either)."""
+
+    def __init__(self, message: str, tokens: list[DraftedToken] | None = None):
+        self.tokens = tokens or []
+        super().__init__(message)
 
 
 class EngineMismatch(DraftDeviceError):
@@ -96,6 +101,8 @@ class DraftDevice:
         KV entries the host has accepted; the next request starts here. Setting it below
         ``kv_length`` (``rollback``) is O(1): nothing moves on the device.
     """
+
+    ABORT_GRACE_S = 1.0   #: how long a timed-out request may take to stop after ABORT
 
     def __init__(self, transport: Transport, compiled: CompiledDraft, *, timeout_s: float = 30.0,
                  cycle_source: str = "measured: engine counters"):
@@ -202,7 +209,10 @@ class DraftDevice:
         t.dma_write(MemoryMap.REQUEST[buf], request.pack())
         t.write32(Reg.IRQ_STATUS, Irq.DONE)
         t.write32(Reg.CONTROL, Control.START | (Control.BUF if buf else 0))
-        self._wait()
+        try:
+            self._wait()
+        except DeviceTimeout as exc:
+            raise DeviceTimeout(str(exc), self._aborted_tokens(buf, n_draft)) from None
         t.write32(Reg.IRQ_STATUS, Irq.DONE)
         error = t.read32(Reg.ERROR)
         try:
@@ -242,6 +252,21 @@ class DraftDevice:
                 raise DeviceTimeout(f"the draft engine did not finish within {self.timeout_s:g} s "
                                     f"(STATUS=0x{status:x}); it was aborted. Check the device, or "
                                     "raise the timeout for slow simulators")
+
+    def _aborted_tokens(self, buf: int, n_draft: int) -> list[DraftedToken]:
+        """After an ABORT: the tokens of the result the engine writes when the abort lands
+        (it stops before its next instruction), or none if it does not within
+        :attr:`ABORT_GRACE_S`."""
+        deadline = time.monotonic() + self.ABORT_GRACE_S
+        while not self.transport.read32(Reg.STATUS) & Status.DONE:
+            if time.monotonic() >= deadline:
+                return []
+        try:
+            result = self._read_result(buf, n_draft)
+        except MalformedResult:
+            return []
+        self.kv_length = result.end_pos
+        return result.tokens
 
     def _read_result(self, buf: int, n_draft: int) -> DraftResult:
         raw = self.transport.dma_read(MemoryMap.RESULT[buf], result_bytes(self.topk_max, n_draft))

@@ -25,6 +25,9 @@ an illegal word faults ``ILLEGAL_INSTRUCTION`` when fetched), then either retire
 instruction into the :class:`Sequencer` at once or run a unit instruction and retire it
 when it is done. ``pc`` past the loaded program faults ``PROGRAM``; running through an
 instruction budget of ``(n_in + n_draft + 1) · PROG_LEN · 256`` faults ``WATCHDOG``.
+``CONTROL.ABORT`` stops a running request at its next fetch with ``ABORTED``, the result
+written as for any fault (drafted tokens kept); an ABORT while no request runs is
+ignored, and one cannot interrupt a unit that is waiting on memory (soft reset can).
 
 Unit instructions: ``EMBED``, ``SAMPLE`` and ``NOP`` here; ``MATMUL`` through
 :class:`~dfvg_hw.matmul_sequencer.MatmulSequencer` (every preset geometry; for one it
@@ -162,12 +165,15 @@ class Controller(wiring.Component):
         # -- host commands arrive as pulses; keep them until their turn ----------------------
         cmd = ctrl.command
         want_reset, want_load, want_start, start_buf = Signal(), Signal(), Signal(), Signal()
+        want_abort = Signal()                # honoured at the next FETCH of a running request
         with m.If(cmd.soft_reset):
             m.d.sync += want_reset.eq(1)
         with m.If(cmd.load_program):
             m.d.sync += want_load.eq(1)
         with m.If(cmd.start):
             m.d.sync += [want_start.eq(1), start_buf.eq(cmd.buf)]
+        with m.If(cmd.abort):
+            m.d.sync += want_abort.eq(1)
 
         # -- request state -----------------------------------------------------------------
         program_len = Signal(range(c.imem_words + 1))
@@ -213,6 +219,7 @@ class Controller(wiring.Component):
         with m.FSM(name="phase") as phase:
             # -- idle: take the pending commands in order --------------------------------------
             with m.State("IDLE"):
+                m.d.sync += want_abort.eq(0)    # nothing runs: an ABORT has nothing to stop
                 with m.If(want_reset):
                     m.d.sync += [want_reset.eq(0), count.eq(0)]
                     m.d.sync += [st.program_loaded.eq(0), st.done.eq(0), st.error.eq(0),
@@ -378,6 +385,8 @@ class Controller(wiring.Component):
                     m.next = "FINISH"
                 with m.Elif(seq.halted):
                     m.next = "FINISH"
+                with m.Elif(want_abort):
+                    fault(ErrorCode.ABORTED)
                 with m.Elif(seq.pc >= program_len):
                     fault(ErrorCode.PROGRAM)
                 with m.Elif(budget == 0):
@@ -525,7 +534,7 @@ class Controller(wiring.Component):
             with m.State("FINISH"):
                 m.d.comb += vmem.cancel.eq(1)
                 m.d.comb += [cancel.eq(1) for *_, cancel in op_units]
-                m.d.sync += [count.eq(0), result_cycles.eq(cycles)]
+                m.d.sync += [count.eq(0), result_cycles.eq(cycles), want_abort.eq(0)]
                 m.next = "DRAIN"
             with m.State("DRAIN"):
                 # let an abandoned read stream run out, so the next request's reads are its own

@@ -36,6 +36,7 @@ class ErrorCode(enum.IntEnum):
     PROGRAM = 5               #: a malformed program (see docs/isa.md), or one larger than
                               #: instruction memory
     WATCHDOG = 6              #: the instruction budget ran out (a program that never halts)
+    ABORTED = 7               #: the host wrote CONTROL.ABORT; stopped before the next instruction
 
     def describe(self) -> str:
         return {
@@ -52,6 +53,8 @@ class ErrorCode(enum.IntEnum):
                 "no program is loaded; recompile the draft for this engine",
             ErrorCode.WATCHDOG: "the engine's instruction budget ran out; the program "
                 "does not halt",
+            ErrorCode.ABORTED: "the host aborted the request (CONTROL.ABORT, the driver's timeout "
+                "path); the tokens drafted before it are kept",
         }[self]
 
 

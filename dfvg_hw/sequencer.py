@@ -63,6 +63,8 @@ class Sequencer(wiring.Component):
     -------
     start : In(stream.Signature(SequencerStart()))
         Begin a request: ``pc = 0``, ``pos = start_pos``, first input token, no loop.
+        Always ready: a request the controller stopped (a unit's fault, ABORT) leaves the
+        sequencer mid-program, and the next start must still clear all of it.
     retire : In(stream.Signature(RetiredInstruction()))
         One finished instruction per transfer (always ready while running).
     running : Out(1)
@@ -124,7 +126,7 @@ class Sequencer(wiring.Component):
         m.d.comb += [
             self.samples_now.eq(last_input & (self.n_drafted < n_draft) & ~sampled),
             self.running.eq(started & ~self.halted & ~self.fault.valid),
-            self.start.ready.eq(~self.running),
+            self.start.ready.eq(1),
             self.retire.ready.eq(self.running),
         ]
 

@@ -126,12 +126,16 @@ class VerilatorDevice:
         self._check(addr, nbytes)
         return self._memory[addr:addr + nbytes]
 
+    def run_cycles(self, cycles: int) -> bool:
+        """Advance the clock by ``cycles``, or until the interrupt; whether it is up."""
+        irq, ran = (int(x) for x in self._command(f"run {cycles}").split())
+        self.cycles += ran
+        return bool(irq)
+
     def wait_irq(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while True:
-            irq, ran = (int(x) for x in self._command(f"run {RUN_CHUNK}").split())
-            self.cycles += ran
-            if irq:
+            if self.run_cycles(RUN_CHUNK):
                 return True
             if time.monotonic() >= deadline:
                 return False

@@ -14,8 +14,9 @@ import json
 import numpy as np
 import pytest
 
+from dfvg_hw.descriptors import ErrorCode
 from dfvg_hw.regmap import OP_CYCLE_BUCKETS, Reg, op_cycles_offset
-from dfvg_host.driver import DeviceFault, DraftDevice
+from dfvg_host.driver import DeviceFault, DeviceTimeout, DraftDevice
 from dfvg_host.transport import open_transport
 from sim.device import SimDevice
 from sim.rtl_device import RtlDevice
@@ -72,6 +73,43 @@ def test_driver_on_the_rtl_engine_equals_the_sim_device(device, tiny_engine, tin
         for rtl_half, model_half in zip(kv, kv_expected):
             np.testing.assert_array_equal(rtl_half, model_half)
         assert np.any(kv_expected[0])
+
+
+class _SlowClock:
+    """The Verilator device, its clock advanced ``cycles`` per interrupt wait (``None``:
+    as usual): the driver sees a request outlast its timeout at a cycle that does not
+    depend on the host."""
+
+    def __init__(self, device, cycles: int | None):
+        self.device, self.cycles = device, cycles
+
+    def wait_irq(self, timeout_s: float) -> bool:
+        if self.cycles is None:
+            return self.device.wait_irq(timeout_s)
+        return self.device.run_cycles(self.cycles)
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+
+def test_timeout_aborts_the_engine_and_keeps_drafted_tokens(tiny_engine, tiny_compiled):
+    """The driver's timeout path writes ABORT: the engine stops before its next instruction
+    with ABORTED and writes what it drafted, which the DeviceTimeout carries."""
+    reference = DraftDevice(SimDevice(tiny_engine), tiny_compiled).draft([5], 8)
+    device = VerilatorDevice(tiny_engine)
+    clock = _SlowClock(device, 20_000)
+    dev = DraftDevice(clock, tiny_compiled, timeout_s=600)
+    dev.timeout_s = 0.0
+    with pytest.raises(DeviceTimeout, match="did not finish") as info:
+        dev.draft([5], 8)
+    drafted = info.value.tokens
+    assert 1 <= len(drafted) < 8                     # aborted part-way through the draft loop
+    assert drafted == reference.tokens[:len(drafted)]
+    assert device.read32(Reg.ERROR) == ErrorCode.ABORTED
+    assert dev.committed == 0                        # nothing was committed by the aborted request
+    clock.cycles, dev.timeout_s = None, 600          # the engine is idle again and runs the next one
+    assert dev.draft([5], 8).tokens == reference.tokens
+    device.close()
 
 
 def test_engine_error_reaches_the_driver(tiny_engine, tiny_compiled):
