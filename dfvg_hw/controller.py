@@ -139,7 +139,11 @@ class Controller(wiring.Component):
         seq = m.submodules.sequencer = Sequencer()
         vmem = m.submodules.vmem = VectorMemory(c)
         samp = m.submodules.sample_unit = SampleUnit(c)
-        to_lines = m.submodules.beats_to_lines = Gearbox(beat_bytes, VMEM_LINE_BYTES)
+        # EMBED's row, beats cut into VMEM lines. A row that ends inside a beat leaves that
+        # beat's other lines behind: the gearbox is emptied before each EMBED reads.
+        to_lines = Gearbox(beat_bytes, VMEM_LINE_BYTES)
+        flush_lines = Signal()
+        m.submodules.beats_to_lines = ResetInserter({"sync": flush_lines})(to_lines)
         result = m.submodules.result_buffer = Memory(shape=unsigned(32), depth=self.result_words,
                                                      init=[])
         res_w, res_r = result.write_port(), result.read_port()
@@ -447,6 +451,7 @@ class Controller(wiring.Component):
                     m.d.sync += token.eq(mem.read_data.payload.data.word_select(count, 32))
                     m.next = "EMBED_CMD"
             with m.State("EMBED_CMD"):
+                m.d.comb += flush_lines.eq(1)
                 row_bytes = ins.n * 2
                 m.d.comb += [vmem.wr_cmd.valid.eq(1), vmem.wr_cmd.payload.line.eq(ins.dst),
                              vmem.wr_cmd.payload.rows.eq(1), vmem.wr_cmd.payload.row_bytes.eq(row_bytes)]
