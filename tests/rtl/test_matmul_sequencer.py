@@ -1,30 +1,40 @@
 """MatmulSequencer against the functional model's MATMUL (sim/op_bench.py), bit for bit:
-VMEM after every job, the logit vectors of LOGITS jobs and the error codes.
+VMEM after every job, the logit vectors of LOGITS jobs and the error codes; and against
+the cycle model (sim/cycle_model.py): every job that completes takes exactly the cycles
+the model gives its instruction, less what the controller adds around the sequencer.
 
 Geometries: ``tiny`` (one VMEM line per result row, one bus beat of requant words),
 ``tiny`` with 16 lanes (a RESADD row is two lines, requant words four beats), 32 lanes
 × reduce 4 × 4 rows on a 256-bit bus (INT8 rows two lines, RESADD rows four, x slices
-split from lines), and ``tiny`` on a 256-bit bus (requant words in half a beat, weight
-blocks 16 bytes off the bus alignment). Weight padding and the requant words' reserved
-bits are random, so nothing may depend on them.
+split from lines), 4 lanes × reduce 32 × 8 rows on a 256-bit bus, ``tiny`` on a 256-bit bus
+(requant words in half a beat, weight blocks 16 bytes off the bus alignment) and a slow
+memory (under a beat a cycle, long latency). Weight padding and the requant words'
+reserved bits are random, so nothing may depend on them.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.descriptors import ErrorCode
 from dfvg_hw.image import padded, tile_weights
-from dfvg_hw.isa import Flag, MatmulMode, Op
+from dfvg_hw.isa import Flag, Instruction, MatmulMode, Op
 from dfvg_hw.matmul_sequencer import MatmulSequencer
+from sim.cycle_model import CycleModel
 from sim.memory import DeviceMemory
-from sim.op_bench import compare_with_reference, run_jobs
+from sim.op_bench import reference_jobs, run_jobs
 from sim.rtl_tools import to_verilog, verilator_lint
 
 TINY = get_preset("tiny")
 L = VMEM_LINE_BYTES
 INT8, RESADD, LOGITS = MatmulMode.INT8, MatmulMode.RESADD, MatmulMode.LOGITS
+
+#: Cycles of a unit instruction that the controller spends around its sequencer and the op
+#: bench does not see (controller.py's per-unit counters): FETCH + DECODE (2), the job
+#: hand-over (1) and RETIRE (1). The bench counts from the job's transfer to ``done``.
+CONTROLLER_CYCLES = 2 + 1 + 1
 
 #: (n, k) of the weight blocks the random jobs use: n and k multiples of the geometry's
 #: lanes/reduce and not, one group, one K-tile
@@ -84,10 +94,36 @@ def _random_job(rng, config, addrs) -> dict:
             return _mm(mode, rows, n, k, src, dst, addr, wide)
 
 
+def model_cycles(config, data_width: int, job: dict) -> int:
+    """The cycle model's count for a MATMUL job on the op bench: the instruction's cycles
+    at the job's device address (the bench has no image base) on a ``data_width``-bit
+    port, less :data:`CONTROLLER_CYCLES`."""
+    model = CycleModel(config.with_changes(mem_port_bits=data_width))
+    fields = ("flags", "rows", "dst", "src", "n", "k", "addr")
+    ins = Instruction(Op.MATMUL, **{name: job[name] for name in fields})
+    return model.instruction(ins, addr=job["addr"])[0] - CONTROLLER_CYCLES
+
+
 def _check(rng, config, jobs, memory, data_width=128):
+    """Run ``jobs`` on the sequencer and on the functional model from the same random
+    VMEM: the same error codes, VMEM and logit vectors; and each job that completes
+    takes the cycle model's cycles. Returns the error codes."""
     vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
-    return compare_with_reference(config, MatmulSequencer(config, data_width), vmem, memory,
-                                  jobs, data_width=data_width)
+    got_logits, want_logits, cycles = [], [], []
+    after, errors = run_jobs(config, MatmulSequencer(config, data_width), vmem, memory, jobs,
+                             data_width=data_width, logits=got_logits, cycles=cycles)
+    expected, expected_errors = reference_jobs(config, vmem, memory, jobs, logits=want_logits)
+    assert errors == expected_errors
+    np.testing.assert_array_equal(after, expected)
+    assert len(got_logits) == len(want_logits)
+    for got, want in zip(got_logits, want_logits):
+        assert isinstance(got, np.ndarray), "a logit vector cut short"
+        np.testing.assert_array_equal(got, want)
+    # (the model costs instructions that complete; a refused one stops after RANGE)
+    assert len(cycles) == len(jobs)
+    timed = [(job, got) for job, got, error in zip(jobs, cycles, errors) if error == ErrorCode.OK]
+    assert [got for _, got in timed] == [model_cycles(config, data_width, job) for job, _ in timed]
+    return errors
 
 
 def _check_random(seed, config, data_width=128, count=16, misalign=(0,)):
@@ -187,6 +223,51 @@ def test_tiny_wide_bus():
     """256-bit bus at 4 lanes: a group's requant words are half a beat, at either half
     (or across two beats when the block is not 16-byte aligned)."""
     _check_random(7, TINY, data_width=256, count=8, misalign=(16, 0, 5, 27))
+
+
+def test_slow_memory():
+    """8 lanes × 4 rows on a 256-bit bus at 1 GB/s (0.31 beats a cycle) and 300 ns (30
+    cycles): beats wait for the memory's bandwidth, blocks at odd byte offsets."""
+    config = TINY.with_changes(lanes=8, rows=4, mem_latency_ns=300.0, mem_bandwidth_gbps=1.0)
+    _check_random(10, config, data_width=256, count=8, misalign=(0, 3, 17))
+
+
+# -- timing corners: each term of the cycle model decides some job's count -------------------
+
+#: Geometry (config, bus width) and jobs ``(mode, rows, n, k, weight address, wide)`` where a
+#: term of the MATMUL cycle model decides the count: changing that term by one cycle
+#: changes some job's count. ``far``: 100 cycles of latency, so bursts wait for the
+#: burst-track FIFO, and reads split at a 4 KiB page one or two beats in. ``rows8``: eight
+#: rows of 16 lanes on a 512-bit bus (requant words one beat), so write-back outlasts the
+#: weights: the matrix unit waits for the bank, the packer holds a tile, and consecutive
+#: RESADD rows share a residual line. ``slow``: 0.2 beats a cycle, so a misaligned
+#: requant read's flushed beat decides when its group is written back; k = 0 too.
+CORNERS = {
+    "far": (TINY.with_changes(mem_latency_ns=1000.0), 128, [
+        (LOGITS, 1, 100, 40, 0x1f73, True), (RESADD, 2, 64, 70, 0x1fb6, False),
+        (RESADD, 2, 64, 0, 0x1004, True), (INT8, 2, 64, 5, 0x1f61, True),
+        (RESADD, 1, 33, 70, 0x1fa8, True), (RESADD, 1, 5, 5, 0x1ffc, True)]),
+    "rows8": (TINY.with_changes(lanes=16, reduce=4, rows=8, mem_bandwidth_gbps=6.4), 512, [
+        (INT8, 8, 33, 8, 0x1ff3, False), (LOGITS, 1, 33, 8, 0x1000, False),
+        (INT8, 6, 16, 8, 0x1000, False), (RESADD, 8, 7, 8, 0x1000, False),
+        (RESADD, 5, 7, 40, 0x1000, True), (RESADD, 2, 33, 3, 0x1000, False),
+        (INT8, 3, 16, 3, 0x1fd6, False)]),
+    "slow": (TINY.with_changes(mem_latency_ns=300.0, mem_bandwidth_gbps=0.64), 256, [
+        (RESADD, 1, 16, 40, 0x1000, False), (RESADD, 2, 33, 3, 0x1fb0, False),
+        (RESADD, 2, 1, 70, 0x1023, False), (RESADD, 2, 100, 0, 0x1000, False)]),
+}
+
+
+@pytest.mark.parametrize("name", CORNERS)
+def test_timing_corners(name):
+    """The corner jobs compute what the functional model does and take the model's
+    cycles (the weights are random bytes: timing does not depend on data)."""
+    config, data_width, shapes = CORNERS[name]
+    rng = np.random.default_rng(11)
+    memory = DeviceMemory(config.mem_bytes)
+    memory.write(0x1000, rng.integers(0, 256, 0x3000, dtype=np.uint8).tobytes())
+    jobs = [_mm(mode, rows, n, k, 0, 128, addr, wide) for mode, rows, n, k, addr, wide in shapes]
+    assert _check(rng, config, jobs, memory, data_width) == [ErrorCode.OK] * len(jobs)
 
 
 # -- timing: unchanged at tiny ----------------------------------------------------------------------
