@@ -165,8 +165,9 @@ class EngineConfig:
              f"must be a multiple of {VMEM_LINE_BYTES}")
         need(self.vmem_bytes <= VMEM_LINE_BYTES * 65536, "vmem_bytes",
              "VMEM addresses are 16-bit line numbers (at most 1 MiB)")
-        need(self.mem_port_bits in (128, 256, 384, 512), "mem_port_bits",
-             "the memory port is 128, 256, 384 or 512 bits (whole 16-byte VMEM lines a beat)")
+        need(self.mem_port_bits in (128, 256, 512), "mem_port_bits",
+             "the memory port is 128, 256 or 512 bits (whole VMEM lines a beat, and weight "
+             "tiles of whole beats)")
         need(self.imem_words <= 65536, "imem_words", "program counters are 16-bit")
         need(self.mem_bytes <= 1 << 36, "mem_bytes", "device addresses are at most 36-bit (64 GiB)")
         # int8 x int8 products summed over K must not overflow the accumulator for any

@@ -115,8 +115,8 @@ class Controller(wiring.Component):
     """
 
     def __init__(self, config: EngineConfig, data_width: int = 128):
-        if data_width % 128 or data_width > 512:
-            raise ValueError(f"data_width must be 128, 256, 384 or 512 bits, got {data_width}")
+        if data_width not in (128, 256, 512):
+            raise ValueError(f"data_width must be 128, 256 or 512 bits, got {data_width}")
         self.config = config
         self.data_width = data_width
         self.record_words = record_words(config.topk_max)
