@@ -8,7 +8,7 @@ from dfvg_hw.config import get_preset
 from dfvg_hw.rope import Rope
 from sim import rtl_tools
 from sim.rtl_tools import to_verilog, verilator_lint
-from sim.testbench import first_valid_after_accept, run_simulation, stream_get, stream_put
+from sim.testbench import first_valid_after_accept, stream_through
 
 TINY = get_preset("tiny")
 CONFIGS = [TINY, TINY.with_changes(name="tiny-hd32", head_dim=32)]
@@ -21,21 +21,7 @@ def ints(v):
 
 
 def simulate(dut, beats, ready=READY):
-    got = []
-
-    async def put(ctx):
-        for beat in beats:
-            await stream_put(ctx, dut.i, beat)
-
-    async def get(ctx):
-        for k in range(len(beats)):
-            if ready is not None and not ready[k % len(ready)]:
-                await ctx.tick()
-            p = await stream_get(ctx, dut.o)
-            got.append((list(p.a), list(p.b)))
-
-    run_simulation(dut, put, get)
-    return got
+    return [(list(p.a), list(p.b)) for p in stream_through(dut, beats, ready=ready)]
 
 
 def rope_tables(rng, n, half):
