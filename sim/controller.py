@@ -50,7 +50,6 @@ class Sequencer:
         self.pos = start_pos
         self.in_idx = 0
         self.token = tokens[0]
-        self.token_is_drafted = False  # TOKEN came from the sampler, not from the request
         self.layer = 0
         self.lstride = 0
         self._loop_start: int | None = None
@@ -67,6 +66,16 @@ class Sequencer:
         has not yet."""
         return (self.in_idx == len(self.tokens) - 1 and self.n_drafted < self.n_draft
                 and not self._sampled)
+
+    @property
+    def token_is_drafted(self) -> bool:
+        """TOKEN came from the sampler: every input token has had its forward."""
+        return self.forwards >= len(self.tokens)
+
+    def block_address(self, ins: Instruction, image_base: int) -> int:
+        """The device address of ``ins``'s block: image base + ``addr``, plus
+        LAYER·LSTRIDE when it is layer-relative."""
+        return image_base + ins.addr + (self.layer * self.lstride if ins.layer_relative else 0)
 
     def drafted(self, token: int) -> None:
         """Record a token the sampler produced; a SAMPLE the controller did not expect faults."""
@@ -113,7 +122,6 @@ class Sequencer:
                 self.token, next_pc = self.tokens[self.in_idx], ins.n
             elif self.n_drafted < self.n_draft:
                 self.token, next_pc = self._last, ins.n
-                self.token_is_drafted = True
         else:
             raise ValueError(f"{op.name} is not a control instruction")
         self.pc = next_pc

@@ -756,8 +756,8 @@ def estimate_request(config: EngineConfig, program: list[int], *, n_in: int, n_d
     while not seq.halted and budget:
         budget -= 1
         ins = decode(program[seq.pc])
-        addr = image_base + ins.addr + (seq.layer * seq.lstride if ins.layer_relative else 0)
-        counts.add(ins.opcode, *model.instruction(ins, pos=seq.pos, topk=topk, addr=addr,
+        counts.add(ins.opcode, *model.instruction(ins, pos=seq.pos, topk=topk,
+                                                  addr=seq.block_address(ins, image_base),
                                                   token_from_request=not seq.token_is_drafted),
                    macs=model.macs(ins, pos=seq.pos))
         if ins.opcode in CONTROL_OPS:

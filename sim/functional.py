@@ -173,8 +173,8 @@ class FunctionalEngine:
             ins = self._decoded[seq.pc]
             if isinstance(ins, IllegalInstruction):
                 raise EngineFault(ErrorCode.ILLEGAL_INSTRUCTION, str(ins))
-            block = image_base + ins.addr + (seq.layer * seq.lstride if ins.layer_relative else 0)
-            cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"], addr=block,
+            cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"],
+                                                          addr=seq.block_address(ins, image_base),
                                                           token_from_request=not seq.token_is_drafted)
             self.counts.add(ins.opcode, cycles, nbytes, self.cycle_model.macs(ins, pos=seq.pos))
             if ins.opcode in CONTROL_OPS:
@@ -197,7 +197,7 @@ class FunctionalEngine:
                               "embedding, KV and attention are reserved for tree drafting")
         if ins.rows > self.config.rows:
             raise EngineFault(ErrorCode.PROGRAM, f"rows={ins.rows} > engine rows {self.config.rows}")
-        addr = image_base + ins.addr + (st.layer * st.lstride if ins.layer_relative else 0)
+        addr = st.block_address(ins, image_base)
         rows = ins.rows
         if op == Op.EMBED:
             row = self._dram(addr + st.token * 2 * ins.n, 2 * ins.n).view("<i2")
