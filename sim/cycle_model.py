@@ -103,23 +103,6 @@ class _Port:
         full at the start, refilled ``p`` a cycle)."""
         return ceil(i / self.beats_per_cycle - 1e-9)
 
-    def last_line_taken(self, beats: int, lines: int) -> int:
-        """For a read accepted in cycle 0 whose beats are split into VMEM lines (one line
-        a cycle; a beat enters the splitter as the previous one's last line leaves): the
-        cycle line ``lines − 1`` is taken. The burst issues in cycle 1, the address in 2,
-        beat ``k`` is due ``2 + L + k/p`` and passes the port's output register."""
-        split = self.lines_per_beat
-        bucket = _TokenBucket(self.beats_per_cycle)
-        registered = taken = -10 ** 9
-        taken_at = []
-        for _ in range(beats):
-            offered = bucket.offer(max(2 + self.latency, registered + 1))
-            registered = max(offered, taken + split - 1)
-            taken = registered + 1
-            taken_at.append(taken)
-        i = lines - 1
-        return taken_at[i // split] + 1 + i % split
-
     def arrival(self, i: int, first: int) -> int:
         """Cycle a LineAligner takes input line ``i`` of a read whose first beat is on the
         port in cycle ``first`` (the beat-to-lines Gearbox adds a register and passes one
@@ -293,6 +276,26 @@ class _Words:
     @staticmethod
     def skip(i: int, count: int, t: int):
         """Beats ``i …`` taken one a cycle from ``t`` (nothing to record)."""
+
+
+class _LineSplitter:
+    """EMBED's beat-to-line gearbox: it takes a beat when the previous beat's last line
+    has left, and passes one line a cycle."""
+
+    def __init__(self, lines_per_beat: int):
+        self.split, self.taken = lines_per_beat, NEVER
+
+    def beat(self, i: int, t: int) -> int:
+        self.taken = max(t, self.taken + self.split)
+        return self.taken
+
+    def free(self, t: int) -> bool:
+        """Whether beats offered one a cycle from ``t`` are taken as they come."""
+        return self.split == 1 and t > self.taken
+
+    def skip(self, i: int, count: int, t: int):
+        """Beats ``i …`` taken one a cycle from ``t``."""
+        self.taken = t + count - 1
 
 
 class _Accumulate:
@@ -692,7 +695,9 @@ class CycleModel:
         if port.beats_per_cycle >= 1:
             data = READ_OVERHEAD + 1 + port.latency + lines
         else:
-            data = port.last_line_taken(ceil(2 * n / port.bus_bytes), lines) + 1
+            splitter = _LineSplitter(port.lines_per_beat)
+            last_beat = _ReadPath(port).read(0, 2 * n, splitter)
+            data = last_beat + 1 + (lines - 1) % port.lines_per_beat + 1
         nbytes = 2 * n + (port.bus_bytes if token_from_request else 0)
         # FETCH + DECODE, the token, EMBED_CMD, EMBED_READ, the row, RETIRE
         return ISSUE + token + 2 + data + 1, nbytes
