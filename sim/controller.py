@@ -9,7 +9,7 @@ from __future__ import annotations
 from dfvg_hw.descriptors import ErrorCode
 from dfvg_hw.isa import Cond, Instruction, Op
 
-__all__ = ["Sequencer", "ControlFault", "CONTROL_OPS"]
+__all__ = ["Sequencer", "ControlFault", "CONTROL_OPS", "block_address"]
 
 CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
 
@@ -19,6 +19,12 @@ class ControlFault(Exception):
         self.code = code
         self.detail = detail
         super().__init__(f"{code.name}: {detail}")
+
+
+def block_address(ins: Instruction, image_base: int, layer: int, lstride: int) -> int:
+    """The device address of ``ins``'s block: image base + ``addr``, plus LAYER·LSTRIDE
+    when it is layer-relative."""
+    return image_base + ins.addr + (layer * lstride if ins.layer_relative else 0)
 
 
 class Sequencer:
@@ -73,9 +79,8 @@ class Sequencer:
         return self.forwards >= len(self.tokens)
 
     def block_address(self, ins: Instruction, image_base: int) -> int:
-        """The device address of ``ins``'s block: image base + ``addr``, plus
-        LAYER·LSTRIDE when it is layer-relative."""
-        return image_base + ins.addr + (self.layer * self.lstride if ins.layer_relative else 0)
+        """The device address of ``ins``'s block (:func:`block_address`)."""
+        return block_address(ins, image_base, self.layer, self.lstride)
 
     def drafted(self, token: int) -> None:
         """Record a token the sampler produced; a SAMPLE the controller did not expect faults."""

@@ -19,7 +19,7 @@ from dfvg_hw.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_HEADER_
 from dfvg_hw.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded,
                            unpack_qparams, untile_weights)
 from dfvg_hw.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
-from sim.controller import CONTROL_OPS, ControlFault, Sequencer
+from sim.controller import CONTROL_OPS, ControlFault, Sequencer, block_address
 from sim.cycle_model import BEFORE_FINISH, CycleCounts, CycleModel
 from sim.memory import DeviceMemory, MemoryError_
 
@@ -197,7 +197,7 @@ class FunctionalEngine:
                               "embedding, KV and attention are reserved for tree drafting")
         if ins.rows > self.config.rows:
             raise EngineFault(ErrorCode.PROGRAM, f"rows={ins.rows} > engine rows {self.config.rows}")
-        addr = st.block_address(ins, image_base)
+        addr = block_address(ins, image_base, st.layer, st.lstride)
         rows = ins.rows
         if op == Op.EMBED:
             row = self._dram(addr + st.token * 2 * ins.n, 2 * ins.n).view("<i2")
