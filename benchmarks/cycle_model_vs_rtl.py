@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import make_tiny_llama  # noqa: E402
-from dfvg_hw.config import get_preset  # noqa: E402
-from dfvg_hw.regmap import OP_CYCLE_BUCKETS, op_cycles_offset  # noqa: E402
+from dfvg_hw.spec.config import get_preset  # noqa: E402
+from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, op_cycles_offset  # noqa: E402
 from dfvg_host.compiler import compile_draft  # noqa: E402
 from dfvg_host.driver import DraftDevice  # noqa: E402
 from sim.device import SimDevice  # noqa: E402

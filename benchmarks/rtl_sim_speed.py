@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from dfvg_hw.descriptors import DraftRequest, DraftResult, result_bytes  # noqa: E402
-from dfvg_hw.isa import assemble, to_bytes  # noqa: E402
-from dfvg_hw.regmap import Control, Irq, MemoryMap, Reg  # noqa: E402
+from dfvg_hw.spec.descriptors import DraftRequest, DraftResult, result_bytes  # noqa: E402
+from dfvg_hw.spec.isa import assemble, to_bytes  # noqa: E402
+from dfvg_hw.spec.regmap import Control, Irq, MemoryMap, Reg  # noqa: E402
 from sim.device import SimDevice  # noqa: E402
 from sim.rtl_device import RtlDevice  # noqa: E402
 from sim.verilator_device import VerilatorDevice  # noqa: E402

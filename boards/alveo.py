@@ -43,7 +43,7 @@ class PartCapacity:
     uram: int
     source: str
 
-    #: Row order and labels of :meth:`table`; keys match ``sim.rtl_tools.yosys_resources``.
+    #: Row order and labels of :meth:`table`; keys match ``dfvg_hw.synthesis.yosys_resources``.
     ROWS = (("LUT", "lut"), ("FF", "ff"), ("DSP", "dsp"), ("BRAM", "bram36"), ("URAM", "uram"))
 
     def table(self, used: dict[str, float]) -> str:
@@ -131,7 +131,7 @@ class AlveoPlatform(XilinxPlatform):
     name : str
         Board name as ``--board`` takes it (``alveo-u55c`` …).
     preset : str
-        The :mod:`dfvg_hw.config` preset this card's bitstream is built from.
+        The :mod:`dfvg_hw.spec.config` preset this card's bitstream is built from.
     board_part : str
         Vivado board-part pattern (``xilinx.com:au55c:part0:*``); the flow picks the newest
         installed version. Required only where the memory controller uses board-file pins.

@@ -31,7 +31,7 @@ from pathlib import Path
 from amaranth.build import DiffPairs, Pins
 
 from boards.alveo import DDR4, HBM, AlveoPlatform
-from dfvg_hw.regmap import register_space_bits
+from dfvg_hw.spec.regmap import register_space_bits
 
 __all__ = ["EngineInterface", "register_space_bits", "xdc_text", "tcl_flow", "write_flow",
            "FlowFiles", "vivado_command", "run_flow", "TCL_NAME", "PROGRESS_PREFIX"]

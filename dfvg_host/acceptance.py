@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dfvg_hw.descriptors import DraftedToken
-from dfvg_hw.numerics import PROB_BITS
+from dfvg_hw.spec.descriptors import DraftedToken
+from dfvg_hw.spec.numerics import PROB_BITS
 
 __all__ = ["SamplingParams", "target_distribution", "draft_distribution", "accept_greedy",
            "accept_rejection", "Verdict"]

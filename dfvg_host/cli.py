@@ -16,7 +16,7 @@ class CliError(Exception):
 
 
 def _preset(name: str):
-    from dfvg_hw.config import ConfigError, get_preset
+    from dfvg_hw.spec.config import ConfigError, get_preset
     try:
         return get_preset(name)
     except ConfigError as exc:
@@ -67,7 +67,7 @@ def cmd_compile(args) -> int:
 
 
 def cmd_presets(args) -> int:
-    from dfvg_hw.config import PRESETS
+    from dfvg_hw.spec.config import PRESETS
     for cfg in PRESETS.values():
         print(f"{cfg.name:12s} tile {cfg.rows}x{cfg.lanes}x{cfg.reduce}  KV {cfg.kv_layers}L x "
               f"{cfg.kv_heads}H x {cfg.kv_positions}P x {cfg.head_dim}  {cfg.clock_mhz:g} MHz  "
@@ -217,7 +217,7 @@ def cmd_draft(args) -> int:
 
 
 def _parse_gammas(text: str) -> tuple[int, ...]:
-    from dfvg_hw.descriptors import MAX_DRAFT
+    from dfvg_hw.spec.descriptors import MAX_DRAFT
     try:
         gammas = tuple(sorted({int(g) for g in text.split(",")}))
     except ValueError:
@@ -307,7 +307,7 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dfvg_hw.config import preset_names
+    from dfvg_hw.spec.config import preset_names
 
     p = argparse.ArgumentParser(prog="dfvg", description="Draft-on-FPGA, Verify-on-GPU "
                                 "speculative decoding: draft-engine compiler, simulators and runtime.")
@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dfvg_hw.config import ConfigError
+    from dfvg_hw.spec.config import ConfigError
     from dfvg_host.compiler import CompileError
 
     parser = build_parser()

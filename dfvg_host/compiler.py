@@ -7,12 +7,12 @@ Stages, each a small function:
 3. :func:`calibrate` — run the float model on sample text, record activation ranges.
 4. :class:`ImageBuilder` / :func:`build_image` — quantise (int8 weights per output
    channel, calibrated per-tensor activation scales, int16 residual stream) and lay out
-   the image exactly as :mod:`dfvg_hw.image` defines it.
+   the image exactly as :mod:`dfvg_hw.spec.image` defines it.
 5. :func:`emit_program` — the instruction stream for one forward + sample, with the layer
    loop and the draft loop on the device.
 
 Floats are used here, on the host, to compute scales and tables; the device path is
-integer-only (:mod:`dfvg_hw.numerics`).
+integer-only (:mod:`dfvg_hw.spec.numerics`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import VMEM_LINE_BYTES, EngineConfig
-from dfvg_hw.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, HEADER_BYTES, NORM_PARAM_BYTES,
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
+from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, HEADER_BYTES, NORM_PARAM_BYTES,
                            ImageHeader, align, matmul_bytes, pack_act_params, pack_attn_params,
                            pack_norm_params, pack_qparams, padded, tile_weights)
-from dfvg_hw.regmap import MemoryMap
-from dfvg_hw.isa import Cond, Flag, Instruction, MatmulMode, Op, assemble, disassemble, encode, \
+from dfvg_hw.spec.regmap import MemoryMap
+from dfvg_hw.spec.isa import Cond, Flag, Instruction, MatmulMode, Op, assemble, disassemble, encode, \
     from_bytes, to_bytes
 
 __all__ = ["CompileError", "UnsupportedModel", "DoesNotFit", "ModelShape", "CompiledDraft",

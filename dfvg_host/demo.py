@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 
 __all__ = ["REPO_ROOT", "DEMO_DRAFT", "DEMO_TARGET", "DEMO_DATA", "demo_paths", "compile_cached"]
 

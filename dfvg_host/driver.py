@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from dfvg_hw.descriptors import (MAX_DRAFT, DraftedToken, DraftRequest, DraftResult, ErrorCode,
+from dfvg_hw.spec.descriptors import (MAX_DRAFT, DraftedToken, DraftRequest, DraftResult, ErrorCode,
                                  result_bytes)
-from dfvg_hw.numerics import host_temperature
-from dfvg_hw.regmap import (ENGINE_ID, ENGINE_VERSION, PARAM_REGS, Control, Irq, MemoryMap, Reg,
+from dfvg_hw.spec.numerics import host_temperature
+from dfvg_hw.spec.regmap import (ENGINE_ID, ENGINE_VERSION, PARAM_REGS, Control, Irq, MemoryMap, Reg,
                             Status)
 from dfvg_host.compiler import CompiledDraft
 from dfvg_host.transport import LinkedTransport, Transport, open_transport

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_host.demo import _cache_dir, _fingerprint
 from dfvg_host.report import CompileReport, compile_report
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 from sim.cycle_model import estimate_request
 
 __all__ = ["CompileReport", "compile_report"]

@@ -135,7 +135,7 @@ class LinkedTransport:
 
 def open_transport(url: str) -> tuple[Transport, "object"]:
     """Open a device URL; returns (transport, engine config it was built from or None)."""
-    from dfvg_hw.config import ConfigError, get_preset
+    from dfvg_hw.spec.config import ConfigError, get_preset
 
     parsed = urlparse(url)
     scheme = parsed.scheme

@@ -26,7 +26,7 @@ import mmap
 import os
 import select
 
-from dfvg_hw.regmap import Reg
+from dfvg_hw.spec.regmap import Reg
 from dfvg_host.transport import TransportError
 
 __all__ = ["XdmaTransport", "XdmaError", "DEFAULT_PREFIX", "DEVICE_SUFFIXES", "REGISTER_WINDOW"]
@@ -35,7 +35,7 @@ DEFAULT_PREFIX = "/dev/xdma0"
 #: The device files the transport opens, by role.
 DEVICE_SUFFIXES = {"user": "_user", "h2c": "_h2c_0", "c2h": "_c2h_0", "events": "_events_0"}
 #: Bytes of the user BAR mapped for register access: one page holds the whole register
-#: map (dfvg_hw.regmap), and every BAR is at least a page.
+#: map (dfvg_hw.spec.regmap), and every BAR is at least a page.
 REGISTER_WINDOW = mmap.PAGESIZE
 
 _MODULE_HINT = ("load the XDMA driver (insmod xdma.ko from Xilinx dma_ip_drivers, or modprobe "

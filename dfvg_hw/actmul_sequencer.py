@@ -40,11 +40,11 @@ from amaranth.lib import wiring
 from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.memory import Memory
 
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
-from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.elementwise import ActMul
-from dfvg_hw.image import ACT_PARAM_BYTES
-from dfvg_hw.isa import Flag
+from dfvg_hw.spec.image import ACT_PARAM_BYTES
+from dfvg_hw.spec.isa import Flag
 from dfvg_hw.line_streams import (LineAligner, RowWriteProgress, RowWriter, UnalignedReader,
                                   lines_of, read_request, span_request)
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
@@ -81,7 +81,7 @@ class ActMulSequencer(wiring.Component):
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
-        :class:`~dfvg_hw.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
+        :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
     read_cmd, read_data : the memory port's read side (the parameter block)
     vmem_rd_cmd, vmem_rd : VMEM's span reader (one span per row)
     vmem_wr_cmd, vmem_wr, vmem_wr_done : VMEM's span writer (one span per job)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from boards import board_names, get_board
 from boards.vivado import EngineInterface, run_flow, vivado_command, write_flow
-from dfvg_hw.config import ConfigError, get_preset
+from dfvg_hw.spec.config import ConfigError, get_preset
 from dfvg_hw.engine import DraftEngine
 
 __all__ = ["build", "main"]
@@ -54,7 +54,7 @@ def build(board_name: str, preset: str | None = None, out: str | Path | None = N
     start = time.monotonic()
     log(f"elaborating the {config.name} engine for {board.name} ({board.part}) "
         f"({width}-bit memory port); large presets take minutes")
-    from sim.rtl_tools import to_verilog
+    from dfvg_hw.verilog import to_verilog
     verilog = directory / f"{TOP}.v"
     verilog.write_text(to_verilog(DraftEngine(config, width), TOP, for_fpga=True))
     log(f"wrote {verilog} ({verilog.stat().st_size / 1e6:.1f} MB) in {time.monotonic() - start:.0f} s")
@@ -71,7 +71,8 @@ def estimate(config, verilog_text: str, log=_log) -> tuple[dict, list[tuple[str,
     """Yosys estimate of the engine: (total, [(part, counts), …]) with the matrix unit
     extrapolated from a slice when it is wider than :data:`MATRIX_SLICE_LANES`."""
     from dfvg_hw.matrix import MatrixUnit
-    from sim.rtl_tools import to_verilog, yosys_resources
+    from dfvg_hw.verilog import to_verilog
+    from dfvg_hw.synthesis import yosys_resources
 
     if config.lanes <= MATRIX_SLICE_LANES:
         log("synthesising the engine with Yosys synth_xilinx -family xcup")

@@ -22,7 +22,7 @@ overhead).
 
 Execution: fetch (IMEM is a synchronous memory), decode (:class:`InstructionDecoder`;
 an illegal word faults ``ILLEGAL_INSTRUCTION`` when fetched), then either retire a control
-instruction into the :class:`Sequencer` at once or run a unit instruction and retire it
+instruction into the :class:`ProgramFlow` at once or run a unit instruction and retire it
 when it is done. ``pc`` past the loaded program faults ``PROGRAM``; running through an
 instruction budget of ``(n_in + n_draft + 1) · PROG_LEN · 256`` faults ``WATCHDOG``.
 ``CONTROL.ABORT`` stops a running request at its next fetch with ``ABORTED``, the result
@@ -49,17 +49,17 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.decoder import InstructionDecoder
-from dfvg_hw.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_CHECK_SALT,
+from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_CHECK_SALT,
                                  RESULT_HEADER_WORDS, ErrorCode, RequestFlag, record_words)
-from dfvg_hw.isa import INSTRUCTION_BYTES, Op
+from dfvg_hw.spec.isa import INSTRUCTION_BYTES, Op
 from dfvg_hw.matmul_sequencer import MatmulSequencer
 from dfvg_hw.memory_port import MemoryCommand, MemoryPortError, ReadBeat
 from dfvg_hw.register_file import EngineControlSignature, EngineStatusSignature
-from dfvg_hw.regmap import OP_CYCLE_BUCKETS
-from dfvg_hw.sample_unit import SampleUnit
-from dfvg_hw.sequencer import Sequencer
+from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS
+from dfvg_hw.sample_sequencer import SampleSequencer
+from dfvg_hw.program_flow import ProgramFlow
 from dfvg_hw.vmem import Gearbox, VectorMemory
 
 __all__ = ["Controller", "MemoryClientSignature"]
@@ -136,9 +136,9 @@ class Controller(wiring.Component):
         imem = m.submodules.imem = Memory(shape=unsigned(128), depth=c.imem_words, init=[])
         imem_w, imem_r = imem.write_port(), imem.read_port()
         dec = m.submodules.decoder = InstructionDecoder()
-        seq = m.submodules.sequencer = Sequencer()
+        seq = m.submodules.sequencer = ProgramFlow()
         vmem = m.submodules.vmem = VectorMemory(c)
-        samp = m.submodules.sample_unit = SampleUnit(c)
+        samp = m.submodules.sample_unit = SampleSequencer(c)
         # EMBED's row, beats cut into VMEM lines. A row that ends inside a beat leaves that
         # beat's other lines behind: the gearbox is emptied before each EMBED reads.
         to_lines = Gearbox(beat_bytes, VMEM_LINE_BYTES)

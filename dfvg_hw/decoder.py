@@ -1,8 +1,8 @@
 """Instruction decoder: a 128-bit instruction word → its fields, or the illegal field.
 
 The legality rules are not written here a second time: the masks come from
-:mod:`dfvg_hw.isa` (``FIELDS`` and each opcode's used fields and legal flags), so the
-decoder rejects exactly the words :func:`dfvg_hw.isa.decode` rejects and names the same
+:mod:`dfvg_hw.spec.isa` (``FIELDS`` and each opcode's used fields and legal flags), so the
+decoder rejects exactly the words :func:`dfvg_hw.spec.isa.decode` rejects and names the same
 field, in the same order of precedence:
 
 1. ``opcode`` — not an opcode;
@@ -22,7 +22,7 @@ from amaranth import Module, Mux
 from amaranth.lib import data, enum, wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.isa import FIELDS, INSTRUCTION_BITS, Cond, MatmulMode, Op, opcode_rules
+from dfvg_hw.spec.isa import FIELDS, INSTRUCTION_BITS, Cond, MatmulMode, Op, opcode_rules
 
 __all__ = ["InstructionDecoder", "InstructionFields", "IllegalField"]
 
@@ -57,7 +57,7 @@ def _order():
 
 
 class InstructionDecoder(wiring.Component):
-    """Combinational decoder and legality check, bit-exact with :func:`dfvg_hw.isa.decode`.
+    """Combinational decoder and legality check, bit-exact with :func:`dfvg_hw.spec.isa.decode`.
 
     Members
     -------
@@ -68,7 +68,7 @@ class InstructionDecoder(wiring.Component):
     illegal : Out(1)
         The word is not an instruction the engine executes.
     field : Out(IllegalField)
-        The field :func:`~dfvg_hw.isa.decode` names in its ``IllegalInstruction``;
+        The field :func:`~dfvg_hw.spec.isa.decode` names in its ``IllegalInstruction``;
         ``NONE`` when the word is legal.
     """
 

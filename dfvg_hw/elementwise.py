@@ -1,14 +1,11 @@
-"""Elementwise vector blocks: residual add, elementwise multiply, gated activation.
+"""Elementwise vector blocks: the vector requantiser and the gated activation.
 
 Every block here is a lane-parallel pipeline (``config.lanes`` elements per beat,
 initiation interval 1) built around the shared :class:`dfvg_hw.requant.Requantizer`,
-bit-exact with :mod:`dfvg_hw.numerics`:
+bit-exact with :mod:`dfvg_hw.spec.numerics`:
 
 * :class:`VectorRequantizer` — ``lanes`` requantisers in lockstep, with an optional
   sideband carried alongside (used by every block that requantises a vector).
-* :class:`ResidualAdd` — :func:`numerics.residual_add`.
-* :class:`ElementwiseMul` — ``requant(a · b, mult, shift)`` of two int8 vectors
-  (:func:`numerics.act_mul` with the identity table).
 * :class:`ActMul` — :func:`numerics.act_mul`, with a loadable 256-entry int16 table.
 
 It also holds :func:`reduce_tree`, the registered reduction tree that the RMSNorm sum of
@@ -30,12 +27,11 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.requant import RequantInput, Requantizer
 
-__all__ = ["reduce_tree", "saturate", "narrow_unless_wide", "VectorRequantizer", "ResidualAdd", "ElementwiseMul",
-           "ActMul"]
+__all__ = ["reduce_tree", "saturate", "narrow_unless_wide", "VectorRequantizer", "ActMul"]
 
 
 def saturate(value, bits: int):
@@ -212,116 +208,6 @@ class VectorRequantizer(wiring.Component):
                 rq.o.ready.eq(self.o.ready & out_valid),
                 self.o.payload.y[l].eq(rq.o.payload),
             ]
-        return m
-
-
-class ResidualAdd(wiring.Component):
-    """Residual update, bit-exact with :func:`numerics.residual_add`.
-
-    ``y = sat16(x + sat16(round_shift(acc · mult, shift)))`` per lane: a
-    :class:`VectorRequantizer` (16-bit output, the residual operand in its sideband) and a
-    saturating int16 adder stage. ``mult, shift`` come per lane (per output channel, as
-    the matrix unit streams them).
-
-    Parameters
-    ----------
-    config : EngineConfig
-        ``lanes`` sets the vector width.
-
-    Members
-    -------
-    i : In(stream.Signature(StructLayout({"x": ArrayLayout(signed(16), lanes), "r": ArrayLayout(RequantInput(32), lanes)})))
-        The residual ``x`` and the matmul accumulators with their (mult, shift).
-    o : Out(stream.Signature(ArrayLayout(signed(16), lanes)))
-        The updated residual.
-    """
-
-    LATENCY = VectorRequantizer.LATENCY + 1
-
-    def __init__(self, config: EngineConfig):
-        self.lanes = config.lanes
-        self._x = data.ArrayLayout(signed(nx.RES_BITS), self.lanes)
-        super().__init__({
-            "i": In(stream.Signature(data.StructLayout({
-                "x": self._x,
-                "r": data.ArrayLayout(RequantInput(config.acc_bits), self.lanes)}))),
-            "o": Out(stream.Signature(self._x)),
-        })
-        self.acc_bits = config.acc_bits
-
-    def elaborate(self, platform):
-        m = Module()
-        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.RES_BITS, self.acc_bits,
-                                                      side=self._x)
-        m.d.comb += [
-            vr.i.valid.eq(self.i.valid),
-            vr.i.payload.r.eq(self.i.payload.r),
-            vr.i.payload.side.eq(self.i.payload.x),
-            self.i.ready.eq(vr.i.ready),
-        ]
-        adv = Signal()
-        m.d.comb += [adv.eq(~self.o.valid | self.o.ready), vr.o.ready.eq(adv)]
-        with m.If(adv):
-            m.d.sync += self.o.valid.eq(vr.o.valid)
-            for l in range(self.lanes):
-                total = vr.o.payload.side[l] + vr.o.payload.y[l]
-                m.d.sync += self.o.payload[l].eq(saturate(total, nx.RES_BITS))
-        return m
-
-
-class ElementwiseMul(wiring.Component):
-    """Elementwise product of two int8 vectors, requantised per tensor.
-
-    ``y = sat8(round_shift(a · b · mult, shift))`` per lane, i.e.
-    ``numerics.requant(a * b, mult, shift)`` (= :func:`numerics.act_mul` with the identity
-    table ``lut[g + 128] = g``). One multiply stage, then a :class:`VectorRequantizer`.
-
-    Parameters
-    ----------
-    config : EngineConfig
-        ``lanes`` sets the vector width.
-
-    Members
-    -------
-    i : In(stream.Signature(StructLayout({"a": ArrayLayout(signed(8), lanes), "b": ArrayLayout(signed(8), lanes)})))
-        The operands.
-    mult : In(unsigned(16))
-        Per-tensor multiplier, sampled with each accepted beat.
-    shift : In(unsigned(6))
-        Per-tensor shift, sampled with each accepted beat.
-    o : Out(stream.Signature(ArrayLayout(signed(8), lanes)))
-        The products.
-    """
-
-    LATENCY = 1 + VectorRequantizer.LATENCY
-    ACC_BITS = 2 * nx.ACT_BITS  # |a·b| ≤ 2^14
-
-    def __init__(self, config: EngineConfig):
-        self.lanes = config.lanes
-        vec8 = data.ArrayLayout(signed(nx.ACT_BITS), self.lanes)
-        super().__init__({
-            "i": In(stream.Signature(data.StructLayout({"a": vec8, "b": vec8}))),
-            "mult": In(unsigned(nx.MULT_BITS)),
-            "shift": In(unsigned(6)),
-            "o": Out(stream.Signature(vec8)),
-        })
-
-    def elaborate(self, platform):
-        m = Module()
-        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.ACT_BITS, self.ACC_BITS)
-        adv, v1 = Signal(), Signal()
-        m.d.comb += [adv.eq(~v1 | vr.i.ready), self.i.ready.eq(adv), vr.i.valid.eq(v1)]
-        with m.If(adv):
-            m.d.sync += v1.eq(self.i.valid)
-            for l in range(self.lanes):
-                r = vr.i.payload.r[l]
-                m.d.sync += [r.acc.eq(self.i.payload.a[l] * self.i.payload.b[l]),
-                             r.mult.eq(self.mult), r.shift.eq(self.shift)]
-        m.d.comb += [
-            self.o.valid.eq(vr.o.valid),
-            self.o.payload.eq(vr.o.payload.y),
-            vr.o.ready.eq(self.o.ready),
-        ]
         return m
 
 

@@ -8,7 +8,7 @@
 
 The ports are flat and named as Vivado's interface inference expects them
 (``boards.vivado.EngineInterface.ports()``): ``clk``, ``rst`` (active high, synchronous),
-the AXI4-Lite slave ``s_axil_*`` (the register map, ``dfvg_hw.regmap``), the AXI4 master
+the AXI4-Lite slave ``s_axil_*`` (the register map, ``dfvg_hw.spec.regmap``), the AXI4 master
 ``m_axi_*`` into device memory, and the completion interrupt ``irq`` (a level:
 ``IRQ_STATUS & IRQ_ENABLE``).
 """
@@ -21,11 +21,11 @@ from amaranth.lib.wiring import Out
 
 from dfvg_hw.axi4 import AXI4Signature, connect_flat
 from dfvg_hw.axi_lite import AXI4LiteSignature, connect_prefixed, prefixed_members
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.controller import Controller
 from dfvg_hw.memory_port import MemoryPort
 from dfvg_hw.register_file import RegisterFile
-from dfvg_hw.regmap import register_space_bits
+from dfvg_hw.spec.regmap import register_space_bits
 
 __all__ = ["DraftEngine", "AXIL_PREFIX", "AXI_PREFIX"]
 

@@ -31,7 +31,7 @@ from amaranth.lib import data, enum, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 
 __all__ = ["KVBuffer", "KVOp", "KVCommand", "KVReadBeat", "KVError"]
 

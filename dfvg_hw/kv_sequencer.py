@@ -3,7 +3,7 @@
 
 :class:`KvSequencer` owns the :class:`~dfvg_hw.kv_buffer.KVBuffer` — the KV cache is state
 of the engine and survives from job to job (a controller reset of the sequencer clears
-its registers, never the memories) — and the :class:`~dfvg_hw.softmax.Attention` unit.
+its registers, never the memories) — and the :class:`~dfvg_hw.attention.Attention` unit.
 Every job first sets the buffer's position register to the job's ``pos`` (ROLLBACK),
 since the controller's POS register is the one source of truth.
 
@@ -46,14 +46,14 @@ from amaranth import Cat, Module, Mux, Signal
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.image import ATTN_PARAM_BYTES
-from dfvg_hw.isa import Flag, Op
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.image import ATTN_PARAM_BYTES
+from dfvg_hw.spec.isa import Flag, Op
 from dfvg_hw.kv_buffer import KVBuffer, KVOp
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import BlockReader, VmemWindow, vmem_span_outside, window_request
-from dfvg_hw.softmax import Attention
+from dfvg_hw.attention import Attention
 from dfvg_hw.vmem import Gearbox
 
 __all__ = ["KvSequencer"]
@@ -84,7 +84,7 @@ class KvSequencer(wiring.Component):
     done : Out(1)
         One-cycle pulse when the job is finished; ``error`` holds its outcome then.
     error : Out(8)
-        :class:`~dfvg_hw.descriptors.ErrorCode` of the finished job.
+        :class:`~dfvg_hw.spec.descriptors.ErrorCode` of the finished job.
     read_cmd, read_data : the memory port's read side (ATTN's parameter block)
     peek_addr, peek_data, poke_en, poke_addr, poke_data : VMEM's random line ports
     vmem_rd_cmd, vmem_rd, vmem_wr_cmd, vmem_wr, vmem_wr_done, vmem_error : VMEM's span

@@ -27,7 +27,7 @@ from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 from dfvg_hw.vmem import ByteBeat, Gearbox, VmemWriteBeat
 

@@ -2,7 +2,7 @@
 back to VMEM or into the logit buffer (isa.md §3.4, ``FunctionalEngine._matmul``).
 
 One MATMUL is checked, then runs in row passes. A pass holds ``rows`` rows (``rows // 2``
-wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.numerics.wide_digits`):
+wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits`):
 
 1. **x load.** The pass's source rows are read from VMEM once and cut into K-slices in
    the x buffer (entry ``kt`` holds slice ``kt`` of every row slot, as the matrix unit's
@@ -68,14 +68,14 @@ from amaranth.lib.wiring import In, Out
 from amaranth.lib.memory import Memory
 from amaranth.utils import exact_log2
 
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.isa import MatmulMode
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.matrix import DIGIT_BITS, MatrixUnit
 from dfvg_hw.memory_port import ReadBeat
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import vmem_span_outside
-from dfvg_hw.sample_unit import LogitTile
+from dfvg_hw.sample_sequencer import LogitTile
 from dfvg_hw.vmem import Gearbox
 
 __all__ = ["MatmulSequencer", "BeatAligner", "TilePacker"]
@@ -220,7 +220,7 @@ class MatmulSequencer(wiring.Component):
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
-        :class:`~dfvg_hw.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
+        :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
     read_cmd, read_data : the memory port's read side (weight tiles, requant words)
     vmem_rd_cmd, vmem_rd : VMEM's span reader (the x rows, one span per pass)
     vmem_wr_cmd, vmem_wr, vmem_wr_done : unused (results go through the poke port)
@@ -232,7 +232,7 @@ class MatmulSequencer(wiring.Component):
         One-cycle pulse: a LOGITS vector of ``logits_n`` entries starts.
     logits_n : Out(16)
     logits : Out(stream.Signature(LogitTile(lanes)))
-        The logit buffer's write side (:class:`~dfvg_hw.sample_unit.SampleUnit`).
+        The logit buffer's write side (:class:`~dfvg_hw.sample_sequencer.SampleSequencer`).
     """
 
     @staticmethod

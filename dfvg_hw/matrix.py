@@ -20,7 +20,7 @@ plain 9 × 8 product.
 
 Wide (int16) rows: a group with ``wide`` set takes its activations as digit rows —
 row ``2r`` the ``hi`` and row ``2r+1`` the ``lo`` digit of wide row ``r``
-(:func:`~dfvg_hw.numerics.wide_digits`; ``hi`` reaches 128, so activation operands are
+(:func:`~dfvg_hw.spec.numerics.wide_digits`; ``hi`` reaches 128, so activation operands are
 9-bit) — and writes back ``256·acc[2r] + acc[2r+1]`` (40-bit) for ``r < rows``. The
 arithmetic array is the same; only the write-back combines.
 """
@@ -34,9 +34,9 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import EngineConfig
-from dfvg_hw.isa import MatmulMode
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.requant import Requantizer
 
 #: activation operand width: int8 values and the 9-bit ``hi`` digit of wide rows
@@ -78,7 +78,7 @@ class GroupParams(data.StructLayout):
     """Write-back parameters of one output group (one N-tile).
 
     ``words[lane]`` are the group's ``lanes`` requant words (one contiguous ``4·lanes``-byte
-    burst of the image), ``mode`` a :class:`~dfvg_hw.isa.MatmulMode`, ``wide`` set when the
+    burst of the image), ``mode`` a :class:`~dfvg_hw.spec.isa.MatmulMode`, ``wide`` set when the
     rows are digit pairs of int16 rows, ``rows`` the number of (wide) rows to write back
     (1 … M, or 1 … M // 2 when wide; 0 or more means all).
     """

@@ -62,7 +62,7 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
 from dfvg_hw.axi4 import AXI4Signature, BOUNDARY_BYTES, Burst, MAX_BURST_BEATS, Resp
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 
 __all__ = ["MemoryPort", "MemoryCommand", "ReadBeat", "MemoryPortError"]
 

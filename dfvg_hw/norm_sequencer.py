@@ -38,11 +38,11 @@ from __future__ import annotations
 from amaranth import Cat, Module, Mux, Signal, unsigned
 from amaranth.lib import wiring
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.image import NORM_PARAM_BYTES
-from dfvg_hw.isa import Flag
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.image import NORM_PARAM_BYTES
+from dfvg_hw.spec.isa import Flag
 from dfvg_hw.line_streams import (RowWriteProgress, RowWriter, UnalignedReader, lines_of,
                                   read_request, span_request)
 from dfvg_hw.operand_access import job_spans_outside
@@ -74,7 +74,7 @@ class NormSequencer(wiring.Component):
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
-        :class:`~dfvg_hw.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
+        :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
     read_cmd, read_data : the memory port's read side (parameter head and gamma)
     vmem_rd_cmd, vmem_rd : VMEM's span reader (one-row spans, each row twice)
     vmem_wr_cmd, vmem_wr, vmem_wr_done : VMEM's span writer (one span per job)

@@ -15,7 +15,7 @@ from amaranth import unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 from dfvg_hw.vmem import VmemReadBeat, VmemSpan, VmemWriteBeat
 
@@ -45,7 +45,7 @@ class OpSequencerSignature(wiring.Signature):
     done : Out(1)
         One-cycle pulse: the job is finished; ``error`` holds its outcome in that cycle.
     error : Out(8)
-        :class:`~dfvg_hw.descriptors.ErrorCode` of the finished job (0 = OK).
+        :class:`~dfvg_hw.spec.descriptors.ErrorCode` of the finished job (0 = OK).
     read_cmd : Out(stream.Signature(MemoryCommand(config)))
     read_data : In(stream.Signature(ReadBeat(data_width)))
         Device-memory reads (:class:`~dfvg_hw.memory_port.MemoryPort`: bus-aligned

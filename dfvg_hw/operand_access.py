@@ -23,7 +23,7 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2, exact_log2
 
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 
 __all__ = ["BlockRead", "BlockReader", "WindowAccess", "VmemWindow", "vmem_span_outside",

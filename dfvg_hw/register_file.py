@@ -1,6 +1,6 @@
 """Register file: the host interface's AXI4-Lite slave (docs/registers.md §1).
 
-The register map is :mod:`dfvg_hw.regmap`; the behaviour is that of the functional device
+The register map is :mod:`dfvg_hw.spec.regmap`; the behaviour is that of the functional device
 (``sim/device.py``), split between this block and the controller:
 
 * here: the RW registers (``IRQ_ENABLE``, ``PROG_LEN`` and the six 64-bit base
@@ -39,8 +39,8 @@ from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.axi_lite import AXI4LiteSignature, AxiResp
-from dfvg_hw.config import EngineConfig
-from dfvg_hw.regmap import (ENGINE_ID, ENGINE_VERSION, OP_CYCLE_BUCKETS, Control, Irq, Reg, Status,
+from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.spec.regmap import (ENGINE_ID, ENGINE_VERSION, OP_CYCLE_BUCKETS, Control, Irq, Reg, Status,
                             engine_params, op_cycles_offset, register_space_bits)
 
 __all__ = ["RegisterFile", "EngineCommand", "EngineControlSignature", "EngineStatusSignature",

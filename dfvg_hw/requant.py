@@ -6,7 +6,7 @@ from amaranth import Const, Module, Mux, Signal, signed, unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw import numerics as nx
+from dfvg_hw.spec import numerics as nx
 
 __all__ = ["Requantizer", "RequantInput"]
 
@@ -23,7 +23,7 @@ class RequantInput(data.StructLayout):
 
 
 class Requantizer(wiring.Component):
-    """Pipelined requantiser, bit-exact with :func:`dfvg_hw.numerics.requant`.
+    """Pipelined requantiser, bit-exact with :func:`dfvg_hw.spec.numerics.requant`.
 
     Three stages — multiply, add the rounding half and shift, saturate — at initiation
     interval 1. Backpressure stalls the whole pipeline.

@@ -8,8 +8,8 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.elementwise import VectorRequantizer, narrow_unless_wide, reduce_tree
 
 __all__ = ["Rsqrt", "RsqrtResult", "RMSNorm", "RMSNormInput", "RMSNormOutput", "sumsq_bits"]
@@ -38,7 +38,7 @@ class RsqrtResult(data.StructLayout):
 
 
 class Rsqrt(wiring.Component):
-    """Reciprocal square root, bit-exact with :func:`dfvg_hw.numerics.rsqrt_fixed`.
+    """Reciprocal square root, bit-exact with :func:`dfvg_hw.spec.numerics.rsqrt_fixed`.
 
     Four stages at initiation interval 1:
 
@@ -132,7 +132,7 @@ class RMSNormOutput(data.StructLayout):
 
 class RMSNorm(wiring.Component):
     """RMSNorm of int16 rows to int8 (or int16 with ``wide``), bit-exact with
-    :func:`dfvg_hw.numerics.rmsnorm`.
+    :func:`dfvg_hw.spec.numerics.rmsnorm`.
 
     The controller streams each row **twice** through ``i`` (as the cycle model's
     ``2·vec(n) + 4`` per row assumes), ``lanes`` elements per beat, ``last`` on the final

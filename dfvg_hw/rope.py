@@ -6,8 +6,8 @@ from amaranth import Module, Signal, signed
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.elementwise import saturate
 
 __all__ = ["Rope", "RopeInput", "RopeOutput"]
@@ -31,7 +31,7 @@ class RopeOutput(data.StructLayout):
 
 
 class Rope(wiring.Component):
-    """RoPE pair rotator, bit-exact with :func:`dfvg_hw.numerics.rope`.
+    """RoPE pair rotator, bit-exact with :func:`dfvg_hw.spec.numerics.rope`.
 
     Per pair ``(a, b) = (x_i, x_{i+D/2})`` with the Q1.14 entry ``(c, s)`` of (POS, i)::
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 from amaranth import Cat, Module, Signal
 from amaranth.lib import wiring
 
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
-from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import (BlockReader, VmemWindow, byte_mask, job_spans_outside,
                                     window_request)
@@ -60,7 +60,7 @@ class RopeSequencer(wiring.Component):
     done : Out(1)
         One-cycle pulse when the job is finished; ``error`` holds its outcome then.
     error : Out(8)
-        :class:`~dfvg_hw.descriptors.ErrorCode` of the finished job.
+        :class:`~dfvg_hw.spec.descriptors.ErrorCode` of the finished job.
     read_cmd, read_data : the memory port's read side (the table row)
     peek_addr, peek_data, poke_en, poke_addr, poke_data : VMEM's random line ports
     vmem_rd_cmd, vmem_rd, vmem_wr_cmd, vmem_wr, vmem_wr_done, vmem_error : VMEM's span

@@ -34,7 +34,7 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
-from dfvg_hw.config import VMEM_LINE_BYTES, EngineConfig
+from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
 
 __all__ = ["VmemSpan", "VmemReadBeat", "VmemWriteBeat", "ByteBeat", "VectorMemory", "Gearbox"]
 

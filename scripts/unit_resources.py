@@ -26,17 +26,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dfvg_hw.config import EngineConfig, get_preset  # noqa: E402
-from dfvg_hw.elementwise import ActMul, ElementwiseMul, ResidualAdd  # noqa: E402
+from dfvg_hw.spec.config import EngineConfig, get_preset  # noqa: E402
+from dfvg_hw.elementwise import ActMul  # noqa: E402
 from dfvg_hw.kv_buffer import KVBuffer  # noqa: E402
 from dfvg_hw.matrix import MatrixUnit  # noqa: E402
 from dfvg_hw.requant import Requantizer  # noqa: E402
-from dfvg_hw import numerics as nx  # noqa: E402
+from dfvg_hw.spec import numerics as nx  # noqa: E402
 from dfvg_hw.rmsnorm import RMSNorm, Rsqrt, sumsq_bits  # noqa: E402
 from dfvg_hw.rope import Rope  # noqa: E402
-from dfvg_hw.sampler import TokenSampler  # noqa: E402
-from dfvg_hw.softmax import Attention, Reciprocal, SoftmaxWeights  # noqa: E402
-from sim.rtl_tools import to_verilog, yosys_resources  # noqa: E402
+from dfvg_hw.token_sampler import TokenSampler  # noqa: E402
+from dfvg_hw.attention import Attention, Reciprocal, SoftmaxWeights  # noqa: E402
+from dfvg_hw.verilog import to_verilog  # noqa: E402
+from dfvg_hw.synthesis import yosys_resources  # noqa: E402
 
 RESOURCES = ("LUT", "FF", "DSP", "BRAM", "URAM")
 
@@ -76,8 +77,6 @@ def _units(cfg: EngineConfig, matrix_lanes: int | None) -> dict:
                        cfg, 1.0),
         "attention": (Attention, lambda u: f"{u.cycles(t)} per head at T={t} (2T + log2 D + 45)",
                       cfg, 1.0),
-        "residual_add": (ResidualAdd, lambda u: f"{u.LATENCY}", cfg, 1.0),
-        "elementwise_mul": (ElementwiseMul, lambda u: f"{u.LATENCY}", cfg, 1.0),
         "act_mul": (ActMul, lambda u: f"{u.LATENCY}", cfg, 1.0),
     }
 

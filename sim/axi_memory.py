@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from dfvg_hw.axi4 import BOUNDARY_BYTES, Burst, MAX_BURST_BEATS, Resp
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 from sim.memory import DeviceMemory
 
 __all__ = ["AXI4SlaveMemory", "MemoryTiming", "AXIProtocolError"]

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import ceil, gcd
 
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
-from dfvg_hw.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words
-from dfvg_hw.image import ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded
-from dfvg_hw.isa import Instruction, MatmulMode, Op
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words
+from dfvg_hw.spec.image import ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded
+from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
 
 __all__ = ["CycleModel", "CycleCounts", "estimate_request", "BEFORE_FINISH"]
 
@@ -703,7 +703,7 @@ class CycleModel:
         return ISSUE + token + 2 + data + 1, nbytes
 
     def _sample(self, n: int, topk: int) -> int:
-        """sample_unit.py + sampler.py: the logit buffer streams a tile a cycle into the
+        """sample_sequencer.py + token_sampler.py: the logit buffer streams a tile a cycle into the
         lanes' top-k lists, which merge one candidate a cycle; then exp, the divider and
         the probabilities over the k winners, and the record a word a cycle into the
         result RAM."""
@@ -750,13 +750,13 @@ def estimate_request(config: EngineConfig, program: list[int], *, n_in: int, n_d
     Timing does not depend on token values, so this equals the functional model's count
     for the same request shape (a test checks it).
     """
-    from dfvg_hw.isa import decode
-    from sim.controller import CONTROL_OPS, Sequencer
+    from dfvg_hw.spec.isa import decode
+    from sim.program_flow import CONTROL_OPS, ProgramFlow
 
     model = CycleModel(config)
     counts = CycleCounts()
     counts.add("REQUEST", *model.request_start(n_in))
-    seq = Sequencer([0] * n_in, start_pos, n_draft)
+    seq = ProgramFlow([0] * n_in, start_pos, n_draft)
     budget = (n_in + n_draft + 1) * len(program) * 256
     while not seq.halted and budget:
         budget -= 1

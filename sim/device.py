@@ -2,7 +2,7 @@
 
 :class:`SimDevice` offers the transport operations a card offers — 32-bit register read
 and write, DMA write and read at a device address, wait for the completion interrupt —
-and implements the register file of :mod:`dfvg_hw.regmap` around a
+and implements the register file of :mod:`dfvg_hw.spec.regmap` around a
 :class:`~sim.functional.FunctionalEngine`. A START executes the request descriptor the
 host wrote, through the loaded program, exactly as the hardware would; the cycle model
 supplies the cycle counters.
@@ -10,9 +10,9 @@ supplies the cycle counters.
 
 from __future__ import annotations
 
-from dfvg_hw.config import EngineConfig
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.regmap import (ENGINE_ID, ENGINE_VERSION, OP_CYCLE_BUCKETS, Control, Irq, Reg, Status,
+from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.regmap import (ENGINE_ID, ENGINE_VERSION, OP_CYCLE_BUCKETS, Control, Irq, Reg, Status,
                             engine_params, op_cycles_offset)
 from sim.functional import EngineFault, FunctionalEngine
 from sim.memory import DeviceMemory, MemoryError_

@@ -4,7 +4,7 @@
 image and a request descriptor in :class:`~sim.memory.DeviceMemory`, exactly as the
 hardware does: the controller (loops, branches, the on-device draft loop), the units
 (embedding, RMSNorm, matrix unit, RoPE, KV buffer, attention, gated activation, token
-sampler) computed with :mod:`dfvg_hw.numerics`, and the result descriptor written back
+sampler) computed with :mod:`dfvg_hw.spec.numerics`, and the result descriptor written back
 to device memory. The :class:`~sim.cycle_model.CycleModel` counts cycles alongside.
 """
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import VMEM_LINE_BYTES, EngineConfig
-from dfvg_hw.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS,
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
+from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS,
                                  DraftedToken, DraftRequest, DraftResult, ErrorCode)
-from dfvg_hw.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded,
+from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded,
                            unpack_qparams, untile_weights)
-from dfvg_hw.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
-from sim.controller import CONTROL_OPS, ControlFault, Sequencer, block_address
+from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
+from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
 from sim.cycle_model import BEFORE_FINISH, CycleCounts, CycleModel
 from sim.memory import DeviceMemory, MemoryError_
 
@@ -116,7 +116,7 @@ class FunctionalEngine:
             # the engine reads the request and writes a result even when it refuses it
             self.counts.add("REQUEST", *self.cycle_model.request_start(header["n_in"]))
             tokens = self._read_request_tokens(header, request_addr)
-            seq = Sequencer(tokens, header["start_pos"], header["n_draft"])
+            seq = ProgramFlow(tokens, header["start_pos"], header["n_draft"])
             budget = watchdog if watchdog is not None else \
                 (len(tokens) + header["n_draft"] + 1) * max(len(self.imem), 1) * 256
             self._execute(seq, header, image_base, drafted, result_addr, budget)
@@ -160,7 +160,7 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.BAD_REQUEST, f"token id {bad[0]} ≥ vocab_max {c.vocab_max}")
         return tokens
 
-    def _execute(self, seq: Sequencer, h: dict, image_base: int, drafted: list,
+    def _execute(self, seq: ProgramFlow, h: dict, image_base: int, drafted: list,
                  result_addr: int, budget: int) -> None:
         executed = 0
         while not seq.halted:
@@ -190,7 +190,7 @@ class FunctionalEngine:
             seq.pc += 1
 
     # -- units -------------------------------------------------------------------------
-    def _unit(self, ins: Instruction, st: Sequencer, image_base: int) -> None:
+    def _unit(self, ins: Instruction, st: ProgramFlow, image_base: int) -> None:
         op = ins.opcode
         if op in (Op.EMBED, Op.KVAPPEND, Op.ATTN) and ins.rows != 1:
             raise EngineFault(ErrorCode.PROGRAM, f"{op.name} with rows={ins.rows}: multi-row "
@@ -268,7 +268,7 @@ class FunctionalEngine:
                 raise EngineFault(ErrorCode.PROGRAM, f"{ins.n} logits > vocab_max {c.vocab_max}")
             self.logits = nx.requant(acc[0], mult, shift, nx.LOGIT_BITS).astype(np.int16)
 
-    def _attention(self, ins: Instruction, st: Sequencer, addr: int) -> None:
+    def _attention(self, ins: Instruction, st: ProgramFlow, addr: int) -> None:
         self._check_kv(ins, st.layer)
         self._check_pos(st.pos)
         head = self._dram(addr, ATTN_PARAM_BYTES).view("<u4")

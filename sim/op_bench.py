@@ -10,7 +10,7 @@ device memory (:func:`functional_reference` for one instruction, :func:`referenc
 for the same job list; :func:`compare_with_reference` runs both and asserts they agree).
 
 A sequencer that also writes the logit buffer (the MATMUL sequencer's ``logits_begin``,
-``logits_n`` and ``logits`` ports, as :class:`~dfvg_hw.sample_unit.SampleUnit` takes
+``logits_n`` and ``logits`` ports, as :class:`~dfvg_hw.sample_sequencer.SampleSequencer` takes
 them) gets an always-ready sink that collects each logit vector it streams, so LOGITS
 results are compared too.
 """
@@ -22,9 +22,9 @@ from amaranth import Module, Mux, ResetInserter
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.config import EngineConfig, VMEM_LINE_BYTES
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.isa import Instruction, Op
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.isa import Instruction, Op
 from dfvg_hw.memory_port import MemoryPort
 from dfvg_hw.op_port import OpJob
 from dfvg_hw.vmem import VectorMemory

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 from amaranth.sim import Simulator
 
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.engine import AXI_PREFIX, AXIL_PREFIX, DraftEngine
 from sim.axi_lite_bus import axil_read, axil_write
 from sim.axi_memory import AXI4SlaveMemory, MemoryTiming

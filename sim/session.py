@@ -7,9 +7,9 @@ host driver reaches the same engine through the register map instead.
 
 from __future__ import annotations
 
-from dfvg_hw.config import EngineConfig
-from dfvg_hw.descriptors import DraftRequest, DraftResult, request_bytes, result_bytes
-from dfvg_hw.isa import to_bytes
+from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.spec.descriptors import DraftRequest, DraftResult, request_bytes, result_bytes
+from dfvg_hw.spec.isa import to_bytes
 from sim.functional import FunctionalEngine
 
 __all__ = ["FunctionalSession"]

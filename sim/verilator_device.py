@@ -20,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.engine import DraftEngine
 from sim.axi_memory import MemoryTiming
 from sim.memory import MemoryError_
-from sim.rtl_tools import to_verilog
+from dfvg_hw.verilog import to_verilog
 
 __all__ = ["VerilatorDevice", "build_harness"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dfvg_hw.config import get_preset
+from dfvg_hw.spec.config import get_preset
 
 # The test models are tiny: one thread beats two threads spinning on the 2-core CI machine.
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dfvg_hw.config import get_preset
+from dfvg_hw.spec.config import get_preset
 from dfvg_host.bench import (ALL_TASKS, DEFAULT_PROMPT_SET, BenchError, BenchRunner, BenchSettings,
                              load_prompt_set, pick_prompts, run_benchmark)
 from dfvg_host.bench_report import format_result

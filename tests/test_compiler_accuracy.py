@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from dfvg_hw.config import get_preset
-from dfvg_hw.descriptors import DraftRequest, ErrorCode
+from dfvg_hw.spec.config import get_preset
+from dfvg_hw.spec.descriptors import DraftRequest, ErrorCode
 from dfvg_host.compiler import load_model
 from sim.session import FunctionalSession
 

@@ -1,6 +1,6 @@
 import pytest
 
-from dfvg_hw.config import PRESETS, ConfigError, get_preset
+from dfvg_hw.spec.config import PRESETS, ConfigError, get_preset
 
 
 def test_presets_are_valid_and_documented():
@@ -28,7 +28,7 @@ def test_unknown_preset_lists_known_ones():
     (dict(reduce=2), "reduce"),
     (dict(head_dim=24), "head_dim"),
     (dict(topk_max=600), "topk_max"),
-    (dict(data_bits=4), "data_bits"),
+    (dict(acc_bits=24), "acc_bits"),
     (dict(vmem_bytes=100), "vmem_bytes"),
     (dict(rows=0), "rows"),
     (dict(clock_mhz=0), "clock_mhz"),

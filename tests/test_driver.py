@@ -2,9 +2,9 @@
 
 import pytest
 
-from dfvg_hw.descriptors import DraftRequest, ErrorCode
-from dfvg_hw.numerics import host_temperature
-from dfvg_hw.regmap import Control, Irq, Reg, Status
+from dfvg_hw.spec.descriptors import DraftRequest, ErrorCode
+from dfvg_hw.spec.numerics import host_temperature
+from dfvg_hw.spec.regmap import Control, Irq, Reg, Status
 from dfvg_host.compiler import CompiledDraft
 from dfvg_host.driver import (ContextFull, DeviceFault, DeviceTimeout, DraftDevice, EngineMismatch,
                               MalformedResult)

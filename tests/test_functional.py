@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from dfvg_hw.descriptors import DraftRequest, DraftResult, ErrorCode, result_bytes
-from dfvg_hw.isa import Instruction, Op, encode
-from dfvg_hw.numerics import PROB_BITS, host_temperature
+from dfvg_hw.spec.descriptors import DraftRequest, DraftResult, ErrorCode, result_bytes
+from dfvg_hw.spec.isa import Instruction, Op, encode
+from dfvg_hw.spec.numerics import PROB_BITS, host_temperature
 from dfvg_host.compiler import compile_draft, load_model
 from sim.cycle_model import estimate_request
 from sim.session import IMAGE_ADDR, RESULT_ADDR, FunctionalSession
@@ -161,7 +161,7 @@ def run_program(tiny_engine, tiny_compiled, program, request):
     (lambda p: p[:4] + [encode(Instruction(Op.ROPE, rows=1, n=2, k=15))] + p[5:], "odd head dimension"),
 ])
 def test_malformed_programs_fault_cleanly(tiny_engine, tiny_compiled, mutate, message):
-    from dfvg_hw.isa import decode
+    from dfvg_hw.spec.isa import decode
     program = list(tiny_compiled.program)
     assert decode(program[14]).opcode == Op.BRANCH and decode(program[17]).opcode == Op.SAMPLE
     r, fault = run_program(tiny_engine, tiny_compiled, mutate(program),
@@ -170,7 +170,7 @@ def test_malformed_programs_fault_cleanly(tiny_engine, tiny_compiled, mutate, me
 
 
 def test_sample_without_logits_of_this_request(tiny_engine, tiny_compiled):
-    from dfvg_hw.isa import Cond
+    from dfvg_hw.spec.isa import Cond
     program = [encode(Instruction(Op.SAMPLE, n=256)), encode(Instruction(Op.NEXT)),
                encode(Instruction(Op.HALT))]
     r, fault = run_program(tiny_engine, tiny_compiled, program, DraftRequest(tokens=[1], start_pos=0, n_draft=1))

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from dfvg_hw.isa import (FIELDS, AsmError, Cond, Flag, IllegalInstruction, Instruction,
+from dfvg_hw.spec.isa import (FIELDS, AsmError, Cond, Flag, IllegalInstruction, Instruction,
                          MatmulMode, Op, _USES, assemble, decode, disassemble, encode,
                          from_bytes, to_bytes)
 

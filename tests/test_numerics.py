@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from dfvg_hw import numerics as nx
+from dfvg_hw.spec import numerics as nx
 
 
 def test_requant_rounds_half_up_and_saturates():

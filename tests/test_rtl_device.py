@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dfvg_hw.config import get_preset
-from dfvg_hw import numerics as nx
-from dfvg_hw.descriptors import DraftRequest, DraftResult, ErrorCode, result_bytes
-from dfvg_hw.image import pack_qparams, padded, tile_weights
-from dfvg_hw.isa import assemble, to_bytes
-from dfvg_hw.regmap import OP_CYCLE_BUCKETS, Control, Irq, MemoryMap, Reg, Status, op_cycles_offset
+from dfvg_hw.spec.config import get_preset
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.descriptors import DraftRequest, DraftResult, ErrorCode, result_bytes
+from dfvg_hw.spec.image import pack_qparams, padded, tile_weights
+from dfvg_hw.spec.isa import assemble, to_bytes
+from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Control, Irq, MemoryMap, Reg, Status, op_cycles_offset
 from sim.device import SimDevice
 from sim.rtl_device import RtlDevice
 from sim.verilator_device import VerilatorDevice

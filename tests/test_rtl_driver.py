@@ -14,8 +14,8 @@ import json
 import numpy as np
 import pytest
 
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.regmap import OP_CYCLE_BUCKETS, Reg, op_cycles_offset
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Reg, op_cycles_offset
 from dfvg_host.driver import DeviceFault, DeviceTimeout, DraftDevice
 from dfvg_host.transport import open_transport
 from sim.device import SimDevice

@@ -8,7 +8,7 @@ import torch
 
 import dfvg_host.speculative as speculative
 from conftest import make_tiny_llama
-from dfvg_hw.config import get_preset
+from dfvg_hw.spec.config import get_preset
 from dfvg_host.acceptance import SamplingParams, target_distribution
 from dfvg_host.compiler import compile_draft, load_model
 from dfvg_host.driver import DraftDevice

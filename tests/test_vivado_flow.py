@@ -12,7 +12,7 @@ import pytest
 
 from boards import BOARDS, DEFAULT_BOARD, get_board
 from boards.vivado import TCL_NAME, EngineInterface, write_flow
-from dfvg_hw.config import get_preset
+from dfvg_hw.spec.config import get_preset
 
 #: Every Vivado command the flow may call, as stubs that log "name args…" one call a line.
 #: Queries return their last argument, so that it serves as the object handle Vivado
@@ -203,7 +203,7 @@ def test_engine_ports_lint_and_match_the_block_design(tmp_path):
     """The engine's Verilog (``python -m dfvg_hw.build``; the tiny preset, to keep it quick)
     lints, has exactly the ports the flow wires, and names every pin the Tcl uses."""
     from dfvg_hw.build import main as build_main
-    from sim.rtl_tools import verilator_lint
+    from sim.lint import verilator_lint
 
     board = get_board("alveo")
     interface = EngineInterface.for_config(get_preset("tiny"), ["dfvg_engine.v"])

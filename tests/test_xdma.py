@@ -15,7 +15,7 @@ import time
 import pytest
 
 import test_driver
-from dfvg_hw.regmap import Control, Irq, Reg
+from dfvg_hw.spec.regmap import Control, Irq, Reg
 from dfvg_host.driver import DraftDevice
 from dfvg_host.transport import TransportError, open_transport
 from dfvg_host.xdma import DEVICE_SUFFIXES, XdmaError, XdmaTransport

@@ -288,7 +288,7 @@ class XdmaEmulator:
 
     # -- the device files ----------------------------------------------------------------
     def _irq_line(self) -> bool:
-        from dfvg_hw.regmap import Reg
+        from dfvg_hw.spec.regmap import Reg
         return bool(self.device.read32(Reg.IRQ_STATUS) & self.device.read32(Reg.IRQ_ENABLE))
 
     def _read(self, unique, node, payload):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
-from dfvg_hw.isa import Flag
+from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
+from dfvg_hw.spec.isa import Flag
 from sim.op_bench import compare_with_reference
 
 TINY = get_preset("tiny")

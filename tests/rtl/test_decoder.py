@@ -1,13 +1,14 @@
-"""Instruction decoder RTL against dfvg_hw.isa.decode: legality and the named field."""
+"""Instruction decoder RTL against dfvg_hw.spec.isa.decode: legality and the named field."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from dfvg_hw.decoder import IllegalField, InstructionDecoder
-from dfvg_hw.isa import FIELDS, Cond, IllegalInstruction, Instruction, MatmulMode, Op, decode, encode
-from dfvg_hw.isa import opcode_rules
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.spec.isa import FIELDS, Cond, IllegalInstruction, Instruction, MatmulMode, Op, decode, encode
+from dfvg_hw.spec.isa import opcode_rules
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import run_simulation
 
 WIDTH = {name: width for name, _, width in FIELDS}

@@ -13,9 +13,10 @@ from math import gcd
 import numpy as np
 import pytest
 
-from dfvg_hw.config import get_preset
+from dfvg_hw.spec.config import get_preset
 from dfvg_hw.kv_buffer import KVBuffer, KVOp
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import run_simulation, stream_get, stream_put, watchdog
 
 TINY = get_preset("tiny")

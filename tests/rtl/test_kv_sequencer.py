@@ -12,16 +12,17 @@ import numpy as np
 from amaranth import Module, Signal
 from amaranth.lib import wiring
 
-from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.image import ATTN_PARAM_BYTES
-from dfvg_hw.isa import Flag, Instruction, Op
+from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.image import ATTN_PARAM_BYTES
+from dfvg_hw.spec.isa import Flag, Instruction, Op
 from dfvg_hw.kv_sequencer import KvSequencer
 from dfvg_hw.op_port import OpSequencerSignature
 from sim.functional import FunctionalEngine
 from sim.memory import DeviceMemory
 from sim.op_bench import functional_reference, run_jobs
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 
 TINY = get_preset("tiny")
 L = VMEM_LINE_BYTES

@@ -17,15 +17,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.image import padded, tile_weights
-from dfvg_hw.isa import Flag, Instruction, MatmulMode, Op
+from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.image import padded, tile_weights
+from dfvg_hw.spec.isa import Flag, Instruction, MatmulMode, Op
 from dfvg_hw.matmul_sequencer import MatmulSequencer
 from sim.cycle_model import CycleModel
 from sim.memory import DeviceMemory
 from sim.op_bench import reference_jobs, run_jobs
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 
 TINY = get_preset("tiny")
 L = VMEM_LINE_BYTES

@@ -11,13 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import get_preset
-from dfvg_hw.image import pack_qparams, padded, tile_weights
-from dfvg_hw.isa import MatmulMode
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import get_preset
+from dfvg_hw.spec.image import pack_qparams, padded, tile_weights
+from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.matrix import MatrixUnit
 from dfvg_hw.requant import Requantizer
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import run_simulation, stream_get, stream_put, watchdog
 
 TINY = get_preset("tiny")

@@ -27,11 +27,12 @@ from amaranth.lib import wiring
 
 from boards.vivado import EngineInterface
 from dfvg_hw.axi4 import AXI4Signature, BOUNDARY_BYTES, Burst, MAX_BURST_BEATS, connect_flat
-from dfvg_hw.config import get_preset
+from dfvg_hw.spec.config import get_preset
 from dfvg_hw.memory_port import MemoryPort
 from sim.axi_memory import AXI4SlaveMemory, AXIProtocolError, MemoryTiming
 from sim.memory import DeviceMemory
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import run_simulation, stream_put
 
 TINY = get_preset("tiny")
@@ -462,7 +463,7 @@ def test_bad_parameters_are_refused():
 
 @pytest.mark.parametrize("preset, data_width", [("tiny", 64), ("alveo-u55c", 256)])
 def test_lint_clean(preset, data_width):
-    """Verilator -Wall with the project's waivers (sim/rtl_tools.VERILATOR_WAIVERS) only;
+    """Verilator -Wall with the project's waivers (sim/rtl_lint.VERILATOR_WAIVERS) only;
     ``rlast`` is deliberately unread, which the UNUSEDSIGNAL waiver covers."""
     port = MemoryPort(get_preset(preset), data_width=data_width)
     clean, output = verilator_lint(to_verilog(port, "memory_port"), "memory_port")

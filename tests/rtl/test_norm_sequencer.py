@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.image import NORM_PARAM_BYTES, pack_norm_params
-from dfvg_hw.isa import Op
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.image import NORM_PARAM_BYTES, pack_norm_params
+from dfvg_hw.spec.isa import Op
 from dfvg_hw.norm_sequencer import NormSequencer
 from sim.memory import DeviceMemory
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+# the row-job harness shared with the other row sequencer's tests (tests/rtl/)
+from sim.lint import verilator_lint
 # the row-job harness shared with the other row sequencer's tests (tests/rtl/)
 from sequencer_cases import (MAX_N, TINY, L, check_random_row_jobs, check_row_jobs,
                              check_wide_lanes, row_job)

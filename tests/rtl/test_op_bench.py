@@ -6,8 +6,8 @@ import numpy as np
 from amaranth import Module, Signal
 from amaranth.lib import wiring
 
-from dfvg_hw.config import get_preset
-from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.spec.config import get_preset
+from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.op_port import OpSequencerSignature
 from sim.memory import DeviceMemory
 from sim.op_bench import run_jobs

@@ -20,13 +20,14 @@ from amaranth.lib.wiring import Out
 
 from boards.vivado import EngineInterface
 from dfvg_hw.axi_lite import AXI4LiteSignature, AxiResp, connect_prefixed, prefixed_members
-from dfvg_hw.config import get_preset
-from dfvg_hw.regmap import Control, Irq, Reg, register_space_bits
+from dfvg_hw.spec.config import get_preset
+from dfvg_hw.spec.regmap import Control, Irq, Reg, register_space_bits
 from dfvg_hw.register_file import EngineCommand, EngineStatusSignature, RegisterFile
 from sim.axi_lite_bus import AxiLiteTiming, axil_read, axil_slave_monitor, axil_write
 from sim.device import _RW as SIM_RW_REGISTERS
 from sim.device import SimDevice
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import run_simulation, watchdog
 
 TINY = get_preset("tiny")

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from dfvg_hw import numerics as nx
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.requant import Requantizer
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import stream_through
 
 

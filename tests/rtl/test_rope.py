@@ -3,11 +3,12 @@
 import numpy as np
 import pytest
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import get_preset
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import get_preset
 from dfvg_hw.rope import Rope
-from sim import rtl_tools
-from sim.rtl_tools import to_verilog, verilator_lint
+from sim import lint as rtl_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import first_valid_after_accept, stream_through
 
 TINY = get_preset("tiny")
@@ -95,7 +96,7 @@ def test_latency():
 
 
 def test_lint_clean(monkeypatch):
-    monkeypatch.setitem(rtl_tools.VERILATOR_WAIVERS, "DECLFILENAME",
+    monkeypatch.setitem(rtl_lint.VERILATOR_WAIVERS, "DECLFILENAME",
                         "Amaranth emits every submodule into the top module's file")
     clean, output = verilator_lint(to_verilog(Rope(TINY), "rope"), "rope")
     assert clean, output

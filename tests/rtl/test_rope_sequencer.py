@@ -7,14 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dfvg_hw.config import VMEM_LINE_BYTES, get_preset
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.isa import Instruction, Op
+from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.isa import Instruction, Op
 from dfvg_hw.rope_sequencer import RopeSequencer
 from sim.functional import FunctionalEngine
 from sim.memory import DeviceMemory
 from sim.op_bench import functional_reference, run_jobs
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 
 TINY = get_preset("tiny")
 L = VMEM_LINE_BYTES

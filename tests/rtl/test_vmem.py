@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from amaranth.hdl import UnusedElaboratable
 
-from dfvg_hw.config import VMEM_LINE_BYTES as LINE_BYTES
-from dfvg_hw.config import get_preset
-from dfvg_hw.descriptors import ErrorCode
+from dfvg_hw.spec.config import VMEM_LINE_BYTES as LINE_BYTES
+from dfvg_hw.spec.config import get_preset
+from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.vmem import Gearbox, VectorMemory
 from sim.functional import EngineFault, FunctionalEngine
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import first_valid_after_accept, run_simulation, stream_get, stream_put, watchdog
 
 TINY = get_preset("tiny")                                     # 4096 bytes: 256 lines
@@ -551,6 +552,6 @@ LINT_TARGETS = {
 
 @pytest.mark.parametrize("name", list(LINT_TARGETS))
 def test_lint_clean(name):
-    """verilator --lint-only -Wall with sim.rtl_tools' waivers only (none added here)."""
+    """verilator --lint-only -Wall with sim.lint's waivers only (none added here)."""
     clean, output = verilator_lint(to_verilog(LINT_TARGETS[name](), name), name)
     assert clean, output

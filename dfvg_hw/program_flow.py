@@ -1,6 +1,6 @@
-"""Sequencer: the controller's program counter, layer loop and on-device draft loop.
+"""ProgramFlow: the controller's program counter, layer loop and on-device draft loop.
 
-The RTL twin of :class:`sim.controller.Sequencer` (which the functional and cycle models
+The RTL twin of :class:`sim.program_flow.ProgramFlow` (which the functional and cycle models
 share): the same registers, advanced by the same rules, with the same faults. The
 controller *retires* every instruction into it — a control instruction (HALT, LOOP,
 ENDLOOP, BRANCH, NEXT) changes the flow, SAMPLE records the drafted token, anything else
@@ -19,13 +19,13 @@ from amaranth import Module, Mux, Signal, unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.isa import Cond, Op
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.isa import Cond, Op
 
-__all__ = ["Sequencer", "SequencerStart", "RetiredInstruction", "SequencerFault"]
+__all__ = ["ProgramFlow", "ProgramFlowStart", "RetiredInstruction", "ProgramFlowFault"]
 
 
-class SequencerStart(data.StructLayout):
+class ProgramFlowStart(data.StructLayout):
     """A request's control parameters: first KV position, input token count (≥ 1) and
     tokens to draft."""
 
@@ -43,16 +43,16 @@ class RetiredInstruction(data.StructLayout):
                           "addr": unsigned(32), "token": unsigned(16)})
 
 
-class SequencerFault(data.StructLayout):
-    """A malformed program's fault: ``code`` is an :class:`~dfvg_hw.descriptors.ErrorCode`
+class ProgramFlowFault(data.StructLayout):
+    """A malformed program's fault: ``code`` is an :class:`~dfvg_hw.spec.descriptors.ErrorCode`
     (PROGRAM for every flow rule) and ``pc`` the retiring instruction's address."""
 
     def __init__(self):
         super().__init__({"valid": 1, "code": unsigned(8), "pc": unsigned(16)})
 
 
-class Sequencer(wiring.Component):
-    """Control-flow registers of one request, bit-exact with :class:`sim.controller.Sequencer`.
+class ProgramFlow(wiring.Component):
+    """Control-flow registers of one request, bit-exact with :class:`sim.program_flow.ProgramFlow`.
 
     Faults (all ``ErrorCode.PROGRAM``, as the functional model raises them): LOOP inside a
     LOOP, LOOP with a trip count of 0, ENDLOOP without LOOP, NEXT inside a LOOP, NEXT
@@ -61,7 +61,7 @@ class Sequencer(wiring.Component):
 
     Members
     -------
-    start : In(stream.Signature(SequencerStart()))
+    start : In(stream.Signature(ProgramFlowStart()))
         Begin a request: ``pc = 0``, ``pos = start_pos``, first input token, no loop.
         Always ready: a request the controller stopped (a unit's fault, ABORT) leaves the
         sequencer mid-program, and the next start must still clear all of it.
@@ -71,7 +71,7 @@ class Sequencer(wiring.Component):
         Started, not halted, not faulted.
     halted : Out(1)
         HALT retired.
-    fault : Out(SequencerFault())
+    fault : Out(ProgramFlowFault())
         The fault that stopped the request (sticky until ``start``).
     pc : Out(16)
         Address of the next instruction to fetch.
@@ -97,11 +97,11 @@ class Sequencer(wiring.Component):
 
     def __init__(self):
         super().__init__(wiring.Signature({
-            "start": In(stream.Signature(SequencerStart())),
+            "start": In(stream.Signature(ProgramFlowStart())),
             "retire": In(stream.Signature(RetiredInstruction())),
             "running": Out(1),
             "halted": Out(1),
-            "fault": Out(SequencerFault()),
+            "fault": Out(ProgramFlowFault()),
             "pc": Out(16),
             "pos": Out(16),
             "in_idx": Out(16),

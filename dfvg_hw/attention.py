@@ -1,6 +1,6 @@
 """Softmax and attention: exp2 path, softmax weights, reciprocal, normaliser, attention.
 
-All bit-exact with :mod:`dfvg_hw.numerics`:
+All bit-exact with :mod:`dfvg_hw.spec.numerics`:
 
 * :class:`SoftmaxExp` — the exp path ``exp2_neg(round_shift((max − s) · mult, shift))``:
   subtract, multiply, rounding shift into the 256 × 17-bit ``EXP2_LUT`` ROM, shift.
@@ -23,8 +23,8 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.elementwise import VectorRequantizer, narrow_unless_wide, reduce_tree
 
 __all__ = ["SoftmaxExp", "SoftmaxWeights", "Reciprocal", "Normalizer", "Attention",

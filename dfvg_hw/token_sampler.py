@@ -1,9 +1,9 @@
 """Token sampler: streaming top-k, exact fixed-point probabilities and counter-based sampling.
 
 Bit-exact with the ``SAMPLE`` instruction of the functional model (``sim/functional.py``
-``_sample``), i.e. with :func:`dfvg_hw.numerics.topk_select`,
-:func:`~dfvg_hw.numerics.sampler_probs`, :func:`~dfvg_hw.numerics.rng32` and
-:func:`~dfvg_hw.numerics.sample_index` (``docs/numerics.md`` §9–10, ``docs/isa.md`` §3.9).
+``_sample``), i.e. with :func:`dfvg_hw.spec.numerics.topk_select`,
+:func:`~dfvg_hw.spec.numerics.sampler_probs`, :func:`~dfvg_hw.spec.numerics.rng32` and
+:func:`~dfvg_hw.spec.numerics.sample_index` (``docs/numerics.md`` §9–10, ``docs/isa.md`` §3.9).
 
 Datapath, in the order a sample goes through it:
 
@@ -36,8 +36,8 @@ from amaranth.lib import data, enum, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import EngineConfig
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import EngineConfig
 
 __all__ = ["TokenSampler", "Rng32", "RngInput", "SamplerRequest", "LogitBeat", "SamplerResult",
            "PROB_WIDTH"]
@@ -171,7 +171,7 @@ def _xorshift(x, s: int):
 
 
 class Rng32(wiring.Component):
-    """Pipelined counter-based RNG, bit-exact with :func:`dfvg_hw.numerics.rng32`.
+    """Pipelined counter-based RNG, bit-exact with :func:`dfvg_hw.spec.numerics.rng32`.
 
     ``mix32(mix32((counter + seed_lo) mod 2^32) XOR seed_hi)``; each ``mix32`` is two
     xorshift-multiply stages (a 32 × 32 → low-32 constant multiply each) and a final

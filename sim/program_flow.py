@@ -6,10 +6,10 @@ static estimate (which only counts), so both follow one definition of the contro
 
 from __future__ import annotations
 
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.isa import Cond, Instruction, Op
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.isa import Cond, Instruction, Op
 
-__all__ = ["Sequencer", "ControlFault", "CONTROL_OPS", "block_address"]
+__all__ = ["ProgramFlow", "ControlFault", "CONTROL_OPS", "block_address"]
 
 CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
 
@@ -27,7 +27,7 @@ def block_address(ins: Instruction, image_base: int, layer: int, lstride: int) -
     return image_base + ins.addr + (layer * lstride if ins.layer_relative else 0)
 
 
-class Sequencer:
+class ProgramFlow:
     """Controller registers of one request and the rules that advance them.
 
     Members

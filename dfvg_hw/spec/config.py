@@ -40,8 +40,9 @@ class EngineConfig:
         N — output channels per matrix-unit tile (one int32 accumulator each).
     reduce : int
         K — reduction width: int8 products summed per lane per cycle.
-    data_bits, residual_bits, acc_bits : int
-        Activation width (int8), residual-stream width (int16) and accumulator width.
+    acc_bits : int
+        Accumulator width of the matrix unit (int8 weights and activations, an int16
+        residual stream: :mod:`dfvg_hw.spec.numerics` fixes those).
     kv_layers, kv_heads, kv_positions, head_dim : int
         On-chip KV capacity: layers × KV heads × positions, each entry ``head_dim`` int8
         for K and the same for V.
@@ -87,8 +88,6 @@ class EngineConfig:
     mem_latency_ns: float
     mem_bytes: int
     mem_port_bits: int = 128
-    data_bits: int = 8
-    residual_bits: int = 16
     acc_bits: int = 32
     source: str = ""
 
@@ -144,8 +143,6 @@ class EngineConfig:
                  "must be a positive integer")
         for p in ("clock_mhz", "mem_bandwidth_gbps", "mem_latency_ns"):
             need(getattr(self, p) > 0, p, "must be positive")
-        need(self.data_bits == 8, "data_bits", "the numerics define int8 activations and weights only")
-        need(self.residual_bits == 16, "residual_bits", "the numerics define an int16 residual stream only")
         need(self.acc_bits == 32, "acc_bits", "the numerics define int32 accumulators only")
         need(self.rows >= 2, "rows", "at least 2: a wide (int16) matmul row is two int8 digit "
              "rows that the matrix unit computes side by side")
@@ -172,7 +169,7 @@ class EngineConfig:
         need(self.mem_bytes <= 1 << 36, "mem_bytes", "device addresses are at most 36-bit (64 GiB)")
         # int8 x int8 products summed over K must not overflow the accumulator for any
         # K the engine accepts (16-bit k field): 2^14 * 2^16 < 2^31.
-        need(self.acc_bits >= 2 * self.data_bits + 16, "acc_bits",
+        need(self.acc_bits >= 2 * 8 + 16, "acc_bits",
              "too narrow for a 65535-long int8 dot product")
 
 

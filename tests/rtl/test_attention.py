@@ -5,11 +5,12 @@ import math
 import numpy as np
 import pytest
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import get_preset
-from dfvg_hw.softmax import Attention, Normalizer, Reciprocal, SoftmaxExp, SoftmaxWeights
-from sim import rtl_tools
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import get_preset
+from dfvg_hw.attention import Attention, Normalizer, Reciprocal, SoftmaxExp, SoftmaxWeights
+from sim import lint as rtl_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import first_valid_after_accept, run_simulation, stream_get, stream_put, stream_through
 
 TINY = get_preset("tiny")
@@ -337,7 +338,7 @@ def test_attention_cycles(t):
     lambda: Normalizer(TINY.lanes, 31), lambda: Attention(TINY),
 ], ids=["exp", "weights", "reciprocal", "normalizer", "attention"])
 def test_lint_clean(make, monkeypatch):
-    monkeypatch.setitem(rtl_tools.VERILATOR_WAIVERS, "DECLFILENAME",
+    monkeypatch.setitem(rtl_lint.VERILATOR_WAIVERS, "DECLFILENAME",
                         "Amaranth emits every submodule into the top module's file")
     dut = make()
     name = type(dut).__name__.lower()

@@ -9,10 +9,11 @@ its probability, its rank, k, and the whole top-k list of ids and probabilities.
 import numpy as np
 import pytest
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import get_preset
-from dfvg_hw.sampler import Rng32, TokenSampler
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import get_preset
+from dfvg_hw.token_sampler import Rng32, TokenSampler
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import run_simulation, stream_get, stream_put
 
 TINY = get_preset("tiny")

@@ -1,19 +1,20 @@
-"""Sequencer RTL against sim.controller.Sequencer: random instruction streams retired
+"""ProgramFlow RTL against sim.program_flow.ProgramFlow: random instruction streams retired
 into both, every register compared after every instruction, faults included."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from dfvg_hw.descriptors import ErrorCode
-from dfvg_hw.isa import Cond, Op
-from dfvg_hw.sequencer import Sequencer
-from sim.controller import CONTROL_OPS, ControlFault, Sequencer as ModelSequencer
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.isa import Cond, Op
+from dfvg_hw.program_flow import ProgramFlow
+from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow as ModelProgramFlow
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import run_simulation, stream_put
 
 
-def random_retire(rng, model: ModelSequencer) -> dict:
+def random_retire(rng, model: ModelProgramFlow) -> dict:
     """The next retired instruction: mostly what a well-formed program does at this point,
     sometimes something a malformed one does."""
     r = rng.random()
@@ -36,13 +37,13 @@ def random_retire(rng, model: ModelSequencer) -> dict:
 
 
 class _Ins:
-    """The attribute view of a retired instruction that ModelSequencer.control reads."""
+    """The attribute view of a retired instruction that ModelProgramFlow.control reads."""
 
     def __init__(self, d):
         self.opcode, self.flags, self.n, self.addr = d["opcode"], d.get("flags", 0), d.get("n", 0), d.get("addr", 0)
 
 
-def model_retire(model: ModelSequencer, ins: dict) -> ErrorCode | None:
+def model_retire(model: ModelProgramFlow, ins: dict) -> ErrorCode | None:
     """Retire ``ins`` into the functional model's sequencer exactly as FunctionalEngine does."""
     try:
         if ins["opcode"] in CONTROL_OPS:
@@ -59,7 +60,7 @@ def model_retire(model: ModelSequencer, ins: dict) -> ErrorCode | None:
 
 def test_sequencer_matches_the_functional_model():
     rng = np.random.default_rng(1)
-    dut = Sequencer()
+    dut = ProgramFlow()
     trials = []
     for _ in range(250):
         tokens = [int(t) for t in rng.integers(0, 1 << 16, int(rng.integers(1, 5)))]
@@ -80,7 +81,7 @@ def test_sequencer_matches_the_functional_model():
 
     async def tb(ctx):
         for tokens, start_pos, n_draft in trials:
-            model = ModelSequencer(tokens, start_pos, n_draft)
+            model = ModelProgramFlow(tokens, start_pos, n_draft)
             await stream_put(ctx, dut.start, {"start_pos": start_pos, "n_tokens": len(tokens),
                                               "n_draft": n_draft})
             assert state(ctx, tokens) == expect(model)
@@ -109,5 +110,5 @@ def test_sequencer_matches_the_functional_model():
 
 
 def test_lint_clean():
-    clean, output = verilator_lint(to_verilog(Sequencer(), "sequencer"), "sequencer")
+    clean, output = verilator_lint(to_verilog(ProgramFlow(), "sequencer"), "sequencer")
     assert clean, output

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import enum
 
-from dfvg_hw.config import EngineConfig
-from dfvg_hw.descriptors import MAX_DRAFT, REQUEST_HEADER_WORDS, result_bytes
-from dfvg_hw.image import IMAGE_VERSION
-from dfvg_hw.isa import Op
+from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.spec.descriptors import MAX_DRAFT, REQUEST_HEADER_WORDS, result_bytes
+from dfvg_hw.spec.image import IMAGE_VERSION
+from dfvg_hw.spec.isa import Op
 
 __all__ = ["Reg", "Control", "Status", "Irq", "ENGINE_ID", "ENGINE_VERSION", "MemoryMap",
            "PARAM_REGS", "engine_params", "register_space_bits", "OP_CYCLES", "OP_CYCLE_BUCKETS",

@@ -1,9 +1,9 @@
 """The logit buffer and the token sampler, as the controller drives them (isa.md §1.5, §3.9).
 
 A ``MATMUL`` in ``LOGITS`` mode writes its output tiles into the logit buffer; ``SAMPLE``
-streams the buffer through the :class:`~dfvg_hw.sampler.TokenSampler` and returns the
+streams the buffer through the :class:`~dfvg_hw.token_sampler.TokenSampler` and returns the
 drafted token as the words of its result record (:meth:`DraftedToken.record
-<dfvg_hw.descriptors.DraftedToken.record>`), which the controller appends to the result
+<dfvg_hw.spec.descriptors.DraftedToken.record>`), which the controller appends to the result
 buffer.
 """
 
@@ -16,12 +16,12 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import EngineConfig
-from dfvg_hw.descriptors import record_words
-from dfvg_hw.sampler import SamplerRequest, TokenSampler
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.spec.descriptors import record_words
+from dfvg_hw.token_sampler import SamplerRequest, TokenSampler
 
-__all__ = ["SampleUnit", "LogitTile", "RecordWord"]
+__all__ = ["SampleSequencer", "LogitTile", "RecordWord"]
 
 
 class LogitTile(data.StructLayout):
@@ -40,7 +40,7 @@ class RecordWord(data.StructLayout):
         super().__init__({"word": unsigned(32), "k": unsigned(topk_max.bit_length()), "last": 1})
 
 
-class SampleUnit(wiring.Component):
+class SampleSequencer(wiring.Component):
     """Logit buffer (``ceil(vocab_max / lanes)`` tiles of ``lanes`` int16) and token sampler.
 
     Members
@@ -58,7 +58,7 @@ class SampleUnit(wiring.Component):
     req : In(stream.Signature(SamplerRequest(topk_max)))
         One SAMPLE over the buffered vector (top-k, temperature, draw, seed, counter).
     record : Out(stream.Signature(RecordWord(topk_max)))
-        The drafted token's :func:`~dfvg_hw.descriptors.record_words` record words.
+        The drafted token's :func:`~dfvg_hw.spec.descriptors.record_words` record words.
     """
 
     def __init__(self, config: EngineConfig):

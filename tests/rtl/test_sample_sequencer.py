@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from dfvg_hw import numerics as nx
-from dfvg_hw.config import get_preset
-from dfvg_hw.isa import Instruction, Op
-from dfvg_hw.sample_unit import SampleUnit
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import get_preset
+from dfvg_hw.spec.isa import Instruction, Op
+from dfvg_hw.sample_sequencer import SampleSequencer
 from sim.functional import FunctionalEngine
-from sim.rtl_tools import to_verilog, verilator_lint
+from dfvg_hw.verilog import to_verilog
+from sim.lint import verilator_lint
 from sim.testbench import run_simulation, stream_get, stream_put, watchdog
 
 TINY = get_preset("tiny")
@@ -41,7 +42,7 @@ def test_records_match_the_functional_model():
     cases = [random_case(rng) for _ in range(40)]
     engine = FunctionalEngine(TINY)
     expected = [reference(engine, *c) for c in cases]
-    dut = SampleUnit(TINY)
+    dut = SampleSequencer(TINY)
     got = []
 
     async def tb(ctx):
@@ -82,5 +83,5 @@ def test_records_match_the_functional_model():
 
 
 def test_lint_clean():
-    clean, output = verilator_lint(to_verilog(SampleUnit(TINY), "sample_unit"), "sample_unit")
+    clean, output = verilator_lint(to_verilog(SampleSequencer(TINY), "sample_unit"), "sample_unit")
     assert clean, output
