@@ -44,9 +44,10 @@ from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.elementwise import ActMul
 from dfvg_hw.spec.image import ACT_PARAM_BYTES
-from dfvg_hw.spec.isa import Flag
+
 from dfvg_hw.line_streams import (LineAligner, RowWriteProgress, RowWriter, UnalignedReader,
                                   lines_of, read_request, span_request)
+from dfvg_hw.layouts import flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import job_spans_outside
 from dfvg_hw.vmem import Gearbox
@@ -115,7 +116,7 @@ class ActMulSequencer(wiring.Component):
         wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
 
         job = Signal(OpJob())
-        wide = (job.flags & Flag.WIDE).any()
+        wide = flags_view(job.flags).wide
         in_bytes = Signal(17)                       # 2n: gate and up
         out_bytes = Signal(17)                      # n, or 2n when wide
         gate_lines = lines_of(job.n)
@@ -193,7 +194,7 @@ class ActMulSequencer(wiring.Component):
                 with m.If(self.job.valid):
                     p = self.job.payload
                     m.d.sync += [job.eq(p), in_bytes.eq(2 * p.n),
-                                 out_bytes.eq(Mux((p.flags & Flag.WIDE).any(), 2 * p.n, p.n)),
+                                 out_bytes.eq(Mux(flags_view(p.flags).wide, 2 * p.n, p.n)),
                                  row.eq(0), table_index.eq(0), error.eq(ErrorCode.OK),
                                  *progress.restart()]
                     m.next = "PARAM_CMD"

@@ -22,6 +22,7 @@ from amaranth import Module, Mux
 from amaranth.lib import data, enum, wiring
 from amaranth.lib.wiring import In, Out
 
+from dfvg_hw.layouts import flags_view
 from dfvg_hw.spec.isa import FIELDS, INSTRUCTION_BITS, Cond, MatmulMode, Op, opcode_rules
 
 __all__ = ["InstructionDecoder", "InstructionFields", "IllegalField"]
@@ -100,7 +101,7 @@ class InstructionDecoder(wiring.Component):
                     unused_nonzero[name] = unused_nonzero[name] | (is_op & (getattr(f, name) != 0))
             flag_bad = (f.flags & (~legal_flags & 0xFF)) != 0
             if op == Op.MATMUL:
-                mode = (f.flags >> 1) & 3
+                mode = flags_view(f.flags).mode
                 flag_bad = flag_bad | ~_member_of(mode, MatmulMode)
             if op == Op.BRANCH:
                 flag_bad = flag_bad | ~_member_of(f.flags, Cond)

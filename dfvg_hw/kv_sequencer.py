@@ -49,8 +49,9 @@ from amaranth.lib.wiring import In, Out
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
-from dfvg_hw.spec.isa import Flag, Op
+from dfvg_hw.spec.isa import Op
 from dfvg_hw.kv_buffer import KVBuffer, KVOp
+from dfvg_hw.layouts import flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import BlockReader, VmemWindow, vmem_span_outside, window_request
 from dfvg_hw.attention import Attention
@@ -195,7 +196,7 @@ class KvSequencer(wiring.Component):
                     m.next = "CLEAR_POS"
                 with m.Elif(self.job.valid):
                     p = self.job.payload
-                    wide_job = (p.flags & Flag.WIDE) != 0
+                    wide_job = flags_view(p.flags).wide
                     m.d.sync += [job.eq(p), wide.eq(wide_job), head_bytes.eq(p.n * p.k),
                                  out_head_bytes.eq(Mux(wide_job, 2 * p.k, p.k)),
                                  self.error.eq(ErrorCode.OK)]

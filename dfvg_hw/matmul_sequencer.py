@@ -73,6 +73,7 @@ from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.matrix import DIGIT_BITS, MatrixUnit
 from dfvg_hw.memory_port import ReadBeat
+from dfvg_hw.layouts import flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import vmem_span_outside
 from dfvg_hw.sample_sequencer import LogitTile
@@ -215,7 +216,7 @@ class MatmulSequencer(wiring.Component):
     Members
     -------
     job : In(stream.Signature(OpJob()))
-        The MATMUL: ``addr`` (weight block), ``flags`` (mode ``(flags >> 1) & 3``,
+        The MATMUL: ``addr`` (weight block), ``flags`` (its ``mode`` and ``wide`` sub-fields,
         ``WIDE``), ``rows``, ``dst``, ``src``, ``n``, ``k``.
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
@@ -278,8 +279,8 @@ class MatmulSequencer(wiring.Component):
         tiles = m.submodules.tiles = TilePacker(beat_bytes, N * K)
 
         job = Signal(OpJob())
-        mode = job.flags[1:3]
-        wide = job.flags[3]
+        mode = flags_view(job.flags).mode
+        wide = flags_view(job.flags).wide
         n_groups, k_tiles = Signal(16), Signal(16)
         stride_in, stride_out, in_bytes, out_bytes = Signal(32), Signal(32), Signal(32), Signal(32)
         per_pass = Mux(wide, M // 2, M)
@@ -300,7 +301,7 @@ class MatmulSequencer(wiring.Component):
                 m.d.comb += self.job.ready.eq(1)
                 with m.If(self.job.valid):
                     p = self.job.payload
-                    p_wide, p_mode = p.flags[3], p.flags[1:3]
+                    p_wide, p_mode = flags_view(p.flags).wide, flags_view(p.flags).mode
                     npad, kpad = padded(p.n, N), padded(p.k, K)
                     p_in = p.k * Mux(p_wide, 2, 1)
                     p_out = p.n * Mux(p_mode == MatmulMode.INT8, 1, 2)

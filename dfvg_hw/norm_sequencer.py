@@ -42,10 +42,11 @@ from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import NORM_PARAM_BYTES
-from dfvg_hw.spec.isa import Flag
+
 from dfvg_hw.line_streams import (RowWriteProgress, RowWriter, UnalignedReader, lines_of,
                                   read_request, span_request)
 from dfvg_hw.operand_access import job_spans_outside
+from dfvg_hw.layouts import flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.rmsnorm import RMSNorm
 from dfvg_hw.vmem import Gearbox
@@ -101,7 +102,7 @@ class NormSequencer(wiring.Component):
         wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
 
         job = Signal(OpJob())
-        wide = (job.flags & Flag.WIDE).any()
+        wide = flags_view(job.flags).wide
         in_bytes = Signal(17)                       # 2n
         out_bytes = Signal(17)                      # n, or 2n when wide
         eps, gamma_shift = Signal(32), Signal(32)
@@ -138,7 +139,7 @@ class NormSequencer(wiring.Component):
                 m.d.comb += self.job.ready.eq(1)
                 with m.If(self.job.valid):
                     p = self.job.payload
-                    p_wide = (p.flags & Flag.WIDE).any()
+                    p_wide = flags_view(p.flags).wide
                     m.d.sync += [job.eq(p), in_bytes.eq(2 * p.n),
                                  out_bytes.eq(Mux(p_wide, 2 * p.n, p.n)), row.eq(0),
                                  error.eq(ErrorCode.OK), *progress.restart()]

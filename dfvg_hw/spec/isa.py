@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 __all__ = [
     "Op", "Flag", "MatmulMode", "Cond", "Instruction", "IllegalInstruction", "AsmError",
-    "FIELDS", "INSTRUCTION_BITS", "INSTRUCTION_BYTES",
+    "FIELDS", "FLAG_FIELDS", "flag_field", "INSTRUCTION_BITS", "INSTRUCTION_BYTES",
     "encode", "decode", "assemble", "disassemble", "to_bytes", "from_bytes", "opcode_rules",
 ]
 
@@ -59,19 +59,34 @@ class Op(enum.IntEnum):
     SAMPLE = 0x17    # token sampler over the n logits of the last LOGITS matmul
 
 
+#: (name, lsb, width) of the sub-fields of a unit instruction's ``flags`` field, in bit
+#: order (BRANCH reads the whole field as its :class:`Cond`). :class:`Flag`, the
+#: :class:`Instruction` accessors and the RTL's ``InstructionFlags`` layout derive from it.
+FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (
+    ("layer_relative", 0, 1), ("mode", 1, 2), ("wide", 3, 1), ("reserved", 4, 4),
+)
+_FLAG_FIELD = {name: (lsb, width) for name, lsb, width in FLAG_FIELDS}
+
+
+def flag_field(flags: int, name: str) -> int:
+    """The sub-field ``name`` of :data:`FLAG_FIELDS` in a ``flags`` value."""
+    lsb, width = _FLAG_FIELD[name]
+    return (flags >> lsb) & ((1 << width) - 1)
+
+
 class Flag(enum.IntFlag):
-    """Flag bits (the ``flags`` field)."""
-    LREL = 0x01        #: address += LAYER · LSTRIDE (set by LOOP) — layer-relative
-    MODE0 = 0x02       #: MATMUL output mode, bits 1-2 (see MatmulMode)
-    MODE1 = 0x04
+    """Flag bits (the ``flags`` field), placed by :data:`FLAG_FIELDS`."""
+    LREL = 1 << _FLAG_FIELD["layer_relative"][0]   #: address += LAYER · LSTRIDE (set by LOOP)
+    MODE0 = 1 << _FLAG_FIELD["mode"][0]            #: MATMUL output mode (see MatmulMode)
+    MODE1 = 2 << _FLAG_FIELD["mode"][0]
     #: Wide activations (int16): MATMUL reads an int16 src (the matrix unit takes it as
     #: two int8 digit rows sharing each weight tile); RMSNORM, ACTMUL and ATTN write an
     #: int16 dst with 8 more fractional bits.
-    WIDE = 0x08
+    WIDE = 1 << _FLAG_FIELD["wide"][0]
 
 
 class MatmulMode(enum.IntEnum):
-    """MATMUL output mode, ``(flags >> 1) & 3``."""
+    """MATMUL output mode, the ``mode`` sub-field of ``flags``."""
     INT8 = 0       #: dst(int8) := requant(acc)
     RESADD = 1     #: dst(int16) := sat16(dst + requant16(acc)) — residual update
     LOGITS = 2     #: logits(int16, Q7.8) := requant16(acc) into the sampler's buffer
@@ -141,15 +156,15 @@ class Instruction:
 
     @property
     def mode(self) -> MatmulMode:
-        return MatmulMode((self.flags >> 1) & 3)
+        return MatmulMode(flag_field(self.flags, "mode"))
 
     @property
     def layer_relative(self) -> bool:
-        return bool(self.flags & Flag.LREL)
+        return bool(flag_field(self.flags, "layer_relative"))
 
     @property
     def wide(self) -> bool:
-        return self.opcode != Op.BRANCH and bool(self.flags & Flag.WIDE)
+        return self.opcode != Op.BRANCH and bool(flag_field(self.flags, "wide"))
 
     def validate(self, word: int | None = None) -> "Instruction":
         """Raise :class:`IllegalInstruction` unless every field is legal for the opcode."""
@@ -168,8 +183,8 @@ class Instruction:
         if undefined:
             raise IllegalInstruction("flags", f"bits 0x{undefined:02x} "
                                      f"are not defined for {self.opcode.name}", word)
-        if self.opcode == Op.MATMUL and ((self.flags >> 1) & 3) not in MatmulMode._value2member_map_:
-            raise IllegalInstruction("flags", f"MATMUL mode {(self.flags >> 1) & 3} is undefined", word)
+        if self.opcode == Op.MATMUL and flag_field(self.flags, "mode") not in MatmulMode._value2member_map_:
+            raise IllegalInstruction("flags", f"MATMUL mode {flag_field(self.flags, 'mode')} is undefined", word)
         if self.opcode == Op.BRANCH and self.flags not in Cond._value2member_map_:
             raise IllegalInstruction("flags", f"BRANCH condition {self.flags} is undefined", word)
         if self.opcode in _ROW_OPS and self.rows == 0:
