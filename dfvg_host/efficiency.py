@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from dfvg_hw.spec.config import EngineConfig
-from dfvg_host.demo import _cache_dir, _fingerprint
+from dfvg_host.cache import cache_dir, fingerprint, locked, write_text_atomic
 from dfvg_host.report import CompileReport, compile_report
 
 __all__ = ["DraftShape", "PAPER_SHAPES", "EfficiencyRow", "engine_efficiency"]
@@ -50,7 +50,7 @@ class DraftShape:
         # Rewriting identical bytes would be harmless, but skipping it keeps the file's
         # mtime stable for anyone inspecting the cache.
         if not path.is_file() or path.read_text() != text:
-            path.write_text(text)
+            write_text_atomic(path, text)
         return directory
 
 
@@ -98,6 +98,10 @@ def _report_fingerprint() -> str:
     return h.hexdigest()[:8]
 
 
+def _cached_report(path: Path) -> CompileReport | None:
+    return CompileReport(**json.loads(path.read_text())) if path.is_file() else None
+
+
 def _compile_and_report(shape_dir: Path, engine: EngineConfig, context: int, model) -> CompileReport:
     from dfvg_host.compiler import compile_draft
 
@@ -132,22 +136,25 @@ def engine_efficiency(engines: list[EngineConfig], shapes: tuple[DraftShape, ...
     """
     from dfvg_host.compiler import load_model
 
-    root = _cache_dir() / "efficiency"
+    root = cache_dir() / "efficiency"
     rows = []
     for shape in shapes:
         shape_dir = shape.write_config(root / "shapes" / shape.name)
         model = None          # loaded once per shape, and only when a preset is not cached
         for engine in engines:
-            key = (f"{shape.name}-{engine.name}-ctx{context}-{_fingerprint(shape_dir, None, engine)}"
+            key = (f"{shape.name}-{engine.name}-ctx{context}-{fingerprint(shape_dir, None, engine)}"
                    f"-{_report_fingerprint()}")
             path = root / f"{key}.json"
-            if cache and path.is_file():
-                report = CompileReport(**json.loads(path.read_text()))
-            else:
-                log(f"compiling {shape.name} (random weights) for {engine.name} ...")
-                if model is None:
-                    model = load_model(shape_dir, random_weights=True)
-                report = _compile_and_report(shape_dir, engine, context, model)
-                path.write_text(json.dumps(asdict(report), indent=1) + "\n")
+            report = _cached_report(path) if cache else None
+            if report is None:
+                # Concurrent processes take turns; the later ones find the report written.
+                with locked(path):
+                    report = _cached_report(path) if cache else None
+                    if report is None:
+                        log(f"compiling {shape.name} (random weights) for {engine.name} ...")
+                        if model is None:
+                            model = load_model(shape_dir, random_weights=True)
+                        report = _compile_and_report(shape_dir, engine, context, model)
+                        write_text_atomic(path, json.dumps(asdict(report), indent=1) + "\n")
             rows.append(EfficiencyRow(shape.name, report))
     return rows

@@ -9,6 +9,9 @@
                    ``_events_0`` (``dfvg_host.xdma``); ``xdma://`` alone is ``/dev/xdma0``
 =================  ===============================================================
 
+:class:`~dfvg_host.transport_base.Transport` (the protocol) and :class:`TransportError` are
+defined in :mod:`dfvg_host.transport_base` and re-exported here.
+
 :class:`LinkedTransport` wraps any transport and accounts PCIe traffic with a
 :class:`LinkModel`: every figure it produces is *modelled*.
 """
@@ -16,26 +19,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 from urllib.parse import urlparse
+
+from dfvg_host.transport_base import Transport, TransportError
 
 __all__ = ["Transport", "LinkModel", "LinkStats", "LinkedTransport", "open_transport",
            "TransportError"]
-
-
-class TransportError(RuntimeError):
-    """A device URL that cannot be opened."""
-
-
-class Transport(Protocol):
-    """What the driver needs from a device, and nothing more."""
-
-    def read32(self, offset: int) -> int: ...
-    def write32(self, offset: int, value: int) -> None: ...
-    def dma_write(self, addr: int, data: bytes) -> None: ...
-    def dma_read(self, addr: int, nbytes: int) -> bytes: ...
-    def wait_irq(self, timeout_s: float) -> bool: ...
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

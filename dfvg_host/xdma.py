@@ -12,7 +12,7 @@ card, named from a prefix such as ``/dev/xdma0``:
                         it fires and returns the event count; the file supports ``poll``
 ======================  ==================================================================
 
-:class:`XdmaTransport` implements :class:`~dfvg_host.transport.Transport` on these files.
+:class:`XdmaTransport` implements :class:`~dfvg_host.transport_base.Transport` on these files.
 Register access maps the BAR when the device allows it and falls back to ``pread``/
 ``pwrite``; DMA runs on a worker thread so that a hung card cannot hang the host past
 ``dma_timeout_s``; ``wait_irq`` polls the events file. Every failure is an
@@ -27,7 +27,7 @@ import os
 import select
 
 from dfvg_hw.spec.regmap import Reg
-from dfvg_host.transport import TransportError
+from dfvg_host.transport_base import TransportError
 
 __all__ = ["XdmaTransport", "XdmaError", "DEFAULT_PREFIX", "DEVICE_SUFFIXES", "REGISTER_WINDOW"]
 

@@ -11,6 +11,7 @@ bandwidth (the timing of ``sim/axi_memory.py``), and takes register accesses and
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
@@ -49,19 +50,23 @@ def build_harness(config: EngineConfig, data_width: int | None = None, log=None)
     key = hashlib.sha256((verilog + HARNESS.read_text() + version).encode()).hexdigest()[:16]
     out = _cache_dir() / key
     binary = out / "obj_dir" / "harness"
-    if binary.exists():
-        return binary
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{TOP}.v").write_text(verilog)
-    if log:
-        log(f"verilator: building the {config.name} engine (about a minute, once)")
-    # -Wno-fatal: lint is the RTL tests' job (verilator --lint-only); here only speed matters.
-    proc = subprocess.run([exe, "--cc", "--exe", "--build", "-O2", "-Wno-fatal", "-Wno-lint",
-                           "-Wno-style", "--top-module", TOP, "-o", "harness", f"{TOP}.v",
-                           str(HARNESS), "-CFLAGS", "-O1 -std=c++17"],
-                          cwd=out, capture_output=True, text=True)
-    if proc.returncode or not binary.exists():
-        raise RuntimeError(f"verilator build failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
+    # Processes building one key (pytest-xdist workers) take turns: the later ones wait
+    # for the first to link the binary, then find it.
+    with open(out / "build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if binary.exists():
+            return binary
+        (out / f"{TOP}.v").write_text(verilog)
+        if log:
+            log(f"verilator: building the {config.name} engine (about a minute, once)")
+        # -Wno-fatal: lint is the RTL tests' job (verilator --lint-only); here only speed matters.
+        proc = subprocess.run([exe, "--cc", "--exe", "--build", "-O2", "-Wno-fatal", "-Wno-lint",
+                               "-Wno-style", "--top-module", TOP, "-o", "harness", f"{TOP}.v",
+                               str(HARNESS), "-CFLAGS", "-O1 -std=c++17"],
+                              cwd=out, capture_output=True, text=True)
+        if proc.returncode or not binary.exists():
+            raise RuntimeError(f"verilator build failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
     return binary
 
 
