@@ -24,6 +24,7 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
 from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.elementwise import VectorRequantizer, narrow_unless_wide, reduce_tree
 
@@ -68,7 +69,7 @@ class SoftmaxExp(wiring.Component):
         Weights in Q0.16 and the end-of-vector flag.
     """
 
-    LATENCY = 4
+    LATENCY = timing.SOFTMAX_EXP_LATENCY
 
     def __init__(self, lanes: int, score_bits: int = 32):
         self.lanes, self.score_bits = lanes, score_bits
@@ -194,7 +195,7 @@ class SoftmaxWeights(wiring.Component):
         self.max_len = config.kv_positions if max_len is None else max_len
         self.depth = -(-self.max_len // self.lanes)
         self.total_bits = (self.max_len * nx.EXP_ONE).bit_length()
-        self.LOAD_TO_EMIT = 3 + ceil_log2(self.lanes) + SoftmaxExp.LATENCY
+        self.LOAD_TO_EMIT = timing.softmax_load_to_emit(self.lanes)
         super().__init__({
             "i": In(stream.Signature(SoftmaxWeightsInput(self.lanes))),
             "mult": In(unsigned(nx.MULT_BITS)),
@@ -319,7 +320,7 @@ class Reciprocal(wiring.Component):
 
     def __init__(self, divisor_bits: int, dividend_log2: int = nx.RECIP_BITS):
         self.divisor_bits, self.dividend_log2 = divisor_bits, dividend_log2
-        self.LATENCY = dividend_log2 + 2
+        self.LATENCY = timing.reciprocal_latency(dividend_log2)
         super().__init__({
             "i": In(stream.Signature(unsigned(divisor_bits))),
             "o": Out(stream.Signature(unsigned(dividend_log2 + 1))),
@@ -374,7 +375,7 @@ class Normalizer(wiring.Component):
         The attention output (int8 sign-extended unless wide).
     """
 
-    LATENCY = VectorRequantizer.LATENCY
+    LATENCY = timing.NORMALIZER_LATENCY
 
     def __init__(self, lanes: int, num_bits: int):
         self.lanes, self.num_bits = lanes, num_bits
@@ -479,8 +480,7 @@ class Attention(wiring.Component):
     @staticmethod
     def head_cycles(head_dim: int, t: int) -> int:
         """:meth:`cycles` for a given head dimension."""
-        return 2 * t + ceil_log2(head_dim) + 4 + SoftmaxExp.LATENCY \
-            + (nx.RECIP_BITS + 2) + Normalizer.LATENCY
+        return timing.attention_head_cycles(head_dim, t)
 
     def elaborate(self, platform):
         m = Module()

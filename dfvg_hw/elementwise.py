@@ -28,6 +28,7 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.requant import RequantInput, Requantizer
 
@@ -163,7 +164,7 @@ class VectorRequantizer(wiring.Component):
         Per-lane results and the sideband of the same beat.
     """
 
-    LATENCY = Requantizer.LATENCY
+    LATENCY = timing.VECTOR_REQUANT_LATENCY
 
     def __init__(self, lanes: int, out_bits: int = nx.ACT_BITS, acc_bits: int = 32, side=None):
         self.lanes, self.out_bits, self.acc_bits, self.side = lanes, out_bits, acc_bits, side
@@ -250,8 +251,8 @@ class ActMul(wiring.Component):
         The activations (int8 sign-extended unless wide).
     """
 
-    LATENCY = 2 + VectorRequantizer.LATENCY
-    LUT_DEPTH = 256
+    LATENCY = timing.ACTMUL_LATENCY
+    LUT_DEPTH = timing.ACTMUL_LUT_DEPTH
     ACC_BITS = 16 + nx.ACT_BITS  # |lut · up| ≤ 2^22
 
     def __init__(self, config: EngineConfig, init=None):

@@ -31,6 +31,7 @@ from amaranth.lib import data, enum, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 
 __all__ = ["KVBuffer", "KVOp", "KVCommand", "KVReadBeat", "KVError"]
@@ -134,7 +135,7 @@ class KVBuffer(wiring.Component):
     """
 
     #: cycles from a READ command's transfer to its first valid ``rdata`` word
-    READ_LATENCY = 3
+    READ_LATENCY = timing.KV_READ_LATENCY
 
     #: memories at least this deep are marked ``ram_style = "ultra"`` (URAM288 is 4K deep)
     URAM_MIN_DEPTH = 4096

@@ -46,6 +46,7 @@ from amaranth import Cat, Module, Mux, Signal
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
@@ -60,8 +61,8 @@ from dfvg_hw.vmem import Gearbox
 __all__ = ["KvSequencer"]
 
 L = VMEM_LINE_BYTES
-#: bits of ``n``, the dividend of the GQA group size ``n / G``
-N_BITS = 16
+#: bits of ``n``, the dividend of the GQA group size ``n / G``: DIVIDE's steps
+N_BITS = timing.GQA_DIVIDE_STEPS
 
 
 class KvSequencer(wiring.Component):

@@ -35,6 +35,7 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
 from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.requant import Requantizer
@@ -187,9 +188,9 @@ class MatrixUnit(wiring.Component):
         Nothing is in flight (no tile in the pipeline, no group awaiting write-back).
     """
 
-    TREE_STAGES = 3
+    TREE_STAGES = timing.MATRIX_TREE_STAGES
     #: cycles from the transfer of a group's ``last`` tile to its first output row
-    LATENCY = 1 + 1 + TREE_STAGES + 1 + Requantizer.LATENCY + 1
+    LATENCY = timing.MATRIX_LATENCY
     PACK_SHIFT = 18
 
     def __init__(self, config: EngineConfig, *, pack_rows: bool = True):

@@ -62,6 +62,7 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
 from dfvg_hw.axi4 import AXI4Signature, BOUNDARY_BYTES, Burst, MAX_BURST_BEATS, Resp
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 
 __all__ = ["MemoryPort", "MemoryCommand", "ReadBeat", "MemoryPortError"]
@@ -235,14 +236,15 @@ class MemoryPort(wiring.Component):
     #: ``read_data`` beat, beyond the memory's own AR-to-R latency L (splitter register, AR
     #: register, read_data register): with neither side stalling, beat ``k`` of a command on
     #: an idle port transfers ``READ_OVERHEAD + L + k`` edges after the command.
-    READ_OVERHEAD = 3
+    READ_OVERHEAD = timing.MEM_READ_OVERHEAD
     #: Edges from the edge that accepts a write command to the first W transfer (splitter
     #: register, AW register and track, track FIFO output register, W register), with its
     #: data ready: the last burst's B response transfers ``WRITE_OVERHEAD + beats − 1 + L``
     #: edges after the command (L: the memory's last-W-to-B latency), ``write_done`` one later.
-    WRITE_OVERHEAD = 4
+    WRITE_OVERHEAD = timing.MEM_WRITE_OVERHEAD
 
-    def __init__(self, config: EngineConfig, *, data_width: int = 256, max_outstanding: int = 8):
+    def __init__(self, config: EngineConfig, *, data_width: int = 256,
+                 max_outstanding: int = timing.MEM_MAX_OUTSTANDING):
         axi = AXI4Signature(data_width, 64)
         if config.mem_bytes % axi.bytes_per_beat:
             raise ValueError(f"mem_bytes = {config.mem_bytes} is not a multiple of the "

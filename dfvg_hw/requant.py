@@ -7,6 +7,7 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec import timing
 
 __all__ = ["Requantizer", "RequantInput"]
 
@@ -43,7 +44,7 @@ class Requantizer(wiring.Component):
         The saturated result.
     """
 
-    LATENCY = 3
+    LATENCY = timing.REQUANT_LATENCY
 
     def __init__(self, out_bits: int = nx.ACT_BITS, acc_bits: int = 32):
         self.out_bits = out_bits

@@ -9,6 +9,7 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
 from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.elementwise import VectorRequantizer, narrow_unless_wide, reduce_tree
 
@@ -65,7 +66,7 @@ class Rsqrt(wiring.Component):
         ``(r, k)``.
     """
 
-    LATENCY = 4
+    LATENCY = timing.RSQRT_LATENCY
 
     def __init__(self, in_bits: int):
         if not 1 <= in_bits <= 62:
@@ -186,12 +187,12 @@ class RMSNorm(wiring.Component):
     adder tree, accumulate, rsqrt; the cycle model charges 4).
     """
 
-    LATENCY = 1 + VectorRequantizer.LATENCY
+    LATENCY = timing.RMSNORM_LATENCY
 
     @staticmethod
     def turnaround(lanes: int) -> int:
         """``TURNAROUND`` for a given lane count: square, tree, accumulate, rsqrt."""
-        return 2 + ceil_log2(lanes) + Rsqrt.LATENCY
+        return timing.rmsnorm_turnaround(lanes)
 
     def __init__(self, config: EngineConfig, max_len: int | None = None):
         self.lanes = config.lanes

@@ -7,6 +7,7 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.elementwise import saturate
 
@@ -64,7 +65,7 @@ class Rope(wiring.Component):
         Rotated pairs.
     """
 
-    LATENCY = 3
+    LATENCY = timing.ROPE_LATENCY
 
     def __init__(self, config: EngineConfig, pairs: int | None = None):
         self.pairs = config.head_dim // 2 if pairs is None else pairs

@@ -37,6 +37,7 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 
 __all__ = ["TokenSampler", "Rng32", "RngInput", "SamplerRequest", "LogitBeat", "SamplerResult",
@@ -186,7 +187,7 @@ class Rng32(wiring.Component):
         ``rng32(seed, counter)``.
     """
 
-    LATENCY = 7
+    LATENCY = timing.RNG_LATENCY
 
     def __init__(self):
         super().__init__({
@@ -320,8 +321,8 @@ class TokenSampler(wiring.Component):
         Token, probability, rank and the top-k (id, probability) list in rank order.
     """
 
-    EXP_LATENCY = 4      #: exp pipeline after the last issue: product, shift, ROM, accumulate
-    DIV_CYCLES = PROB_WIDTH  #: restoring divider, one quotient bit of R ≤ 2^24 per cycle
+    EXP_LATENCY = timing.SAMPLER_EXP_LATENCY   #: exp pipeline after the last issue
+    DIV_CYCLES = timing.SAMPLER_DIV_CYCLES     #: restoring divider, a bit of R a cycle
 
     def __init__(self, config: EngineConfig, lanes: int | None = None):
         self.config = config
@@ -345,11 +346,9 @@ class TokenSampler(wiring.Component):
         """
         k = min(max(k, 1), self.topk_max)
         k_eff = k if n is None else min(k, n)
-        merge = self.lanes * k if self.lanes > 1 else 0
         if k_eff == 0:
-            return merge + 1
-        prob = k_eff + 1 if k_eff > 1 else 0
-        return merge + (k_eff + self.EXP_LATENCY) + self.DIV_CYCLES + prob + 1
+            return (self.lanes * k if self.lanes > 1 else 0) + 1
+        return timing.sampler_latency(self.lanes, k, k_eff)
 
     def elaborate(self, platform):
         m = Module()

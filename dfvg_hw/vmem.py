@@ -34,6 +34,7 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
 
 __all__ = ["VmemSpan", "VmemReadBeat", "VmemWriteBeat", "ByteBeat", "VectorMemory", "Gearbox"]
@@ -270,9 +271,9 @@ class VectorMemory(wiring.Component):
     """
 
     #: cycles from a read command's transfer to its first valid ``rd`` line
-    READ_LATENCY = 3
+    READ_LATENCY = timing.VMEM_READ_LATENCY
     #: cycles from a command's transfer to ``error`` (refused) or ``wr`` ready (accepted)
-    CHECK_LATENCY = 2
+    CHECK_LATENCY = timing.VMEM_CHECK_LATENCY
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -381,7 +382,7 @@ class Gearbox(wiring.Component):
 
     #: cycles from the transfer of the input beat that completes an output beat to the
     #: cycle that output beat is valid
-    LATENCY = 1
+    LATENCY = timing.GEARBOX_LATENCY
 
     def __init__(self, in_bytes: int, out_bytes: int):
         _check_beat_bytes("in_bytes", in_bytes)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import ceil, gcd
 
+from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded
@@ -34,25 +35,10 @@ from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
 __all__ = ["CycleModel", "CycleCounts", "estimate_request", "BEFORE_FINISH"]
 
 LINE = VMEM_LINE_BYTES
-ISSUE = 2            #: FETCH + DECODE, charged at DECODE; a control instruction costs just this
-UNIT_OVERHEAD = 4    #: ISSUE + the job hand-over (1) + RETIRE (1) of a unit instruction
-READ_OVERHEAD = 3    #: MemoryPort: command register, burst issue, AR register (MemoryPort.READ_OVERHEAD)
-MAX_OUTSTANDING = 8  #: bursts the memory port keeps in flight
-MAX_BURST = 256      #: AXI4 beats per burst
-PAGE = 4096          #: AXI4 bursts do not cross 4 KiB
-VMEM_READ = 3        #: VectorMemory.READ_LATENCY
-REQUANT = 3          #: Requantizer.LATENCY
-ACC_STAGES = 5       #: matrix unit: S0, S1, T1..T3 from a tile's take to its accumulation
-ACT_LUT = 256        #: ActMul.LUT_DEPTH: entries loaded per ACTMUL, one a cycle
-SAMPLE_DIV = 25      #: the sampler's probability divider (PROB_BITS + 1 steps)
-ATTN_TAIL = 43       #: attention per head: MAC 2, reciprocal 34, normaliser 3, hand-offs 4
-GQA_DIVIDE = 16      #: ATTN: heads per KV head by a 16-step divider
-#: Cycles of :meth:`CycleModel.request_finish` before FINISH, where the result descriptor's
-#: cycle count is taken (the FETCH that finds the request over).
-BEFORE_FINISH = 1
-#: ACTMUL with a RowWriter slower than its beats (WIDE at lanes >= 16): the first pair of
-#: beat m waits until the writer has taken beat m - K (measured from RTL traces).
-ACT_STALL_BEATS = {16: 6, 32: 4, 64: 4}
+#: The latencies and fixed overheads below are the RTL's own (:mod:`dfvg_hw.spec.timing`).
+ISSUE, UNIT_OVERHEAD, BEFORE_FINISH = tm.ISSUE, tm.UNIT_OVERHEAD, tm.BEFORE_FINISH
+READ_OVERHEAD = tm.MEM_READ_OVERHEAD
+PAGE = tm.AXI_BOUNDARY_BYTES
 
 
 @dataclass
@@ -73,10 +59,6 @@ class CycleCounts:
         self.macs += macs
 
 
-def _ceil_log2(x: int) -> int:
-    return (x - 1).bit_length()
-
-
 def _lines(byte_addr: int, nbytes: int) -> int:
     """VMEM lines that ``nbytes`` at VMEM byte ``byte_addr`` touch."""
     return (byte_addr % LINE + nbytes + LINE - 1) // LINE if nbytes else 0
@@ -84,7 +66,7 @@ def _lines(byte_addr: int, nbytes: int) -> int:
 
 def _window(byte_addr: int, nbytes: int) -> int:
     """A gather or scatter through ``VmemWindow``: the request state, then lines + 2."""
-    return _lines(byte_addr, nbytes) + 3
+    return _lines(byte_addr, nbytes) + tm.WINDOW_ACCESS
 
 
 # -- the memory path ---------------------------------------------------------------------------
@@ -108,7 +90,7 @@ class _Port:
         port in cycle ``first`` (the beat-to-lines Gearbox adds a register and passes one
         line a cycle)."""
         lpb = self.lines_per_beat
-        return first + 1 + max(i, self.beat_offset(i // lpb) + i % lpb)
+        return first + tm.GEARBOX_LATENCY + max(i, self.beat_offset(i // lpb) + i % lpb)
 
     def emit(self, j: int, first: int, skip: int, length: int) -> int:
         """Cycle the LineAligner of an UnalignedReader emits output line ``j`` of a read of
@@ -119,7 +101,7 @@ class _Port:
         n_in = ceil((length + skip) / self.bus_bytes) * self.lines_per_beat
         if d + j + 1 < n_in:
             return self.arrival(d + j + 1, first)
-        return self.arrival(n_in - 1, first) + 1
+        return self.arrival(n_in - 1, first) + tm.LINE_ALIGNER_LATENCY
 
 
 def _bursts(addr: int, nbytes: int, bus_bytes: int) -> list[int]:
@@ -129,7 +111,7 @@ def _bursts(addr: int, nbytes: int, bus_bytes: int) -> list[int]:
     addr -= skip
     beats, out = ceil((skip + nbytes) / bus_bytes), []
     while beats:
-        b = min(beats, (PAGE - addr % PAGE) // bus_bytes, MAX_BURST)
+        b = min(beats, (PAGE - addr % PAGE) // bus_bytes, tm.AXI_MAX_BURST_BEATS)
         out.append(b)
         beats -= b
         addr += b * bus_bytes
@@ -197,7 +179,7 @@ class _ReadPath:
 
     The sequencer offers its next command as soon as the splitter is free: a command costs
     a cycle to accept and one per burst issued, and a burst waits while
-    :data:`MAX_OUTSTANDING` bursts await their last beat. Burst data is due ``L`` cycles
+    :data:`~dfvg_hw.spec.timing.MEM_MAX_OUTSTANDING` bursts await their last beat. Burst data is due ``L`` cycles
     after its address (one cycle after its issue) and the memory offers ``p`` beats a
     cycle; a beat enters ``read_data`` when that register is empty or being emptied.
 
@@ -229,8 +211,8 @@ class _ReadPath:
         for i, beats in enumerate(_bursts(addr, nbytes, self.bus_bytes)):
             # accepting the command is the cycle before its first burst
             issue = self.issued + (2 if i == 0 else 1)
-            if len(self.pops) >= MAX_OUTSTANDING:       # the track FIFO is full
-                issue = max(issue, self.pops[-MAX_OUTSTANDING] + 1)
+            if len(self.pops) >= tm.MEM_MAX_OUTSTANDING:    # the track FIFO is full
+                issue = max(issue, self.pops[-tm.MEM_MAX_OUTSTANDING] + 1)
             self.issued = issue
             b = 0
             while b < beats:
@@ -305,7 +287,7 @@ class _Accumulate:
     The packer takes a beat a cycle and holds a complete tile until the matrix unit takes
     it (its next tile's first beat enters at that take at the earliest); the tile is
     offered the cycle after its last beat. The matrix unit takes a tile in any cycle its
-    pipeline advances; a tile is :data:`ACC_STAGES` advances from its take to the last
+    pipeline advances; a tile is :data:`~dfvg_hw.spec.timing.MATRIX_ACC_STAGES` advances from its take to the last
     stage, where a group's last tile moves its sums into the write-back bank, or, while
     the bank still holds the previous group, stops the whole pipeline until the cycle
     after that group's last row has entered the requantisers.
@@ -345,7 +327,7 @@ class _Accumulate:
         """The cycle the latest tile (a group's last) loads the write-back bank, the bank
         being free from ``prev_done + 1`` (the previous group's last row entered the
         requantisers in ``prev_done``)."""
-        at_last_stage = self.stalls.passes(self.tile_taken, ACC_STAGES - 1)
+        at_last_stage = self.stalls.passes(self.tile_taken, tm.MATRIX_ACC_STAGES - 1)
         load = max(at_last_stage, prev_done + 1)
         self.stalls.add(at_last_stage, load)
         return load
@@ -378,7 +360,7 @@ class _WriteBack:
         ``words_in``. Returns the cycle its last row entered the requantisers."""
         for r in range(rows):
             self.entered = self.stalls.moves(max(bank + 1, words_in + 1, self.entered + 1))
-            at_end = self.stalls.passes(self.entered, REQUANT - 1)
+            at_end = self.stalls.passes(self.entered, tm.REQUANT_LATENCY - 1)
             out = max(at_end, self.out + self.hold)
             if self.line_of is not None:                # RESADD: the residual's lines
                 first = self.line_of(g, r)
@@ -447,17 +429,17 @@ def _matmul_cycles(port: _Port, lanes: int, reduce: int, rows_per_pass: int, n: 
     out_bytes = 1 if mode == MatmulMode.INT8 else 2
     row_stride = padded(n * out_bytes, LINE)
     hold = 1 if mode == MatmulMode.LOGITS else max(1, lanes * out_bytes // LINE)
-    total = UNIT_OVERHEAD + 2                       # + RANGE, DONE
+    total = UNIT_OVERHEAD + tm.MATMUL_STATES
     first = 0
     while first < rows:
         pass_rows = min(per_pass, rows - first)
-        x_load = VMEM_READ + pass_rows * slices_per_row if k else 0
-        total += 3 + x_load                         # PASS, X_CMD, CHECK
+        x_load = tm.VMEM_READ_LATENCY + pass_rows * slices_per_row if k else 0
+        total += tm.MATMUL_PASS_STATES + x_load
         if not groups:                              # nothing to compute: CHECK ends the MATMUL
             break
         def line_of(g, r, first=first):         # residual row of group g, row r: first line
             return dst + ((first + r) * row_stride + g * 2 * lanes) // LINE
-        total += 1 + _matmul_stream(port, lanes, reduce, groups, k_tiles, pass_rows, hold,
+        total += tm.MATMUL_NEXT_PASS + _matmul_stream(port, lanes, reduce, groups, k_tiles, pass_rows, hold,
                                     page_offset, page_offset + npad * kpad,
                                     line_of if mode == MatmulMode.RESADD else None)
         first += pass_rows
@@ -478,7 +460,7 @@ def _done_after(last_beat_out: int, s: int, dropped: int) -> int:
     """The DONE cycle of a row job whose last result beat leaves its unit in
     ``last_beat_out`` (RowWriteProgress: the rows count and VMEM's wr_done, registered)."""
     last_line = last_beat_out + s
-    return max(last_line + 1, last_line - dropped + 2) + 1
+    return max(last_line + 1, last_line - dropped + 2) + tm.ROW_JOB_DONE
 
 
 def _writer_last_take(in0: int, in_prev: int, in_last: int, beats: int, s: int) -> int:
@@ -502,21 +484,22 @@ def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) 
         cut, pack = None, 2 * lanes // LINE
         beats = ceil(ell / pack)
     stream = max(beats, ell)
-    turnaround = 2 + _ceil_log2(lanes) + 4         # square, tree, accumulate, rsqrt
-    first = 2 + READ_OVERHEAD + L
+    turnaround = tm.rmsnorm_turnaround(lanes)
+    first = tm.PARAM_CMD + READ_OVERHEAD + L
     skip = addr % B
-    head_out = port.emit(0, first, skip, NORM_PARAM_BYTES) + 1
+    head_out = port.emit(0, first, skip, NORM_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
     head_lines = ceil((NORM_PARAM_BYTES + skip) / B) * port.lines_per_beat
-    gamma_cmd = max(head_out + 3, port.arrival(head_lines - 1, first) + 1)
+    gamma_cmd = max(head_out + tm.NORM_HEAD_TO_GAMMA,
+                    port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY)
     gamma_skip = (addr + NORM_PARAM_BYTES) % B
     s, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide)
 
     g = gamma_cmd
     for _ in range(rows):
-        gamma_first = g + 1 + READ_OVERHEAD + L
-        pass2 = g + 1 + 4 + stream
+        gamma_first = g + tm.READER_CMD_REGISTER + READ_OVERHEAD + L
+        pass2 = g + tm.NORM_PASS1_START + stream
         u = pass2 + turnaround - 1
-        gamma_line = lambda j: port.emit(j, gamma_first, gamma_skip, 2 * n) + 1
+        gamma_line = lambda j: port.emit(j, gamma_first, gamma_skip, 2 * n) + tm.LINE_ALIGNER_LATENCY
         if pack is None:
             end, gap = max(u + beats - 1, gamma_line(0) + beats, gamma_line(ell - 1) + cut), 1
         else:
@@ -525,7 +508,7 @@ def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) 
             end = max(pass2 + 3 + ell, gamma_line(ell - 1) + 1, max(u, g0) + tail)
             gap = ell - pack * (beats - 1)
         g = end + 1
-    last_out = end + 4 + (max(0, s - gap) if beats > 1 else 0)    # RMSNorm.LATENCY 4
+    last_out = end + tm.RMSNORM_LATENCY + (max(0, s - gap) if beats > 1 else 0)
     return UNIT_OVERHEAD + _done_after(last_out, s, dropped)
 
 
@@ -541,26 +524,28 @@ def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int):
     else:
         beats = ceil(g_lines / q)
         last_lines, spacing = g_lines - q * (beats - 1), q
-    stall = ACT_STALL_BEATS.get(lanes)
     m = beats - 1
     w_last = None
     for _ in range(rows):
-        f0 = a + 6 + d                             # ROW_ALIGN, ROW_CMD, VMEM 3, aligner
+        f0 = a + tm.ACTMUL_ROW_START + d
         f_last = f0 + r * (g_lines - 1)
         if lanes <= LINE:
             in0, in_prev, in_last = f0 + 1, f0 + beats - 1, f0 + beats
         else:
             in0 = f0 + min(q, g_lines)
             in_prev, in_last = f_last + 1 - last_lines, f_last + 1
-        w0 = in0 + 5 if w_last is None else max(in0 + 5, w_last + s)
-        w_last = _writer_last_take(w0, in_prev + 5, in_last + 5, beats, s)
+        lat = tm.ACTMUL_LATENCY
+        w0 = in0 + lat if w_last is None else max(in0 + lat, w_last + s)
+        w_last = _writer_last_take(w0, in_prev + lat, in_last + lat, beats, s)
         last_pair = f_last
-        if s > spacing and stall is not None:      # the writer is the bottleneck
+        if s > spacing:                            # the writer is the bottleneck
+            stall = tm.actmul_writer_lag(lanes)
             bounds = []
             if m >= stall:
                 bounds.append(w0 + (m - stall) * s)
-            if lanes == 64 and m >= 4:
-                bounds.append(w0 + s + (m - 4) * q)
+            pack = tm.ACTMUL_PACK_LAG.get(lanes)
+            if pack is not None and m >= pack:
+                bounds.append(w0 + s + (m - pack) * q)
             if bounds:
                 last_pair = max(last_pair, max(bounds) + last_lines - 1)
         a = last_pair + 1
@@ -571,11 +556,11 @@ def _actmul(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -
     """actmul_sequencer.py: the parameter head and the SiLU table (256 entries, one a
     cycle into the unit's LUT, every instruction), then per row the gate and up halves
     read from VMEM in pairs through ActMul and the RowWriter."""
-    first = 2 + READ_OVERHEAD + port.latency
+    first = tm.PARAM_CMD + READ_OVERHEAD + port.latency
     skip = addr % port.bus_bytes
-    head_out = port.emit(0, first, skip, ACT_PARAM_BYTES) + 1
+    head_out = port.emit(0, first, skip, ACT_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
     first_table_line = max(head_out, port.emit(1, first, skip, ACT_PARAM_BYTES))
-    a = first_table_line + 2 + ACT_LUT + 3        # table, index check, CHECK, WRITE_CMD
+    a = first_table_line + tm.ACTMUL_TABLE_START + tm.ACTMUL_LUT_DEPTH + tm.ACTMUL_TABLE_TO_ROWS
     beat_bytes = lanes * (2 if wide else 1)
     s = max(1, beat_bytes // LINE)
     w_last, beats = _actmul_rows(a, rows, n, lanes, s)
@@ -590,9 +575,11 @@ def _rope(port: _Port, n: int, k: int, rows: int, addr: int, pos: int) -> int:
     (lines + 3), rotate (Rope.LATENCY 3 + 2), scatter (lines + 3), next."""
     row_addr = addr + pos * 2 * k
     beats = ceil((row_addr % port.bus_bytes + 2 * k) / port.bus_bytes)
-    spans = 3 + READ_OVERHEAD + port.latency + port.beat_offset(beats - 1) + 2
-    per_row = sum(11 + 2 * _lines(h * k, k) for h in range(n))
-    return UNIT_OVERHEAD + spans + rows * per_row + 1
+    spans = (tm.ROPE_SETUP_STATES + READ_OVERHEAD + port.latency + port.beat_offset(beats - 1)
+             + tm.BLOCK_READ_DONE)
+    per_head = tm.ROPE_LATENCY + tm.ROPE_HEAD_STATES
+    per_row = sum(_window(h * k, k) + per_head + _window(h * k, k) for h in range(n))
+    return UNIT_OVERHEAD + spans + rows * per_row + tm.ROPE_DONE
 
 
 # -- KVAPPEND, ATTN ----------------------------------------------------------------------------
@@ -605,9 +592,9 @@ def _kvappend(config: EngineConfig, n: int, k: int, src: int) -> int:
     """kv_sequencer.py: per head, gather K and V from VMEM, then append 2W words."""
     w = _kv_words(config)
     base = src * LINE
-    heads = sum(_window(base + h * k, k) + _window(base + n * k + h * k, k) + 3 + 2 * w
-                for h in range(n))
-    return UNIT_OVERHEAD + 3 + heads                # CHECK, SET_POS, DONE
+    heads = sum(_window(base + h * k, k) + _window(base + n * k + h * k, k)
+                + tm.KVAPPEND_HEAD_STATES + 2 * w for h in range(n))
+    return UNIT_OVERHEAD + tm.KVAPPEND_STATES + heads
 
 
 def _attn(port: _Port, config: EngineConfig, n: int, k: int, src: int, dst: int, pos: int,
@@ -620,12 +607,14 @@ def _attn(port: _Port, config: EngineConfig, n: int, k: int, src: int, dst: int,
     t = pos + 1
     out_bytes = 2 * k if wide else k
     beats = ceil((addr % port.bus_bytes + ATTN_PARAM_BYTES) / port.bus_bytes)
-    params = 6 + port.latency + (beats - 1) * ceil(1 / port.beats_per_cycle)
-    per_head_kv = 2 * w * t - w + max(7 + _ceil_log2(config.head_dim), w) + ATTN_TAIL
+    params = (tm.ATTN_PARAMS + READ_OVERHEAD + port.latency
+              + (beats - 1) * ceil(1 / port.beats_per_cycle))
+    score_to_v = tm.ceil_log2(config.head_dim) + tm.ATTN_SCORE_TO_V
+    per_head_kv = 2 * w * t - w + max(score_to_v, w) + tm.ATTN_HEAD_TAIL
     heads = sum(_window(src * LINE + h * k, k) + per_head_kv + _window(dst * LINE + h * out_bytes, out_bytes)
                 for h in range(n))
-    # CHECK, params, GROUPS, DIVIDE, ATTN_SPANS, SET_POS, DONE
-    return UNIT_OVERHEAD + 1 + params + 1 + GQA_DIVIDE + 3 + heads
+    return (UNIT_OVERHEAD + tm.ATTN_CHECK + params + tm.ATTN_GROUPS + tm.GQA_DIVIDE_STEPS
+            + tm.ATTN_END_STATES + heads)
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -646,7 +635,8 @@ class CycleModel:
 
     def _read(self, beats: int) -> int:
         """A read state pair (command, data) of ``beats`` beats, consumed as they come."""
-        return READ_OVERHEAD + self.port.latency + 1 + ceil((beats - 1) / self.port.beats_per_cycle)
+        return (tm.REQUEST_READ_CMD + READ_OVERHEAD + self.port.latency
+                + ceil((beats - 1) / self.port.beats_per_cycle))
 
     def instruction(self, ins: Instruction, *, pos: int = 0, topk: int = 1, addr: int | None = None,
                     token_from_request: bool = True) -> tuple[int, int]:
@@ -691,16 +681,16 @@ class CycleModel:
         open the VMEM span, read the row and write it a line a cycle."""
         port = self.port
         lines = ceil(2 * n / LINE)
-        token = 1 + READ_OVERHEAD + port.latency if token_from_request else 1
+        token = tm.EMBED_TOKEN + (READ_OVERHEAD + port.latency if token_from_request else 0)
         if port.beats_per_cycle >= 1:
-            data = READ_OVERHEAD + 1 + port.latency + lines
+            data = READ_OVERHEAD + port.latency + tm.GEARBOX_LATENCY + lines
         else:
             splitter = _LineSplitter(port.lines_per_beat)
             last_beat = _ReadPath(port).read(0, 2 * n, splitter)
-            data = last_beat + 1 + (lines - 1) % port.lines_per_beat + 1
+            data = last_beat + tm.GEARBOX_LATENCY + (lines - 1) % port.lines_per_beat + 1
         nbytes = 2 * n + (port.bus_bytes if token_from_request else 0)
         # FETCH + DECODE, the token, EMBED_CMD, EMBED_READ, the row, RETIRE
-        return ISSUE + token + 2 + data + 1, nbytes
+        return ISSUE + token + tm.EMBED_COMMANDS + data + tm.RETIRE, nbytes
 
     def _sample(self, n: int, topk: int) -> int:
         """sample_sequencer.py + token_sampler.py: the logit buffer streams a tile a cycle into the
@@ -710,17 +700,15 @@ class CycleModel:
         c = self.config
         k = min(max(topk, 1), c.topk_max)
         k_eff = min(k, n)
-        merge = c.lanes * k if c.lanes > 1 else 0
-        prob = k_eff + 1 if k_eff > 1 else 0
-        return (ISSUE + 2 + ceil(n / c.lanes) + merge + k_eff + 4 + SAMPLE_DIV + prob + 1
-                + record_words(c.topk_max) + 1)
+        return (ISSUE + tm.SAMPLE_START + ceil(n / c.lanes) + tm.sampler_latency(c.lanes, k, k_eff)
+                + record_words(c.topk_max) + tm.RETIRE)
 
     def request_start(self, n_in: int) -> tuple[int, int]:
         """(cycles, bytes) before the first instruction: the header and the token scan."""
         B = self.port.bus_bytes
         header, scan = 4 * REQUEST_HEADER_WORDS, 4 * n_in
-        return (self._read(ceil(header / B)) + 1 + self._read(ceil(scan / B)) + 1,
-                header + scan)
+        return (self._read(ceil(header / B)) + tm.REQUEST_READ_DONE
+                + self._read(ceil(scan / B)) + tm.REQUEST_READ_DONE, header + scan)
 
     def request_finish(self, n_records: int) -> tuple[int, int]:
         """(cycles, bytes) after HALT: the result header assembled a word a cycle, every
@@ -729,8 +717,9 @@ class CycleModel:
         in; the counters take all of them."""
         words = RESULT_HEADER_WORDS + n_records * record_words(self.config.topk_max)
         per_beat = self.port.bus_bytes // 4
-        cycles = (3 + RESULT_HEADER_WORDS + 1 + 2 * words + ceil(words / per_beat) + 1
-                  + self.port.latency + 2)
+        cycles = (tm.RESULT_PRELUDE + RESULT_HEADER_WORDS + tm.RESULT_CMD
+                  + tm.RESULT_WORD_CYCLES * words + ceil(words / per_beat) + tm.RESULT_DATA_EXIT
+                  + self.port.latency + tm.RESULT_WAIT)
         return cycles, 4 * words
 
     @staticmethod

@@ -1,0 +1,265 @@
+"""Latencies and fixed overheads of the engine's RTL blocks, each written once.
+
+The RTL classes take their constants from here (``LATENCY = timing.REQUANT_LATENCY``) and
+the cycle model (:mod:`sim.cycle_model`, docs/isa.md §8) builds its per-unit formulas
+from the same names, so a number that changes in the hardware changes in the model.
+
+Two kinds of numbers live here:
+
+* **Pipeline latencies** of units (``*_LATENCY``): clock edges from the edge that accepts
+  an input to the edge after which its output is valid, with the output ready. Most are
+  structural — they emerge from the registers a block has — and the unit tests under
+  ``tests/rtl/`` measure each one against the constant (``test_requant``,
+  ``test_elementwise``, ``test_rmsnorm``, ``test_rope``, ``test_attention``,
+  ``test_matrix``, ``test_vmem``, ``test_kv_buffer``, ``test_memory_port``).
+* **Sequencer overheads**: cycles a sequencer's FSM spends in fixed states (a command
+  state, a check, ``DONE``) around its data-dependent loops. They are named after the
+  states they count; the co-simulation tests (every ``OP_CYCLES`` counter, cycle model
+  against RTL) prove them.
+
+numpy/stdlib only, like the rest of :mod:`dfvg_hw.spec`.
+"""
+
+from __future__ import annotations
+
+from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec.config import ConfigError
+
+
+def ceil_log2(x: int) -> int:
+    """``ceil(log2 x)`` for ``x ≥ 1`` (0 for 1): the levels of a binary tree over ``x``."""
+    return (x - 1).bit_length()
+
+
+# -- memory path: dfvg_hw/memory_port.py, the AXI4 bus ------------------------------------------
+#: MemoryPort: edges from accepting a read command to its first ``read_data`` beat beyond the
+#: memory's own latency L (splitter register, AR register, read_data register).
+MEM_READ_OVERHEAD = 3
+#: MemoryPort: edges from accepting a write command to its first W transfer (splitter, AW
+#: register and track, track FIFO output register, W register).
+MEM_WRITE_OVERHEAD = 4
+#: MemoryPort: bursts per direction in flight (the burst-track FIFO's depth).
+MEM_MAX_OUTSTANDING = 8
+#: AXI4 INCR: beats per burst at most (the memory port splits longer reads; dfvg_hw.axi4).
+AXI_MAX_BURST_BEATS = 256
+#: AXI4: a burst never crosses this many bytes (dfvg_hw.axi4's BOUNDARY_BYTES).
+AXI_BOUNDARY_BYTES = 4096
+
+# -- VMEM and the line streams: dfvg_hw/vmem.py, line_streams.py, operand_access.py ----------
+#: VectorMemory: cycles from a span read command's transfer to its first valid line.
+VMEM_READ_LATENCY = 3
+#: VectorMemory: cycles from a span command's transfer to ``error`` (refused) or ``wr``
+#: ready (accepted).
+VMEM_CHECK_LATENCY = 2
+#: Gearbox: cycles from the input beat that completes an output beat to that output beat
+#: (its output register); the beat-to-lines split behind the memory port adds this.
+GEARBOX_LATENCY = 1
+#: VmemWindow: ``done`` pulses ``lines + WINDOW_DONE_AFTER`` cycles after a gather's or
+#: scatter's command transfer (a gather's last line arrives the cycle after its peek).
+WINDOW_DONE_AFTER = 2
+#: A sequencer's gather or scatter through VmemWindow: its request state, then ``done``.
+WINDOW_ACCESS = 1 + WINDOW_DONE_AFTER
+#: UnalignedReader: its command register between a sequencer's request and the memory
+#: port's ``read_cmd``.
+READER_CMD_REGISTER = 1
+#: LineAligner: its output register (a line leaves the cycle after it is cut).
+LINE_ALIGNER_LATENCY = 1
+#: BlockReader: cycles past the memory port's first beat of a block: the beat into the
+#: block register, then ``done``.
+BLOCK_READ_DONE = 2
+
+# -- units: requant.py, elementwise.py, rmsnorm.py, rope.py, attention.py, matrix.py ----------
+#: Requantizer: multiply, add the rounding half and shift, saturate.
+REQUANT_LATENCY = 3
+#: VectorRequantizer: ``lanes`` Requantizers in lockstep.
+VECTOR_REQUANT_LATENCY = REQUANT_LATENCY
+#: ActMul: the gate's table read and the ``· up`` product, then the VectorRequantizer.
+ACTMUL_LATENCY = 2 + VECTOR_REQUANT_LATENCY
+#: ActMul: SiLU table entries, loaded one a cycle at every ACTMUL.
+ACTMUL_LUT_DEPTH = 256
+#: Rsqrt: the LUT index, the ROM read, the interpolation and the output register.
+RSQRT_LATENCY = 4
+#: RMSNorm pass 2: the gamma product, then the VectorRequantizer.
+RMSNORM_LATENCY = 1 + VECTOR_REQUANT_LATENCY
+#: Rope: four products, the two sums, the shift and clamp.
+ROPE_LATENCY = 3
+#: SoftmaxExp: subtract, multiply, rounding shift into the EXP2 ROM, shift.
+SOFTMAX_EXP_LATENCY = 4
+#: Normalizer: the attention output's scaling on a VectorRequantizer.
+NORMALIZER_LATENCY = VECTOR_REQUANT_LATENCY
+#: MatrixUnit: adder-tree stages between the products and the accumulator.
+MATRIX_TREE_STAGES = 3
+#: MatrixUnit: pipeline advances from a tile's take to its accumulation (S0, S1, the tree).
+MATRIX_ACC_STAGES = 1 + 1 + MATRIX_TREE_STAGES
+#: MatrixUnit: a group's ``last`` tile to its first output row (the accumulate stage, the
+#: requantiser and the output stage after :data:`MATRIX_ACC_STAGES`).
+MATRIX_LATENCY = MATRIX_ACC_STAGES + 1 + REQUANT_LATENCY + 1
+#: KVBuffer: cycles from a READ command's transfer to its first valid word.
+KV_READ_LATENCY = 3
+
+
+def rmsnorm_turnaround(lanes: int) -> int:
+    """RMSNorm's ``TURNAROUND``: from the edge that takes a row's last pass-1 beat to the
+    first edge that can take a pass-2 beat (square, adder tree, accumulate, rsqrt)."""
+    return 2 + ceil_log2(lanes) + RSQRT_LATENCY
+
+
+def softmax_load_to_emit(lanes: int) -> int:
+    """SoftmaxWeights' ``LOAD_TO_EMIT``: from the edge that takes a vector's last score beat
+    to its first valid weight beat (buffer write, maximum tree, phase, exp path)."""
+    return 3 + ceil_log2(lanes) + SOFTMAX_EXP_LATENCY
+
+
+def reciprocal_latency(dividend_log2: int) -> int:
+    """Reciprocal (a restoring divider of ``2^dividend_log2``): the load cycle, then one
+    quotient bit a cycle over the dividend's ``dividend_log2 + 1`` bits."""
+    return dividend_log2 + 2
+
+
+#: Reciprocal of the attention weights' sum, ``floor(2^RECIP_BITS / E)``.
+ATTN_RECIP_LATENCY = reciprocal_latency(nx.RECIP_BITS)
+#: Attention: the per-head path from a score to its V row beyond the dot-product tree: the
+#: maximum and phase, the first weight read, the exp path, the V join.
+ATTN_SCORE_TO_V = 1 + 1 + SOFTMAX_EXP_LATENCY + 1
+#: Attention: the query's and the accumulator's registers (one each) of a head.
+ATTN_MAC_STAGES = 2
+#: KvSequencer: a head's hand-offs around the Attention unit (READ_KV, QUERY, the result
+#: into ATTEND's register, SCATTER's request).
+ATTN_HEAD_HANDOFFS = 4
+#: Per ATTN head after its V rows: query and accumulate, the reciprocal, the normaliser and
+#: the sequencer's hand-offs.
+ATTN_HEAD_TAIL = ATTN_MAC_STAGES + ATTN_RECIP_LATENCY + NORMALIZER_LATENCY + ATTN_HEAD_HANDOFFS
+
+
+def attention_head_cycles(head_dim: int, t: int) -> int:
+    """Attention: edges from accepting ``q`` to a valid output for ``t`` K/V rows with the
+    streams ready (one KV row a cycle): K rows, tree, score-to-V path, the other ``t − 1``
+    weights, then :data:`ATTN_MAC_STAGES`, the reciprocal and the normaliser."""
+    return (2 * t - 1 + ceil_log2(head_dim) + ATTN_SCORE_TO_V + ATTN_MAC_STAGES
+            + ATTN_RECIP_LATENCY + NORMALIZER_LATENCY)
+
+
+# -- sampler: token_sampler.py, sample_sequencer.py ----------------------------------------------
+#: TokenSampler: the exp pipeline after the last issue (product, shift, ROM, accumulate).
+SAMPLER_EXP_LATENCY = 4
+#: TokenSampler: the restoring divider, one quotient bit of ``R ≤ 2^PROB_BITS`` a cycle.
+SAMPLER_DIV_CYCLES = nx.PROB_BITS + 1
+#: Rng32: stages of the draw's mixing pipeline.
+RNG_LATENCY = 7
+
+
+def sampler_latency(lanes: int, k: int, k_eff: int) -> int:
+    """TokenSampler: cycles from the edge that takes the last logit beat to ``o.valid``
+    for ``k_eff ≥ 1`` winners of a top-``k``: the lane lists merged a candidate a cycle
+    (``lanes > 1``), the exp pipeline over the winners, the divider, their probabilities
+    (``k_eff > 1``) and the output register."""
+    merge = lanes * k if lanes > 1 else 0
+    prob = k_eff + 1 if k_eff > 1 else 0
+    return merge + k_eff + SAMPLER_EXP_LATENCY + SAMPLER_DIV_CYCLES + prob + 1
+
+
+#: SAMPLE: the controller's SAMPLE_REQ and the sampler's request before the logit buffer
+#: streams its first tile.
+SAMPLE_START = 2
+
+# -- controller: dfvg_hw/controller.py -------------------------------------------------------------
+#: FETCH + DECODE: charged at DECODE; a control instruction costs just this.
+ISSUE = 2
+#: ``<UNIT>_JOB``: the job's hand-over to a unit sequencer.
+JOB_HANDOVER = 1
+#: RETIRE: the state after a unit instruction or EMBED, before the next FETCH.
+RETIRE = 1
+#: What the controller adds to a unit sequencer's own cycles.
+UNIT_OVERHEAD = ISSUE + JOB_HANDOVER + RETIRE
+#: Cycles of the request's finish before FINISH, where the result's cycle count is taken
+#: (the FETCH that finds the request over).
+BEFORE_FINISH = 1
+#: EMBED_TOKEN: one state, then (for an input token) the memory read of its beat.
+EMBED_TOKEN = 1
+#: EMBED_CMD + EMBED_READ: the VMEM write span, then the row's read command.
+EMBED_COMMANDS = 2
+#: HEADER_CMD / SCAN_CMD: the command state of each of the request's two reads.
+REQUEST_READ_CMD = 1
+#: HEADER_CHECK / SCAN_DONE: one state after each of the request's two reads.
+REQUEST_READ_DONE = 1
+#: The FETCH that finds the request over, FINISH and DRAIN, before RESULT.
+RESULT_PRELUDE = 3
+#: RESULT_CMD: the result descriptor's write command.
+RESULT_CMD = 1
+#: RESULT_DATA: each result word read from the result RAM, then packed into its beat.
+RESULT_WORD_CYCLES = 2
+#: RESULT_DATA's last cycle (every beat sent), then RESULT_WAIT beyond the memory's write
+#: latency L: the write response, and REPORT.
+RESULT_DATA_EXIT = 1
+RESULT_WAIT = 2
+
+# -- unit sequencers ----------------------------------------------------------------------------
+#: A read-stream sequencer's (RMSNORM, ACTMUL) parameter read: its command state, then the
+#: UnalignedReader's command register, before the memory port's own overhead.
+PARAM_CMD = 1 + READER_CMD_REGISTER
+#: A row sequencer's (RMSNORM, ACTMUL) DONE, after FINISH has seen the rows count and
+#: VMEM's ``wr_done`` (RowWriteProgress).
+ROW_JOB_DONE = 1
+
+#: NormSequencer: CHECK, WRITE_CMD and GAMMA_CMD after the head line.
+NORM_HEAD_TO_GAMMA = 3
+#: NormSequencer: PASS1_CMD, VMEM's read latency and the line-to-beat Gearbox, from
+#: GAMMA_CMD to a row's first pass-1 beat.
+NORM_PASS1_START = 1 + VMEM_READ_LATENCY + GEARBOX_LATENCY
+#: ActMulSequencer: from the first table line out of the reader to the first entry written
+#: (the line-to-entries Gearbox, the table port).
+ACTMUL_TABLE_START = GEARBOX_LATENCY + 1
+#: ActMulSequencer: after the last table entry, TABLE's index check, CHECK, WRITE_CMD.
+ACTMUL_TABLE_TO_ROWS = 3
+#: ActMulSequencer: ROW_ALIGN, ROW_CMD, VMEM's read latency and the up-half LineAligner
+#: before a row's first (gate, up) pair (plus the lines the aligner drops).
+ACTMUL_ROW_START = 1 + 1 + VMEM_READ_LATENCY + LINE_ALIGNER_LATENCY
+#: RopeSequencer: CHECK, TABLE, SPANS around the table row's read.
+ROPE_SETUP_STATES = 3
+#: RopeSequencer per head besides the Rope unit and the two window accesses: ROTATE, NEXT.
+ROPE_HEAD_STATES = 2
+#: RopeSequencer: DONE.
+ROPE_DONE = 1
+#: KvSequencer, KVAPPEND: CHECK, SET_POS, DONE.
+KVAPPEND_STATES = 3
+#: KvSequencer, KVAPPEND per head besides the gathers and the 2W words: APPEND, the KV
+#: buffer's append setup, APPENDED.
+KVAPPEND_HEAD_STATES = 3
+#: KvSequencer, ATTN: CHECK before PARAMS; GROUPS after the parameter block.
+ATTN_CHECK = 1
+ATTN_GROUPS = 1
+#: KvSequencer: the GQA group size ``n / G`` by a restoring divider, one quotient bit of
+#: the 16-bit ``n`` a cycle (DIVIDE).
+GQA_DIVIDE_STEPS = 16
+#: KvSequencer, ATTN: ATTN_SPANS, SET_POS, DONE.
+ATTN_END_STATES = 3
+#: KvSequencer, ATTN: PARAMS, then the BlockReader, beyond the memory's L and the port's
+#: read overhead.
+ATTN_PARAMS = 1 + BLOCK_READ_DONE
+#: MatmulSequencer: RANGE and DONE, once per instruction.
+MATMUL_STATES = 2
+#: MatmulSequencer per row pass: PASS, X_CMD, CHECK.
+MATMUL_PASS_STATES = 3
+#: MatmulSequencer per row pass: NEXT_PASS.
+MATMUL_NEXT_PASS = 1
+
+#: ActMulSequencer with a RowWriter slower than its beats (``lanes ≥ 16`` with WIDE): the
+#: first pair of beat ``m`` waits until the writer has taken beat ``m − K``; ``K`` per lane
+#: count, read from RTL traces (the beats in flight between the pair and the writer: the
+#: two Gearboxes, ActMul's pipeline and the RowWriter's pack stage).
+ACTMUL_WRITER_LAG = {16: 6, 32: 4, 64: 4}
+#: ... and, per lane count where it binds (read off the same traces), the lag ``K'`` of a
+#: second bound: the first pair of beat ``m`` waits until ``s + (m − K')·q`` cycles after
+#: the writer's first take (``s`` lines per result beat, ``q`` lines per ActMul beat).
+ACTMUL_PACK_LAG = {64: 4}
+
+
+def actmul_writer_lag(lanes: int) -> int:
+    """:data:`ACTMUL_WRITER_LAG` of ``lanes``; a lane count it has no derivation for is an
+    error (the cycle model would otherwise drop the bound and under-count)."""
+    try:
+        return ACTMUL_WRITER_LAG[lanes]
+    except KeyError:
+        raise ConfigError(
+            f"lanes = {lanes}: the cycle model has no ACTMUL writer-stall bound for this lane "
+            f"count (derived for lanes in {sorted(ACTMUL_WRITER_LAG)})") from None
