@@ -1,17 +1,20 @@
-"""Build the draft engine for an Alveo card.
+"""Build the draft engine for a PCIe card: an Alveo, or a NiteFury II / LiteFury M.2 card.
 
     python -m dfvg_hw.build --board alveo [--preset NAME] [--out DIR] [--run] [--estimate]
+    python -m dfvg_hw.build --board nitefury --out build/nitefury
 
 Elaborates :class:`~dfvg_hw.engine.DraftEngine` for the board's engine preset (or
 ``--preset``), writes ``dfvg_engine.v``, the board's XDC and the Vivado Tcl flow
-(``boards.vivado``: XDMA, HBM or DDR4, clocking, the engine as a module reference, the
-address map, synthesis to bitstream) into the build directory, then:
+(``boards.vivado``: XDMA, HBM, DDR4 or MIG 7-series DDR3 with its project file, clocking,
+the engine as a module reference, the address map, synthesis to bitstream) into the build
+directory, then:
 
 * ``--run`` with ``vivado`` on PATH runs the flow, echoing its progress;
 * otherwise prints the one command that runs it on a Vivado machine;
 * ``--estimate`` synthesises the Verilog with Yosys (``synth_xilinx -family xcup``,
   ``pip install 'dfvg[synth]'``) and prints LUT / FF / DSP / BRAM / URAM next to the
-  part's capacity. A matrix unit wider than :data:`MATRIX_SLICE_LANES` lanes (thousands
+  part's capacity (on the Artix-7 cards the cells counted are still UltraScale+ ones, an
+  approximation of DSP48E1/RAMB36E1 use). A matrix unit wider than :data:`MATRIX_SLICE_LANES` lanes (thousands
   of multipliers: Yosys does not finish it here) is left out of the engine's synthesis
   and estimated from a slice of that many lanes, scaled by lanes ÷ slice lanes; lanes
   are independent columns, so the scaling is linear. The table says which rows are
@@ -59,7 +62,8 @@ def build(board_name: str, preset: str | None = None, out: str | Path | None = N
     verilog.write_text(to_verilog(DraftEngine(config, width), TOP, for_fpga=True))
     log(f"wrote {verilog} ({verilog.stat().st_size / 1e6:.1f} MB) in {time.monotonic() - start:.0f} s")
     files = write_flow(directory, board, iface)
-    log(f"wrote {files.xdc.name} and {files.tcl.name}")
+    extra = f", {files.mig_prj.name}" if files.mig_prj else ""
+    log(f"wrote {files.xdc.name}{extra} and {files.tcl.name}")
     return board, config, files, verilog
 
 

@@ -1,5 +1,7 @@
 """The board flow without Vivado: the generated Tcl runs under tclsh against recording stubs,
-the XDC carries each card's pins, and the engine's port list lints as Verilog."""
+the XDC carries each card's pins, and the engine's port list lints as Verilog. The Alveo
+cards first, then the Artix-7 M.2 cards (NiteFury II, LiteFury), whose pins are
+amaranth-boards' own platform resources."""
 
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from boards import BOARDS, DEFAULT_BOARD, get_board
-from boards.vivado import TCL_NAME, EngineInterface, write_flow
+import xml.etree.ElementTree as ET
+
+from amaranth_boards.nitefury import LitefuryPlatform, NitefuryIIPlatform
+
+from boards import ALVEO_BOARDS, BOARDS, DEFAULT_BOARD, get_board
+from boards.vivado import MIG_PRJ_NAME, TCL_NAME, EngineInterface, write_flow
 from dfvg_hw.spec.config import get_preset
 
 #: Every Vivado command the flow may call, as stubs that log "name args…" one call a line.
@@ -29,7 +35,7 @@ foreach cmd {create_project set_property add_files update_compile_order create_b
     proc $cmd {args} [format {stub_record %s $args; return {}} $cmd]
 }
 foreach cmd {get_bd_intf_ports get_bd_ports get_bd_intf_pins get_bd_pins get_bd_addr_spaces
-             get_bd_addr_segs get_files get_runs create_bd_cell} {
+             get_bd_addr_segs get_files get_runs get_ips create_bd_cell} {
     proc $cmd {args} [format {stub_record %s $args; return [lindex $args end]} $cmd]
 }
 proc current_project {} { return dfvg_project }
@@ -48,6 +54,7 @@ proc get_property {name object} {
         PROGRESS  { return 100% }
         STATS.WNS { return 0.042 }
         DIRECTORY { return $::env(STUB_RUN_DIR) }
+        IP_DIR    { return [file join $::env(STUB_RUN_DIR) mig_ip] }
         default   { return {} }
     }
 }
@@ -91,7 +98,7 @@ def _first(calls: list[str], command: str, *words: str, after: int = -1) -> int:
     raise AssertionError(f"no {command} call with {words} after call {after}:\n" + "\n".join(calls))
 
 
-@pytest.mark.parametrize("name", list(BOARDS))
+@pytest.mark.parametrize("name", list(ALVEO_BOARDS))
 def test_tcl_flow_issues_the_block_design_in_order(name, tmp_path):
     board = get_board(name)
     calls, stdout, build = _run_flow(board, tmp_path)
@@ -161,7 +168,7 @@ PUBLISHED_PINS = {
 }
 
 
-@pytest.mark.parametrize("name", list(BOARDS))
+@pytest.mark.parametrize("name", list(ALVEO_BOARDS))
 def test_xdc_carries_clock_and_pcie_pins(name, tmp_path):
     board = get_board(name)
     files = write_flow(tmp_path, board, _interface(board))
@@ -188,7 +195,7 @@ def test_unknown_board_lists_the_known_ones():
     assert get_board("alveo").name == DEFAULT_BOARD == "alveo-u55c"
 
 
-@pytest.mark.parametrize("name", list(BOARDS))
+@pytest.mark.parametrize("name", list(ALVEO_BOARDS))
 def test_board_records_part_preset_and_capacity(name):
     board = get_board(name)
     preset = get_preset(board.preset)
@@ -224,3 +231,125 @@ def test_engine_ports_lint_and_match_the_block_design(tmp_path):
     for bus in set(re.findall(r"get_bd_intf_pins engine/(\w+)", tcl)):
         assert any(name.startswith(bus + "_") for name in declared), bus
     assert (tmp_path / TCL_NAME).exists()
+
+
+# -- The Artix-7 M.2 cards --------------------------------------------------------------
+
+M2_BOARDS = {"nitefury": NitefuryIIPlatform, "litefury": LitefuryPlatform}
+
+
+@pytest.mark.parametrize("name", list(M2_BOARDS))
+def test_m2_tcl_flow_issues_the_block_design_in_order(name, tmp_path):
+    board = get_board(name)
+    calls, stdout, build = _run_flow(board, tmp_path)
+
+    at = _first(calls, "create_project", f"-part {board.part}")
+    assert board.part == M2_BOARDS[name]().device + M2_BOARDS[name]().package + "-2"
+    at = _first(calls, "add_files", "constrs_1", f"{board.name}.xdc", after=at)
+    # The board XDC overrides the XDMA's GT placement, so it is processed after the IP's.
+    at = _first(calls, "set_property", "PROCESSING_ORDER LATE", f"{board.name}.xdc", after=at)
+    at = _first(calls, "create_bd_intf_port", "ddrx_rtl", " ddr3", after=at)
+    at = _first(calls, "create_bd_cell", "xilinx.com:ip:xdma", after=at)
+    xdma = calls[_first(calls, "set_property", "CONFIG.axilite_master_en true", after=at)]
+    for prop in ("pl_link_cap_max_link_width X4", "pl_link_cap_max_link_speed 5.0_GT/s",
+                 "axi_data_width 128_bit", "axisten_freq 125", "xdma_num_usr_irq 1",
+                 "xdma_axi_intf_mm AXI_Memory_Mapped"):
+        assert f"CONFIG.{prop}" in xdma
+    assert "pcie_blk_locn" not in xdma            # 7-series: one PCIe block, the IP's default
+    _first(calls, "connect_bd_net", "pcie_refclk_buf/IBUF_OUT", "xdma_0/sys_clk", after=at)
+    assert not any("sys_clk_gt" in c for c in calls)
+    _first(calls, "connect_bd_net", "pcie_clkreq_low/dout", "pcie_clkreq_n", after=at)
+    at = _first(calls, "create_bd_cell", "xilinx.com:ip:mig_7series", after=at)
+    at = _first(calls, "set_property", f"CONFIG.XML_INPUT_FILE {MIG_PRJ_NAME}", after=at)
+    _first(calls, "connect_bd_intf_net", "clk200", "mig_7series_0/SYS_CLK", after=at)
+    # The engine clock comes from the MIG's UI clock (the board's one clock feeds the MIG).
+    at = _first(calls, "create_bd_cell", "xilinx.com:ip:clk_wiz", after=at)
+    _first(calls, "connect_bd_net", "mig_7series_0/ui_clk", "engine_clk_wiz/clk_in1", after=at)
+    at = _first(calls, "create_bd_cell", "-type module -reference dfvg_engine", after=at)
+    at = max(_first(calls, "connect_bd_intf_net", "engine/m_axi", "mem_sc/S01_AXI", after=at),
+             _first(calls, "connect_bd_intf_net", " xdma_0/M_AXI ", "mem_sc/S00_AXI", after=at),
+             _first(calls, "connect_bd_intf_net", "mem_sc/M00_AXI", "mig_7series_0/S_AXI", after=at),
+             _first(calls, "connect_bd_net", "engine/irq", "xdma_0/usr_irq_req", after=at))
+    size = "1G" if board.memory.total_bytes == 1 << 30 else "512M"
+    for space in (" xdma_0/M_AXI ", " engine/m_axi "):
+        _first(calls, "assign_bd_address", space, "-offset 0x0", f"-range {size}",
+               "mig_7series_0/memmap/memaddr", after=at)
+    at = _first(calls, "validate_bd_design", after=at)
+    _first(calls, "launch_runs", "impl_1", "-to_step write_bitstream", after=at)
+    # The MIG project file was copied into the IP's directory, where MIG reads it.
+    assert (tmp_path / "impl_1" / "mig_ip" / MIG_PRJ_NAME).read_text() == (build / MIG_PRJ_NAME).read_text()
+    assert stdout.rstrip().endswith("dfvg: done")
+    assert (build / f"dfvg_{board.name}.bit").read_bytes() == b"stub bitstream"
+
+
+@pytest.mark.parametrize("name", list(M2_BOARDS))
+def test_m2_tcl_flow_only_refers_to_objects_it_created(name, tmp_path):
+    test_tcl_flow_only_refers_to_objects_it_created(name, tmp_path)
+
+
+def _xdc_pins(xdc: str) -> dict[str, str]:
+    return {port.strip("{}"): pin for pin, port in
+            re.findall(r"^set_property PACKAGE_PIN (\w+) \[get_ports ([\w{}\[\]]+)\]", xdc, re.M)}
+
+
+@pytest.mark.parametrize("name", list(M2_BOARDS))
+def test_m2_xdc_pins_are_the_amaranth_boards_platform_resources(name, tmp_path):
+    board = get_board(name)
+    files = write_flow(tmp_path, board, _interface(board))
+    xdc, tcl = files.xdc.read_text(), files.tcl.read_text()
+    # Expected pins straight from amaranth-boards' platform, independently of board_pins().
+    plat = M2_BOARDS[name]()
+    pcie = {sub.name: sub.ios[0] for sub in plat.lookup("pcie", 0).ios}
+    clk200 = plat.lookup("clk200", 0).ios[0]
+    expected = {"pcie_refclk_clk_p": pcie["clk"].p.names[0], "pcie_refclk_clk_n": pcie["clk"].n.names[0],
+                "pcie_perst_n": pcie["rst"].names[0], "pcie_clkreq_n": pcie["clkreq"].names[0],
+                "clk200_clk_p": clk200.p.names[0], "clk200_clk_n": clk200.n.names[0]}
+    for d in ("rx", "tx"):
+        for i in range(4):
+            expected[f"pcie_mgt_{d}p[{i}]"] = pcie[d].p.names[i]
+            expected[f"pcie_mgt_{d}n[{i}]"] = pcie[d].n.names[i]
+    assert _xdc_pins(xdc) == expected
+    # Spot check against the vendor's own constraints (RHS Research uEVB-early.xdc).
+    assert expected["pcie_mgt_rxp[0]"] == "B10" and expected["pcie_refclk_clk_p"] == "F6"
+    assert expected["pcie_perst_n"] == "J1" and expected["clk200_clk_p"] == "J19"
+    assert "create_clock -period 5.000 -name clk200 [get_ports clk200_clk_p]" in xdc
+    assert "create_clock -period 10.000 -name pcie_refclk [get_ports pcie_refclk_clk_p]" in xdc
+    # GT pins take no I/O standard; every constrained port is a block-design port.
+    assert not re.search(r"IOSTANDARD \S+ \[get_ports \{?pcie_(mgt|refclk)", xdc)
+    for port in _xdc_pins(xdc):
+        bd_name = re.sub(r"_clk_[pn]$", "", port)
+        bd_name = "pcie_mgt" if bd_name.startswith("pcie_mgt_") else bd_name
+        assert re.search(rf"create_bd_(intf_)?port .* {bd_name}$", tcl, re.M), port
+    assert len(re.findall(r"^set_property LOC GTPE2_CHANNEL_X0Y[4-7] ", xdc, re.M)) == 4
+
+
+@pytest.mark.parametrize("name", list(M2_BOARDS))
+def test_m2_mig_project_pins_are_the_platform_ddr3_resource(name, tmp_path):
+    board = get_board(name)
+    files = write_flow(tmp_path, board, _interface(board))
+    root = ET.parse(files.mig_prj).getroot()
+    pins = {p.get("name"): (p.get("PADName"), p.get("IOSTANDARD")) for p in root.iter("Pin")
+            if p.get("name", "").startswith("ddr3_")}
+    ddr3 = {sub.name: sub.ios[0] for sub in M2_BOARDS[name]().lookup("ddr3", 0).ios}
+    rows = board.memory.mig.row_bits
+    expected = {f"ddr3_addr[{i}]": pad for i, pad in enumerate(ddr3["a"].names[:rows])}
+    for sub, mig in (("ba", "ba"), ("dq", "dq"), ("dm", "dm")):
+        expected.update({f"ddr3_{mig}[{i}]": pad for i, pad in enumerate(ddr3[sub].names)})
+    for sub, mig in (("dqs", "dqs"), ("clk", "ck")):
+        expected.update({f"ddr3_{mig}_p[{i}]": pad for i, pad in enumerate(ddr3[sub].p.names)})
+        expected.update({f"ddr3_{mig}_n[{i}]": pad for i, pad in enumerate(ddr3[sub].n.names)})
+    for sub, mig in (("ras", "ras_n"), ("cas", "cas_n"), ("we", "we_n"), ("rst", "reset_n")):
+        expected[f"ddr3_{mig}"] = ddr3[sub].names[0]
+    expected["ddr3_cke[0]"], expected["ddr3_odt[0]"] = ddr3["clk_en"].names[0], ddr3["odt"].names[0]
+    assert {k: pad for k, (pad, _) in pins.items()} == expected
+    # One 1.5 V bank: SSTL15, DIFF_SSTL15 on the pairs, LVCMOS15 on RESET#.
+    assert {std for _, std in pins.values()} == {"SSTL15", "DIFF_SSTL15", "LVCMOS15"}
+    assert pins["ddr3_reset_n"][1] == "LVCMOS15" and pins["ddr3_dqs_p[0]"][1] == "DIFF_SSTL15"
+    # Size, width and clocks agree with the engine preset and the MIG's AXI port.
+    preset = get_preset(board.preset)
+    assert int(root.find(".//C0_MEM_SIZE").text) == board.memory.total_bytes == preset.mem_bytes
+    assert int(root.find(".//C0_S_AXI_DATA_WIDTH").text) == preset.mem_port_bits == 128
+    assert 1 << int(root.find(".//C0_S_AXI_ADDR_WIDTH").text) == preset.mem_bytes
+    assert root.find(".//TimePeriod").text == "2500" and root.find(".//InputClkFreq").text == "200"
+    assert root.find(".//ModuleName").text == "dfvg_bd_mig_7series_0_0"
+    assert board.memory.mig.peak_gbps == preset.mem_bandwidth_gbps

@@ -211,6 +211,28 @@ PRESETS: dict[str, EngineConfig] = {
             source="Alveo U250 (XCU250, DS962): 64 GB DDR4 in 4 channels at 77 GB/s, "
                    "12288 DSP, 1280 URAM; 300 MHz. DDR bandwidth makes the tile smaller "
                    "(32 x 32) while staying memory-bound for chains"),
+        EngineConfig(
+            name="nitefury", rows=2, lanes=16, reduce=8,
+            kv_layers=2, kv_heads=12, kv_positions=256, head_dim=64,
+            vocab_max=32000, topk_max=16, vmem_bytes=1 << 17, imem_words=2048,
+            clock_mhz=125.0, mem_bandwidth_gbps=1.6, mem_latency_ns=250.0, mem_bytes=1 * GiB,
+            mem_port_bits=128,
+            source="NiteFury II M.2 card (XC7A200T, DS180: 740 DSP48E1, 365 BRAM36, no URAM): "
+                   "1 GiB x16 DDR3 at 800 MT/s = 1.6 GB/s peak (RHS Research's Nitefury-II "
+                   "MIG project: 400 MHz, 4:1, 128-bit AXI = the memory port), PCIe Gen2 x4. "
+                   "Tile 2x16x8 (256 MACs) and a LLaMA-68M-shaped KV (2 layers x 12 heads x "
+                   "256 positions x 64) in block RAM (192 BRAM36); 125 MHz, an Artix-7 -2 "
+                   "target, not yet met in Vivado"),
+        EngineConfig(
+            name="litefury", rows=2, lanes=4, reduce=8,
+            kv_layers=2, kv_heads=2, kv_positions=512, head_dim=64,
+            vocab_max=4096, topk_max=8, vmem_bytes=1 << 15, imem_words=1024,
+            clock_mhz=100.0, mem_bandwidth_gbps=1.6, mem_latency_ns=250.0, mem_bytes=512 << 20,
+            mem_port_bits=128,
+            source="LiteFury M.2 card (XC7A100T, DS180: 240 DSP48E1, 135 BRAM36, no URAM): "
+                   "512 MiB x16 DDR3 at 800 MT/s = 1.6 GB/s peak (RHS Research's MIG project), "
+                   "PCIe Gen2 x4. The tiny tile (2x4x8) and a KV the size of the demo draft "
+                   "(2 layers x 2 heads x 512 positions x 64, 64 BRAM36); 100 MHz"),
     ]
 }
 

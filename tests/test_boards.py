@@ -1,0 +1,46 @@
+"""The NiteFury II / LiteFury targets: their engine presets validate, fit the Artix-7 part
+they pair with, and the engine elaborates at them (elaboration only, to stay fast)."""
+
+from __future__ import annotations
+
+import pytest
+from amaranth.hdl import Fragment
+
+from boards import DDR3, get_board
+from boards.vivado import EngineInterface
+from dfvg_hw.spec.config import get_preset
+
+#: 36 Kb block RAM as 32 Kb of data (8-bit bytes, parity bits unused).
+BRAM36_BYTES = 4096
+
+
+@pytest.mark.parametrize("name", ["nitefury", "litefury"])
+def test_m2_board_pairs_with_a_preset_that_fits_its_part(name):
+    board = get_board(name)
+    preset = get_preset(board.preset)
+    preset.validate()
+    assert preset.source
+    assert board.memory.kind == DDR3 and board.memory.total_bytes == preset.mem_bytes
+    assert board.part.startswith(board.device) and board.capacity.uram == 0
+    # The engine's memory port is the MIG's native AXI width, and the link and memory
+    # bandwidths are what the preset models.
+    assert EngineInterface.for_config(preset, ["dfvg_engine.v"]).axi_data_width == \
+        board.memory.mig.axi_data_width == preset.mem_port_bits
+    assert preset.mem_bandwidth_gbps == board.memory.mig.peak_gbps
+    assert preset.engine_bandwidth_gbps >= preset.mem_bandwidth_gbps
+    # With no URAM the KV buffer lives in block RAM: it must leave room for the rest.
+    assert preset.kv_bytes <= 0.6 * board.capacity.bram36 * BRAM36_BYTES
+    # The matrix unit takes ~0.51 DSP per MAC (the alveo-u55c estimate in the README:
+    # 8,320 DSPs for 16,384 MACs): it must leave at least half the part's DSPs.
+    assert 0.51 * preset.macs_per_cycle <= 0.5 * board.capacity.dsp
+    table = board.capacity.table({"LUT": 1000, "FF": 2000, "DSP": 64, "BRAM": 10, "URAM": 0})
+    assert f"{board.capacity.dsp}" in table and "URAM" in table
+
+
+@pytest.mark.parametrize("name", ["nitefury", "litefury"])
+def test_engine_elaborates_at_the_m2_presets(name):
+    from dfvg_hw.engine import DraftEngine
+
+    config = get_preset(get_board(name).preset)
+    fragment = Fragment.get(DraftEngine(config, config.mem_port_bits), None)
+    assert fragment is not None
