@@ -2,10 +2,10 @@
 
     python benchmarks/cycle_model_vs_rtl.py [PRESET]
 
-Compiles a small random Llama (the tests' ``make_tiny_llama``) for PRESET (default
-``tiny``), runs the same driver calls on ``sim://`` (cycle model: modelled) and on the
-Verilator engine (measured in simulation), and prints every ``OP_CYCLES`` counter of
-both and the result's cycles. The co-simulation tests assert that they are equal.
+Compiles a small random Llama (``dfvg_host.fixtures.make_tiny_llama``, as the tests do) for
+PRESET (default ``tiny``), runs the same driver calls on ``sim://`` (cycle model: modelled)
+and on the Verilator engine (measured in simulation), and prints every ``OP_CYCLES``
+counter of both and the result's cycles. The co-simulation tests assert that they are equal.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from conftest import make_tiny_llama  # noqa: E402
 from dfvg_hw.spec.config import get_preset  # noqa: E402
 from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, op_cycles_offset  # noqa: E402
 from dfvg_host.compiler import compile_draft  # noqa: E402
 from dfvg_host.driver import DraftDevice  # noqa: E402
+from dfvg_host.fixtures import make_tiny_llama  # noqa: E402
 from sim.device import SimDevice  # noqa: E402
 from sim.verilator_device import VerilatorDevice  # noqa: E402
 

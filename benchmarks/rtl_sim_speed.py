@@ -1,12 +1,12 @@
 """Simulator speed and cycle counts of the RTL engine, on one request, in one run.
 
 Runs the same request (the embed / up / down / logits / sample forward of
-``tests/test_rtl_device.py``, drafting greedily) on the ``tiny`` engine in Amaranth's
-simulator (``rtl``) and in Verilator (``rtl+verilator``), and on the functional model
-(``sim``). Prints, for each RTL simulator, the engine's own cycle count for the request
-(its CYCLES counter, measured in simulation), the wall time of the request and the
-simulated cycles per second; and the cycle model's estimate of the same request next to
-the RTL's count.
+``dfvg_host.fixtures``, which ``tests/test_rtl_device.py`` runs too, drafting greedily) on
+the ``tiny`` engine in Amaranth's simulator (``rtl``) and in Verilator (``rtl+verilator``),
+and on the functional model (``sim``). Prints, for each RTL simulator, the engine's own
+cycle count for the request (its CYCLES counter, measured in simulation), the wall time of
+the request and the simulated cycles per second; and the cycle model's estimate of the
+same request next to the RTL's count.
 
     python benchmarks/rtl_sim_speed.py [--draft 8]
 """
@@ -19,15 +19,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from dfvg_hw.spec.descriptors import DraftRequest, DraftResult, result_bytes  # noqa: E402
 from dfvg_hw.spec.isa import assemble, to_bytes  # noqa: E402
 from dfvg_hw.spec.regmap import Control, Irq, MemoryMap, Reg  # noqa: E402
+from dfvg_host.fixtures import TINY, TINY_FORWARD as FORWARD, tiny_image as image  # noqa: E402
 from sim.device import SimDevice  # noqa: E402
 from sim.rtl_device import RtlDevice  # noqa: E402
 from sim.verilator_device import VerilatorDevice  # noqa: E402
-from test_rtl_device import FORWARD, TINY, image  # noqa: E402
 
 
 def timed_request(device, request: DraftRequest) -> tuple[DraftResult, float]:

@@ -9,43 +9,18 @@ and the check word that covers them.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from dfvg_hw.spec.config import get_preset
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.descriptors import DraftRequest, DraftResult, ErrorCode, result_bytes
-from dfvg_hw.spec.image import pack_qparams, padded, tile_weights
 from dfvg_hw.spec.isa import assemble, to_bytes
 from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Control, Irq, MemoryMap, Reg, Status, op_cycles_offset
 from sim.device import SimDevice
 from sim.rtl_device import RtlDevice
 from sim.verilator_device import VerilatorDevice
+from dfvg_host.fixtures import TINY, TINY_FORWARD as FORWARD, tiny_image as image
 
-TINY = get_preset("tiny")
-N_EMBED = 16                 # elements per embedding row (32 bytes: two VMEM lines)
-
-
-#: weight blocks of the image: name → (offset, n, k, typical shift)
-WEIGHTS = {"logits": (0x4000, 40, 16, 27), "up": (0x5000, 24, 16, 27), "down": (0x6000, 16, 24, 13)}
-
-
-def image() -> bytes:
-    """A small image: an embedding table of TINY.vocab_max int16 rows at offset 0, and the
-    weight blocks of WEIGHTS (tiles, then per-channel requant words), as the compiler lays
-    them out."""
-    rng = np.random.default_rng(0)
-    data = bytearray(0x7000)
-    table = rng.integers(-32768, 32768, (TINY.vocab_max, N_EMBED)).astype("<i2").tobytes()
-    data[:len(table)] = table
-    for offset, n, k, shift in WEIGHTS.values():
-        w = rng.integers(-128, 128, (n, k)).astype(np.int8)
-        tiles = tile_weights(w, TINY.lanes, TINY.reduce).tobytes()
-        mult = rng.integers(1 << 14, 1 << 16, n)
-        shifts = np.clip(shift + rng.integers(-2, 3, n), 0, 63)
-        words = pack_qparams(mult, shifts, padded(n, TINY.lanes)).tobytes()
-        data[offset:offset + len(tiles) + len(words)] = tiles + words
-    return bytes(data)
+# TINY, the image and the FORWARD program are shared with benchmarks/rtl_sim_speed.py.
 
 
 def run(device, program, request: DraftRequest, *, load: bool = True):
@@ -139,17 +114,6 @@ CASES = {
 }
 
 
-# A forward: embed the token (int16), up-project (INT8 out), down-project as a residual
-# update (RESADD), logits from the residual (wide input), sample while the draft loop wants.
-FORWARD = """
-    embed rows=1, dst=0, n=16, addr=0
-    matmul rows=1, dst=8, src=0, n=24, k=16, addr=0x5000, mode=int8, wide
-    matmul rows=1, dst=0, src=8, n=16, k=24, addr=0x6000, mode=resadd
-    matmul rows=1, dst=0, src=0, n=40, k=16, addr=0x4000, mode=logits, wide
-    branch cond=no_sample, n=6
-    sample n=40
-    next n=0
-    halt"""
 T_MULT, T_SHIFT = nx.host_temperature(0.8)
 CASES.update({
     "greedy_drafts": (FORWARD, DraftRequest([3, 7], start_pos=5, n_draft=4, topk=4, seq=30),
