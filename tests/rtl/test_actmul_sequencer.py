@@ -5,13 +5,16 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import pytest
 
+from dfvg_hw.spec.config import ConfigError
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ACT_PARAM_BYTES
-from dfvg_hw.spec.isa import Op
+from dfvg_hw.spec.isa import Flag, Instruction, Op
 from dfvg_hw.actmul_sequencer import ActMulSequencer
 from sim.memory import DeviceMemory
 from dfvg_hw.verilog import to_verilog
+from sim.cycle_model import CycleModel
 # the row-job harness shared with the other row sequencer's tests (tests/rtl/)
 from sim.lint import verilator_lint
 # the row-job harness shared with the other row sequencer's tests (tests/rtl/)
@@ -94,3 +97,12 @@ def test_lint():
     ok, log = verilator_lint(to_verilog(ActMulSequencer(TINY, 128), "actmul_sequencer"),
                              "actmul_sequencer")
     assert ok, log
+
+
+def test_cycle_model_refuses_an_underived_writer_stall():
+    """The cycle model's ACTMUL writer-stall lag is derived for 16, 32 and 64 lanes only: a
+    job the writer paces at another lane count is an error naming it, not a bound dropped."""
+    ins = Instruction(Op.ACTMUL, flags=Flag.WIDE, rows=1, dst=40, src=0, n=256, addr=0x1000)
+    CycleModel(TINY.with_changes(lanes=64, mem_port_bits=256)).instruction(ins)
+    with pytest.raises(ConfigError, match=r"lanes = 128.*\[16, 32, 64\]"):
+        CycleModel(TINY.with_changes(lanes=128, mem_port_bits=256)).instruction(ins)
