@@ -3,6 +3,10 @@
 #   make test  — set up .venv (with test extras) and run the test suite
 .PHONY: demo test setup setup-dev
 
+# pytest-xdist workers for `make test` (CI has two cores; `make test PYTEST_WORKERS=auto`
+# uses every core). worksteal: the slow tests do not hold up a worker's queue.
+PYTEST_WORKERS ?= 2
+
 DEMO_PROMPT = $$(printf 'import os\n\n\ndef read_config(path):\n    ')
 
 setup:
@@ -15,4 +19,4 @@ demo: setup
 	.venv/bin/dfvg generate --prompt "$(DEMO_PROMPT)"
 
 test: setup-dev
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal

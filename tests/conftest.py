@@ -1,38 +1,50 @@
-"""Shared fixtures: tiny Llama drafts built in seconds, compiled by the real compiler."""
+"""Shared fixtures: tiny Llama drafts built in seconds, compiled by the real compiler; the
+``rtl`` and ``slow`` markers.
+
+torch is imported only by the fixtures and tests that need it, so the RTL tests
+(``pytest tests/rtl``, ``pytest -m rtl``) run where torch is not installed.
+"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from dfvg_hw.spec.config import get_preset
+# make_tiny_llama lives in the package so that the benchmarks share it; test modules
+# import it from here as before.
+from dfvg_host.fixtures import make_tiny_llama
 
-# The test models are tiny: one thread beats two threads spinning on the 2-core CI machine.
-torch.set_num_threads(1)
+__all__ = ["make_tiny_llama"]
+
+TESTS = Path(__file__).resolve().parent
+
+#: Tests that run the Amaranth simulator or Verilator, besides everything under tests/rtl/:
+#: whole modules by file name, single tests by "file::name".
+RTL_MODULES = {"test_rtl_device.py", "test_rtl_driver.py"}
+RTL_TESTS = {"test_vivado_flow.py::test_engine_ports_lint_and_match_the_block_design"}
+
+#: Tests that take more than about 20 s on one core of the CI machine (measured with
+#: ``pytest --durations``): "file::name" marks every parametrisation of the test,
+#: "file::name[id]" one of them.
+SLOW_TESTS: set[str] = set()
 
 
-def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, intermediate=64,
-                    vocab=256, seed=0, tie=False, weight_scale=6.0, eos=1) -> Path:
-    """Save a randomly initialised Llama that fits the ``tiny`` preset."""
+def _one_torch_thread() -> None:
+    # The test models are tiny: one thread beats two threads spinning on the 2-core CI
+    # machine (and two xdist workers share it). Applied once torch has been imported by
+    # whoever needed it; never imports it.
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def _torch():
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, intermediate_size=intermediate,
-                      vocab_size=vocab, max_position_embeddings=128, tie_word_embeddings=tie,
-                      bos_token_id=0, eos_token_id=eos, pad_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    # Random init gives near-uniform logits; larger weights make argmax decisions clear,
-    # as in a trained model.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.mul_(weight_scale)
-    model.save_pretrained(path)
-    return path
+    _one_torch_thread()
+    return torch
 
 
 @pytest.fixture(scope="session")
@@ -42,11 +54,13 @@ def tiny_engine():
 
 @pytest.fixture(scope="session")
 def tiny_draft_dir(tmp_path_factory) -> Path:
+    _torch()
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_gqa_dir(tmp_path_factory) -> Path:
+    _torch()
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-gqa"), hidden=64, heads=4, kv_heads=2,
                            intermediate=96, tie=True, seed=1)
 
@@ -54,6 +68,7 @@ def tiny_gqa_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_compiled(tiny_draft_dir, tiny_engine):
     from dfvg_host.compiler import compile_draft
+    _torch()
     return compile_draft(tiny_draft_dir, tiny_engine)
 
 
@@ -69,6 +84,7 @@ def demo_pair():
 def demo_compiled(demo_pair):
     """The demo draft compiled for alveo-u55c by the real compiler."""
     from dfvg_host.compiler import compile_draft
+    _torch()
     draft, _, data = demo_pair
     return compile_draft(draft, get_preset("alveo-u55c"),
                          calibration_text=(data / "calibration.txt").read_text())
@@ -82,3 +98,25 @@ def pytest_configure(config):
     import os
     if config.getoption("--vcd"):
         os.environ["DFVG_VCD"] = config.getoption("--vcd")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``rtl`` every test under tests/rtl/ and every test in RTL_MODULES / RTL_TESTS,
+    and ``slow`` the tests of SLOW_TESTS."""
+    for item in items:
+        path = Path(item.path).resolve()
+        name = path.name
+        base = f"{name}::{getattr(item, 'originalname', item.name)}"
+        if TESTS / "rtl" in path.parents or name in RTL_MODULES or base in RTL_TESTS:
+            item.add_marker(pytest.mark.rtl)
+        if base in SLOW_TESTS or f"{name}::{item.name}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    _one_torch_thread()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _one_torch_thread()
