@@ -15,7 +15,8 @@ import numpy as np
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
 from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS,
-                                 DraftedToken, DraftRequest, DraftResult, ErrorCode)
+                                      DraftedToken, DraftRequest, DraftResult, ErrorCode,
+                                      watchdog_budget)
 from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded,
                            unpack_qparams, untile_weights)
 from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
@@ -118,7 +119,7 @@ class FunctionalEngine:
             tokens = self._read_request_tokens(header, request_addr)
             seq = ProgramFlow(tokens, header["start_pos"], header["n_draft"])
             budget = watchdog if watchdog is not None else \
-                (len(tokens) + header["n_draft"] + 1) * max(len(self.imem), 1) * 256
+                watchdog_budget(len(tokens), header["n_draft"], max(len(self.imem), 1))
             self._execute(seq, header, image_base, drafted, result_addr, budget)
         except (EngineFault, ControlFault) as fault:
             status = fault.code
@@ -148,7 +149,7 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.BAD_REQUEST, f"topk {h['topk']} not in 1..{c.topk_max}")
         if h["sample"] and h["t_mult"] == 0:
             raise EngineFault(ErrorCode.BAD_REQUEST, "sampling needs a non-zero t_mult")
-        if h["t_shift"] > 63 or h["flags"] & ~1 or any(h["reserved"]):
+        if h["t_shift"] > 63 or h["flags_reserved"] or h["reserved"]:
             raise EngineFault(ErrorCode.BAD_REQUEST, "reserved request fields must be 0")
         try:
             raw = self.memory.view(request_addr + 4 * REQUEST_HEADER_WORDS, 4 * h["n_in"])

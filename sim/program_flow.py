@@ -7,11 +7,9 @@ static estimate (which only counts), so both follow one definition of the contro
 from __future__ import annotations
 
 from dfvg_hw.spec.descriptors import ErrorCode
-from dfvg_hw.spec.isa import Cond, Instruction, Op
+from dfvg_hw.spec.isa import CONTROL_OPS, Cond, Instruction, Op
 
 __all__ = ["ProgramFlow", "ControlFault", "CONTROL_OPS", "block_address"]
-
-CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
 
 
 class ControlFault(Exception):

@@ -17,6 +17,8 @@ __all__ = [
     "ErrorCode", "RequestFlag", "DraftRequest", "DraftedToken", "DraftResult",
     "REQUEST_HEADER_WORDS", "RESULT_HEADER_WORDS", "MAX_DRAFT", "RESULT_CHECK_SALT",
     "request_bytes", "result_bytes", "record_words",
+    "REQUEST_FIELDS", "REQUEST_FLAG_FIELDS", "RESULT_FIELDS", "pack_fields", "unpack_fields",
+    "WATCHDOG_PER_INSTRUCTION", "watchdog_budget",
 ]
 
 REQUEST_HEADER_WORDS = 16
@@ -24,6 +26,62 @@ RESULT_HEADER_WORDS = 16
 #: Most tokens one request may draft (bounds the result buffer).
 MAX_DRAFT = 64
 RESULT_CHECK_SALT = 0xDF76C0DE
+
+#: (name, word, lsb, width) of every request-header field, in bit order (a field may span
+#: words: ``seed`` is words 7-8, ``reserved`` words 10-15). :class:`DraftRequest`'s
+#: pack/unpack, the functional model's checks and the RTL's ``RequestHeader`` layout
+#: (``dfvg_hw.layouts``) derive from it. Word 1 is :data:`REQUEST_FLAG_FIELDS`.
+REQUEST_FIELDS: tuple[tuple[str, int, int, int], ...] = (
+    ("seq", 0, 0, 32), ("flags", 1, 0, 32), ("start_pos", 2, 0, 32), ("n_in", 3, 0, 32),
+    ("n_draft", 4, 0, 32), ("topk", 5, 0, 32), ("t_mult", 6, 0, 16), ("t_shift", 6, 16, 16),
+    ("seed", 7, 0, 64), ("counter", 9, 0, 32),
+    ("reserved", 10, 0, 32 * (REQUEST_HEADER_WORDS - 10)),
+)
+#: (name, lsb, width) of the request's ``flags`` word; ``reserved`` must be zero.
+REQUEST_FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (("sample", 0, 1), ("reserved", 1, 31))
+#: (name, word, lsb, width) of every result-header field, in bit order. ``check`` is the
+#: last word (see :class:`DraftResult`).
+RESULT_FIELDS: tuple[tuple[str, int, int, int], ...] = (
+    ("seq", 0, 0, 32), ("status", 1, 0, 32), ("n_drafted", 2, 0, 32), ("end_pos", 3, 0, 32),
+    ("cycles", 4, 0, 64), ("n_forward", 6, 0, 32), ("error_pc", 7, 0, 32), ("topk", 8, 0, 32),
+    ("reserved", 9, 0, 32 * (RESULT_HEADER_WORDS - 10)), ("check", RESULT_HEADER_WORDS - 1, 0, 32),
+)
+
+#: Instructions a request may execute per program word and per forward (+1) before it
+#: faults ``WATCHDOG``.
+WATCHDOG_PER_INSTRUCTION = 256
+
+
+def watchdog_budget(n_in, n_draft, program_len):
+    """The instruction budget of a request: ``(n_in + n_draft + 1) · program_len · 256``
+    (:data:`WATCHDOG_PER_INSTRUCTION`). Plain arithmetic, so it takes ints or the RTL's
+    values alike."""
+    return (n_in + n_draft + 1) * program_len * WATCHDOG_PER_INSTRUCTION
+
+
+def pack_fields(fields, n_words: int, values: dict) -> list[int]:
+    """``n_words`` 32-bit words holding ``values`` placed by a (name, word, lsb, width)
+    table; fields not in ``values`` are zero. Raises ``ValueError`` for a value that is
+    negative or wider than its field."""
+    bits = 0
+    for name, word, lsb, width in fields:
+        value = int(values.get(name, 0))
+        if not 0 <= value < 1 << width:
+            raise ValueError(f"{name} = {value} does not fit its {width}-bit field")
+        bits |= value << (32 * word + lsb)
+    return [(bits >> (32 * i)) & 0xFFFFFFFF for i in range(n_words)]
+
+
+def unpack_fields(fields, words) -> dict:
+    """The fields of a (name, word, lsb, width) table, as ints, from 32-bit ``words``."""
+    bits = sum(int(w) << (32 * i) for i, w in enumerate(words))
+    return {name: (bits >> (32 * word + lsb)) & ((1 << width) - 1)
+            for name, word, lsb, width in fields}
+
+
+def _flag_field(flags: int, name: str) -> int:
+    lsb, width = next((lsb, width) for n, lsb, width in REQUEST_FLAG_FIELDS if n == name)
+    return (flags >> lsb) & ((1 << width) - 1)
 
 
 class ErrorCode(enum.IntEnum):
@@ -59,15 +117,16 @@ class ErrorCode(enum.IntEnum):
 
 
 class RequestFlag(enum.IntFlag):
-    SAMPLE = 1  #: sample from the top-k distribution (else greedy)
+    """Bits of the request's ``flags`` word, placed by :data:`REQUEST_FLAG_FIELDS`."""
+    SAMPLE = 1 << REQUEST_FLAG_FIELDS[0][1]  #: sample from the top-k distribution (else greedy)
 
 
 @dataclass
 class DraftRequest:
     """One draft request: feed ``tokens`` from ``start_pos``, then draft ``n_draft``.
 
-    Word layout: 0 seq, 1 flags, 2 start_pos, 3 n_in, 4 n_draft, 5 topk,
-    6 t_mult | t_shift << 16, 7 seed_lo, 8 seed_hi, 9 counter, 10-15 zero,
+    Word layout (:data:`REQUEST_FIELDS`): 0 seq, 1 flags, 2 start_pos, 3 n_in, 4 n_draft,
+    5 topk, 6 t_mult | t_shift << 16, 7 seed_lo, 8 seed_hi, 9 counter, 10-15 zero,
     16.. one token id per word.
 
     ``start_pos`` is the committed KV length: setting it below the engine's current
@@ -87,20 +146,23 @@ class DraftRequest:
     seq: int = 0
 
     def pack(self) -> bytes:
-        words = [self.seq, int(RequestFlag.SAMPLE) if self.sample else 0, self.start_pos,
-                 len(self.tokens), self.n_draft, self.topk,
-                 (self.t_mult & 0xFFFF) | (self.t_shift << 16),
-                 self.seed & 0xFFFFFFFF, (self.seed >> 32) & 0xFFFFFFFF, self.counter & 0xFFFFFFFF]
-        words += [0] * (REQUEST_HEADER_WORDS - len(words)) + [int(t) for t in self.tokens]
+        words = pack_fields(REQUEST_FIELDS, REQUEST_HEADER_WORDS, dict(
+            seq=self.seq, flags=int(RequestFlag.SAMPLE) if self.sample else 0,
+            start_pos=self.start_pos, n_in=len(self.tokens), n_draft=self.n_draft,
+            topk=self.topk, t_mult=self.t_mult & 0xFFFF, t_shift=self.t_shift,
+            seed=self.seed & (2 ** 64 - 1), counter=self.counter & 0xFFFFFFFF))
+        words += [int(t) for t in self.tokens]
         return struct.pack(f"<{len(words)}I", *words)
 
     @classmethod
     def unpack_header(cls, data: bytes) -> dict:
+        """The :data:`REQUEST_FIELDS` of a request's header, plus ``sample`` (the flag)
+        and ``flags_reserved`` (the flag bits that must be zero)."""
         w = struct.unpack(f"<{REQUEST_HEADER_WORDS}I", data[:4 * REQUEST_HEADER_WORDS])
-        return dict(seq=w[0], sample=bool(w[1] & RequestFlag.SAMPLE), flags=w[1],
-                    start_pos=w[2], n_in=w[3], n_draft=w[4], topk=w[5],
-                    t_mult=w[6] & 0xFFFF, t_shift=w[6] >> 16,
-                    seed=w[7] | (w[8] << 32), counter=w[9], reserved=w[10:16])
+        h = unpack_fields(REQUEST_FIELDS, w)
+        h["sample"] = bool(_flag_field(h["flags"], "sample"))
+        h["flags_reserved"] = _flag_field(h["flags"], "reserved")
+        return h
 
 
 def request_bytes(n_in: int) -> int:
@@ -141,7 +203,7 @@ class DraftedToken:
 class DraftResult:
     """Result descriptor.
 
-    Word layout: 0 seq (echo of the request), 1 status (:class:`ErrorCode`), 2 n_drafted,
+    Word layout (:data:`RESULT_FIELDS`): 0 seq (echo of the request), 1 status (:class:`ErrorCode`), 2 n_drafted,
     3 end_pos (KV length after the request), 4 cycles_lo, 5 cycles_hi, 6 n_forward,
     7 error_pc, 8 topk (list length per record), 9-14 zero, 15 check; then n_drafted
     records of :func:`record_words` words. ``check`` is the 32-bit wrapping sum of every
@@ -158,11 +220,12 @@ class DraftResult:
 
     def pack(self, topk_max: int) -> bytes:
         records = [word for t in self.tokens for word in t.record(topk_max)]
-        header = [self.seq, int(self.status), len(self.tokens), self.end_pos,
-                  self.cycles & 0xFFFFFFFF, (self.cycles >> 32) & 0xFFFFFFFF, self.n_forward,
-                  self.error_pc, self.topk] + [0] * 6
-        check = (sum(header) + sum(records) + RESULT_CHECK_SALT) & 0xFFFFFFFF
-        words = header + [check] + records
+        header = pack_fields(RESULT_FIELDS, RESULT_HEADER_WORDS, dict(
+            seq=self.seq, status=int(self.status), n_drafted=len(self.tokens),
+            end_pos=self.end_pos, cycles=self.cycles & (2 ** 64 - 1), n_forward=self.n_forward,
+            error_pc=self.error_pc, topk=self.topk))
+        header[-1] = (sum(header) + sum(records) + RESULT_CHECK_SALT) & 0xFFFFFFFF
+        words = header + records
         return struct.pack(f"<{len(words)}I", *words)
 
     @staticmethod
@@ -176,8 +239,9 @@ class DraftResult:
         """Parse a result buffer; raises ``ValueError`` if it is truncated or corrupt."""
         if len(data) < 4 * RESULT_HEADER_WORDS:
             raise ValueError(f"result buffer has {len(data)} bytes, fewer than its header")
-        header = struct.unpack(f"<{RESULT_HEADER_WORDS}I", data[:4 * RESULT_HEADER_WORDS])
-        n = header[2]
+        header = unpack_fields(RESULT_FIELDS, struct.unpack(f"<{RESULT_HEADER_WORDS}I",
+                                                            data[:4 * RESULT_HEADER_WORDS]))
+        n = header["n_drafted"]
         if n > MAX_DRAFT:
             raise ValueError(f"result claims {n} drafted tokens, more than MAX_DRAFT={MAX_DRAFT}")
         rw = record_words(topk_max)
@@ -185,20 +249,20 @@ class DraftResult:
         if len(data) < need:
             raise ValueError(f"result buffer has {len(data)} bytes, its header needs {need}")
         words = np.frombuffer(data[:need], dtype="<u4")
-        if cls.checksum(words) != header[15]:
+        if cls.checksum(words) != header["check"]:
             raise ValueError("result buffer check word does not match its contents "
                              "(corrupted or partially written result)")
         try:
-            status = ErrorCode(header[1])
+            status = ErrorCode(header["status"])
         except ValueError:
-            raise ValueError(f"result status {header[1]} is not an engine error code") from None
-        topk = header[8]
+            raise ValueError(f"result status {header['status']} is not an engine error code") from None
+        topk = header["topk"]
         tokens = []
         for i in range(n):
             r = words[RESULT_HEADER_WORDS + i * rw: RESULT_HEADER_WORDS + (i + 1) * rw]
             pairs = r[2:].reshape(-1, 2)[:topk]
             tokens.append(DraftedToken(int(r[0]), int(r[1]), [int(x) for x in pairs[:, 0]],
                                        [int(x) for x in pairs[:, 1]]))
-        return cls(seq=header[0], status=status, end_pos=header[3],
-                   cycles=header[4] | (header[5] << 32), n_forward=header[6],
-                   error_pc=header[7], tokens=tokens, topk=topk)
+        return cls(seq=header["seq"], status=status, end_pos=header["end_pos"],
+                   cycles=header["cycles"], n_forward=header["n_forward"],
+                   error_pc=header["error_pc"], tokens=tokens, topk=topk)

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, fields
 
 __all__ = [
-    "Op", "Flag", "MatmulMode", "Cond", "Instruction", "IllegalInstruction", "AsmError",
+    "Op", "CONTROL_OPS", "Flag", "MatmulMode", "Cond", "Instruction", "IllegalInstruction", "AsmError",
     "FIELDS", "FLAG_FIELDS", "flag_field", "INSTRUCTION_BITS", "INSTRUCTION_BYTES",
     "encode", "decode", "assemble", "disassemble", "to_bytes", "from_bytes", "opcode_rules",
 ]
@@ -57,6 +57,12 @@ class Op(enum.IntEnum):
     ATTN = 0x15      # dst(int8)[n heads × k] := attention(src q; KV[LAYER][:, 0..POS])
     ACTMUL = 0x16    # dst(int8)[n] := act(src[n]) · src[n + n bytes]; params at addr
     SAMPLE = 0x17    # token sampler over the n logits of the last LOGITS matmul
+
+
+#: Control instructions: they only move the controller's registers (pc, loop, position,
+#: token) and retire at once; every other opcode runs on a unit. The functional model,
+#: the cycle model's walk and the RTL controller's decode all test membership here.
+CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
 
 
 #: (name, lsb, width) of the sub-fields of a unit instruction's ``flags`` field, in bit
