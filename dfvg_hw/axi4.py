@@ -18,13 +18,15 @@ import enum
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
+from dfvg_hw.spec import timing
+
 __all__ = ["AXI4Signature", "Burst", "Resp", "MAX_BURST_BEATS", "BOUNDARY_BYTES",
            "connect_flat"]
 
 #: AXI4 INCR bursts carry at most 256 beats (AxLEN is beats − 1, 8 bits).
-MAX_BURST_BEATS = 256
+MAX_BURST_BEATS = timing.AXI_MAX_BURST_BEATS
 #: No AXI burst may cross a 4 KiB address boundary (a slave's smallest address region).
-BOUNDARY_BYTES = 4096
+BOUNDARY_BYTES = timing.AXI_BOUNDARY_BYTES
 
 
 class Burst(enum.IntEnum):
