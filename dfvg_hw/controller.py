@@ -24,43 +24,51 @@ Execution: fetch (IMEM is a synchronous memory), decode (:class:`InstructionDeco
 an illegal word faults ``ILLEGAL_INSTRUCTION`` when fetched), then either retire a control
 instruction into the :class:`ProgramFlow` at once or run a unit instruction and retire it
 when it is done. ``pc`` past the loaded program faults ``PROGRAM``; running through an
-instruction budget of ``(n_in + n_draft + 1) · PROG_LEN · 256`` faults ``WATCHDOG``.
+instruction budget of :func:`~dfvg_hw.spec.descriptors.watchdog_budget` (``(n_in + n_draft + 1)
+· PROG_LEN · 256``) faults ``WATCHDOG``.
 ``CONTROL.ABORT`` stops a running request at its next fetch with ``ABORTED``, the result
 written as for any fault (drafted tokens kept); an ABORT while no request runs is
 ignored, and one cannot interrupt a unit that is waiting on memory (soft reset can).
 
-Unit instructions: ``EMBED``, ``SAMPLE`` and ``NOP`` here; ``MATMUL`` through
+Unit instructions: ``SAMPLE`` and ``NOP`` here; ``EMBED`` through
+:class:`~dfvg_hw.embed_sequencer.EmbedSequencer`; ``MATMUL`` through
 :class:`~dfvg_hw.matmul_sequencer.MatmulSequencer` (every preset geometry; for one it
 does not support, see ``MatmulSequencer.supports``, a MATMUL stops the request with
 ``PROGRAM``); ``RMSNORM``, ``ROPE``, ``KVAPPEND``/``ATTN`` and ``ACTMUL`` through the
 sequencers of :func:`unit_sequencers`. All of them share the
 :class:`~dfvg_hw.op_port.OpSequencerSignature` (the MATMUL sequencer adds the logit
-buffer's write side).
+buffer's write side, the EMBED sequencer the TOKEN register's inputs).
 
-The result buffer is assembled on chip (records as SAMPLE produces them, the header at
-the end) and written in one burst from the result address, because records are not
-aligned to the bus width.
+The parts, each its own component: the :class:`~dfvg_hw.request_front_end.RequestFrontEnd`
+(request header, checks, token scan), the unit sequencers, the
+:class:`~dfvg_hw.result_writer.ResultWriter` (the result buffer, assembled on chip and
+written in one burst) and the :class:`~dfvg_hw.op_cycle_counters.OpCycleCounters`. The
+controller itself keeps the host commands, the program load, fetch and decode, SAMPLE,
+and lends the shared ports (memory port, VMEM) to the part whose turn it is.
 """
 
 from __future__ import annotations
 
 from amaranth import Cat, Module, Mux, ResetInserter, Signal, unsigned
-from amaranth.lib import data, stream, wiring
+from amaranth.lib import stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.decoder import InstructionDecoder
-from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_CHECK_SALT,
-                                 RESULT_HEADER_WORDS, ErrorCode, RequestFlag, record_words)
-from dfvg_hw.spec.isa import INSTRUCTION_BYTES, Op
+from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, ErrorCode, watchdog_budget
+from dfvg_hw.spec.isa import CONTROL_OPS, INSTRUCTION_BYTES, Op
+from dfvg_hw.layouts import flags_view
+from dfvg_hw.embed_sequencer import EmbedSequencer
 from dfvg_hw.matmul_sequencer import MatmulSequencer
 from dfvg_hw.memory_port import MemoryCommand, MemoryPortError, ReadBeat
+from dfvg_hw.op_cycle_counters import OpCycleCounters
 from dfvg_hw.register_file import EngineControlSignature, EngineStatusSignature
-from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS
+from dfvg_hw.request_front_end import RequestFrontEnd
+from dfvg_hw.result_writer import ResultWriter
 from dfvg_hw.sample_sequencer import SampleSequencer
 from dfvg_hw.program_flow import ProgramFlow
-from dfvg_hw.vmem import Gearbox, VectorMemory
+from dfvg_hw.vmem import VectorMemory
 
 __all__ = ["Controller", "MemoryClientSignature"]
 
@@ -95,8 +103,8 @@ class MemoryClientSignature(wiring.Signature):
 
 
 class Controller(wiring.Component):
-    """The draft engine's controller with IMEM, VMEM, the decoder, the sequencer and the
-    logit buffer/sampler.
+    """The draft engine's controller with IMEM, VMEM, the decoder, the program flow, the
+    unit sequencers, the logit buffer/sampler, the request front end and the result writer.
 
     Parameters
     ----------
@@ -112,6 +120,16 @@ class Controller(wiring.Component):
         STATUS, ERROR, ERROR_PC, LAST_SEQ, the cycle counters and the completion pulse.
     mem : Out(MemoryClientSignature(config, data_width))
         Device memory through the memory port.
+
+    Attributes
+    ----------
+    units : dict[str, wiring.Component]
+        The unit-instruction sequencers by submodule name (``matmul`` where supported,
+        ``norm``, ``kv``, ``rope``, ``actmul``, ``embed``); co-simulation reads the KV
+        cache through ``units["kv"].kv_buffer``.
+    front_end : RequestFrontEnd
+    result_writer : ResultWriter
+    op_counters : OpCycleCounters
     """
 
     def __init__(self, config: EngineConfig, data_width: int = 128):
@@ -119,52 +137,54 @@ class Controller(wiring.Component):
             raise ValueError(f"data_width must be 128, 256 or 512 bits, got {data_width}")
         self.config = config
         self.data_width = data_width
-        self.record_words = record_words(config.topk_max)
-        self.result_words = RESULT_HEADER_WORDS + MAX_DRAFT * self.record_words
         super().__init__(wiring.Signature({
             "ctrl": In(EngineControlSignature()),
             "status": Out(EngineStatusSignature()),
             "mem": Out(MemoryClientSignature(config, data_width)),
         }))
+        self.imem = Memory(shape=unsigned(128), depth=config.imem_words, init=[])
+        self._imem_ports = self.imem.write_port(), self.imem.read_port()
+        self.decoder = InstructionDecoder()
+        self.program_flow = ProgramFlow()
+        self.vmem = VectorMemory(config)
+        self.sample_unit = SampleSequencer(config)
+        self.front_end = RequestFrontEnd(config, data_width)
+        self.result_writer = ResultWriter(config, data_width)
+        self.op_counters = OpCycleCounters()
+        # unit-instruction sequencers with the common OpSequencerSignature (op_port.py)
+        sequencers = unit_sequencers() + [((Op.EMBED,), "embed", EmbedSequencer)]
+        if MatmulSequencer.supports(config, data_width):
+            sequencers.insert(0, ((Op.MATMUL,), "matmul", MatmulSequencer))
+        self.units = {name: factory(config, data_width) for _, name, factory in sequencers}
+        self.unit_opcodes = {name: opcodes for opcodes, name, _ in sequencers}
 
     def elaborate(self, platform):
         m = Module()
         c, DW = self.config, self.data_width
-        beat_bytes, beat_words = DW // 8, DW // 32
+        beat_bytes = DW // 8
         ctrl, st, mem = self.ctrl, self.status, self.mem
 
-        imem = m.submodules.imem = Memory(shape=unsigned(128), depth=c.imem_words, init=[])
-        imem_w, imem_r = imem.write_port(), imem.read_port()
-        dec = m.submodules.decoder = InstructionDecoder()
-        seq = m.submodules.sequencer = ProgramFlow()
-        vmem = m.submodules.vmem = VectorMemory(c)
-        samp = m.submodules.sample_unit = SampleSequencer(c)
-        # EMBED's row, beats cut into VMEM lines. A row that ends inside a beat leaves that
-        # beat's other lines behind: the gearbox is emptied before each EMBED reads.
-        to_lines = Gearbox(beat_bytes, VMEM_LINE_BYTES)
-        flush_lines = Signal()
-        m.submodules.beats_to_lines = ResetInserter({"sync": flush_lines})(to_lines)
-        result = m.submodules.result_buffer = Memory(shape=unsigned(32), depth=self.result_words,
-                                                     init=[])
-        res_w, res_r = result.write_port(), result.read_port()
-        # unit-instruction sequencers with the common OpSequencerSignature (op_port.py);
-        # each is reset (ResetInserter) when a fault stops the request under it. MATMUL's
-        # also writes the logit buffer (wired in its RUN state).
-        sequencers = unit_sequencers()
-        mm = None
-        if MatmulSequencer.supports(c, DW):
-            sequencers.insert(0, ((Op.MATMUL,), "matmul", MatmulSequencer))
+        imem = m.submodules.imem = self.imem
+        imem_w, imem_r = self._imem_ports
+        dec = m.submodules.decoder = self.decoder
+        seq = m.submodules.sequencer = self.program_flow
+        vmem = m.submodules.vmem = self.vmem
+        samp = m.submodules.sample_unit = self.sample_unit
+        front = m.submodules.request = self.front_end
+        writer = m.submodules.result = self.result_writer
+        counters = m.submodules.op_counters = self.op_counters
+        # each unit is reset (ResetInserter) when a fault stops the request under it. MATMUL's
+        # also writes the logit buffer (wired in its RUN state), EMBED's reads TOKEN.
         op_units = []
-        for opcodes, name, factory in sequencers:
-            unit, cancel = factory(c, DW), Signal(name=f"{name}_cancel")
+        for name, unit in self.units.items():
+            cancel = Signal(name=f"{name}_cancel")
             m.submodules[name] = ResetInserter({"sync": cancel})(unit)
             m.d.comb += [unit.peek_data.eq(vmem.peek_data), unit.vmem_error.eq(vmem.error),
                          unit.vmem_wr_done.eq(vmem.wr_done)]
-            op_units.append((opcodes, name.upper(), unit, cancel))
-            if name == "matmul":
-                mm = unit
-        self.units = {name.lower(): unit for _, name, unit, _ in op_units}   # for co-simulation
-        kv = self.units.get("kv")             # its `clear` zeroes the KV cache on soft reset
+            # EMBED has one row; the others up to the engine's rows
+            max_rows = 1 if name == "embed" else c.rows
+            op_units.append((self.unit_opcodes[name], name.upper(), unit, cancel, max_rows))
+        mm, kv, embed = self.units.get("matmul"), self.units.get("kv"), self.units["embed"]
 
         # -- host commands arrive as pulses; keep them until their turn ----------------------
         cmd = ctrl.command
@@ -181,18 +201,16 @@ class Controller(wiring.Component):
 
         # -- request state -----------------------------------------------------------------
         program_len = Signal(range(c.imem_words + 1))
-        header = Signal(data.ArrayLayout(unsigned(32), REQUEST_HEADER_WORDS))
-        req_base, res_base = Signal(64), Signal(64)
-        n_in, n_draft, topk = header[3], header[4], header[5]
+        header = front.header
+        res_base = Signal(64)
         code = Signal(8)                     # the request's ErrorCode
         error_pc = Signal(16)
         started = Signal()                   # the sequencer holds this request's state
         cycles = Signal(64)
         result_cycles = Signal(64)           # the count the result reports: START to FINISH
         budget = Signal(48)
-        count = Signal(32)                   # beats / words / tokens of the current step
-        n_records, record_sum, first_k = Signal(range(MAX_DRAFT + 1)), Signal(32), Signal(8)
-        token = Signal(16)                   # the current forward's token (EMBED)
+        count = Signal(32)                   # instructions of the program load
+        token = Signal(16)                   # the current forward's token (EMBED, SAMPLE)
         ins = dec.fields
         busy = Signal()
         # STATUS.BUSY: a request runs, or a command is pending or in progress (docs/registers.md)
@@ -202,6 +220,17 @@ class Controller(wiring.Component):
 
         m.d.comb += [imem_r.addr.eq(seq.pc), dec.word.eq(imem_r.data)]
         mem_failed = mem.error.as_value().any()
+        m.d.comb += [front.mem_error.eq(mem_failed),
+                     embed.token_is_drafted.eq(seq.token_is_drafted),
+                     embed.drafted_token.eq(seq.drafted_token),
+                     embed.token_addr.eq(front.base + 4 * REQUEST_HEADER_WORDS + 4 * seq.in_idx)]
+        # the result's fields, as the controller knows them at the end of a request
+        m.d.comb += [writer.seq.eq(header.seq), writer.status.eq(code),
+                     writer.end_pos.eq(Mux(started, seq.pos, header.start_pos)),
+                     writer.cycles.eq(result_cycles),
+                     writer.n_forward.eq(Mux(started, seq.forwards, 0)),
+                     writer.error_pc.eq(Mux(code != 0, error_pc, 0)),
+                     writer.base.eq(res_base), writer.write_idle.eq(mem.write_idle)]
 
         def fault(error: ErrorCode):
             m.d.sync += [code.eq(error), error_pc.eq(Mux(started, seq.pc, 0))]
@@ -220,6 +249,10 @@ class Controller(wiring.Component):
             m.d.comb += [mem.read_cmd.valid.eq(1), mem.read_cmd.payload.addr.eq(addr),
                          mem.read_cmd.payload.length.eq(length)]
 
+        def lend_memory_reads(part):
+            wiring.connect(m, part.read_cmd, wiring.flipped(mem.read_cmd))
+            wiring.connect(m, wiring.flipped(mem.read_data), part.read_data)
+
         with m.FSM(name="phase") as phase:
             # -- idle: take the pending commands in order --------------------------------------
             with m.State("IDLE"):
@@ -229,7 +262,7 @@ class Controller(wiring.Component):
                     m.d.sync += [st.program_loaded.eq(0), st.done.eq(0), st.error.eq(0),
                                  st.error_code.eq(0), st.error_pc.eq(0), st.last_seq.eq(0),
                                  st.busy_cycles.eq(0), cycles.eq(0), st.buf.eq(0)]
-                    m.d.comb += [samp.clear.eq(1), mem.clear_error.eq(1)]
+                    m.d.comb += [samp.clear.eq(1), mem.clear_error.eq(1), counters.clear.eq(1)]
                     m.next = "CLEAR_VMEM"
                 with m.Elif(want_load):
                     m.d.sync += [want_load.eq(0), st.program_loaded.eq(0), count.eq(0),
@@ -243,19 +276,19 @@ class Controller(wiring.Component):
                 with m.Elif(want_start):
                     m.d.sync += [want_start.eq(0), st.buf.eq(start_buf), st.done.eq(0),
                                  st.error.eq(0), cycles.eq(0), started.eq(0),
-                                 code.eq(ErrorCode.OK), error_pc.eq(0), n_records.eq(0),
-                                 record_sum.eq(0), first_k.eq(0), count.eq(0),
-                                 req_base.eq(ctrl.request_base[start_buf]),
-                                 res_base.eq(ctrl.result_base[start_buf]),
-                                 header.eq(0)]
-                    m.d.comb += [mem.clear_error.eq(1), samp.clear.eq(1), vmem.clear_error.eq(1)]
+                                 code.eq(ErrorCode.OK), error_pc.eq(0), count.eq(0),
+                                 res_base.eq(ctrl.result_base[start_buf])]
+                    m.d.comb += [mem.clear_error.eq(1), samp.clear.eq(1), vmem.clear_error.eq(1),
+                                 writer.clear.eq(1), counters.start.eq(1)]
                     with m.If(~st.program_loaded):
                         # as SimDevice: completes with PROGRAM, writes no result
                         m.d.sync += code.eq(ErrorCode.PROGRAM)
                         m.next = "REPORT"
                     with m.Else():
+                        m.d.comb += [front.start.valid.eq(1),
+                                     front.start.payload.eq(ctrl.request_base[start_buf])]
                         m.d.sync += busy.eq(1)
-                        m.next = "HEADER_CMD"
+                        m.next = "REQUEST"
 
             # -- soft reset: zero VMEM ---------------------------------------------------------
             with m.State("CLEAR_VMEM"):
@@ -316,69 +349,21 @@ class Controller(wiring.Component):
                                          st.error_code.eq(0)]
                             m.next = "IDLE"
 
-            # -- START: header, token scan ---------------------------------------------------------
-            with m.State("HEADER_CMD"):
-                read(req_base, 4 * REQUEST_HEADER_WORDS)
-                with m.If(mem.read_cmd.ready):
-                    m.next = "HEADER_DATA"
-            with m.State("HEADER_DATA"):
-                m.d.comb += mem.read_data.ready.eq(1)
-                with m.If(mem_failed):
-                    fault(ErrorCode.BAD_ADDRESS)
-                with m.Elif(mem.read_data.valid):
-                    beats = max(1, 4 * REQUEST_HEADER_WORDS // beat_bytes)
-                    with m.Switch(count):
-                        for b in range(beats):
-                            with m.Case(b):
-                                lo = b * DW
-                                hi = min(lo + DW, 32 * REQUEST_HEADER_WORDS)
-                                m.d.sync += header.as_value()[lo:hi].eq(
-                                    mem.read_data.payload.data[:hi - lo])
-                    m.d.sync += count.eq(count + 1)
-                    with m.If(mem.read_data.payload.last):
-                        m.next = "HEADER_CHECK"
-            with m.State("HEADER_CHECK"):
-                reserved = Cat(*(header[w] for w in range(10, REQUEST_HEADER_WORDS))).any()
-                t_mult, t_shift = header[6][:16], header[6][16:]
-                bad = ((n_in == 0) | (n_draft > MAX_DRAFT) | (topk == 0) | (topk > c.topk_max)
-                       | (header[1][0] & (t_mult == 0)) | (t_shift > 63)
-                       | (header[1] & (0xFFFFFFFF ^ int(RequestFlag.SAMPLE))).any() | reserved)
-                m.d.sync += count.eq(0)
-                with m.If(bad):
-                    fault(ErrorCode.BAD_REQUEST)
-                with m.Else():
-                    m.next = "SCAN_CMD"
-            with m.State("SCAN_CMD"):
-                read(req_base + 4 * REQUEST_HEADER_WORDS, n_in * 4)
-                with m.If(mem.read_cmd.ready):
-                    m.next = "SCAN_DATA"
-            with m.State("SCAN_DATA"):
-                m.d.comb += mem.read_data.ready.eq(1)
-                beat = mem.read_data.payload.data
-                in_range = Signal()
-                m.d.comb += in_range.eq(1)
-                for w in range(beat_words):
-                    # words past n_in are zero (the port zeroes the tail), so they pass
-                    with m.If(beat.word_select(w, 32) >= c.vocab_max):
-                        m.d.comb += in_range.eq(0)
-                with m.If(mem_failed):
-                    fault(ErrorCode.BAD_ADDRESS)
-                with m.Elif(mem.read_data.valid):
-                    with m.If(~in_range):
-                        m.d.sync += code.eq(ErrorCode.BAD_REQUEST)
-                    with m.If(mem.read_data.payload.last):
-                        m.next = "SCAN_DONE"
-            with m.State("SCAN_DONE"):
-                with m.If(code != ErrorCode.OK):
-                    m.next = "FINISH"
-                with m.Else():
-                    m.d.comb += [seq.start.valid.eq(1),
-                                 seq.start.payload.start_pos.eq(header[2]),
-                                 seq.start.payload.n_tokens.eq(n_in),
-                                 seq.start.payload.n_draft.eq(n_draft)]
-                    m.d.sync += [started.eq(1),
-                                 budget.eq((n_in + n_draft + 1) * program_len * 256)]
-                    m.next = "FETCH"
+            # -- START: the front end reads and checks the request -------------------------------
+            with m.State("REQUEST"):
+                lend_memory_reads(front)
+                with m.If(front.done):
+                    with m.If(front.error != ErrorCode.OK):
+                        fault(front.error)
+                    with m.Else():
+                        m.d.comb += [seq.start.valid.eq(1),
+                                     seq.start.payload.start_pos.eq(header.start_pos),
+                                     seq.start.payload.n_tokens.eq(header.n_in),
+                                     seq.start.payload.n_draft.eq(header.n_draft)]
+                        m.d.sync += [started.eq(1),
+                                     budget.eq(watchdog_budget(header.n_in, header.n_draft,
+                                                               program_len))]
+                        m.next = "FETCH"
 
             # -- execution ------------------------------------------------------------------------
             with m.State("FETCH"):
@@ -400,22 +385,15 @@ class Controller(wiring.Component):
                     m.next = "DECODE"
             with m.State("DECODE"):
                 control = Signal()
-                m.d.comb += control.eq((ins.opcode == Op.HALT) | (ins.opcode == Op.LOOP)
-                                       | (ins.opcode == Op.ENDLOOP) | (ins.opcode == Op.BRANCH)
-                                       | (ins.opcode == Op.NEXT))
+                m.d.comb += control.eq(Cat(*(ins.opcode == op for op in sorted(CONTROL_OPS))).any())
                 with m.If(dec.illegal):
                     fault(ErrorCode.ILLEGAL_INSTRUCTION)
                 with m.Elif(control | (ins.opcode == Op.NOP)):
                     retire()
                     m.next = "FETCH"
-                with m.Elif(ins.opcode == Op.EMBED):
-                    with m.If(ins.rows != 1):
-                        fault(ErrorCode.PROGRAM)
-                    with m.Else():
-                        m.next = "EMBED_TOKEN"
-                for opcodes, name, unit, _ in op_units:
+                for opcodes, name, unit, _, max_rows in op_units:
                     with m.Elif(Cat(*(ins.opcode == op for op in opcodes)).any()):
-                        with m.If(ins.rows > c.rows):
+                        with m.If(ins.rows > max_rows):
                             fault(ErrorCode.PROGRAM)
                         with m.Else():
                             m.next = f"{name}_JOB"
@@ -432,55 +410,10 @@ class Controller(wiring.Component):
                 retire()
                 m.next = "FETCH"
 
-            # -- EMBED: the token's row of the table into VMEM ----------------------------------
-            with m.State("EMBED_TOKEN"):
-                with m.If(seq.token_is_drafted):
-                    m.d.sync += token.eq(seq.drafted_token)
-                    m.next = "EMBED_CMD"
-                with m.Else():
-                    addr = req_base + 4 * REQUEST_HEADER_WORDS + 4 * seq.in_idx
-                    read(addr & ~(beat_bytes - 1), beat_bytes)
-                    with m.If(mem.read_cmd.ready):
-                        m.d.sync += count.eq((addr // 4) % beat_words)
-                        m.next = "EMBED_TOKEN_DATA"
-            with m.State("EMBED_TOKEN_DATA"):
-                m.d.comb += mem.read_data.ready.eq(1)
-                with m.If(mem_failed):
-                    fault(ErrorCode.BAD_ADDRESS)
-                with m.Elif(mem.read_data.valid):
-                    m.d.sync += token.eq(mem.read_data.payload.data.word_select(count, 32))
-                    m.next = "EMBED_CMD"
-            with m.State("EMBED_CMD"):
-                m.d.comb += flush_lines.eq(1)
-                row_bytes = ins.n * 2
-                m.d.comb += [vmem.wr_cmd.valid.eq(1), vmem.wr_cmd.payload.line.eq(ins.dst),
-                             vmem.wr_cmd.payload.rows.eq(1), vmem.wr_cmd.payload.row_bytes.eq(row_bytes)]
-                with m.If(vmem.wr_cmd.ready):
-                    m.next = "EMBED_READ"
-            with m.State("EMBED_READ"):
-                read(ctrl.image_base + ins.addr + token * ins.n * 2, ins.n * 2)
-                with m.If(vmem.error):
-                    fault(ErrorCode.BAD_ADDRESS)
-                with m.Elif(mem.read_cmd.ready):
-                    m.next = "EMBED_DATA"
-            with m.State("EMBED_DATA"):
-                m.d.comb += [vmem.wr.valid.eq(to_lines.o.valid),
-                             vmem.wr.payload.data.eq(to_lines.o.payload.data),
-                             to_lines.o.ready.eq(vmem.wr.ready)]
-                m.d.comb += [to_lines.i.valid.eq(mem.read_data.valid),
-                             to_lines.i.payload.data.eq(mem.read_data.payload.data),
-                             to_lines.i.payload.last.eq(mem.read_data.payload.last),
-                             mem.read_data.ready.eq(to_lines.i.ready)]
-                with m.If(mem_failed | vmem.error):
-                    m.d.comb += vmem.cancel.eq(1)
-                    fault(ErrorCode.BAD_ADDRESS)
-                with m.Elif(vmem.wr_done):
-                    m.next = "RETIRE"
-
             # -- unit instructions: their sequencers own the shared ports meanwhile --------------
-            for opcodes, name, unit, cancel in op_units:
+            for opcodes, name, unit, cancel, _ in op_units:
                 with m.State(f"{name}_JOB"):
-                    lrel = ins.flags & 1
+                    lrel = flags_view(ins.flags).layer_relative
                     job = unit.job.payload
                     m.d.comb += [unit.job.valid.eq(1),
                                  job.opcode.eq(ins.opcode), job.flags.eq(ins.flags),
@@ -489,6 +422,8 @@ class Controller(wiring.Component):
                                  job.addr.eq(ctrl.image_base + ins.addr
                                              + Mux(lrel, seq.layer * seq.lstride, 0)),
                                  job.pos.eq(seq.pos), job.layer.eq(seq.layer)]
+                    if unit is embed:
+                        lend_memory_reads(embed)    # it reads the input token as it takes the job
                     with m.If(unit.job.ready):
                         m.next = f"{name}_RUN"
                 with m.State(f"{name}_RUN"):
@@ -501,6 +436,8 @@ class Controller(wiring.Component):
                         m.d.comb += cancel.eq(1)         # a refused read brings no data
                         fault(ErrorCode.BAD_ADDRESS)
                     with m.Elif(unit.done):
+                        if unit is embed:
+                            m.d.sync += token.eq(embed.token)
                         with m.If(unit.error != ErrorCode.OK):
                             fault(unit.error)
                         with m.Else():
@@ -510,94 +447,38 @@ class Controller(wiring.Component):
             with m.State("SAMPLE_REQ"):
                 h = header
                 m.d.comb += [samp.req.valid.eq(1),
-                             samp.req.payload.k.eq(topk),
-                             samp.req.payload.t_mult.eq(h[6][:16]),
-                             samp.req.payload.t_shift.eq(h[6][16:22]),
-                             samp.req.payload.sample.eq(h[1][0]),
-                             samp.req.payload.seed.eq(Cat(h[7], h[8])),
-                             samp.req.payload.counter.eq(h[9] + seq.n_drafted)]
+                             samp.req.payload.k.eq(h.topk),
+                             samp.req.payload.t_mult.eq(h.t_mult),
+                             samp.req.payload.t_shift.eq(h.t_shift[:6]),
+                             samp.req.payload.sample.eq(h.flags.sample),
+                             samp.req.payload.seed.eq(h.seed),
+                             samp.req.payload.counter.eq(h.counter + seq.n_drafted)]
                 with m.If(samp.req.ready):
-                    m.d.sync += count.eq(0)
                     m.next = "SAMPLE_RECORD"
             with m.State("SAMPLE_RECORD"):
-                rec = samp.record.payload
-                m.d.comb += [samp.record.ready.eq(1),
-                             res_w.en.eq(samp.record.valid),
-                             res_w.addr.eq(RESULT_HEADER_WORDS + n_records * self.record_words + count),
-                             res_w.data.eq(rec.word)]
+                wiring.connect(m, samp.record, writer.record)
                 with m.If(samp.record.valid):
-                    m.d.sync += [count.eq(count + 1), record_sum.eq(record_sum + rec.word)]
-                    with m.If(count == 0):
-                        m.d.sync += token.eq(rec.word)          # the drafted token
-                        with m.If(n_records == 0):
-                            m.d.sync += first_k.eq(rec.k)
-                    with m.If(rec.last):
-                        m.d.sync += n_records.eq(n_records + 1)
+                    with m.If(writer.word == 0):
+                        m.d.sync += token.eq(samp.record.payload.word)   # the drafted token
+                    with m.If(samp.record.payload.last):
                         m.next = "RETIRE"
 
             # -- the result descriptor --------------------------------------------------------------
             with m.State("FINISH"):
                 m.d.comb += vmem.cancel.eq(1)
-                m.d.comb += [cancel.eq(1) for *_, cancel in op_units]
-                m.d.sync += [count.eq(0), result_cycles.eq(cycles), want_abort.eq(0)]
+                m.d.comb += [cancel.eq(1) for *_, cancel, _ in op_units]
+                m.d.sync += [result_cycles.eq(cycles), want_abort.eq(0)]
                 m.next = "DRAIN"
             with m.State("DRAIN"):
                 # let an abandoned read stream run out, so the next request's reads are its own
                 m.d.comb += mem.read_data.ready.eq(1)
                 with m.If(~mem.read_data.valid & mem.read_idle):
+                    m.d.comb += writer.start.eq(1)
                     m.next = "RESULT"
             with m.State("RESULT"):
-                end_pos = Mux(started, seq.pos, header[2])
-                fields = [header[0], code, n_records, end_pos, result_cycles[:32], result_cycles[32:],
-                          Mux(started, seq.forwards, 0), Mux(code != 0, error_pc, 0),
-                          Mux(n_records != 0, first_k, 0)]
-                check = Signal(32)
-                total = record_sum + RESULT_CHECK_SALT
-                for f in fields:
-                    total = total + f
-                m.d.comb += check.eq(total)
-                words = fields + [0] * (RESULT_HEADER_WORDS - 1 - len(fields)) + [check]
-                m.d.comb += res_w.en.eq(1)
-                with m.Switch(count):
-                    for i, w in enumerate(words):
-                        with m.Case(i):
-                            m.d.comb += [res_w.addr.eq(i), res_w.data.eq(w)]
-                m.d.sync += count.eq(count + 1)
-                with m.If(count == RESULT_HEADER_WORDS - 1):
-                    m.d.sync += count.eq(0)
-                    m.next = "RESULT_CMD"
-            with m.State("RESULT_CMD"):
-                total_words = RESULT_HEADER_WORDS + n_records * self.record_words
-                m.d.comb += [mem.write_cmd.valid.eq(1), mem.write_cmd.payload.addr.eq(res_base),
-                             mem.write_cmd.payload.length.eq(total_words * 4)]
-                with m.If(mem.write_cmd.ready):
-                    m.next = "RESULT_DATA"
-            with m.State("RESULT_DATA"):
-                # words leave the result RAM one per cycle and are packed into bus beats
-                total_words = RESULT_HEADER_WORDS + n_records * self.record_words
-                n_beats = (total_words + beat_words - 1) // beat_words
-                pack = Signal(DW)
-                fill = Signal(range(beat_words + 1))
-                have = Signal()               # res_r.data holds word `count - 1`
-                beat_valid = Signal()
-                sent = Signal(range(self.result_words + 1))
-                m.d.comb += [res_r.addr.eq(count), mem.write_data.valid.eq(beat_valid),
-                             mem.write_data.payload.eq(pack)]
-                with m.If(mem.write_data.valid & mem.write_data.ready):
-                    m.d.sync += [beat_valid.eq(0), fill.eq(0), pack.eq(0), sent.eq(sent + 1)]
-                with m.Elif(~beat_valid):
-                    with m.If(have):
-                        m.d.sync += [pack.word_select(fill, 32).eq(res_r.data), fill.eq(fill + 1),
-                                     have.eq(0)]
-                        with m.If((fill == beat_words - 1) | (count == total_words)):
-                            m.d.sync += beat_valid.eq(1)
-                    with m.Elif(count < total_words):
-                        m.d.sync += [count.eq(count + 1), have.eq(1)]
-                with m.If((sent == n_beats) & ~beat_valid):
-                    m.d.sync += [sent.eq(0), fill.eq(0), have.eq(0)]
-                    m.next = "RESULT_WAIT"
-            with m.State("RESULT_WAIT"):
-                with m.If(mem.write_idle):
+                wiring.connect(m, writer.write_cmd, wiring.flipped(mem.write_cmd))
+                wiring.connect(m, writer.write_data, wiring.flipped(mem.write_data))
+                with m.If(writer.done):
                     m.next = "REPORT"
             with m.State("REPORT"):
                 # STATUS/ERROR as SimDevice._finish sets them; a failed load reports here too
@@ -605,45 +486,25 @@ class Controller(wiring.Component):
                              st.error_code.eq(code), st.error_pc.eq(Mux(code != 0, error_pc, 0)),
                              started.eq(0)]
                 with m.If(busy):
-                    m.d.sync += [st.last_seq.eq(header[0]), st.busy_cycles.eq(st.busy_cycles + cycles)]
+                    m.d.sync += [st.last_seq.eq(header.seq), st.busy_cycles.eq(st.busy_cycles + cycles)]
                 m.d.comb += st.done_pulse.eq(1)
                 m.next = "IDLE"
+
         # -- per-unit busy counters (regmap.OP_CYCLE_BUCKETS) ------------------------------------
-        # An instruction's fetch and decode cycles go to its opcode (as the cycle model's ISSUE
-        # does), then every cycle until it retires; all other busy cycles are the request's.
-        request_bucket = OP_CYCLE_BUCKETS.index("REQUEST")
-        bucket = Signal(range(len(OP_CYCLE_BUCKETS)), init=request_bucket)
-        decoded = Signal.like(bucket)
-        with m.Switch(ins.opcode):
-            for op in Op:
-                with m.Case(op):
-                    m.d.comb += decoded.eq(OP_CYCLE_BUCKETS.index(op.name))
-            with m.Default():
-                m.d.comb += decoded.eq(request_bucket)
-        counters = st.op_cycles
-        with m.If(want_start & phase.ongoing("IDLE") & ~want_reset & ~want_load):
-            m.d.sync += [counters.as_value().eq(0), bucket.eq(request_bucket)]
-        with m.Elif(busy):
-            with m.If(phase.ongoing("DECODE")):
-                m.d.sync += [bucket.eq(decoded), counters[decoded].eq(counters[decoded] + 2)]
-            with m.Elif(phase.ongoing("FETCH")):
-                # counted with the decode, unless the request ends here
-                with m.If(seq.fault.valid | seq.halted | (seq.pc >= program_len) | (budget == 0)):
-                    m.d.sync += counters[request_bucket].eq(counters[request_bucket] + 1)
-            with m.Elif(phase.ongoing("FINISH")):
-                m.d.sync += [bucket.eq(request_bucket),
-                             counters[request_bucket].eq(counters[request_bucket] + 1)]
-            with m.Else():
-                m.d.sync += counters[bucket].eq(counters[bucket] + 1)
-        with m.If(want_reset & phase.ongoing("IDLE")):
-            m.d.sync += counters.as_value().eq(0)
+        fetch_ends = seq.fault.valid | seq.halted | (seq.pc >= program_len) | (budget == 0)
+        m.d.comb += [counters.busy.eq(busy), counters.opcode.eq(ins.opcode),
+                     counters.decode.eq(phase.ongoing("DECODE")),
+                     counters.fetch.eq(phase.ongoing("FETCH")), counters.fetch_ends.eq(fetch_ends),
+                     counters.finish.eq(phase.ongoing("FINISH")),
+                     st.op_cycles.eq(counters.op_cycles)]
         m.d.comb += st.busy.eq(busy | want_reset | want_load | want_start | ~phase.ongoing("IDLE"))
         return m
 
 
 def unit_sequencers():
     """(opcodes, name, factory(config, data_width)) of every unit-instruction sequencer
-    with the common :class:`~dfvg_hw.op_port.OpSequencerSignature`."""
+    with the common :class:`~dfvg_hw.op_port.OpSequencerSignature` but MATMUL's (which
+    needs a supported geometry) and EMBED's."""
     from dfvg_hw.actmul_sequencer import ActMulSequencer
     from dfvg_hw.kv_sequencer import KvSequencer
     from dfvg_hw.norm_sequencer import NormSequencer
@@ -656,10 +517,11 @@ def unit_sequencers():
 
 def _lend_shared_ports(m: Module, unit, mem, vmem: VectorMemory) -> None:
     """Connect ``unit``'s memory-read and VMEM ports to the shared ones (while it runs)."""
-    for source, sink in ((unit.read_cmd, mem.read_cmd), (mem.read_data, unit.read_data),
-                         (unit.vmem_rd_cmd, vmem.rd_cmd), (vmem.rd, unit.vmem_rd),
-                         (unit.vmem_wr_cmd, vmem.wr_cmd), (unit.vmem_wr, vmem.wr)):
-        m.d.comb += [sink.valid.eq(source.valid), sink.payload.eq(source.payload),
-                     source.ready.eq(sink.ready)]
+    wiring.connect(m, unit.read_cmd, wiring.flipped(mem.read_cmd))
+    wiring.connect(m, wiring.flipped(mem.read_data), unit.read_data)
+    wiring.connect(m, unit.vmem_rd_cmd, vmem.rd_cmd)
+    wiring.connect(m, vmem.rd, unit.vmem_rd)
+    wiring.connect(m, unit.vmem_wr_cmd, vmem.wr_cmd)
+    wiring.connect(m, unit.vmem_wr, vmem.wr)
     m.d.comb += [vmem.peek_addr.eq(unit.peek_addr), vmem.poke_en.eq(unit.poke_en),
                  vmem.poke_addr.eq(unit.poke_addr), vmem.poke_data.eq(unit.poke_data)]

@@ -64,13 +64,16 @@ class DraftEngine(wiring.Component):
             **self.axi.flat_members(AXI_PREFIX),
             "irq": Out(1),
         }))
+        self.registers = RegisterFile(config)
+        #: co-simulation reaches the engine's state through it (``controller.units``)
+        self.controller = Controller(config, data_width)
+        self.memory_port = MemoryPort(config, data_width=data_width)
 
     def elaborate(self, platform):
         m = Module()
-        regs = m.submodules.registers = RegisterFile(self.config)
-        ctl = m.submodules.controller = Controller(self.config, self.data_width)
-        self.controller = ctl                   # co-simulation reaches the engine's state through it
-        port = m.submodules.memory_port = MemoryPort(self.config, data_width=self.data_width)
+        regs = m.submodules.registers = self.registers
+        ctl = m.submodules.controller = self.controller
+        port = m.submodules.memory_port = self.memory_port
         connect_prefixed(m, self, AXIL_PREFIX, regs.bus)
         connect_flat(m, port.axi, self, AXI_PREFIX)
         wiring.connect(m, regs.ctrl, ctl.ctrl)

@@ -1,0 +1,139 @@
+"""EMBED sequencing (docs/isa.md §3.2, ``FunctionalEngine._unit``): the current forward's
+token's row of the embedding table from device memory into VMEM.
+
+Per job:
+
+1. **Token.** The controller's TOKEN: the drafted token (``token_is_drafted``), taken with
+   the job, or the request's input token, read as the job is taken (one bus beat, the
+   word at ``token_addr``). That read is issued in the cycle the job is offered, so the
+   controller lends this sequencer the memory port from its job cycle on.
+2. **Span.** VMEM's writer is given the destination, one row of ``2n`` bytes from line
+   ``dst`` (``BAD_ADDRESS`` if it leaves VMEM).
+3. **Row.** ``2n`` bytes from ``addr + 2n·token``, cut into VMEM lines by a
+   :class:`~dfvg_hw.vmem.Gearbox` (emptied before each row: a row that ends inside a beat
+   leaves that beat's other lines behind) and written a line a cycle.
+
+``rows`` is 1 (the controller refuses any other). ``token`` holds the token until the
+next job, for the controller to retire with.
+"""
+
+from __future__ import annotations
+
+from amaranth import Module, ResetInserter, Signal
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
+
+from dfvg_hw.op_port import OpJob, OpSequencerSignature
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.vmem import Gearbox
+
+__all__ = ["EmbedSequencer"]
+
+
+class EmbedSequencer(wiring.Component):
+    """Runs one EMBED per ``job`` (see the module docstring) and answers with ``done`` and
+    an error code.
+
+    Parameters
+    ----------
+    config : EngineConfig
+    data_width : int
+        Memory bus width in bits (a multiple of 128).
+
+    Members
+    -------
+    job : In(stream.Signature(OpJob()))
+        The EMBED: ``addr`` (the table, resolved), ``dst``, ``n``. Taken once the token's
+        read (if any) is accepted.
+    done : Out(1)
+        One-cycle pulse: the job is finished, ``error`` holds its outcome.
+    error : Out(8)
+        :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK or BAD_ADDRESS).
+    read_cmd, read_data : the memory port's read side (the token, then the row)
+    vmem_wr_cmd, vmem_wr, vmem_wr_done, vmem_error : VMEM's span writer (one span per job)
+    vmem_rd_cmd, vmem_rd, peek_addr, peek_data, poke_en, poke_addr, poke_data : unused (idle)
+    token_is_drafted : In(1)
+        The controller's TOKEN is ``drafted_token``; else the input token at ``token_addr``.
+    drafted_token : In(16)
+    token_addr : In(64)
+        Device address of the current input token.
+    token : Out(16)
+        The last job's token.
+    """
+
+    def __init__(self, config: EngineConfig, data_width: int):
+        self.config, self.data_width = config, data_width
+        super().__init__(wiring.Signature({
+            **dict(OpSequencerSignature(config, data_width).members.items()),
+            "token_is_drafted": In(1),
+            "drafted_token": In(16),
+            "token_addr": In(64),
+            "token": Out(16),
+        }))
+
+    def elaborate(self, platform):
+        m = Module()
+        beat_bytes, beat_words = self.data_width // 8, self.data_width // 32
+        to_lines = Gearbox(beat_bytes, VMEM_LINE_BYTES)
+        flush_lines = Signal()
+        m.submodules.beats_to_lines = ResetInserter({"sync": flush_lines})(to_lines)
+
+        job = Signal(OpJob())
+        token, word = self.token, Signal(range(beat_words))
+        row_bytes = job.n * 2
+
+        def read(addr, length):
+            m.d.comb += [self.read_cmd.valid.eq(1), self.read_cmd.payload.addr.eq(addr),
+                         self.read_cmd.payload.length.eq(length)]
+
+        def finish(error):
+            m.d.comb += [self.done.eq(1), self.error.eq(error)]
+            m.next = "IDLE"
+
+        with m.FSM(name="embed"):
+            with m.State("IDLE"):
+                with m.If(self.token_is_drafted):
+                    m.d.comb += self.job.ready.eq(1)
+                    with m.If(self.job.valid):
+                        m.d.sync += [job.eq(self.job.payload), token.eq(self.drafted_token)]
+                        m.next = "SPAN"
+                with m.Else():
+                    addr = self.token_addr
+                    with m.If(self.job.valid):
+                        read(addr & ~(beat_bytes - 1), beat_bytes)
+                    m.d.comb += self.job.ready.eq(self.read_cmd.ready)
+                    with m.If(self.job.valid & self.read_cmd.ready):
+                        m.d.sync += [job.eq(self.job.payload), word.eq((addr // 4) % beat_words)]
+                        m.next = "TOKEN"
+            with m.State("TOKEN"):
+                m.d.comb += self.read_data.ready.eq(1)
+                with m.If(self.read_data.valid):
+                    m.d.sync += token.eq(self.read_data.payload.data.word_select(word, 32))
+                    m.next = "SPAN"
+            with m.State("SPAN"):
+                m.d.comb += flush_lines.eq(1)
+                m.d.comb += [self.vmem_wr_cmd.valid.eq(1), self.vmem_wr_cmd.payload.line.eq(job.dst),
+                             self.vmem_wr_cmd.payload.rows.eq(1),
+                             self.vmem_wr_cmd.payload.row_bytes.eq(row_bytes)]
+                with m.If(self.vmem_wr_cmd.ready):
+                    m.next = "READ"
+            with m.State("READ"):
+                read(job.addr + token * row_bytes, row_bytes)
+                with m.If(self.vmem_error):
+                    finish(ErrorCode.BAD_ADDRESS)
+                with m.Elif(self.read_cmd.ready):
+                    m.next = "ROW"
+            with m.State("ROW"):
+                m.d.comb += [self.vmem_wr.valid.eq(to_lines.o.valid),
+                             self.vmem_wr.payload.data.eq(to_lines.o.payload.data),
+                             to_lines.o.ready.eq(self.vmem_wr.ready),
+                             to_lines.i.valid.eq(self.read_data.valid),
+                             to_lines.i.payload.data.eq(self.read_data.payload.data),
+                             to_lines.i.payload.last.eq(self.read_data.payload.last),
+                             self.read_data.ready.eq(to_lines.i.ready)]
+                with m.If(self.vmem_error):
+                    finish(ErrorCode.BAD_ADDRESS)
+                with m.Elif(self.vmem_wr_done):
+                    finish(ErrorCode.OK)
+        return m
