@@ -13,6 +13,7 @@ from amaranth import Module, Signal, unsigned
 from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.isa import Op
 from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS
 
@@ -75,7 +76,7 @@ class OpCycleCounters(wiring.Component):
             m.d.sync += [counters.as_value().eq(0), bucket.eq(request_bucket)]
         with m.Elif(self.busy):
             with m.If(self.decode):
-                m.d.sync += [bucket.eq(decoded), counters[decoded].eq(counters[decoded] + 2)]
+                m.d.sync += [bucket.eq(decoded), counters[decoded].eq(counters[decoded] + timing.ISSUE)]
             with m.Elif(self.fetch):
                 with m.If(self.fetch_ends):
                     m.d.sync += counters[request_bucket].eq(counters[request_bucket] + 1)

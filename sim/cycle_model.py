@@ -28,7 +28,7 @@ from math import ceil, gcd
 
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
-from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words
+from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words, watchdog_budget
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
 
@@ -746,7 +746,7 @@ def estimate_request(config: EngineConfig, program: list[int], *, n_in: int, n_d
     counts = CycleCounts()
     counts.add("REQUEST", *model.request_start(n_in))
     seq = ProgramFlow([0] * n_in, start_pos, n_draft)
-    budget = (n_in + n_draft + 1) * len(program) * 256
+    budget = watchdog_budget(n_in, n_draft, len(program))
     while not seq.halted and budget:
         budget -= 1
         ins = decode(program[seq.pc])
