@@ -69,8 +69,8 @@ def cmd_compile(args) -> int:
 def cmd_presets(args) -> int:
     from dfvg_hw.spec.config import PRESETS
     for cfg in PRESETS.values():
-        print(f"{cfg.name:12s} tile {cfg.rows}x{cfg.lanes}x{cfg.reduce}  KV {cfg.kv_layers}L x "
-              f"{cfg.kv_heads}H x {cfg.kv_positions}P x {cfg.head_dim}  {cfg.clock_mhz:g} MHz  "
+        print(f"{cfg.name:12s} tile {cfg.rows}x{cfg.lanes}x{cfg.reduce}  KV {cfg.kv_slots} slots x "
+              f"{cfg.kv_positions}P x {cfg.head_dim}  {cfg.clock_mhz:g} MHz  "
               f"memory {cfg.mem_bandwidth_gbps:g} GB/s, engine port {cfg.mem_port_bits} bits = "
               f"{cfg.engine_bandwidth_gbps:g} GB/s\n{'':12s} {cfg.source}")
     return 0

@@ -99,9 +99,13 @@ def describe_model(hf_config) -> ModelShape:
 
 def check_fits(shape: ModelShape, engine: EngineConfig) -> None:
     """Raise :class:`DoesNotFit` naming the first engine limit the model exceeds."""
+    slots = shape.layers * shape.kv_heads
+    if slots > engine.kv_slots:
+        # one KV slot per (layer, KV head) pair (docs/isa.md §1.4)
+        raise DoesNotFit(f"model needs {shape.layers} layers × {shape.kv_heads} KV heads = "
+                         f"{slots} KV slots; the '{engine.name}' preset has kv_slots = "
+                         f"{engine.kv_slots}")
     limits = [
-        (shape.layers, engine.kv_layers, "layers", "kv_layers"),
-        (shape.kv_heads, engine.kv_heads, "KV heads", "kv_heads"),
         (shape.head_dim, engine.head_dim, "head_dim", "head_dim"),
         (shape.vocab, engine.vocab_max, "vocab", "vocab_max"),
     ]

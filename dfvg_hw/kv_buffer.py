@@ -1,19 +1,20 @@
 """KV buffer: on-chip K and V storage with O(1) rollback (docs/isa.md §1.4, §3.6, §3.7).
 
-Two memories, ``K`` and ``V``, each holding ``kv_layers × kv_heads × kv_positions`` entries
-of ``head_dim`` int8, built on :class:`amaranth.lib.memory.Memory` (one write port and one
-synchronous read port each, no byte enables, so they map to URAM/BRAM: at the alveo-u55c
-size each is 294 912 × 256 bit = 72 × 4 URAM288 with ``synth_xilinx -uram``).
+Two memories, ``K`` and ``V``, each holding ``kv_slots × kv_positions`` entries of
+``head_dim`` int8 (a slot is one (layer, KV head) pair; the KV sequencer maps them),
+built on :class:`amaranth.lib.memory.Memory` (one write port and one synchronous read
+port each, no byte enables, so they map to URAM/BRAM: at the alveo-u55c size each is
+294 912 × 256 bit = 72 × 4 URAM288 with ``synth_xilinx -uram``).
 
 Word width and address map: a memory word is ``word_bytes = gcd(reduce, head_dim)`` bytes
 (``reduce`` for every preset: one K-slice of the datapath), an entry is
-``words = head_dim / word_bytes`` consecutive words, and entry ``(layer, head, pos)``
-starts at word address::
+``words = head_dim / word_bytes`` consecutive words, and entry ``(slot, pos)`` starts at
+word address::
 
-    ((layer · kv_heads + head) · kv_positions + pos) · words
+    (slot · kv_positions + pos) · words
 
-so the positions of one (layer, head) are one contiguous address range, there are no
-padding holes (depth = exactly layers·heads·positions·words), and a read of positions
+so the positions of one slot are one contiguous address range, there are no padding
+holes (depth = exactly slots·positions·words), and a read of positions
 ``0 … pos`` is a single incrementing address counter.
 
 Cycles: ROLLBACK and ADVANCE take 1 cycle; APPEND 2 + 2·words (+1 trailing write, which
@@ -41,8 +42,8 @@ class KVOp(enum.Enum, shape=2):
     """KV buffer commands."""
     ROLLBACK = 0   #: ``pos := min(arg, kv_positions)`` — the request's start_pos (O(1))
     ADVANCE = 1    #: ``pos := min(pos + 1, kv_positions)`` — the controller's NEXT
-    APPEND = 2     #: write K and V of (layer, head) at ``pos``; ``arg`` = k bytes to write
-    READ = 3       #: stream K then V of (layer, head) for positions ``0 … pos``
+    APPEND = 2     #: write K and V of ``slot`` at ``pos``; ``arg`` = k bytes to write
+    READ = 3       #: stream K then V of ``slot`` for positions ``0 … pos``
 
 
 class _State(enum.Enum, shape=3):
@@ -55,13 +56,13 @@ class _State(enum.Enum, shape=3):
 
 
 class KVCommand(data.StructLayout):
-    """One command: ``op``, the (``layer``, ``head``) it addresses and ``arg``."""
+    """One command: ``op``, the ``slot`` it addresses and ``arg``. ``slot`` is wide enough
+    to hold ``kv_slots`` itself, the first slot out of range."""
 
     def __init__(self, config: EngineConfig):
         super().__init__({
             "op": KVOp,
-            "layer": unsigned(max(1, config.kv_layers.bit_length())),
-            "head": unsigned(max(1, config.kv_heads.bit_length())),
+            "slot": unsigned(config.kv_slots.bit_length()),
             "arg": unsigned(16),
         })
 
@@ -80,7 +81,7 @@ class KVReadBeat(data.StructLayout):
 
 class KVError(data.StructLayout):
     """Sticky error flags: ``overflow`` — an APPEND or READ at ``pos ≥ kv_positions``
-    (the ISA's KV_OVERFLOW); ``range`` — a layer, head or k beyond the buffer (PROGRAM)."""
+    (the ISA's KV_OVERFLOW); ``range`` — a slot or k beyond the buffer (PROGRAM)."""
 
     def __init__(self):
         super().__init__({"overflow": unsigned(1), "range": unsigned(1)})
@@ -101,8 +102,8 @@ class KVBuffer(wiring.Component):
     ``READ`` (ATTN's KV stream) emits the K words of positions ``0 … pos`` (``(pos+1)·words``
     beats, position-major), then the V words of the same positions, one beat per cycle.
 
-    Errors never corrupt: an APPEND at ``pos ≥ kv_positions`` or beyond the buffer's layers,
-    heads or head_dim still consumes its ``2·words`` data beats but writes nothing; a READ
+    Errors never corrupt: an APPEND at ``pos ≥ kv_positions``, at ``slot ≥ kv_slots`` or with
+    ``k > head_dim`` still consumes its ``2·words`` data beats but writes nothing; a READ
     in error streams nothing. Either sets its flag in ``error`` (one cycle after the command
     is accepted); flags stay set until ``clear_error``. Commands run one at a time; a READ
     frees the command port once its last address is issued.
@@ -110,7 +111,7 @@ class KVBuffer(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        ``kv_layers``, ``kv_heads``, ``kv_positions``, ``head_dim`` and ``reduce``.
+        ``kv_slots``, ``kv_positions``, ``head_dim`` and ``reduce``.
     ram_style : str or None
         ``ram_style`` attribute of both memories (Vivado and Yosys honour it); ``"auto"``
         (default) asks for URAM (``"ultra"``) from ``URAM_MIN_DEPTH`` words on, and leaves
@@ -144,7 +145,7 @@ class KVBuffer(wiring.Component):
         self.config = config
         self.word_bytes = gcd(config.reduce, config.head_dim)
         self.words = config.head_dim // self.word_bytes
-        self.depth = config.kv_layers * config.kv_heads * config.kv_positions * self.words
+        self.depth = config.kv_slots * config.kv_positions * self.words
         if ram_style == "auto":
             ram_style = "ultra" if self.depth >= self.URAM_MIN_DEPTH else None
         self.ram_style = ram_style
@@ -176,8 +177,7 @@ class KVBuffer(wiring.Component):
 
         pos = Signal(range(P + 1))
         m.d.comb += self.pos.eq(pos)
-        layer = Signal.like(self.cmd.p.layer)
-        head = Signal.like(self.cmd.p.head)
+        slot = Signal.like(self.cmd.p.slot)
         k = Signal(range(c.head_dim + 1))
         base = Signal(range(self.depth + 1))         # first word of the entry / segment
         n_words = Signal(range(P * W + 1))           # words per READ section
@@ -192,7 +192,7 @@ class KVBuffer(wiring.Component):
         bad_index = Signal()
         m.d.comb += [
             overflow.eq(pos >= P),
-            bad_index.eq((cmd.layer >= c.kv_layers) | (cmd.head >= c.kv_heads)
+            bad_index.eq((cmd.slot >= c.kv_slots)
                          | ((cmd.op == KVOp.APPEND) & (cmd.arg > c.head_dim))),
         ]
 
@@ -246,12 +246,11 @@ class KVBuffer(wiring.Component):
             v_wr.en.eq(pend_valid & pend_half & pend_mask.any()),
         ]
 
-        entry = (layer * c.kv_heads + head)
         state = Signal(_State)
         with m.If(state == _State.IDLE):
             m.d.comb += self.cmd.ready.eq(1)
             with m.If(self.cmd.valid):
-                m.d.sync += [layer.eq(cmd.layer), head.eq(cmd.head), word.eq(0), half.eq(0),
+                m.d.sync += [slot.eq(cmd.slot), word.eq(0), half.eq(0),
                              k.eq(Mux(cmd.arg > c.head_dim, c.head_dim, cmd.arg))]
                 with m.If(cmd.op == KVOp.ROLLBACK):
                     m.d.sync += pos.eq(Mux(cmd.arg > P, P, cmd.arg))
@@ -268,7 +267,7 @@ class KVBuffer(wiring.Component):
                 with m.Else():                              # READ
                     m.d.sync += state.eq(_State.READ_SETUP)
         with m.Elif(state == _State.APPEND_SETUP):
-            m.d.sync += base.eq(entry * (P * W) + pos * W)
+            m.d.sync += base.eq(slot * (P * W) + pos * W)
             with m.If(~self.rdata.valid):          # the read port is needed for the merge
                 m.d.sync += state.eq(_State.APPEND)
         with m.Elif(state == _State.APPEND):
@@ -286,7 +285,7 @@ class KVBuffer(wiring.Component):
                 with m.If(word == 2 * W - 1):
                     m.d.sync += state.eq(_State.IDLE)
         with m.Elif(state == _State.READ_SETUP):
-            m.d.sync += [base.eq(entry * (P * W)), n_words.eq((pos + 1) * W)]
+            m.d.sync += [base.eq(slot * (P * W)), n_words.eq((pos + 1) * W)]
             m.d.sync += state.eq(_State.READ)
         with m.Elif(state == _State.READ):
             m.d.comb += issuing.eq(1)

@@ -7,23 +7,29 @@ its registers, never the memories) — and the :class:`~dfvg_hw.attention.Attent
 Every job first sets the buffer's position register to the job's ``pos`` (ROLLBACK),
 since the controller's POS register is the one source of truth.
 
+**Slots.** The buffer holds ``kv_slots`` (layer, KV head) pairs; KV head ``h`` of layer
+``layer`` is slot ``layer · G + h``, where ``G`` is the job's own KV-head count: KVAPPEND's
+``n``, ATTN's ``G`` word. A job whose slots ``layer · G … (layer + 1) · G − 1`` do not all
+exist faults PROGRAM; ``(layer + 1) · G`` is a small multiply (``G ≤ kv_slots`` first).
+
 **KVAPPEND** (``rows = 1``; ``n`` KV heads of ``k`` int8 for K, then the same for V, in one
-VMEM row at ``src``). Checks in the model's order: ``rows ≠ 1``; ``layer ≥ kv_layers``,
-``n > kv_heads`` or ``k > head_dim`` (PROGRAM); ``pos ≥ kv_positions`` (KV_OVERFLOW); the
+VMEM row at ``src``). Checks in the model's order: ``rows ≠ 1``; ``(layer + 1) · n >
+kv_slots`` or ``k > head_dim`` (PROGRAM); ``pos ≥ kv_positions`` (KV_OVERFLOW); the
 ``2·n·k``-byte row outside VMEM (BAD_ADDRESS). Then per head ``h`` the K bytes at
-``h·k`` and the V bytes at ``n·k + h·k`` are gathered and appended at (layer, h, pos);
-bytes ``k … head_dim − 1`` of the entry keep their contents.
+``h·k`` and the V bytes at ``n·k + h·k`` are gathered and appended at slot
+``layer · n + h``, position ``pos``; bytes ``k … head_dim − 1`` of the entry keep their
+contents.
 
 **ATTN** (``rows = 1``; ``n`` query heads of ``k`` int8 at ``src``). Checks: ``rows ≠ 1``;
-``layer ≥ kv_layers`` or ``k > head_dim`` (PROGRAM); ``pos ≥ kv_positions``
-(KV_OVERFLOW); the 16-byte parameter block at ``addr`` (past device memory: the memory
-port refuses it, BAD_ADDRESS through the controller's reset); its ``G = kv_heads`` word
-outside ``1 … cfg.kv_heads`` or not dividing ``n`` (PROGRAM; ``n / G`` by a 16-step
-divider); ``q`` or the output (``n·k`` bytes, ``2·n·k`` with WIDE) outside VMEM
-(BAD_ADDRESS). Then per head ``h``: gather ``q[h]`` (zero past ``k``, so the stale bytes
-``k …`` of a KV entry add nothing to a score), stream KV head ``h // (n / G)``, positions
-``0 … pos``, through the attention unit (K words packed into rows, then V rows), and
-scatter the ``k`` outputs (int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``.
+``k > head_dim`` (PROGRAM); ``pos ≥ kv_positions`` (KV_OVERFLOW); the 16-byte parameter
+block at ``addr`` (past device memory: the memory port refuses it, BAD_ADDRESS through
+the controller's reset); its ``G = kv_heads`` word 0, ``(layer + 1) · G > kv_slots`` or
+``G`` not dividing ``n`` (PROGRAM; ``n / G`` by a 16-step divider); ``q`` or the output
+(``n·k`` bytes, ``2·n·k`` with WIDE) outside VMEM (BAD_ADDRESS). Then per head ``h``:
+gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add nothing to
+a score), stream slot ``layer · G + h // (n / G)``, positions ``0 … pos``, through the
+attention unit (K words packed into rows, then V rows), and scatter the ``k`` outputs
+(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``.
 
 **Clear.** ``clear`` (the controller's soft reset; the functional model zeroes KV there)
 writes zeros over every entry: APPENDs of all-zero entries, position by position. It is
@@ -37,7 +43,7 @@ including the parameter read (n = 4, k = 16: 293 at T = 1, 533 at T = 16, 1301 a
 T = 64). The KV buffer streams one word per cycle, so a head spends ``W`` cycles per
 position on K and again on V where the attention unit could take a row per cycle (its
 own ``2·T + ceil(log2 D) + 45``); heads run one after the other. Clear: about
-``kv_positions · (1 + kv_layers · kv_heads · (2·W + 3))`` (tiny: ~1.9k).
+``kv_positions · (1 + kv_slots · (2·W + 3))`` (tiny: ~1.9k).
 """
 
 from __future__ import annotations
@@ -72,8 +78,8 @@ class KvSequencer(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        KV geometry (``kv_layers``, ``kv_heads``, ``kv_positions``, ``head_dim``,
-        ``reduce``), ``vmem_bytes``.
+        KV geometry (``kv_slots``, ``kv_positions``, ``head_dim``, ``reduce``),
+        ``vmem_bytes``.
     data_width : int
         Memory bus width in bits.
 
@@ -130,14 +136,13 @@ class KvSequencer(wiring.Component):
         in_offset, out_offset = Signal(32), Signal(32)
         # ATTN parameters and the GQA mapping
         mult, shift, groups = Signal(16), Signal(6), Signal(32)
-        g_bits = c.kv_heads.bit_length()
+        g_bits = c.kv_slots.bit_length()    # G ≤ kv_slots once checked
         dividend, quotient = Signal(N_BITS), Signal(N_BITS)
         remainder = Signal(g_bits)
         steps = Signal(range(N_BITS))
-        kv_head = Signal(g_bits)
         in_group = Signal(N_BITS)           # query heads of the current group so far
-        # KV buffer command registers (shared by KVAPPEND and clear)
-        kv_layer = Signal.like(kv.cmd.payload.layer)
+        # KV buffer command registers (shared by KVAPPEND, ATTN and clear)
+        kv_slot = Signal.like(kv.cmd.payload.slot)
         kv_arg = Signal(16)
         entry = Signal(16 * D)              # K bytes, then V bytes, of one entry
         word = Signal(range(2 * W))
@@ -177,7 +182,7 @@ class KvSequencer(wiring.Component):
 
         def kv_command(op, **fields):
             """Comb statements offering KV-buffer command ``op`` with the given payload
-            ``fields`` (``layer``, ``head``, ``arg``); fields not given stay 0. The state
+            ``fields`` (``slot``, ``arg``); fields not given stay 0. The state
             moves on when ``kv.cmd.ready`` is high."""
             return [kv.cmd.valid.eq(1), kv.cmd.payload.op.eq(op),
                     *(getattr(kv.cmd.payload, name).eq(value) for name, value in fields.items())]
@@ -193,7 +198,7 @@ class KvSequencer(wiring.Component):
                 m.d.comb += self.job.ready.eq(~clear_pending)
                 with m.If(clear_pending):
                     m.d.sync += [clear_pending.eq(self.clear), clearing_kv.eq(1), clear_pos.eq(0),
-                                 kv_layer.eq(0), kv_head.eq(0), kv_arg.eq(D), entry.eq(0)]
+                                 kv_slot.eq(0), kv_arg.eq(D), entry.eq(0)]
                     m.next = "CLEAR_POS"
                 with m.Elif(self.job.valid):
                     p = self.job.payload
@@ -204,14 +209,15 @@ class KvSequencer(wiring.Component):
                     m.next = "CHECK"
             with m.State("CHECK"):
                 appending = job.opcode == Op.KVAPPEND
-                m.d.sync += [head.eq(0), in_offset.eq(0), out_offset.eq(0), kv_head.eq(0),
-                             in_group.eq(0), kv_layer.eq(job.layer), kv_arg.eq(job.k)]
+                # KVAPPEND's slots layer · n … (layer + 1) · n − 1 (ATTN's wait for G)
+                slots_over = (job.n > c.kv_slots) | ((job.layer + 1) * job.n[:g_bits] > c.kv_slots)
+                m.d.sync += [head.eq(0), in_offset.eq(0), out_offset.eq(0), in_group.eq(0),
+                             kv_slot.eq(job.layer[:g_bits] * job.n[:g_bits]), kv_arg.eq(job.k)]
                 with m.If(~appending & (job.opcode != Op.ATTN)):
                     finish(ErrorCode.PROGRAM)
                 with m.Elif(job.rows != 1):
                     finish(ErrorCode.PROGRAM)
-                with m.Elif((job.layer >= c.kv_layers) | (job.k > D)
-                            | (appending & (job.n > c.kv_heads))):
+                with m.Elif((job.k > D) | (appending & slots_over)):
                     finish(ErrorCode.PROGRAM)
                 with m.Elif(job.pos >= c.kv_positions):
                     finish(ErrorCode.KV_OVERFLOW)
@@ -237,9 +243,11 @@ class KvSequencer(wiring.Component):
                                  dividend.eq(job.n), quotient.eq(0), remainder.eq(0), steps.eq(0)]
                     m.next = "GROUPS"
             with m.State("GROUPS"):
-                with m.If((groups == 0) | (groups > c.kv_heads)):
+                with m.If((groups == 0) | (groups > c.kv_slots)
+                          | ((job.layer + 1) * groups[:g_bits] > c.kv_slots)):
                     finish(ErrorCode.PROGRAM)
                 with m.Else():
+                    m.d.sync += kv_slot.eq(job.layer[:g_bits] * groups[:g_bits])
                     m.next = "DIVIDE"
             with m.State("DIVIDE"):             # n / G, one quotient bit per cycle
                 partial = Cat(dividend[-1], remainder)
@@ -282,7 +290,7 @@ class KvSequencer(wiring.Component):
                     m.d.sync += entry[8 * D:].eq(window.data[:8 * D])
                     m.next = "APPEND"
             with m.State("APPEND"):             # also a clear's entry
-                m.d.comb += kv_command(KVOp.APPEND, layer=kv_layer, head=kv_head, arg=kv_arg)
+                m.d.comb += kv_command(KVOp.APPEND, slot=kv_slot, arg=kv_arg)
                 with m.If(kv.cmd.ready):
                     m.d.sync += word.eq(0)
                     m.next = "APPEND_DATA"
@@ -297,8 +305,9 @@ class KvSequencer(wiring.Component):
                 with m.If(clearing_kv):
                     m.next = "CLEAR_NEXT"
                 with m.Else():
-                    m.d.sync += [kv_head.eq(kv_head + 1), in_offset.eq(in_offset + job.k)]
-                    with m.If(kv_head + 1 == job.n):
+                    m.d.sync += [kv_slot.eq(kv_slot + 1), head.eq(head + 1),
+                                 in_offset.eq(in_offset + job.k)]
+                    with m.If(head + 1 == job.n):
                         finish(ErrorCode.OK)
                     with m.Else():
                         m.next = "GATHER_K"
@@ -310,7 +319,7 @@ class KvSequencer(wiring.Component):
                 with m.If(window.done):
                     m.next = "READ_KV"
             with m.State("READ_KV"):
-                m.d.comb += kv_command(KVOp.READ, layer=kv_layer, head=kv_head)
+                m.d.comb += kv_command(KVOp.READ, slot=kv_slot)
                 with m.If(kv.cmd.ready):
                     m.d.sync += v_phase.eq(0)
                     m.next = "QUERY"
@@ -334,7 +343,7 @@ class KvSequencer(wiring.Component):
                                  out_offset.eq(out_offset + out_head_bytes),
                                  in_group.eq(in_group + 1)]
                     with m.If(in_group + 1 == quotient):       # next KV head's group
-                        m.d.sync += [in_group.eq(0), kv_head.eq(kv_head + 1)]
+                        m.d.sync += [in_group.eq(0), kv_slot.eq(kv_slot + 1)]
                     with m.If(head + 1 == job.n):
                         finish(ErrorCode.OK)
                     with m.Else():
@@ -346,16 +355,14 @@ class KvSequencer(wiring.Component):
                 with m.If(kv.cmd.ready):
                     m.next = "APPEND"
             with m.State("CLEAR_NEXT"):
-                m.d.sync += kv_head.eq(kv_head + 1)
+                m.d.sync += kv_slot.eq(kv_slot + 1)
                 m.next = "APPEND"
-                with m.If(kv_head == c.kv_heads - 1):
-                    m.d.sync += [kv_head.eq(0), kv_layer.eq(kv_layer + 1)]
-                    with m.If(kv_layer == c.kv_layers - 1):
-                        m.d.sync += [kv_layer.eq(0), clear_pos.eq(clear_pos + 1)]
-                        m.next = "CLEAR_POS"
-                        with m.If(clear_pos == c.kv_positions - 1):
-                            m.d.sync += clearing_kv.eq(0)
-                            m.next = "IDLE"
+                with m.If(kv_slot == c.kv_slots - 1):
+                    m.d.sync += [kv_slot.eq(0), clear_pos.eq(clear_pos + 1)]
+                    m.next = "CLEAR_POS"
+                    with m.If(clear_pos == c.kv_positions - 1):
+                        m.d.sync += clearing_kv.eq(0)
+                        m.next = "IDLE"
 
             with m.State("DONE"):
                 m.d.comb += self.done.eq(1)

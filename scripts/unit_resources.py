@@ -102,8 +102,8 @@ def estimate(cfg: EngineConfig, names: list[str], matrix_lanes: int | None, log)
 
 def format_table(cfg: EngineConfig, reports: list[UnitReport]) -> str:
     lines = [f"RTL units at the {cfg.name} preset (rows {cfg.rows}, lanes {cfg.lanes}, reduce "
-             f"{cfg.reduce}, head_dim {cfg.head_dim}, KV {cfg.kv_layers}×{cfg.kv_heads}×"
-             f"{cfg.kv_positions}, top-k {cfg.topk_max}); Yosys synth_xilinx -family xcup estimates",
+             f"{cfg.reduce}, head_dim {cfg.head_dim}, KV {cfg.kv_slots} slots × "
+             f"{cfg.kv_positions} positions, top-k {cfg.topk_max}); Yosys synth_xilinx -family xcup estimates",
              f"{'unit':<16} " + " ".join(f"{r:>9}" for r in RESOURCES) + "  latency (cycles)"]
     for rep in reports:
         cells = " ".join(f"{rep.counts[r]:>9,.1f}" if rep.counts[r] % 1 else f"{int(rep.counts[r]):>9,}"

@@ -46,7 +46,8 @@ class FunctionalEngine:
     memory : DeviceMemory
         Device memory holding images, programs and descriptors.
     kv_k, kv_v : numpy.ndarray
-        The on-chip KV buffers, int8 ``[kv_layers, kv_heads, kv_positions, head_dim]``.
+        The on-chip KV buffers, int8 ``[kv_slots, kv_positions, head_dim]``; layer ``l``'s
+        KV head ``h`` is slot ``l · G + h`` for the instruction's KV-head count ``G``.
     vmem : numpy.ndarray
         The activation scratchpad, ``vmem_bytes`` bytes.
     logits : numpy.ndarray or None
@@ -59,7 +60,7 @@ class FunctionalEngine:
     def __init__(self, config: EngineConfig, memory: DeviceMemory | None = None):
         self.config = config
         self.memory = memory if memory is not None else DeviceMemory(config.mem_bytes)
-        shape = (config.kv_layers, config.kv_heads, config.kv_positions, config.head_dim)
+        shape = (config.kv_slots, config.kv_positions, config.head_dim)
         self.kv_k = np.zeros(shape, dtype=np.int8)
         self.kv_v = np.zeros(shape, dtype=np.int8)
         self.vmem = np.zeros(config.vmem_bytes, dtype=np.uint8)
@@ -223,11 +224,11 @@ class FunctionalEngine:
             y = nx.rope(x, table[:, 0], table[:, 1])
             self._vstore(ins.dst, y.reshape(rows, -1), np.int8)
         elif op == Op.KVAPPEND:
-            self._check_kv(ins, st.layer)
+            slot = self._check_kv(ins, st.layer, ins.n)
             self._check_pos(st.pos)
             kv = self._vload(ins.src, 1, 2 * ins.n * ins.k, np.int8).reshape(2, ins.n, ins.k)
-            self.kv_k[st.layer, :ins.n, st.pos, :ins.k] = kv[0]
-            self.kv_v[st.layer, :ins.n, st.pos, :ins.k] = kv[1]
+            self.kv_k[slot:slot + ins.n, st.pos, :ins.k] = kv[0]
+            self.kv_v[slot:slot + ins.n, st.pos, :ins.k] = kv[1]
         elif op == Op.ATTN:
             self._attention(ins, st, addr)
         elif op == Op.ACTMUL:
@@ -270,12 +271,13 @@ class FunctionalEngine:
             self.logits = nx.requant(acc[0], mult, shift, nx.LOGIT_BITS).astype(np.int16)
 
     def _attention(self, ins: Instruction, st: ProgramFlow, addr: int) -> None:
-        self._check_kv(ins, st.layer)
+        self._check_kv(ins, st.layer, 0)        # k only: the KV-head count is in the block
         self._check_pos(st.pos)
         head = self._dram(addr, ATTN_PARAM_BYTES).view("<u4")
         mult, shift, kv_heads = int(head[0]) & 0xFFFF, (int(head[0]) >> 16) & 0x3F, int(head[1])
-        if not 1 <= kv_heads <= self.config.kv_heads or ins.n % kv_heads:
+        if kv_heads < 1 or ins.n % kv_heads:
             raise EngineFault(ErrorCode.PROGRAM, f"ATTN with {ins.n} heads over {kv_heads} KV heads")
+        slot = self._check_kv(ins, st.layer, kv_heads)
         group = ins.n // kv_heads
         q = self._vload(ins.src, 1, ins.n * ins.k, np.int8).reshape(ins.n, ins.k)
         t = st.pos + 1
@@ -283,8 +285,8 @@ class FunctionalEngine:
         bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
         for hd in range(ins.n):
             kvh = hd // group
-            out[hd] = nx.attention(q[hd], self.kv_k[st.layer, kvh, :t, :ins.k],
-                                   self.kv_v[st.layer, kvh, :t, :ins.k], mult, shift, bits)
+            out[hd] = nx.attention(q[hd], self.kv_k[slot + kvh, :t, :ins.k],
+                                   self.kv_v[slot + kvh, :t, :ins.k], mult, shift, bits)
         self._vstore(ins.dst, out.reshape(1, -1), dtype)
 
     def _sample(self, ins: Instruction, h: dict, index: int) -> DraftedToken:
@@ -341,13 +343,15 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.KV_OVERFLOW, f"position {pos} ≥ KV capacity "
                               f"{self.config.kv_positions}")
 
-    def _check_kv(self, ins: Instruction, layer: int) -> None:
+    def _check_kv(self, ins: Instruction, layer: int, kv_heads: int) -> int:
+        """The first KV slot of ``layer`` with ``kv_heads`` KV heads, ``layer · kv_heads``
+        (docs/isa.md §1.4); PROGRAM when its slots or ``k`` lie beyond the KV buffer."""
         c = self.config
-        heads_over = ins.opcode == Op.KVAPPEND and ins.n > c.kv_heads
-        if layer >= c.kv_layers or heads_over or ins.k > c.head_dim:
+        if (layer + 1) * kv_heads > c.kv_slots or ins.k > c.head_dim:
             raise EngineFault(ErrorCode.PROGRAM, f"{ins.opcode.name} at layer {layer} with "
-                              f"{ins.n} heads × {ins.k} exceeds the KV buffer ({c.kv_layers} "
-                              f"layers × {c.kv_heads} heads × head_dim {c.head_dim})")
+                              f"{kv_heads} KV heads × {ins.k} exceeds the KV buffer "
+                              f"({c.kv_slots} slots × head_dim {c.head_dim})")
+        return layer * kv_heads
 
     def _invalidate(self, addr: int, nbytes: int) -> None:
         for key in [key for key, v in self._weights.items()

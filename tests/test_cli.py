@@ -51,7 +51,8 @@ def test_model_that_does_not_fit_names_the_limit(tmp_path):
     make_tiny_llama(tmp_path / "m", layers=3)
     line = error_line(dfvg("compile", "--draft", tmp_path / "m", "--preset", "tiny", "-o",
                            tmp_path / "o", "--random-weights"))
-    assert "layers 3 exceeds the 'tiny' preset's kv_layers = 2" in line
+    assert ("model needs 3 layers × 2 KV heads = 6 KV slots; the 'tiny' preset has "
+            "kv_slots = 4") in line
 
 
 def test_embedding_rows_must_fill_memory_beats(tmp_path):

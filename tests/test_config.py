@@ -18,6 +18,15 @@ def test_board_presets_are_memory_bound_for_chains():
         assert cfg.lanes * cfg.reduce >= cfg.mem_bytes_per_cycle
 
 
+def test_kv_capacity_is_counted_in_slots():
+    """A slot is one (layer, KV head) pair: the presets keep the capacity they had as
+    layers × heads (u55c: 12 × 12 = 144 slots, the 18.9 MB its source names)."""
+    slots = {"tiny": 4, "alveo-u55c": 144, "alveo-u280": 144, "alveo-u250": 144,
+             "nitefury": 24, "litefury": 4}
+    assert {name: get_preset(name).kv_slots for name in slots} == slots
+    assert get_preset("alveo-u55c").kv_bytes == 2 * 144 * 1024 * 64
+
+
 def test_unknown_preset_lists_known_ones():
     with pytest.raises(ConfigError, match="known presets: tiny, alveo-u55c"):
         get_preset("alveo-v80")
@@ -32,6 +41,8 @@ def test_unknown_preset_lists_known_ones():
     (dict(vmem_bytes=100), "vmem_bytes"),
     (dict(rows=0), "rows"),
     (dict(clock_mhz=0), "clock_mhz"),
+    (dict(kv_slots=0), "kv_slots"),
+    (dict(kv_slots=1 << 16), "kv_slots"),
 ])
 def test_invalid_combinations_name_the_parameter(change, param):
     with pytest.raises(ConfigError, match=f"{param} = "):

@@ -33,6 +33,31 @@ def test_driver_results_equal_the_functional_model(tiny_engine, tiny_compiled):
     assert again.ids == out.ids[1:]
 
 
+def test_more_layers_than_kv_heads_fill_the_kv_slots(tmp_path, tiny_engine):
+    """4 layers × 1 KV head: twice tiny's old kv_layers = 2, in its 4 KV slots (layer l's
+    head in slot l). Teacher-forced on the sim device, the engine follows the float model,
+    and each layer's KV is in its own slot."""
+    import numpy as np
+    import torch
+    from dfvg_host.compiler import compile_draft, load_model
+    from dfvg_host.fixtures import make_tiny_llama
+
+    model_dir = make_tiny_llama(tmp_path / "deep", layers=4, heads=2, kv_heads=1, seed=3)
+    compiled = compile_draft(model_dir, tiny_engine)
+    device = SimDevice(tiny_engine)
+    dev = DraftDevice(device, compiled)
+    ids = PROMPT + [11, 200, 31, 8, 150, 64, 90, 23, 17, 5, 250, 120, 77, 3, 9, 44]
+    got = []
+    for i, t in enumerate(ids):
+        dev.rollback(i)
+        got.append(dev.draft([t], 1).ids[0])
+    with torch.no_grad():
+        ref = load_model(model_dir)(torch.tensor([ids])).logits[0].numpy().argmax(-1)
+    assert np.mean(np.array(got) == ref) >= 0.75
+    kv = device.engine.kv_k[:, :len(ids)]
+    assert all(kv[s].any() for s in range(4)) and not (kv[0] == kv[1]).all()
+
+
 def test_rollback_is_bounded(tiny_compiled):
     dev = DraftDevice.open("sim://tiny", tiny_compiled)
     dev.draft(PROMPT, 2)

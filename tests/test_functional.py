@@ -159,6 +159,9 @@ def run_program(tiny_engine, tiny_compiled, program, request):
     (lambda p: p[:17] + [encode(Instruction(Op.NOP))] + p[18:], "no SAMPLE ran"),
     # ROPE over an odd head dimension
     (lambda p: p[:4] + [encode(Instruction(Op.ROPE, rows=1, n=2, k=15))] + p[5:], "odd head dimension"),
+    # KVAPPEND of 3 KV heads: layer 0 fills slots 0 … 2, layer 1 would need 3 … 5 of 4
+    (lambda p: p[:6] + [encode(Instruction(Op.KVAPPEND, rows=1, src=10, n=3, k=16))] + p[7:],
+     "KVAPPEND at layer 1 with 3 KV heads × 16 exceeds the KV buffer (4 slots"),
 ])
 def test_malformed_programs_fault_cleanly(tiny_engine, tiny_compiled, mutate, message):
     from dfvg_hw.spec.isa import decode

@@ -43,9 +43,11 @@ class EngineConfig:
     acc_bits : int
         Accumulator width of the matrix unit (int8 weights and activations, an int16
         residual stream: :mod:`dfvg_hw.spec.numerics` fixes those).
-    kv_layers, kv_heads, kv_positions, head_dim : int
-        On-chip KV capacity: layers × KV heads × positions, each entry ``head_dim`` int8
-        for K and the same for V.
+    kv_slots, kv_positions, head_dim : int
+        On-chip KV capacity: slots × positions, each entry ``head_dim`` int8 for K and the
+        same for V. A slot holds one (layer, KV head) pair of the model: layer ``l``'s KV
+        head ``h`` lives in slot ``l · n_kv_heads + h`` (docs/isa.md §1.4), so any model
+        with ``layers · kv_heads ≤ kv_slots`` fits, however it splits the product.
     vocab_max : int
         Largest vocabulary the token sampler streams.
     topk_max : int
@@ -75,8 +77,7 @@ class EngineConfig:
     rows: int
     lanes: int
     reduce: int
-    kv_layers: int
-    kv_heads: int
+    kv_slots: int
     kv_positions: int
     head_dim: int
     vocab_max: int
@@ -121,7 +122,7 @@ class EngineConfig:
     @property
     def kv_bytes(self) -> int:
         """On-chip KV storage: K and V, int8."""
-        return 2 * self.kv_layers * self.kv_heads * self.kv_positions * self.head_dim
+        return 2 * self.kv_slots * self.kv_positions * self.head_dim
 
     def with_changes(self, **changes) -> "EngineConfig":
         """A copy with some parameters changed (validated like any other config)."""
@@ -137,7 +138,7 @@ class EngineConfig:
                 raise ConfigError(f"engine config {self.name!r}: {param} = "
                                   f"{getattr(self, param)!r}: {why}")
 
-        for p in ("rows", "lanes", "reduce", "kv_layers", "kv_heads", "kv_positions",
+        for p in ("rows", "lanes", "reduce", "kv_slots", "kv_positions",
                   "head_dim", "vocab_max", "topk_max", "vmem_bytes", "imem_words", "mem_bytes"):
             need(isinstance(getattr(self, p), int) and getattr(self, p) > 0, p,
                  "must be a positive integer")
@@ -154,6 +155,8 @@ class EngineConfig:
         need(self.head_dim % VMEM_LINE_BYTES == 0, "head_dim",
              f"must be a multiple of the {VMEM_LINE_BYTES}-byte VMEM line (RoPE pairs and KV "
              "rows are line-aligned)")
+        need(self.kv_slots <= 65535, "kv_slots", "at most 65535 slots (16-bit LAYER and head "
+             "counts)")
         need(self.kv_positions <= 65535, "kv_positions", "at most 65535 positions (16-bit position counters)")
         need(self.vocab_max <= 65535, "vocab_max", "token ids are 16-bit in the ISA's n field")
         need(self.topk_max <= 64, "topk_max", "the sampler keeps at most 64 candidates")
@@ -180,14 +183,14 @@ PRESETS: dict[str, EngineConfig] = {
     cfg.name: cfg for cfg in [
         EngineConfig(
             name="tiny", rows=2, lanes=4, reduce=8,
-            kv_layers=2, kv_heads=2, kv_positions=64, head_dim=16,
+            kv_slots=4, kv_positions=64, head_dim=16,
             vocab_max=512, topk_max=4, vmem_bytes=4096, imem_words=256,
             clock_mhz=100.0, mem_bandwidth_gbps=1.6, mem_latency_ns=100.0, mem_bytes=1 << 24,
             source="small enough to simulate the RTL in tests; 100 MHz and one 128-bit "
                    "100 MHz AXI port (1.6 GB/s) are nominal, not a board"),
         EngineConfig(
             name="alveo-u55c", rows=8, lanes=64, reduce=32,
-            kv_layers=12, kv_heads=12, kv_positions=1024, head_dim=64,
+            kv_slots=144, kv_positions=1024, head_dim=64,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=300.0, mem_bytes=16 * GiB,
             mem_port_bits=256,
@@ -196,7 +199,7 @@ PRESETS: dict[str, EngineConfig] = {
                    "300 MHz as in the DFVG paper"),
         EngineConfig(
             name="alveo-u280", rows=8, lanes=64, reduce=32,
-            kv_layers=12, kv_heads=12, kv_positions=1024, head_dim=64,
+            kv_slots=144, kv_positions=1024, head_dim=64,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=300.0, mem_bytes=8 * GiB,
             mem_port_bits=256,
@@ -204,7 +207,7 @@ PRESETS: dict[str, EngineConfig] = {
                    "unused), 9024 DSP, 960 URAM; 300 MHz"),
         EngineConfig(
             name="alveo-u250", rows=8, lanes=32, reduce=32,
-            kv_layers=12, kv_heads=12, kv_positions=1024, head_dim=64,
+            kv_slots=144, kv_positions=1024, head_dim=64,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=77.0, mem_latency_ns=250.0, mem_bytes=64 * GiB,
             mem_port_bits=256,
@@ -213,26 +216,26 @@ PRESETS: dict[str, EngineConfig] = {
                    "(32 x 32) while staying memory-bound for chains"),
         EngineConfig(
             name="nitefury", rows=2, lanes=16, reduce=8,
-            kv_layers=2, kv_heads=12, kv_positions=256, head_dim=64,
+            kv_slots=24, kv_positions=256, head_dim=64,
             vocab_max=32000, topk_max=16, vmem_bytes=1 << 17, imem_words=2048,
             clock_mhz=125.0, mem_bandwidth_gbps=1.6, mem_latency_ns=250.0, mem_bytes=1 * GiB,
             mem_port_bits=128,
             source="NiteFury II M.2 card (XC7A200T, DS180: 740 DSP48E1, 365 BRAM36, no URAM): "
                    "1 GiB x16 DDR3 at 800 MT/s = 1.6 GB/s peak (RHS Research's Nitefury-II "
                    "MIG project: 400 MHz, 4:1, 128-bit AXI = the memory port), PCIe Gen2 x4. "
-                   "Tile 2x16x8 (256 MACs) and a LLaMA-68M-shaped KV (2 layers x 12 heads x "
-                   "256 positions x 64) in block RAM (192 BRAM36); 125 MHz, an Artix-7 -2 "
+                   "Tile 2x16x8 (256 MACs) and a LLaMA-68M-sized KV (24 slots = 2 layers x 12 "
+                   "KV heads, x 256 positions x 64) in block RAM (192 BRAM36); 125 MHz, an Artix-7 -2 "
                    "target, not yet met in Vivado"),
         EngineConfig(
             name="litefury", rows=2, lanes=4, reduce=8,
-            kv_layers=2, kv_heads=2, kv_positions=512, head_dim=64,
+            kv_slots=4, kv_positions=512, head_dim=64,
             vocab_max=4096, topk_max=8, vmem_bytes=1 << 15, imem_words=1024,
             clock_mhz=100.0, mem_bandwidth_gbps=1.6, mem_latency_ns=250.0, mem_bytes=512 << 20,
             mem_port_bits=128,
             source="LiteFury M.2 card (XC7A100T, DS180: 240 DSP48E1, 135 BRAM36, no URAM): "
                    "512 MiB x16 DDR3 at 800 MT/s = 1.6 GB/s peak (RHS Research's MIG project), "
                    "PCIe Gen2 x4. The tiny tile (2x4x8) and a KV the size of the demo draft "
-                   "(2 layers x 2 heads x 512 positions x 64, 64 BRAM36); 100 MHz"),
+                   "(4 slots = 2 layers x 2 KV heads, x 512 positions x 64, 64 BRAM36); 100 MHz"),
     ]
 }
 

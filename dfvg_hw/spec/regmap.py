@@ -20,8 +20,9 @@ __all__ = ["Reg", "Control", "Status", "Irq", "ENGINE_ID", "ENGINE_VERSION", "Me
            "op_cycles_offset"]
 
 ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
-#: Engine version: major (ISA / descriptor / image format) << 16 | minor.
-ENGINE_VERSION = (IMAGE_VERSION << 16) | 0
+#: Engine version: major (ISA / descriptor / image format) << 16 | minor. Minor 1: KV
+#: capacity in slots (P_KV_SLOTS replaces P_KV_LAYERS and P_KV_HEADS).
+ENGINE_VERSION = (IMAGE_VERSION << 16) | 1
 
 
 class Reg(enum.IntEnum):
@@ -32,8 +33,8 @@ class Reg(enum.IntEnum):
     P_ROWS = 0x010
     P_LANES = 0x014
     P_REDUCE = 0x018
-    P_KV_LAYERS = 0x01C
-    P_KV_HEADS = 0x020
+    P_KV_SLOTS = 0x01C
+    # 0x020 is unmapped (P_KV_HEADS before version 1.1)
     P_KV_POSITIONS = 0x024
     P_HEAD_DIM = 0x028
     P_VOCAB_MAX = 0x02C
@@ -101,7 +102,7 @@ class Irq(enum.IntFlag):
 
 PARAM_REGS = {
     Reg.P_ROWS: "rows", Reg.P_LANES: "lanes", Reg.P_REDUCE: "reduce",
-    Reg.P_KV_LAYERS: "kv_layers", Reg.P_KV_HEADS: "kv_heads", Reg.P_KV_POSITIONS: "kv_positions",
+    Reg.P_KV_SLOTS: "kv_slots", Reg.P_KV_POSITIONS: "kv_positions",
     Reg.P_HEAD_DIM: "head_dim", Reg.P_VOCAB_MAX: "vocab_max", Reg.P_TOPK_MAX: "topk_max",
     Reg.P_VMEM_BYTES: "vmem_bytes", Reg.P_IMEM_WORDS: "imem_words",
 }

@@ -1,9 +1,9 @@
 """KV buffer RTL against a numpy model of the functional engine's ``kv_k`` / ``kv_v``.
 
 The model is ``FunctionalEngine``'s KV semantics (sim/functional.py, docs/isa.md §1.4,
-§3.6–3.7): KVAPPEND writes ``kv[layer, head, POS, :k]``; ATTN reads positions
-``0 … POS``; ``POS ≥ kv_positions`` is an overflow that writes nothing; rollback is just
-setting POS (the request's start_pos).
+§3.6–3.7): KVAPPEND writes ``kv[slot, POS, :k]``; ATTN reads positions ``0 … POS``;
+``POS ≥ kv_positions`` is an overflow and ``slot ≥ kv_slots`` a range error, either of
+which writes nothing; rollback is just setting POS (the request's start_pos).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from sim.testbench import run_simulation, stream_get, stream_put, watchdog
 TINY = get_preset("tiny")
 CONFIGS = {
     "tiny": TINY,                                                    # 8-byte words, 2 per entry
-    "l3h3p20d32": TINY.with_changes(kv_layers=3, kv_heads=3, kv_positions=20, head_dim=32,
-                                    reduce=16),                      # non-power-of-two map
-    "l1h5p7r4": TINY.with_changes(kv_layers=1, kv_heads=5, kv_positions=7, reduce=4),
+    "s9p20d32": TINY.with_changes(kv_slots=9, kv_positions=20, head_dim=32,
+                                  reduce=16),                        # non-power-of-two map
+    "s5p7r4": TINY.with_changes(kv_slots=5, kv_positions=7, reduce=4),
 }
-ONE_POSITION = TINY.with_changes(kv_layers=1, kv_heads=1, kv_positions=1)
+ONE_POSITION = TINY.with_changes(kv_slots=1, kv_positions=1)
 
 
 class KVModel:
@@ -34,7 +34,7 @@ class KVModel:
 
     def __init__(self, cfg, word_bytes):
         self.cfg, self.wb = cfg, word_bytes
-        shape = (cfg.kv_layers, cfg.kv_heads, cfg.kv_positions, cfg.head_dim)
+        shape = (cfg.kv_slots, cfg.kv_positions, cfg.head_dim)
         self.k, self.v = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
         self.pos = 0
         self.overflow = self.range = 0
@@ -45,26 +45,26 @@ class KVModel:
     def advance(self):
         self.pos = min(self.pos + 1, self.cfg.kv_positions)
 
-    def _check(self, layer, head, k=0):
+    def _check(self, slot, k=0):
         c = self.cfg
         ovf = self.pos >= c.kv_positions
-        rng = layer >= c.kv_layers or head >= c.kv_heads or k > c.head_dim
+        rng = slot >= c.kv_slots or k > c.head_dim
         self.overflow |= ovf
         self.range |= rng
         return not (ovf or rng)
 
-    def append(self, layer, head, k, kd, vd):
-        if self._check(layer, head, k):
-            self.k[layer, head, self.pos, :k] = kd[:k]
-            self.v[layer, head, self.pos, :k] = vd[:k]
+    def append(self, slot, k, kd, vd):
+        if self._check(slot, k):
+            self.k[slot, self.pos, :k] = kd[:k]
+            self.v[slot, self.pos, :k] = vd[:k]
 
-    def read(self, layer, head):
+    def read(self, slot):
         """The READ beats (data, v, last), or [] for a READ in error."""
-        if not self._check(layer, head):
+        if not self._check(slot):
             return []
         beats = []
         for v, arr in ((0, self.k), (1, self.v)):
-            words = arr[layer, head, :self.pos + 1].reshape(-1, self.wb)
+            words = arr[slot, :self.pos + 1].reshape(-1, self.wb)
             beats += [(w.tolist(), v, int(i == len(words) - 1)) for i, w in enumerate(words)]
         return beats
 
@@ -105,26 +105,22 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
                 await ctx.tick()
                 ctx.set(dut.clear_error, 0)
             elif op == "append":
-                layer, head, k, kd, vd = args
-                await stream_put(ctx, dut.cmd, {"op": KVOp.APPEND, "layer": layer, "head": head,
-                                                "arg": k})
+                slot, k, kd, vd = args
+                await stream_put(ctx, dut.cmd, {"op": KVOp.APPEND, "slot": slot, "arg": k})
                 for word in words_of(kd, dut.word_bytes) + words_of(vd, dut.word_bytes):
                     if next(wgaps):
                         await ctx.tick()
                     await stream_put(ctx, dut.wdata, word)
             elif op == "read":
-                layer, head = args
-                await stream_put(ctx, dut.cmd, {"op": KVOp.READ, "layer": layer, "head": head,
-                                                "arg": 0})
+                await stream_put(ctx, dut.cmd, {"op": KVOp.READ, "slot": args[0], "arg": 0})
             elif op == "rollback":
-                await stream_put(ctx, dut.cmd, {"op": KVOp.ROLLBACK, "layer": 0, "head": 0,
-                                                "arg": args[0]})
+                await stream_put(ctx, dut.cmd, {"op": KVOp.ROLLBACK, "slot": 0, "arg": args[0]})
             else:
-                await stream_put(ctx, dut.cmd, {"op": KVOp.ADVANCE, "layer": 0, "head": 0, "arg": 0})
+                await stream_put(ctx, dut.cmd, {"op": KVOp.ADVANCE, "slot": 0, "arg": 0})
             if check_each:
                 assert ctx.get(dut.pos) == pos, f"op {i} {op}: pos"
                 e = ctx.get(dut.error)
-                assert (e.overflow, e.range) == err, f"op {i} {op}{args[:2]}: error flags"
+                assert (e.overflow, e.range) == err, f"op {i} {op}{args[:1]}: error flags"
         done["driver"] = True
 
     async def reader(ctx):
@@ -149,20 +145,19 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
 def random_ops(cfg, rng, n):
     """A random command sequence: appends (sometimes partial, sometimes out of range),
     reads, advances, rollbacks (to 0, to full, beyond full, anywhere) and error clears."""
-    L, H, P, D = cfg.kv_layers, cfg.kv_heads, cfg.kv_positions, cfg.head_dim
-    lbits, hbits = max(1, L.bit_length()), max(1, H.bit_length())
+    S, P, D = cfg.kv_slots, cfg.kv_positions, cfg.head_dim
+    sbits = S.bit_length()
     ops = []
     for _ in range(n):
         r = rng.random()
-        layer = int(rng.integers(0, L)) if rng.random() < 0.95 else int(rng.integers(0, 1 << lbits))
-        head = int(rng.integers(0, H)) if rng.random() < 0.95 else int(rng.integers(0, 1 << hbits))
+        slot = int(rng.integers(0, S)) if rng.random() < 0.95 else int(rng.integers(S, 1 << sbits))
         if r < 0.45:
             k = D if rng.random() < 0.6 else int(rng.integers(0, D + 1))
             if rng.random() < 0.03:
                 k = int(rng.integers(D + 1, 1 << 16))
-            ops.append(("append", (layer, head, k, rng.integers(-128, 128, D), rng.integers(-128, 128, D))))
+            ops.append(("append", (slot, k, rng.integers(-128, 128, D), rng.integers(-128, 128, D))))
         elif r < 0.60:
-            ops.append(("read", (layer, head)))
+            ops.append(("read", (slot,)))
         elif r < 0.85:
             ops.append(("advance", ()))
         elif r < 0.95:
@@ -181,43 +176,62 @@ def test_random_sequences(name):
     assert len(ops) + beats >= 1000
 
 
-def fill(cfg, layer, head, rng, n=None):
-    """Append positions 0 … n-1 of one (layer, head): rollback 0, then append + advance."""
+def fill(cfg, slot, rng, n=None):
+    """Append positions 0 … n-1 of one slot: rollback 0, then append + advance."""
     ops = [("rollback", (0,))]
     for _ in range(cfg.kv_positions if n is None else n):
-        ops += [("append", (layer, head, cfg.head_dim, rng.integers(-128, 128, cfg.head_dim),
-                            rng.integers(-128, 128, cfg.head_dim))), ("advance", ())]
+        ops += [("append", (slot, cfg.head_dim, rng.integers(-128, 128, cfg.head_dim),
+                     rng.integers(-128, 128, cfg.head_dim))), ("advance", ())]
     return ops
 
 
-@pytest.mark.parametrize("name", ["tiny", "l3h3p20d32", "one-position"])
+@pytest.mark.parametrize("name", ["tiny", "s9p20d32", "one-position"])
 def test_capacity_and_rollback_edges(name):
-    """Fill a (layer, head) to capacity; at full an append raises overflow and writes
+    """Fill the last slot to capacity; at full an append raises overflow and writes
     nothing, a read raises overflow and streams nothing; rollback to full - 1 reads every
     position; rollback to 0 reads exactly position 0 (the stale entries stay unread); the
     flag is sticky until cleared; the extreme int8 values survive the round trip."""
     cfg = ONE_POSITION if name == "one-position" else CONFIGS[name]
     P, D = cfg.kv_positions, cfg.head_dim
     rng = np.random.default_rng(5)
-    layer, head = cfg.kv_layers - 1, cfg.kv_heads - 1
-    ops = fill(cfg, layer, head, rng)
-    ops[1] = ("append", (layer, head, D, np.full(D, -128), np.full(D, 127)))
+    slot = cfg.kv_slots - 1
+    ops = fill(cfg, slot, rng)
+    ops[1] = ("append", (slot, D, np.full(D, -128), np.full(D, 127)))
     ops += [
-        ("append", (layer, head, D, np.full(D, 55), np.full(D, -55))),   # pos == P: overflow
-        ("read", (layer, head)),                                         # overflow, no data
-        ("advance", ()),                                                  # saturates at P
-        ("rollback", (P + 100,)),                                        # saturates at P
-        ("append", (layer, head, D, np.full(D, 66), np.full(D, -66))),
-        ("rollback", (P - 1,)), ("read", (layer, head)),                 # all P positions
-        ("clear", ()), ("read", (layer, head)),
-        ("rollback", (0,)), ("read", (layer, head)),                     # position 0 only
-        ("append", (layer, head, D // 2, np.full(D, 9), np.full(D, -9))),  # partial overwrite
-        ("read", (layer, head)),
-        ("rollback", (P,)), ("read", (layer, head)),
+        ("append", (slot, D, np.full(D, 55), np.full(D, -55))),      # pos == P: overflow
+        ("read", (slot,)),                                            # overflow, no data
+        ("advance", ()),                                              # saturates at P
+        ("rollback", (P + 100,)),                                     # saturates at P
+        ("append", (slot, D, np.full(D, 66), np.full(D, -66))),
+        ("rollback", (P - 1,)), ("read", (slot,)),                    # all P positions
+        ("clear", ()), ("read", (slot,)),
+        ("rollback", (0,)), ("read", (slot,)),                        # position 0 only
+        ("append", (slot, D // 2, np.full(D, 9), np.full(D, -9))),    # partial overwrite
+        ("read", (slot,)),
+        ("rollback", (P,)), ("read", (slot,)),
     ]
     beats, model, dut = run_ops(cfg, ops, rng)
     assert model.overflow == 1 and beats == 2 * dut.words * (P + P + 1 + 1)
-    assert (model.k[layer, head, 0, :D // 2] == 9).all() and (model.k[layer, head, 0, D // 2:] == -128).all()
+    assert (model.k[slot, 0, :D // 2] == 9).all() and (model.k[slot, 0, D // 2:] == -128).all()
+
+
+@pytest.mark.parametrize("name", ["tiny", "s5p7r4"])
+def test_slot_past_the_end(name):
+    """APPEND and READ at ``slot = kv_slots`` (the first slot that does not exist) and at the
+    largest slot the command can carry raise ``range`` and do nothing: no other slot is
+    written (the address ``slot · kv_positions · words`` would wrap into the memory), the
+    READ streams nothing, and the flag is sticky until cleared."""
+    cfg = CONFIGS[name]
+    S, D = cfg.kv_slots, cfg.head_dim
+    rng = np.random.default_rng(15)
+    top = (1 << S.bit_length()) - 1
+    ops = [op for s in range(S) for op in fill(cfg, s, rng, n=3)] + [("rollback", (1,))]
+    for bad in (S, top):
+        ops += [("append", (bad, D, np.full(D, 77), np.full(D, -77))), ("read", (bad,)),
+                ("clear", ())]
+    ops += [("read", (s,)) for s in range(S)]
+    beats, _, _ = run_ops(cfg, ops, rng)
+    assert beats == S * 2 * 2 * D // gcd(cfg.reduce, D)    # every slot's 2 positions, K and V
 
 
 def test_append_while_read_output_stalled():
@@ -227,12 +241,12 @@ def test_append_while_read_output_stalled():
     cfg = TINY
     D = cfg.head_dim
     rng = np.random.default_rng(11)
-    ops = fill(cfg, 0, 1, rng, n=6) + [
-        ("rollback", (2,)), ("read", (0, 1)),
-        ("append", (0, 1, 5, rng.integers(-128, 128, D), rng.integers(-128, 128, D))),
+    ops = fill(cfg, 1, rng, n=6) + [
+        ("rollback", (2,)), ("read", (1,)),
+        ("append", (1, 5, rng.integers(-128, 128, D), rng.integers(-128, 128, D))),
         ("advance", ()),
-        ("append", (0, 1, D - 1, rng.integers(-128, 128, D), rng.integers(-128, 128, D))),
-        ("rollback", (5,)), ("read", (0, 1)),
+        ("append", (1, D - 1, rng.integers(-128, 128, D), rng.integers(-128, 128, D))),
+        ("rollback", (5,)), ("read", (1,)),
     ]
     words = cfg.head_dim // gcd(cfg.reduce, cfg.head_dim)
     first_read = 2 * 3 * words
@@ -252,21 +266,21 @@ def test_read_throughput():
     appends = []
     for p in range(n):
         kd, vd = rng.integers(-128, 128, cfg.head_dim), rng.integers(-128, 128, cfg.head_dim)
-        model.append(1, 0, cfg.head_dim, kd, vd)
+        model.append(2, cfg.head_dim, kd, vd)
         model.advance()
         appends.append((kd, vd))
     model.rollback(n - 1)
-    expected = model.read(1, 0)
+    expected = model.read(2)
     stamps, got = [], []
 
     async def tb(ctx):
         for kd, vd in appends:
-            await stream_put(ctx, dut.cmd, {"op": KVOp.APPEND, "layer": 1, "head": 0, "arg": 16})
+            await stream_put(ctx, dut.cmd, {"op": KVOp.APPEND, "slot": 2, "arg": 16})
             for word in words_of(kd, dut.word_bytes) + words_of(vd, dut.word_bytes):
                 await stream_put(ctx, dut.wdata, word)
-            await stream_put(ctx, dut.cmd, {"op": KVOp.ADVANCE, "layer": 0, "head": 0, "arg": 0})
-        await stream_put(ctx, dut.cmd, {"op": KVOp.ROLLBACK, "layer": 0, "head": 0, "arg": n - 1})
-        await stream_put(ctx, dut.cmd, {"op": KVOp.READ, "layer": 1, "head": 0, "arg": 0})
+            await stream_put(ctx, dut.cmd, {"op": KVOp.ADVANCE, "slot": 0, "arg": 0})
+        await stream_put(ctx, dut.cmd, {"op": KVOp.ROLLBACK, "slot": 0, "arg": n - 1})
+        await stream_put(ctx, dut.cmd, {"op": KVOp.READ, "slot": 2, "arg": 0})
         ctx.set(dut.rdata.ready, 1)
         cycle = 0
         while len(got) < len(expected):
@@ -285,7 +299,7 @@ def test_read_throughput():
 def test_address_map_and_width():
     """The documented word width, depth and RAM style, at the tiny and u55c sizes."""
     for cfg, wb, depth, style in ((TINY, 8, 2 * 2 * 64 * 2, None),
-                                  (get_preset("alveo-u55c"), 32, 12 * 12 * 1024 * 2, "ultra")):
+                                  (get_preset("alveo-u55c"), 32, 144 * 1024 * 2, "ultra")):
         kv = KVBuffer(cfg)
         kv._MustUse__silence = True          # only its parameters are inspected here
         assert (kv.word_bytes, kv.words, kv.depth, kv.ram_style) == (wb, cfg.head_dim // wb, depth, style)

@@ -3,7 +3,8 @@
 Each test runs a sequence of jobs in one bench, so the KV buffer carries from job to job
 as it does in the engine; the functional model runs the same jobs on the same VMEM and
 device memory. KVAPPEND is checked through the ATTN outputs that read it back (every
-head, every position up to POS, partial ``k`` leaving stale bytes in place).
+head, every position up to POS, partial ``k`` leaving stale bytes in place). tiny's 4 KV
+slots hold 2 layers × 2 KV heads (slot ``layer · G + h``, docs/isa.md §1.4).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ L = VMEM_LINE_BYTES
 OK, PROGRAM, KV_OVERFLOW, BAD_ADDRESS = (ErrorCode.OK, ErrorCode.PROGRAM, ErrorCode.KV_OVERFLOW,
                                          ErrorCode.BAD_ADDRESS)
 #: ATTN parameter blocks: G = 2 (aligned), G = 1 (aligned), G = 2 (not bus-aligned),
-#: then bad ones: G = 0, G = 3 > kv_heads, and a block running past device memory
-GQA2, MHA1, GQA2_ODD, G0, G3 = 0x3000, 0x3010, 0x3024, 0x3040, 0x3050
+#: G = 3 (slots past the end from layer 1 on), then bad ones: G = 0, G = 5 > kv_slots,
+#: and a block running past device memory
+GQA2, MHA1, GQA2_ODD, G3, G0, G5 = 0x3000, 0x3010, 0x3024, 0x3050, 0x3040, 0x3060
+LAYERS, KV_HEADS = 2, 2
+assert LAYERS * KV_HEADS == TINY.kv_slots
 PAST_END = TINY.mem_bytes - 8
 
 
@@ -68,7 +72,8 @@ class ClearOnNop(wiring.Component):
 
 def _memory(rng) -> DeviceMemory:
     memory = DeviceMemory(TINY.mem_bytes)
-    for addr, groups in ((GQA2, 2), (MHA1, 1), (GQA2_ODD, 2), (G0, 0), (G3, 3), (PAST_END, 2)):
+    for addr, groups in ((GQA2, 2), (MHA1, 1), (GQA2_ODD, 2), (G0, 0), (G3, 3), (G5, 5),
+                         (PAST_END, 2)):
         # scores of random int8 vectors are ~±2^12: mult/shift that give spread softmaxes
         block = np.zeros(ATTN_PARAM_BYTES // 4, "<u4")
         block[0] = int(rng.integers(200, 4000)) | int(rng.integers(14, 19)) << 16
@@ -121,11 +126,11 @@ def test_appends_then_attention_gqa_wide_and_narrow():
     rng = np.random.default_rng(10)
     jobs = []
     for pos in range(14):
-        for layer in range(TINY.kv_layers):
+        for layer in range(LAYERS):
             # mostly full heads; sometimes a shorter k, leaving stale bytes k… behind
             k = TINY.head_dim if rng.random() < 0.7 else int(rng.integers(5, TINY.head_dim))
-            jobs.append(_append(TINY.kv_heads, k, int(rng.integers(0, 200)), pos, layer))
-        for layer in range(TINY.kv_layers):
+            jobs.append(_append(KV_HEADS, k, int(rng.integers(0, 200)), pos, layer))
+        for layer in range(LAYERS):
             n, addr = [(2, GQA2), (4, GQA2_ODD), (2, MHA1), (4, GQA2)][int(rng.integers(4))]
             k = TINY.head_dim if rng.random() < 0.8 else int(rng.integers(3, TINY.head_dim))
             jobs.append(_attn(n, k, int(rng.integers(0, 120)), int(rng.integers(120, 240)), pos,
@@ -153,15 +158,21 @@ def test_faults_in_the_functional_models_order():
     rng = np.random.default_rng(12)
     last = TINY.vmem_bytes // L - 1
     jobs = [_append(2, 16, 0, 0), _append(2, 16, 2, 1), _append(1, 9, 4, 2),
-            # PROGRAM: rows ≠ 1 (before the position), layer, n > kv_heads, k > head_dim
+            # PROGRAM: rows ≠ 1 (before the position); KVAPPEND's slots layer·n … past
+            # kv_slots = 4 (before the position); k > head_dim
             _append(2, 16, 0, 99, rows=2), _attn(2, 16, 0, 8, 99, GQA2, rows=2),
-            _append(2, 16, 0, 99, layer=2), _attn(2, 16, 0, 8, 99, PAST_END, layer=2),
-            _append(3, 16, 0, 1), _append(2, 17, 0, 1), _attn(2, 17, 0, 8, 1, GQA2),
-            # KV_OVERFLOW before the parameter block and the spans
+            _append(2, 16, 0, 99, layer=2), _append(5, 16, 0, 1), _append(1, 16, 0, 1, layer=4),
+            _append(3, 16, 0, 1, layer=1), _append(1, 16, 0, 1, layer=0xFFFF),
+            _append(2, 17, 0, 1), _attn(2, 17, 0, 8, 1, GQA2),
+            # KV_OVERFLOW before the parameter block, the spans and ATTN's slots
             _attn(2, 16, 0, 8, 64, PAST_END), _append(2, 16, last, 64),
-            # G outside 1 … kv_heads, G not dividing n: PROGRAM before the spans
-            _attn(2, 16, last, 8, 1, G0), _attn(2, 16, last, 8, 1, G3),
-            _attn(3, 16, last, 8, 1, GQA2), _attn(3, 5, 0, 8, 2, GQA2),
+            _attn(2, 16, 0, 8, 64, GQA2, layer=2),
+            # G = 0, G > kv_slots, ATTN's slots layer·G … past kv_slots, G not dividing n:
+            # PROGRAM before the spans
+            _attn(2, 16, last, 8, 1, G0), _attn(5, 16, last, 8, 1, G5),
+            _attn(3, 16, last, 8, 1, G3, layer=1), _attn(2, 16, last, 8, 1, GQA2, layer=2),
+            _attn(1, 16, last, 8, 1, MHA1, layer=4), _attn(2, 16, last, 8, 1, MHA1, layer=0xFFFF),
+            _attn(2, 16, last, 8, 1, G3), _attn(3, 16, last, 8, 1, GQA2), _attn(3, 5, 0, 8, 2, GQA2),
             # BAD_ADDRESS: the KV row, q, the output (narrow fits, wide does not)
             _append(2, 16, last - 2, 1), _attn(2, 16, last, 8, 2, GQA2),
             _attn(2, 16, 8, last, 2, GQA2), _attn(2, 16, 8, last - 1, 2, GQA2),
@@ -170,11 +181,14 @@ def test_faults_in_the_functional_models_order():
             # the sequencer; the KV contents survive the reset
             _attn(2, 16, 8, 20, 2, PAST_END),
             _attn(4, 16, 8, 24, 2, GQA2), _attn(2, 16, 8, 40, 2, MHA1, wide=True),
-            # n = 0 does nothing but check
-            _attn(0, 16, 8, 60, 2, GQA2), _append(0, 16, 8, 3)]
+            # the last slot exactly: layer 3 of one KV head, layer 1 of two, layer 0 of three
+            _append(1, 16, 8, 2, layer=3), _attn(2, 16, 8, 60, 2, MHA1, layer=3),
+            _attn(4, 16, 8, 70, 2, GQA2, layer=1), _attn(3, 16, 8, 90, 2, G3),
+            # n = 0 does nothing but check (KVAPPEND: no slots, so any layer)
+            _attn(0, 16, 8, 60, 2, GQA2), _append(0, 16, 8, 3), _append(0, 16, 8, 3, layer=9)]
     errors = _run(rng, jobs, _memory(rng))
-    assert errors == [OK, OK, OK] + [PROGRAM] * 7 + [KV_OVERFLOW] * 2 + [PROGRAM] * 4 \
-        + [BAD_ADDRESS] * 3 + [OK, BAD_ADDRESS, BAD_ADDRESS, OK, OK, OK, OK]
+    assert errors == [OK, OK, OK] + [PROGRAM] * 9 + [KV_OVERFLOW] * 3 + [PROGRAM] * 9 \
+        + [BAD_ADDRESS] * 3 + [OK, BAD_ADDRESS, BAD_ADDRESS, OK, OK] + [OK] * 7
 
 
 def test_clear_zeroes_kv():
