@@ -21,7 +21,7 @@ from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BY
                            unpack_qparams, untile_weights)
 from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
 from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
-from sim.cycle_model import BEFORE_FINISH, CycleCounts, CycleModel
+from sim.cycle_model import BEFORE_FINISH, UNIT_OVERHEAD, CycleCounts, CycleModel
 from sim.memory import DeviceMemory, MemoryError_
 
 __all__ = ["FunctionalEngine", "EngineFault"]
@@ -175,8 +175,14 @@ class FunctionalEngine:
             ins = self._decoded[seq.pc]
             if isinstance(ins, IllegalInstruction):
                 raise EngineFault(ErrorCode.ILLEGAL_INSTRUCTION, str(ins))
-            cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"],
-                                                          addr=seq.block_address(ins, image_base),
+            addr = seq.block_address(ins, image_base)
+            try:
+                self._check_operands(ins, seq, addr)
+            except EngineFault:
+                # the unit refuses the job before it moves any data (docs/isa.md §8)
+                self.counts.add(ins.opcode, UNIT_OVERHEAD)
+                raise
+            cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"], addr=addr,
                                                           token_from_request=not seq.token_is_drafted)
             self.counts.add(ins.opcode, cycles, nbytes, self.cycle_model.macs(ins, pos=seq.pos))
             if ins.opcode in CONTROL_OPS:
@@ -192,13 +198,62 @@ class FunctionalEngine:
             seq.pc += 1
 
     # -- units -------------------------------------------------------------------------
-    def _unit(self, ins: Instruction, st: ProgramFlow, image_base: int) -> None:
-        op = ins.opcode
+    def _check_operands(self, ins: Instruction, st: ProgramFlow, addr: int) -> None:
+        """The checks a unit makes on its job before it moves any data, in the unit's
+        order: they read only the fields, the controller's registers and the memory sizes,
+        so they come before the cycle model prices the instruction (whose cost grows with
+        ``n·k``) and before :meth:`_unit` runs it. ``addr`` is the block's device address.
+        Checks that need data (RMSNORM's ``gamma_shift``, ATTN's KV-head count) stay in
+        :meth:`_unit`, as do the KV buffer's."""
+        op, c = ins.opcode, self.config
+        if op in CONTROL_OPS or op in (Op.NOP, Op.SAMPLE):
+            return
         if op in (Op.EMBED, Op.KVAPPEND, Op.ATTN) and ins.rows != 1:
             raise EngineFault(ErrorCode.PROGRAM, f"{op.name} with rows={ins.rows}: multi-row "
                               "embedding, KV and attention are reserved for tree drafting")
-        if ins.rows > self.config.rows:
-            raise EngineFault(ErrorCode.PROGRAM, f"rows={ins.rows} > engine rows {self.config.rows}")
+        if ins.rows > c.rows:
+            raise EngineFault(ErrorCode.PROGRAM, f"rows={ins.rows} > engine rows {c.rows}")
+        rows, wide_bytes = ins.rows, 2 if ins.wide else 1
+        if op == Op.EMBED:
+            row = addr + st.token * 2 * ins.n
+            beat = c.mem_port_bits // 8
+            if row % beat:
+                raise EngineFault(ErrorCode.BAD_ADDRESS, f"EMBED row at 0x{row:x} is not aligned "
+                                  f"to the {beat}-byte memory beat")
+            self._dram(row, 2 * ins.n)
+            self._vspan(ins.dst, 1, 2 * ins.n)
+        elif op == Op.RMSNORM:
+            self._dram(addr, NORM_PARAM_BYTES)      # gamma_shift is checked before gamma's read
+        elif op == Op.MATMUL:
+            npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
+            self._dram(addr, npad * kpad + 4 * npad)
+            self._vspan(ins.src, rows, ins.k * wide_bytes)
+            if ins.mode == MatmulMode.LOGITS:
+                if rows != 1:
+                    raise EngineFault(ErrorCode.PROGRAM, "LOGITS matmul with rows > 1 is reserved "
+                                      "for tree drafting")
+                if ins.n > c.vocab_max:
+                    raise EngineFault(ErrorCode.PROGRAM, f"{ins.n} logits > vocab_max {c.vocab_max}")
+            else:
+                self._vspan(ins.dst, rows, ins.n * (1 if ins.mode == MatmulMode.INT8 else 2))
+        elif op == Op.ROPE:
+            if ins.k % 2:
+                raise EngineFault(ErrorCode.PROGRAM, f"ROPE over an odd head dimension {ins.k}")
+            self._check_pos(st.pos)
+            if ins.k > c.head_dim:
+                raise EngineFault(ErrorCode.PROGRAM, f"ROPE over head dimension {ins.k} > "
+                                  f"head_dim {c.head_dim}")
+            self._dram(addr + st.pos * 2 * ins.k, 2 * ins.k)
+            self._vspan(ins.src, rows, ins.n * ins.k)
+            self._vspan(ins.dst, rows, ins.n * ins.k)
+        elif op == Op.ACTMUL:
+            self._dram(addr, ACT_PARAM_BYTES)
+            self._vspan(ins.src, rows, 2 * ins.n)
+            self._vspan(ins.dst, rows, ins.n * wide_bytes)
+
+    def _unit(self, ins: Instruction, st: ProgramFlow, image_base: int) -> None:
+        """Run a unit instruction that passed :meth:`_check_operands`."""
+        op = ins.opcode
         addr = block_address(ins, image_base, st.layer, st.lstride)
         rows = ins.rows
         if op == Op.EMBED:
@@ -216,9 +271,6 @@ class FunctionalEngine:
         elif op == Op.MATMUL:
             self._matmul(ins, addr)
         elif op == Op.ROPE:
-            if ins.k % 2:
-                raise EngineFault(ErrorCode.PROGRAM, f"ROPE over an odd head dimension {ins.k}")
-            self._check_pos(st.pos)
             table = self._dram(addr + st.pos * 2 * ins.k, 2 * ins.k).view("<i2").reshape(-1, 2)
             x = self._vload(ins.src, rows, ins.n * ins.k, np.int8).reshape(rows, ins.n, ins.k)
             y = nx.rope(x, table[:, 0], table[:, 1])
@@ -263,11 +315,6 @@ class FunctionalEngine:
             x_res = self._vload(ins.dst, ins.rows, ins.n, np.int16)
             self._vstore(ins.dst, nx.residual_add(x_res, acc, mult, shift), np.int16)
         else:  # LOGITS
-            if ins.rows != 1:
-                raise EngineFault(ErrorCode.PROGRAM, "LOGITS matmul with rows > 1 is reserved "
-                                  "for tree drafting")
-            if ins.n > c.vocab_max:
-                raise EngineFault(ErrorCode.PROGRAM, f"{ins.n} logits > vocab_max {c.vocab_max}")
             self.logits = nx.requant(acc[0], mult, shift, nx.LOGIT_BITS).astype(np.int16)
 
     def _attention(self, ins: Instruction, st: ProgramFlow, addr: int) -> None:
@@ -290,9 +337,10 @@ class FunctionalEngine:
         self._vstore(ins.dst, out.reshape(1, -1), dtype)
 
     def _sample(self, ins: Instruction, h: dict, index: int) -> DraftedToken:
-        if self.logits is None or ins.n != self.logits.shape[0]:
+        held = 0 if self.logits is None else self.logits.shape[0]
+        if not held or ins.n != held:      # a LOGITS matmul of n = 0 leaves it empty too
             raise EngineFault(ErrorCode.PROGRAM, f"SAMPLE over {ins.n} logits, but the logit "
-                              f"buffer holds {0 if self.logits is None else self.logits.shape[0]}")
+                              f"buffer holds {held}")
         k = min(h["topk"], ins.n)
         top = nx.topk_select(self.logits, k)
         t_mult, t_shift = (h["t_mult"], h["t_shift"]) if h["t_mult"] else (nx.T1_MULT, nx.T1_SHIFT)

@@ -40,7 +40,28 @@ def test_rsqrt_within_lut_precision():
     rel = np.abs(approx * np.sqrt(s.astype(np.float64)) - 1)
     assert rel.max() < 2 ** -8          # truncated 8-bit mantissa index
     with pytest.raises(ValueError):
-        nx.rsqrt_fixed([0])
+        nx.rsqrt_fixed([-1])
+
+
+def test_rsqrt_of_zero_is_that_of_one():
+    """s = 0 (an all-zero RMSNorm row with eps = 0) is defined: the LUT's first entry, k = 0."""
+    r, k = nx.rsqrt_fixed([0, 1])
+    assert r.tolist() == [1 << nx.RSQRT_BITS] * 2 and k.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("eps", [0, 1, 12345, 2 ** 32 - 1])
+@pytest.mark.parametrize("out_bits", [8, 16])
+def test_rmsnorm_of_zero_rows_is_zero(eps, out_bits):
+    """An all-zero row normalises to zeros for any eps (no exception at eps = 0), and the
+    other rows of the same call are unaffected."""
+    rng = np.random.default_rng(eps)
+    x = rng.integers(-3000, 3000, (3, 32))
+    x[1] = 0
+    gamma = rng.integers(-2 ** 15, 2 ** 15, 32)
+    y = nx.rmsnorm(x, gamma, 4, eps, out_bits)
+    assert not y[1].any()
+    for row in (0, 2):
+        np.testing.assert_array_equal(y[row], nx.rmsnorm(x[row], gamma, 4, eps, out_bits))
 
 
 def test_rmsnorm_matches_float():

@@ -100,15 +100,18 @@ RSQRT_LUT = _build_rsqrt_lut()
 
 
 def rsqrt_fixed(s) -> tuple[np.ndarray, np.ndarray]:
-    """Reciprocal square root of a positive integer ``s`` (< 2^62).
+    """Reciprocal square root of a non-negative integer ``s`` (< 2^62).
 
     Returns ``(r, k)`` with ``1/sqrt(s) ≈ r · 2^-(15 + k)``: ``k = floor(log2(s) / 2)``,
     ``u = s · 2^(8 - 2k)`` truncated to an integer in [2^8, 2^10), ``r = RSQRT_LUT[u - 2^8]``.
+    ``s = 0`` is taken as 1 (``r = 2^15, k = 0``): its only source is an all-zero RMSNorm
+    row with ``eps = 0``, whose output is 0 whatever ``r`` is.
     Hardware: a leading-one detector, a barrel shifter and a 768-entry ROM.
     """
     s = _as_i64(s)
-    if np.any(s <= 0):
-        raise ValueError("rsqrt_fixed needs a positive argument")
+    if np.any(s < 0):
+        raise ValueError("rsqrt_fixed needs a non-negative argument")
+    s = np.maximum(s, 1)
     # bit_length without floats: count how many shifts reach zero.
     e = np.zeros_like(s)
     t = s.copy()
