@@ -31,11 +31,16 @@ def cache_dir() -> Path:
     return Path(base) / "dfvg"
 
 
-def fingerprint(model_dir: Path, calibration: Path | None, engine: EngineConfig) -> str:
+def fingerprint(model_dir: Path, calibration: Path | None, engine: EngineConfig,
+                tokenizer_dir: Path | None = None) -> str:
     """16 hex digits over what a compiled draft depends on: the model's config and weights,
-    the calibration text, the engine configuration and the compiler's own sources."""
+    the calibration text and the tokenizer that reads it, the engine configuration and the
+    compiler's own sources."""
     h = hashlib.sha256()
-    for f in sorted(model_dir.glob("*.json")) + sorted(model_dir.glob("*.safetensors")):
+    files = sorted(model_dir.glob("*.json")) + sorted(model_dir.glob("*.safetensors"))
+    if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != model_dir.resolve():
+        files += sorted(Path(tokenizer_dir).glob("*.json"))
+    for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())
     if calibration is not None:

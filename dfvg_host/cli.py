@@ -38,18 +38,25 @@ def _read_calibration(path: str | None, required_for: Path) -> tuple[str | None,
 
 
 def cmd_compile(args) -> int:
-    from dfvg_host.compiler import compile_draft
+    from dfvg_host.compiler import compile_draft, read_token_ids, require_tokenizer
     from dfvg_host.report import compile_report
 
     engine = _preset(args.preset)
     draft = Path(args.draft)
     if not draft.is_dir():
         raise CliError(f"--draft {draft} is not a directory")
-    text = None
-    if not args.random_weights:
+    tokens = text = None
+    if args.calibration_tokens:
+        path = Path(args.calibration_tokens)
+        if not path.is_file():
+            raise CliError(f"--calibration-tokens {path} is not a file")
+        tokens = read_token_ids(path)
+    elif not args.random_weights:
         text, _ = _read_calibration(args.calibration, draft)
+        require_tokenizer(Path(args.tokenizer or draft))
     t0 = time.perf_counter()
-    compiled = compile_draft(draft, engine, calibration_text=text, random_weights=args.random_weights)
+    compiled = compile_draft(draft, engine, calibration_text=text, calibration_tokens=tokens,
+                             tokenizer_dir=args.tokenizer, random_weights=args.random_weights)
     compiled.save(args.output)
     shape = compiled.shape
     report = compile_report(engine, compiled.program, model=shape.describe(),
@@ -76,10 +83,12 @@ def cmd_presets(args) -> int:
     return 0
 
 
-def _load_compiled(draft: str | None, engine, calibration: str | None, log):
+def _load_compiled(draft: str | None, engine, calibration: str | None, log, *,
+                   target: Path | None = None):
     """A compiled draft for ``engine``: a compile output directory, or an HF model compiled
-    (and cached) now. With no ``draft`` it is the shipped demo draft."""
-    from dfvg_host.compiler import CompiledDraft
+    (and cached) now. With no ``draft`` it is the shipped demo draft. A draft without a
+    tokenizer of its own is calibrated through the ``target``'s (they must share one)."""
+    from dfvg_host.compiler import CompiledDraft, has_tokenizer
     from dfvg_host.demo import DEMO_DATA, compile_cached, demo_paths
 
     if draft is None:
@@ -96,7 +105,13 @@ def _load_compiled(draft: str | None, engine, calibration: str | None, log):
         raise CliError(f"--draft {path} is neither a compiled draft (manifest.json) nor a Hugging "
                        "Face model directory (config.json)")
     _, cal_path = _read_calibration(calibration, path)
-    return compile_cached(path, engine, cal_path, log=log), path
+    tokenizer_dir = path if has_tokenizer(path) else target if target and has_tokenizer(target) else None
+    if tokenizer_dir is None:
+        raise CliError(f"--draft {path} has no tokenizer files to tokenise the calibration text"
+                       f"{'' if target is None else f', nor has --target {target}'}: compile it "
+                       f"first with `dfvg compile --draft {path} --tokenizer DIR` (or "
+                       "--calibration-tokens FILE) and pass the compile output as --draft")
+    return compile_cached(path, engine, cal_path, log=log, tokenizer_dir=tokenizer_dir), path
 
 
 def _open_device(url: str):
@@ -124,7 +139,7 @@ def cmd_generate(args) -> int:
     if not (target_dir / "config.json").is_file():
         raise CliError(f"--target {target_dir} is not a Hugging Face model directory (no config.json)")
     transport, engine = _open_device(args.device)
-    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, log)
+    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, log, target=target_dir)
     prompt_text = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt_text:
         raise CliError("empty prompt: pass --prompt TEXT or text on standard input")
@@ -275,7 +290,7 @@ def cmd_bench(args) -> int:
     except BenchError as exc:
         raise CliError(str(exc)) from None
     transport, engine = _open_device(args.device)
-    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, log)
+    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, log, target=target_dir)
     if not (Path(draft_dir) / "config.json").is_file():
         raise CliError(f"assisted generation needs the float draft, but {draft_dir} (named by the "
                        "compiled draft's manifest) is not a Hugging Face model directory")
@@ -319,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="output directory")
     c.add_argument("--calibration", help="text file to calibrate activation scales "
                    "(default: the shipped calibration text)")
+    c.add_argument("--tokenizer", metavar="DIR", help="directory of the tokenizer that reads the "
+                   "calibration text (default: the draft's own)")
+    c.add_argument("--calibration-tokens", metavar="FILE", help="calibration token ids "
+                   "(whitespace-separated), instead of a text and a tokenizer")
     c.add_argument("--random-weights", action="store_true",
                    help="initialise weights randomly from config.json (for sizing a model shape)")
     c.add_argument("--context", type=int, default=256,

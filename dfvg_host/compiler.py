@@ -468,26 +468,88 @@ def load_model(model_dir: str | Path, *, random_weights: bool = False, seed: int
     return model.eval()
 
 
-def calibration_sequences(model_dir: Path, text: str | None, vocab: int, *, seq_len: int = 128,
-                          max_tokens: int = 4096, seed: int = 0) -> list[list[int]]:
-    """Token sequences for calibration: the tokenised text, or random ids if there is none."""
-    if text:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        ids = tok(text)["input_ids"][:max_tokens]
+#: Files any of which makes a directory loadable with ``AutoTokenizer.from_pretrained``.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+#: What a user can pass instead when a draft has no tokenizer of its own.
+_TOKENIZER_HELP = ("pass --tokenizer DIR (a directory holding the draft's tokenizer), "
+                   "--calibration-tokens FILE (calibration token ids, whitespace-separated) "
+                   "or --random-weights (random weights, for sizing only)")
+
+
+def has_tokenizer(directory: Path) -> bool:
+    """Whether ``directory`` holds tokenizer files (:data:`TOKENIZER_FILES`)."""
+    return any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def require_tokenizer(tokenizer_dir: Path) -> None:
+    """A :class:`CompileError` that says what to pass instead unless ``tokenizer_dir`` holds
+    tokenizer files; cheap, so a caller checks before any slow work."""
+    if not has_tokenizer(tokenizer_dir):
+        raise CompileError(f"{tokenizer_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) "
+                           f"to tokenise the calibration text: {_TOKENIZER_HELP}")
+
+
+def load_tokenizer(tokenizer_dir: Path):
+    """The tokenizer in ``tokenizer_dir`` for the calibration text; a :class:`CompileError`
+    that says what to pass instead when there is none."""
+    from transformers import AutoTokenizer
+    require_tokenizer(tokenizer_dir)
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except (OSError, ValueError, ImportError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CompileError(f"cannot load the tokenizer in {tokenizer_dir} ({first_line}): "
+                           f"{_TOKENIZER_HELP}") from None
+
+
+def read_token_ids(path: Path) -> list[int]:
+    """Calibration token ids from a text file of whitespace-separated integers."""
+    try:
+        return [int(w) for w in path.read_text().split()]
+    except ValueError as exc:
+        raise CompileError(f"{path} is not a calibration token file (whitespace-separated "
+                           f"integer token ids): {exc}") from None
+
+
+def calibration_sequences(model_dir: Path, text: str | None, vocab: int, *,
+                          token_ids: list[int] | None = None, tokenizer_dir: Path | None = None,
+                          seq_len: int = 128, max_tokens: int = 4096,
+                          seed: int = 0) -> list[list[int]]:
+    """Token sequences for calibration: ``token_ids``, else the text tokenised by the
+    tokenizer in ``tokenizer_dir`` (default ``model_dir``), else random ids."""
+    if token_ids is not None:
+        ids = list(token_ids)[:max_tokens]
+        source = "the calibration token file"
+    elif text:
+        tokenizer_dir = Path(tokenizer_dir or model_dir)
+        ids = load_tokenizer(tokenizer_dir)(text)["input_ids"][:max_tokens]
+        source = f"the tokenizer in {tokenizer_dir}"
     else:
         ids = np.random.default_rng(seed).integers(0, vocab, max_tokens).tolist()
+        source = "random ids"
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise CompileError(f"calibration token id {bad[0]} from {source} is outside the draft's "
+                           f"vocabulary of {vocab}: the tokenizer does not belong to this draft; "
+                           f"{_TOKENIZER_HELP}")
+    if len(ids) < 2:
+        raise CompileError(f"calibration needs at least 2 tokens, {source} gave {len(ids)}")
     return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len) if len(ids[i:i + seq_len]) > 1]
 
 
 def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_text: str | None = None,
+                  calibration_tokens: list[int] | None = None, tokenizer_dir: str | Path | None = None,
                   random_weights: bool = False, model=None) -> CompiledDraft:
-    """Compile the draft at ``model_dir`` for ``engine``."""
+    """Compile the draft at ``model_dir`` for ``engine``, calibrating its activation scales
+    on ``calibration_tokens``, else ``calibration_text`` (tokenised by the tokenizer in
+    ``tokenizer_dir``, default ``model_dir``), else random ids."""
     model_dir = Path(model_dir)
     model = model if model is not None else load_model(model_dir, random_weights=random_weights)
     shape = describe_model(model.config)
     check_fits(shape, engine)
-    seqs = calibration_sequences(model_dir, calibration_text, shape.vocab)
+    seqs = calibration_sequences(model_dir, calibration_text, shape.vocab, token_ids=calibration_tokens,
+                                 tokenizer_dir=tokenizer_dir)
     cal = calibrate(model, seqs, shape)
     image, lay, scales = build_image(model, shape, cal, engine)
     room = engine.mem_bytes - MemoryMap.IMAGE
@@ -504,7 +566,8 @@ def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_te
         model_dir=str(model_dir.resolve()), random_weights=random_weights,
         context_limit=min(engine.kv_positions, shape.max_positions),
         image_bytes=len(image), program_words=len(program),
-        calibration=dict(tokens=cal.tokens, source="text" if calibration_text else "random ids"),
+        calibration=dict(tokens=cal.tokens, source="tokens" if calibration_tokens is not None
+                         else "text" if calibration_text else "random ids"),
         layout=asdict(lay), scales=scales,
     )
     return CompiledDraft(image, program, manifest)

@@ -23,21 +23,24 @@ def demo_paths() -> tuple[Path, Path]:
     return DEMO_DRAFT, DEMO_TARGET
 
 
-def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | None, log=print):
-    """The compiled draft for ``engine``, from the cache when its inputs are unchanged.
+def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | None, log=print, *,
+                   tokenizer_dir: Path | None = None):
+    """The compiled draft for ``engine``, from the cache when its inputs are unchanged; the
+    calibration text is tokenised by the tokenizer in ``tokenizer_dir`` (default ``model_dir``).
 
     Concurrent callers (pytest-xdist workers, two ``dfvg`` commands) compile an entry once:
     the others wait for it and load it (:func:`dfvg_host.cache.build_dir_once`).
     """
     from dfvg_host.compiler import CompiledDraft, compile_draft
 
-    out = cache_dir() / f"{model_dir.name}-{engine.name}-{fingerprint(model_dir, calibration, engine)}"
+    key = fingerprint(model_dir, calibration, engine, tokenizer_dir)
+    out = cache_dir() / f"{model_dir.name}-{engine.name}-{key}"
     built = []
 
     def build(tmp: Path) -> None:
         log(f"compiling {model_dir} for {engine.name} (cached in {out}) ...")
         text = calibration.read_text() if calibration else None
-        built.append(compile_draft(model_dir, engine, calibration_text=text))
+        built.append(compile_draft(model_dir, engine, calibration_text=text, tokenizer_dir=tokenizer_dir))
         built[0].save(tmp)
 
     build_dir_once(out, build, complete=lambda d: (d / "manifest.json").is_file())

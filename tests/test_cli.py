@@ -112,3 +112,67 @@ def test_generate_streams_text_and_labels_figures(demo_pair):
 ])
 def test_generate_bad_arguments(args, message):
     assert message in error_line(dfvg(*args))
+
+
+# -- calibration without the draft's own tokenizer -------------------------------------
+def _weights_without_tokenizer(path):
+    """The demo draft's config and weights alone, as a checkpoint shipped without tokenizer."""
+    import shutil
+    from dfvg_host.demo import DEMO_DRAFT
+    path.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(DEMO_DRAFT / name, path / name)
+    return path
+
+
+def test_draft_without_tokenizer_says_what_to_pass(tiny_draft_dir, tmp_path):
+    line = error_line(dfvg("compile", "--draft", tiny_draft_dir, "--preset", "tiny", "-o", tmp_path / "o"))
+    assert "has no tokenizer files" in line
+    for option in ("--tokenizer DIR", "--calibration-tokens FILE", "--random-weights"):
+        assert option in line
+
+
+def test_calibration_token_file(tiny_draft_dir, tmp_path):
+    (tmp_path / "ids.txt").write_text(" ".join(str(i * 7 % 256) for i in range(300)))
+    proc = dfvg("compile", "--draft", tiny_draft_dir, "--preset", "tiny", "-o", tmp_path / "o",
+                "--calibration-tokens", tmp_path / "ids.txt")
+    assert proc.returncode == 0, proc.stderr
+    calibration = json.loads((tmp_path / "o" / "manifest.json").read_text())["calibration"]
+    assert calibration == {"tokens": 300, "source": "tokens"}
+
+
+@pytest.mark.parametrize("content, message", [
+    ("1 2 x", "is not a calibration token file"),
+    ("5", "calibration needs at least 2 tokens"),
+    ("1 2 256", "calibration token id 256 from the calibration token file is outside the draft's "
+                "vocabulary of 256"),
+])
+def test_bad_calibration_token_file(tiny_draft_dir, tmp_path, content, message):
+    (tmp_path / "ids.txt").write_text(content)
+    assert message in error_line(dfvg("compile", "--draft", tiny_draft_dir, "--preset", "tiny", "-o",
+                                      tmp_path / "o", "--calibration-tokens", tmp_path / "ids.txt"))
+
+
+def test_tokenizer_of_another_model_is_refused(tiny_draft_dir, tmp_path):
+    """The demo tokenizer's ids run past the tiny draft's 256-entry vocabulary."""
+    from dfvg_host.demo import DEMO_DRAFT
+    line = error_line(dfvg("compile", "--draft", tiny_draft_dir, "--preset", "tiny", "-o", tmp_path / "o",
+                           "--tokenizer", DEMO_DRAFT))
+    assert "outside the draft's vocabulary of 256" in line and "does not belong to this draft" in line
+
+
+def test_tokenizer_from_another_directory(tmp_path):
+    from dfvg_host.demo import DEMO_DRAFT
+    draft = _weights_without_tokenizer(tmp_path / "draft")
+    proc = dfvg("compile", "--draft", draft, "-o", tmp_path / "o", "--tokenizer", DEMO_DRAFT)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["calibration"]["source"] == "text"
+
+
+def test_generate_calibrates_a_tokenizerless_draft_with_the_targets_tokenizer(tmp_path):
+    from dfvg_host.demo import DEMO_TARGET
+    draft = _weights_without_tokenizer(tmp_path / "draft")
+    proc = dfvg("generate", "--draft", draft, "--target", DEMO_TARGET, "--prompt", "import os\n",
+                "--max-new-tokens", 4, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["token_ids"]) == 4
