@@ -50,8 +50,9 @@ class Rsqrt(wiring.Component):
     3. the 768 × 16-bit ``RSQRT_LUT`` ROM (synchronous read, one BRAM18);
     4. output register.
 
-    ``s = 0`` is outside the function's domain; the unit then returns ``k = 0`` and an
-    unspecified ``r`` (RMSNorm multiplies it by a zero row, so its output is 0).
+    ``s = 0`` is taken as 1, as ``rsqrt_fixed`` does: ``r = 2^15, k = 0`` (stage 1 sets
+    the argument's bit 0, so the ROM index stays in range; RMSNorm multiplies this ``r``
+    by a zero row, so its output is 0).
 
     Parameters
     ----------
@@ -104,7 +105,7 @@ class Rsqrt(wiring.Component):
         m.d.comb += [rp.en.eq(adv), rp.addr.eq(idx2)]
         with m.If(adv):
             m.d.sync += [
-                v1.eq(self.i.valid), s1.eq(s), k1.eq(e >> 1),
+                v1.eq(self.i.valid), s1.eq(s | (s == 0)), k1.eq(e >> 1),
                 v2.eq(v1), idx2.eq(u - _LUT_LO), k2.eq(k1),
                 v3.eq(v2), k3.eq(k2),
                 self.o.valid.eq(v3), self.o.payload.r.eq(rp.data), self.o.payload.k.eq(k3),
@@ -151,8 +152,8 @@ class RMSNorm(wiring.Component):
     Pass 1 takes a beat every cycle (nothing comes out); during the rsqrt the input is
     not ready; pass 2 streams at initiation interval 1 with backpressure from ``o``. A
     row shorter than a whole number of beats is padded with zeros (x = 0 adds nothing to
-    Σx² and gives y = 0). An all-zero row with ``eps = 0`` is outside ``rsqrt_fixed``'s
-    domain; the unit outputs zeros for it.
+    Σx² and gives y = 0). An all-zero row outputs zeros for any ``eps`` (with ``eps = 0``
+    the rsqrt sees ``s = 0`` and, like ``rsqrt_fixed``, takes it as 1).
 
     ``eps`` is sampled with the first beat of pass 1, and ``gamma_shift`` (legal range
     0 … 16, ``GAMMA_SHIFT_MAX``; the controller faults larger values) and ``wide`` with

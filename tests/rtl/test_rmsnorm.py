@@ -26,7 +26,7 @@ def test_rsqrt_random_and_edges(bits):
     rng = np.random.default_rng(bits)
     e = rng.integers(0, bits, 1200)
     s = np.array([int(rng.integers(1 << int(k), 1 << (int(k) + 1))) for k in e], dtype=np.int64)
-    edges = [1, 2, 3, 4, 255, 256, 257, 1023, 1024, 1025, (1 << bits) - 1, 1 << (bits - 1),
+    edges = [0, 1, 2, 3, 4, 255, 256, 257, 1023, 1024, 1025, (1 << bits) - 1, 1 << (bits - 1),
              (1 << (bits - 2)) + 1, 0x5555_5555 & ((1 << bits) - 1)]
     s[:len(edges)] = edges
     got = [(p.r, p.k) for p in stream_through(Rsqrt(bits), [int(v) for v in s], ready=(1, 0, 1))]
@@ -104,7 +104,9 @@ def _edge_rows(n):
     ramp = np.arange(n) * 2047 - 32768
     return [
         (np.zeros(n, np.int64), np.full(n, 1000), 4, 12345),        # zero row, eps > 0
-        (np.zeros(n, np.int64), np.full(n, 1000), 4, 0),            # zero row, eps = 0 → 0
+        (np.zeros(n, np.int64), np.full(n, 1000), 4, 0),            # zero row, eps = 0: rsqrt(0)
+        (np.zeros(n, np.int64), np.full(n, -32768), nx.GAMMA_SHIFT_MAX, 0),
+        (np.zeros(n, np.int64), np.full(n, 32767), 0, 2 ** 32 - 1),  # zero row, largest eps
         (np.full(n, 1234), np.full(n, 20000), 8, 0),                # all equal
         (full, full, 0, 0),                                          # +saturation
         (full, -full - 1, 0, 0),                                     # -saturation
@@ -116,10 +118,9 @@ def _edge_rows(n):
 
 def check(rows, got):
     for (x, gamma, gs, eps, wide), y in zip(rows, got):
-        if not np.any(x) and eps == 0:                               # outside rsqrt's domain
-            np.testing.assert_array_equal(y, 0)
-            continue
         np.testing.assert_array_equal(y, nx.rmsnorm(x, gamma, gs, eps, 16 if wide else 8))
+        if not np.any(x):
+            assert not np.any(y)                                     # a zero row, any eps
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
