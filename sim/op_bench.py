@@ -31,6 +31,7 @@ from dfvg_hw.vmem import VectorMemory
 from sim.axi_memory import AXI4SlaveMemory, MemoryTiming
 from sim.functional import EngineFault, FunctionalEngine
 from sim.memory import DeviceMemory
+from sim.program_flow import block_address
 from sim.testbench import run_simulation, stream_put
 
 __all__ = ["OpBench", "run_jobs", "functional_reference", "reference_jobs", "compare_with_reference",
@@ -203,9 +204,12 @@ class _Registers:
 def functional_reference(engine: FunctionalEngine, ins: Instruction, *, image_base: int = 0,
                          pos: int = 0, layer: int = 0, lstride: int = 0) -> int:
     """Execute one unit instruction on ``engine`` (its ``vmem``, KV and memory change in
-    place); return the ErrorCode it stops with (OK if none)."""
+    place), its operand checks first as in a run; return the ErrorCode it stops with (OK
+    if none)."""
+    registers = _Registers(pos, layer, lstride)
     try:
-        engine._unit(ins, _Registers(pos, layer, lstride), image_base)
+        engine._check_operands(ins, registers, block_address(ins, image_base, layer, lstride))
+        engine._unit(ins, registers, image_base)
     except EngineFault as fault:
         return int(fault.code)
     return int(ErrorCode.OK)
