@@ -38,13 +38,17 @@ def _read_calibration(path: str | None, required_for: Path) -> tuple[str | None,
 
 
 def cmd_compile(args) -> int:
-    from dfvg_host.compiler import compile_draft, read_token_ids, require_tokenizer
+    from dfvg_host.compiler import (check_fits, compile_draft, describe_model, load_config,
+                                    read_token_ids, require_tokenizer)
     from dfvg_host.report import compile_report
 
     engine = _preset(args.preset)
     draft = Path(args.draft)
     if not draft.is_dir():
         raise CliError(f"--draft {draft} is not a directory")
+    # The model's own problems first (no config.json, an unsupported family, too big for
+    # the preset): cheap, so they come before the calibration inputs and the weights.
+    check_fits(describe_model(load_config(draft)), engine)
     tokens = text = None
     if args.calibration_tokens:
         path = Path(args.calibration_tokens)

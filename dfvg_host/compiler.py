@@ -450,16 +450,26 @@ class CompiledDraft:
         return self.manifest["context_limit"]
 
 
-def load_model(model_dir: str | Path, *, random_weights: bool = False, seed: int = 0):
-    """Load a float32 HF causal LM from a local directory (no hub access)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def load_config(model_dir: str | Path):
+    """The HF config of the draft in a local directory, checked to be one the compiler
+    supports (cheap: no weights are read)."""
+    from transformers import AutoConfig
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise CompileError(f"{path} has no config.json: pass a local Hugging Face model directory")
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     describe_model(hf_config)
+    return hf_config
+
+
+def load_model(model_dir: str | Path, *, random_weights: bool = False, seed: int = 0):
+    """Load a float32 HF causal LM from a local directory (no hub access)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_dir)
+    hf_config = load_config(path)
     if random_weights:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
