@@ -74,6 +74,7 @@ def emulators():
 #: Every test of test_driver.py that drives a device (the remaining one checks URLs).
 DRIVER_TESTS = [
     "test_driver_results_equal_the_functional_model",
+    "test_more_layers_than_kv_heads_fill_the_kv_slots",
     "test_rollback_is_bounded",
     "test_error_status_raises_with_the_drafted_tokens",
     "test_context_limit_is_checked_before_the_device",
