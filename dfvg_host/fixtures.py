@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from dfvg_hw.spec.config import get_preset
-from dfvg_hw.spec.image import pack_qparams, padded, tile_weights
+from dfvg_hw.spec.image import pack_norm_params, pack_qparams, padded, tile_weights
 
 __all__ = ["make_tiny_llama", "TINY", "TINY_EMBED", "TINY_WEIGHTS", "tiny_image", "TINY_FORWARD"]
 
@@ -42,20 +42,26 @@ def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, int
 
 
 TINY = get_preset("tiny")
-#: elements per embedding row of :func:`tiny_image` (32 bytes: two VMEM lines)
+#: elements per embedding row of :func:`tiny_image` (int32: 64 bytes, four VMEM lines)
 TINY_EMBED = 16
+_TABLE_BYTES = TINY.vocab_max * 4 * TINY_EMBED
 #: weight blocks of :func:`tiny_image`: name → (offset, n, k, typical shift)
-TINY_WEIGHTS = {"logits": (0x4000, 40, 16, 27), "up": (0x5000, 24, 16, 27), "down": (0x6000, 16, 24, 13)}
+TINY_WEIGHTS = {"logits": (_TABLE_BYTES, 40, 16, 27), "up": (_TABLE_BYTES + 0x1000, 24, 16, 27),
+                "down": (_TABLE_BYTES + 0x2000, 16, 24, 13)}
+#: the RMSNORM parameter block of :func:`tiny_image` (n = TINY_EMBED)
+TINY_NORM = _TABLE_BYTES + 0x3000
 
 
 def tiny_image() -> bytes:
-    """A small image: an embedding table of TINY.vocab_max int16 rows at offset 0, and the
-    weight blocks of TINY_WEIGHTS (tiles, then per-channel requant words), as the compiler
-    lays them out."""
+    """A small image: an embedding table of TINY.vocab_max int32 rows at offset 0, the
+    weight blocks of TINY_WEIGHTS (tiles, then per-channel requant words) and an RMSNORM
+    block at TINY_NORM, as the compiler lays them out."""
     rng = np.random.default_rng(0)
-    data = bytearray(0x7000)
-    table = rng.integers(-32768, 32768, (TINY.vocab_max, TINY_EMBED)).astype("<i2").tobytes()
-    data[:len(table)] = table
+    data = bytearray(TINY_NORM + 0x100)
+    # rows of every magnitude, so that RMSNORM's row shift takes many values
+    bits = rng.integers(0, 31, (TINY.vocab_max, 1))
+    table = (rng.integers(-(1 << 30), 1 << 30, (TINY.vocab_max, TINY_EMBED)) >> (30 - bits))
+    data[:_TABLE_BYTES] = table.astype("<i4").tobytes()
     for offset, n, k, shift in TINY_WEIGHTS.values():
         w = rng.integers(-128, 128, (n, k)).astype(np.int8)
         tiles = tile_weights(w, TINY.lanes, TINY.reduce).tobytes()
@@ -63,18 +69,26 @@ def tiny_image() -> bytes:
         shifts = np.clip(shift + rng.integers(-2, 3, n), 0, 63)
         words = pack_qparams(mult, shifts, padded(n, TINY.lanes)).tobytes()
         data[offset:offset + len(tiles) + len(words)] = tiles + words
+    norm = pack_norm_params(1000, rng.integers(8000, 32768, TINY_EMBED), 2)
+    data[TINY_NORM:TINY_NORM + len(norm)] = norm
     return bytes(data)
 
 
-#: A forward over :func:`tiny_image`: embed the token (int16), up-project (INT8 out),
-#: down-project as a residual update (RESADD), logits from the residual (wide input),
-#: sample while the draft loop wants.
-TINY_FORWARD = """
+def _tiny_addr(name: str) -> str:
+    return hex(TINY_WEIGHTS[name][0])
+
+
+#: A forward over :func:`tiny_image`: embed the token (an int32 residual row at line 0),
+#: normalise it (wide), up-project (INT8 out), down-project as a residual update (RESADD),
+#: normalise again, logits; sample while the draft loop wants.
+TINY_FORWARD = f"""
     embed rows=1, dst=0, n=16, addr=0
-    matmul rows=1, dst=8, src=0, n=24, k=16, addr=0x5000, mode=int8, wide
-    matmul rows=1, dst=0, src=8, n=16, k=24, addr=0x6000, mode=resadd
-    matmul rows=1, dst=0, src=0, n=40, k=16, addr=0x4000, mode=logits, wide
-    branch cond=no_sample, n=6
+    rmsnorm rows=1, dst=4, src=0, n=16, addr={hex(TINY_NORM)}, wide
+    matmul rows=1, dst=8, src=4, n=24, k=16, addr={_tiny_addr("up")}, mode=int8, wide
+    matmul rows=1, dst=0, src=8, n=16, k=24, addr={_tiny_addr("down")}, mode=resadd
+    rmsnorm rows=1, dst=4, src=0, n=16, addr={hex(TINY_NORM)}, wide
+    matmul rows=1, dst=0, src=4, n=40, k=16, addr={_tiny_addr("logits")}, mode=logits, wide
+    branch cond=no_sample, n=8
     sample n=40
     next n=0
     halt"""

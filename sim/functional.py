@@ -215,13 +215,13 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.PROGRAM, f"rows={ins.rows} > engine rows {c.rows}")
         rows, wide_bytes = ins.rows, 2 if ins.wide else 1
         if op == Op.EMBED:
-            row = addr + st.token * 2 * ins.n
+            row = addr + st.token * 4 * ins.n
             beat = c.mem_port_bits // 8
             if row % beat:
                 raise EngineFault(ErrorCode.BAD_ADDRESS, f"EMBED row at 0x{row:x} is not aligned "
                                   f"to the {beat}-byte memory beat")
-            self._dram(row, 2 * ins.n)
-            self._vspan(ins.dst, 1, 2 * ins.n)
+            self._dram(row, 4 * ins.n)
+            self._vspan(ins.dst, 1, 4 * ins.n)
         elif op == Op.RMSNORM:
             self._dram(addr, NORM_PARAM_BYTES)      # gamma_shift is checked before gamma's read
         elif op == Op.MATMUL:
@@ -235,7 +235,7 @@ class FunctionalEngine:
                 if ins.n > c.vocab_max:
                     raise EngineFault(ErrorCode.PROGRAM, f"{ins.n} logits > vocab_max {c.vocab_max}")
             else:
-                self._vspan(ins.dst, rows, ins.n * (1 if ins.mode == MatmulMode.INT8 else 2))
+                self._vspan(ins.dst, rows, ins.n * (1 if ins.mode == MatmulMode.INT8 else 4))
         elif op == Op.ROPE:
             if ins.k % 2:
                 raise EngineFault(ErrorCode.PROGRAM, f"ROPE over an odd head dimension {ins.k}")
@@ -257,15 +257,15 @@ class FunctionalEngine:
         addr = block_address(ins, image_base, st.layer, st.lstride)
         rows = ins.rows
         if op == Op.EMBED:
-            row = self._dram(addr + st.token * 2 * ins.n, 2 * ins.n).view("<i2")
-            self._vstore(ins.dst, row[None, :], np.int16)
+            row = self._dram(addr + st.token * 4 * ins.n, 4 * ins.n).view("<i4")
+            self._vstore(ins.dst, row[None, :], np.int32)
         elif op == Op.RMSNORM:
             head = self._dram(addr, NORM_PARAM_BYTES).view("<u4")
             if head[1] > nx.GAMMA_SHIFT_MAX:
                 raise EngineFault(ErrorCode.PROGRAM, f"RMSNORM gamma_shift {int(head[1])} > "
                                   f"{nx.GAMMA_SHIFT_MAX}")
             gamma = self._dram(addr + NORM_PARAM_BYTES, 2 * ins.n).view("<i2")
-            x = self._vload(ins.src, rows, ins.n, np.int16)
+            x = self._vload(ins.src, rows, ins.n, np.int32)
             bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
             self._vstore(ins.dst, nx.rmsnorm(x, gamma, int(head[1]), int(head[0]), bits), dtype)
         elif op == Op.MATMUL:
@@ -312,8 +312,8 @@ class FunctionalEngine:
         if mode == MatmulMode.INT8:
             self._vstore(ins.dst, nx.requant(acc, mult, shift), np.int8)
         elif mode == MatmulMode.RESADD:
-            x_res = self._vload(ins.dst, ins.rows, ins.n, np.int16)
-            self._vstore(ins.dst, nx.residual_add(x_res, acc, mult, shift), np.int16)
+            x_res = self._vload(ins.dst, ins.rows, ins.n, np.int32)
+            self._vstore(ins.dst, nx.residual_add(x_res, acc, mult, shift), np.int32)
         else:  # LOGITS
             self.logits = nx.requant(acc[0], mult, shift, nx.LOGIT_BITS).astype(np.int16)
 

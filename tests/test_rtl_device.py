@@ -18,7 +18,7 @@ from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Control, Irq, MemoryMap, Reg, 
 from sim.device import SimDevice
 from sim.rtl_device import RtlDevice
 from sim.verilator_device import VerilatorDevice
-from dfvg_host.fixtures import TINY, TINY_FORWARD as FORWARD, tiny_image as image
+from dfvg_host.fixtures import TINY, TINY_FORWARD as FORWARD, TINY_NORM, TINY_WEIGHTS, tiny_image as image
 
 # TINY, the image and the FORWARD program are shared with benchmarks/rtl_sim_speed.py.
 
@@ -115,27 +115,31 @@ CASES = {
 
 
 T_MULT, T_SHIFT = nx.host_temperature(0.8)
+LOGITS, UP, DOWN = (hex(TINY_WEIGHTS[name][0]) for name in ("logits", "up", "down"))
+NORM = hex(TINY_NORM)
 CASES.update({
     "greedy_drafts": (FORWARD, DraftRequest([3, 7], start_pos=5, n_draft=4, topk=4, seq=30),
                       ErrorCode.OK),
     "sampled_drafts": (FORWARD, DraftRequest([3, 7, 11], start_pos=0, n_draft=4, topk=3, sample=True,
                                              t_mult=T_MULT, t_shift=T_SHIFT, seed=99, counter=5,
                                              seq=31), ErrorCode.OK),
-    "two_row_passes": ("""
+    "two_row_passes": (f"""
         embed rows=1, dst=0, n=16, addr=0
-        embed rows=1, dst=2, n=16, addr=0
-        matmul rows=2, dst=8, src=0, n=24, k=16, addr=0x5000, mode=int8, wide
-        matmul rows=2, dst=0, src=8, n=16, k=24, addr=0x6000, mode=resadd
-        matmul rows=1, dst=0, src=2, n=40, k=16, addr=0x4000, mode=logits, wide
+        embed rows=1, dst=4, n=16, addr=0
+        rmsnorm rows=2, dst=8, src=0, n=16, addr={NORM}, wide
+        matmul rows=2, dst=12, src=8, n=24, k=16, addr={UP}, mode=int8, wide
+        matmul rows=2, dst=0, src=12, n=16, k=24, addr={DOWN}, mode=resadd
+        rmsnorm rows=1, dst=8, src=4, n=16, addr={NORM}
+        matmul rows=1, dst=0, src=8, n=40, k=16, addr={LOGITS}, mode=logits
         sample n=40
         halt""", DraftRequest([9], start_pos=0, n_draft=1, topk=4, seq=32), ErrorCode.OK),
     "weights_past_memory": (f"matmul rows=1, dst=0, src=0, n=40, k=16, addr={TINY.mem_bytes - 0x200000}, "
                             "mode=logits, wide\nhalt", DraftRequest([1], start_pos=0, n_draft=0, seq=33),
                             ErrorCode.BAD_ADDRESS),
-    "logits_with_two_rows": ("matmul rows=2, dst=0, src=0, n=40, k=16, addr=0x4000, mode=logits\nhalt",
+    "logits_with_two_rows": (f"matmul rows=2, dst=0, src=0, n=40, k=16, addr={LOGITS}, mode=logits\nhalt",
                              DraftRequest([1], start_pos=0, n_draft=0, seq=34), ErrorCode.PROGRAM),
     "result_outside_vmem": (f"matmul rows=1, dst={TINY.vmem_bytes // 16 - 1}, src=0, n=24, k=16, "
-                            "addr=0x5000, mode=int8\nhalt", DraftRequest([1], start_pos=0, n_draft=0, seq=35),
+                            f"addr={UP}, mode=int8\nhalt", DraftRequest([1], start_pos=0, n_draft=0, seq=35),
                             ErrorCode.BAD_ADDRESS),
 })
 
@@ -156,14 +160,14 @@ def test_rtl_device_matches_the_sim_device(name, device):
 
 
 def test_embed_row_ending_inside_a_beat():
-    """On a 256-bit port a 48-byte row ends half-way into its second beat; the line left
-    over must not become the first line of the next EMBED (the logits and the sampled
-    token depend on it)."""
+    """On a 256-bit port a 48-byte row (12 int32) ends half-way into its second beat; the
+    line left over must not become the first line of the next EMBED (the logits and the
+    sampled token depend on it)."""
     wide_port = TINY.with_changes(mem_port_bits=256)
-    program = """
-        embed rows=1, dst=8, n=24, addr=0
+    program = f"""
+        embed rows=1, dst=8, n=12, addr=0
         embed rows=1, dst=0, n=16, addr=0
-        matmul rows=1, dst=0, src=0, n=40, k=16, addr=0x4000, mode=logits, wide
+        matmul rows=1, dst=0, src=0, n=40, k=16, addr={LOGITS}, mode=logits, wide
         sample n=40
         halt"""
     request = DraftRequest([2], start_pos=0, n_draft=1, topk=4, seq=40)

@@ -13,7 +13,8 @@ offset from its base. It starts with a 256-byte header (little-endian 32-bit wor
 * **ATTN parameters**: word ``mult | shift << 16``, word ``n_kv_heads``, 2 zero words.
 * **ACTMUL parameters**: word ``mult | shift << 16``, 3 zero words, then the int16
   activation LUT ``[256]`` indexed by ``gate + 128``.
-* **Embedding table**: int16 ``[vocab][hidden]`` at the residual scale.
+* **Embedding table**: int32 ``[vocab][hidden]`` at the residual scale (EMBED copies a row
+  into the int32 residual stream).
 * **RoPE table**: int16 ``[positions][head_dim/2][cos, sin]`` (Q1.14).
 """
 
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 IMAGE_MAGIC = 0x47564644  # "DFVG"
-IMAGE_VERSION = 1
+IMAGE_VERSION = 2       #: 2: int32 residual stream and embedding table (issue #13)
 HEADER_BYTES = 256
 ALIGN = 16
 NORM_PARAM_BYTES = 40     # + 2·N gamma bytes

@@ -20,8 +20,8 @@ import numpy as np
 __all__ = [
     "ACT_BITS", "RES_BITS", "LOGIT_BITS", "LOGIT_FRAC", "PROB_BITS",
     "MULT_BITS", "EXP_FRAC", "RSQRT_INDEX_BITS", "RSQRT_BITS", "ROPE_FRAC", "RECIP_BITS",
-    "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "saturate", "round_shift", "requant", "residual_add",
-    "rsqrt_fixed", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
+    "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "NORM_IN_BITS", "saturate", "round_shift", "requant",
+    "residual_add", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
     "rope", "act_mul", "topk_select", "sampler_probs", "sample_index",
     "mix32", "rng32",
     "host_multiplier", "host_rope_table", "host_act_lut", "host_temperature",
@@ -30,7 +30,8 @@ __all__ = [
 
 # -- formats ------------------------------------------------------------------------------
 ACT_BITS = 8          #: activations and weights: signed int8
-RES_BITS = 16         #: residual stream and embedding table: signed int16
+RES_BITS = 32         #: residual stream and embedding table: signed int32
+NORM_IN_BITS = 16     #: RMSNORM squares and scales its row cut to signed int16 (norm_input_shift)
 LOGIT_BITS = 16       #: logits streamed into the sampler: signed int16 ...
 LOGIT_FRAC = 8        #: ... in natural-log units with 8 fractional bits (Q7.8)
 PROB_BITS = 24        #: sampler probabilities: unsigned, sum exactly 2^24
@@ -84,7 +85,9 @@ def wide_digits(x) -> tuple[np.ndarray, np.ndarray]:
 
 
 def residual_add(x, acc, mult, shift) -> np.ndarray:
-    """Residual update: ``sat16(x + requant(acc, mult, shift, 16))`` (x is int16)."""
+    """Residual update: ``sat32(x + requant(acc, mult, shift, 32))`` (x is int32).
+
+    |acc| < 2^39 (int16 inputs) and mult < 2^16, so |acc·mult| < 2^55."""
     return saturate(_as_i64(x) + requant(acc, mult, shift, RES_BITS), RES_BITS)
 
 
@@ -125,20 +128,47 @@ def rsqrt_fixed(s) -> tuple[np.ndarray, np.ndarray]:
     return RSQRT_LUT[u - (1 << RSQRT_INDEX_BITS)], k
 
 
-def rmsnorm(x, gamma, gamma_shift: int, eps: int, out_bits: int = ACT_BITS) -> np.ndarray:
-    """RMSNorm of int16 rows ``x[..., H]`` to int8 (or int16 with ``out_bits=16``).
+def norm_input_shift(x) -> np.ndarray:
+    """The right shift ``p`` that brings every element of an int32 row into int16.
 
-    ``sumsq = Σ x² + eps``; ``(r, k) = rsqrt_fixed(sumsq)``;
-    ``y = sat(round_shift(x · r · gamma, 15 + k + gamma_shift - (out_bits - 8)))``: a
-    16-bit output keeps 8 more fractional bits.
-    ``gamma`` is a signed 16-bit per-channel multiplier with √H·g/s_out folded in (so the
-    scale of x cancels); ``eps`` the integer ε·H/s_x². Bounds: |x·r·gamma| < 2^46.
+    ``m = OR_i (x_i XOR sign(x_i))`` (each element's one's-complement magnitude, so no
+    negation is needed), ``p = max(0, bitlen(m) - 15)``, per row (shape ``[..., 1]``).
+    Then ``x_i >> p`` lies in [-2^15, 2^15) for every i: the row keeps its 15 leading
+    significant bits whatever its magnitude. Hardware: an OR-reduce over the row and a
+    leading-one detector.
     """
     x = _as_i64(x)
-    sumsq = np.sum(x * x, axis=-1, keepdims=True) + _I64(eps)
+    m = np.bitwise_or.reduce(np.where(x < 0, ~x, x), axis=-1, keepdims=True)
+    length = np.zeros_like(m)
+    for step in (32, 16, 8, 4, 2, 1):
+        big = m >= (_I64(1) << step)
+        length = length + np.where(big, step, 0)
+        m = np.where(big, m >> step, m)
+    length = length + (m > 0)                         # bit_length of the OR
+    return np.maximum(length - (NORM_IN_BITS - 1), 0)
+
+
+def rmsnorm(x, gamma, gamma_shift: int, eps: int, out_bits: int = ACT_BITS) -> np.ndarray:
+    """RMSNorm of int32 rows ``x[..., H]`` to int8 (or int16 with ``out_bits=16``).
+
+    The row is first cut to int16 by its own shift (:func:`norm_input_shift`):
+    ``p = norm_input_shift(x)``, ``x' = x >> p``, ``eps' = eps >> 2p``. Then
+    ``sumsq = Σ x'² + eps'``; ``(r, k) = rsqrt_fixed(sumsq)``;
+    ``y = sat(round_shift(x' · r · gamma, 15 + k + gamma_shift - (out_bits - 8)))``: a
+    16-bit output keeps 8 more fractional bits. The shift cancels (``y`` depends on
+    ``x / sqrt(Σx² + eps)`` only), so a residual stream of any magnitude normalises with
+    16-bit squares and multipliers. An all-zero row gives ``y = 0`` for any ``eps``.
+    ``gamma`` is a signed 16-bit per-channel multiplier with √H·g/s_out folded in (so the
+    scale of x cancels); ``eps`` the unsigned 32-bit integer ε·H/s_x². Bounds:
+    |x'·r·gamma| < 2^46, sumsq < H·2^30 + 2^32.
+    """
+    x = _as_i64(x)
+    p = norm_input_shift(x)
+    xs = np.right_shift(x, p)
+    sumsq = np.sum(xs * xs, axis=-1, keepdims=True) + np.right_shift(_I64(eps), 2 * p)
     r, k = rsqrt_fixed(sumsq)
     shift = RSQRT_BITS + k + gamma_shift - (out_bits - ACT_BITS)
-    return saturate(round_shift(x * r * _as_i64(gamma), shift), out_bits)
+    return saturate(round_shift(xs * r * _as_i64(gamma), shift), out_bits)
 
 
 # -- exponentials and softmax ---------------------------------------------------------
