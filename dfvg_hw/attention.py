@@ -26,7 +26,7 @@ from amaranth.utils import ceil_log2
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
-from dfvg_hw.elementwise import VectorRequantizer, narrow_unless_wide, reduce_tree
+from dfvg_hw.elementwise import WIDE_BITS, VectorRequantizer, narrow_unless_wide, reduce_tree
 
 __all__ = ["SoftmaxExp", "SoftmaxWeights", "Reciprocal", "Normalizer", "Attention",
            "EXP_BITS", "RECIP_OUT_BITS"]
@@ -383,18 +383,18 @@ class Normalizer(wiring.Component):
             "i": In(stream.Signature(data.StructLayout({
                 "num": data.ArrayLayout(signed(num_bits), lanes),
                 "recip": unsigned(RECIP_OUT_BITS), "wide": 1}))),
-            "o": Out(stream.Signature(data.ArrayLayout(signed(nx.RES_BITS), lanes))),
+            "o": Out(stream.Signature(data.ArrayLayout(signed(WIDE_BITS), lanes))),
         })
 
     def elaborate(self, platform):
         m = Module()
-        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.RES_BITS, self.num_bits,
+        vr = m.submodules.requant = VectorRequantizer(self.lanes, WIDE_BITS, self.num_bits,
                                                       side=1)
         recip, wide = self.i.payload.recip, self.i.payload.wide
         full = recip[nx.MULT_BITS]                          # R = 2^16
         mult = Mux(full, 1 << (nx.MULT_BITS - 1), recip[:nx.MULT_BITS])
         shift = (Mux(full, nx.RECIP_BITS - 1, nx.RECIP_BITS)
-                 - Mux(wide, nx.RES_BITS - nx.ACT_BITS, 0))
+                 - Mux(wide, WIDE_BITS - nx.ACT_BITS, 0))
         for l in range(self.lanes):
             r = vr.i.payload.r[l]
             m.d.comb += [r.acc.eq(self.i.payload.num[l]), r.mult.eq(mult), r.shift.eq(shift)]
@@ -465,7 +465,7 @@ class Attention(wiring.Component):
                 "q": vec8, "mult": unsigned(nx.MULT_BITS), "shift": unsigned(6), "wide": 1}))),
             "k": In(stream.Signature(data.StructLayout({"row": vec8, "last": 1}))),
             "v": In(stream.Signature(vec8)),
-            "o": Out(stream.Signature(data.ArrayLayout(signed(nx.RES_BITS), d))),
+            "o": Out(stream.Signature(data.ArrayLayout(signed(WIDE_BITS), d))),
         })
 
     def cycles(self, t: int) -> int:

@@ -32,7 +32,12 @@ from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.requant import RequantInput, Requantizer
 
-__all__ = ["reduce_tree", "saturate", "narrow_unless_wide", "VectorRequantizer", "ActMul"]
+__all__ = ["WIDE_BITS", "reduce_tree", "saturate", "narrow_unless_wide", "VectorRequantizer", "ActMul"]
+
+#: A ``WIDE`` result (RMSNORM, ACTMUL, ATTN): int16, 8 more fractional bits than an int8
+#: activation. Not the residual width: the residual stream is int32 (``nx.RES_BITS``),
+#: the wide vectors the units write stay int16.
+WIDE_BITS = 2 * nx.ACT_BITS
 
 
 def saturate(value, bits: int):
@@ -269,12 +274,12 @@ class ActMul(wiring.Component):
             "lut_we": In(1),
             "lut_addr": In(unsigned(8)),
             "lut_data": In(signed(16)),
-            "o": Out(stream.Signature(data.ArrayLayout(signed(nx.RES_BITS), self.lanes))),
+            "o": Out(stream.Signature(data.ArrayLayout(signed(WIDE_BITS), self.lanes))),
         })
 
     def elaborate(self, platform):
         m = Module()
-        vr = m.submodules.requant = VectorRequantizer(self.lanes, nx.RES_BITS, self.ACC_BITS,
+        vr = m.submodules.requant = VectorRequantizer(self.lanes, WIDE_BITS, self.ACC_BITS,
                                                       side=1)
 
         # stall-all front end: stage 1 table read, stage 2 product
