@@ -11,7 +11,7 @@ from amaranth.utils import ceil_log2
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
-from dfvg_hw.elementwise import VectorRequantizer, narrow_unless_wide, reduce_tree
+from dfvg_hw.elementwise import WIDE_BITS, VectorRequantizer, narrow_unless_wide, reduce_tree
 
 __all__ = ["Rsqrt", "RsqrtResult", "RMSNorm", "RMSNormInput", "RMSNormOutput", "sumsq_bits"]
 
@@ -21,14 +21,17 @@ _R_BITS = int(nx.RSQRT_LUT.max()).bit_length()    # 16: entries in [16392, 32768
 
 
 def sumsq_bits(max_len: int) -> int:
-    """Width of ``Σ x² + eps`` for rows of up to ``max_len`` int16 values and a u32 eps."""
+    """Width of ``Σ x² + eps`` for rows of up to ``max_len`` int16 values (the row after
+    its :func:`~dfvg_hw.spec.numerics.norm_input_shift`) and a u32 eps."""
     return (max_len * (1 << 30) + (1 << 32) - 1).bit_length()
 
 
-class _Phase(enum.Enum, shape=2):
-    SUM = 0     # pass 1: accumulate Σx²
-    DRAIN = 1   # adder tree empties, then sumsq goes to the rsqrt
-    SCALE = 2   # pass 2: scale and requantise
+class _Phase(enum.Enum, shape=3):
+    MAX = 0     # pass 0: OR of the one's-complement magnitudes
+    LOD = 1     # leading-one detector: the row's shift p
+    SUM = 2     # pass 1: accumulate Σ(x >> p)²
+    DRAIN = 3   # adder tree empties, then sumsq goes to the rsqrt
+    SCALE = 4   # pass 2: scale and requantise
 
 
 class RsqrtResult(data.StructLayout):
@@ -114,7 +117,7 @@ class Rsqrt(wiring.Component):
 
 
 class RMSNormInput(data.StructLayout):
-    """One beat of a row: ``lanes`` int16 values, their gains (pass 2 only), end of row."""
+    """One beat of a row: ``lanes`` int32 residuals, their gains (pass 2 only), end of row."""
 
     def __init__(self, lanes: int):
         super().__init__({
@@ -129,31 +132,46 @@ class RMSNormOutput(data.StructLayout):
     its end-of-row flag."""
 
     def __init__(self, lanes: int):
-        super().__init__({"y": data.ArrayLayout(signed(nx.RES_BITS), lanes), "last": 1})
+        super().__init__({"y": data.ArrayLayout(signed(WIDE_BITS), lanes), "last": 1})
+
+
+def _shift_to_int16(m: Module, x, p, name: str):
+    """``x >> p`` (floor) as int16: exact, since ``p`` is the row's norm_input_shift."""
+    xs = Signal(signed(nx.NORM_IN_BITS), name=name)
+    m.d.comb += xs.eq((x >> p)[:nx.NORM_IN_BITS])
+    return xs
 
 
 class RMSNorm(wiring.Component):
-    """RMSNorm of int16 rows to int8 (or int16 with ``wide``), bit-exact with
+    """RMSNorm of int32 rows to int8 (or int16 with ``wide``), bit-exact with
     :func:`dfvg_hw.spec.numerics.rmsnorm`.
 
-    The controller streams each row **twice** through ``i`` (as the cycle model's
-    ``2·vec(n) + 4`` per row assumes), ``lanes`` elements per beat, ``last`` on the final
-    beat of each pass:
+    The controller streams each row **three times** through ``i``, ``lanes`` elements per
+    beat, ``last`` on the final beat of each pass (``gamma`` is looked at in pass 2 only):
 
-    * pass 1 (``gamma`` ignored): per lane a squarer, a registered adder tree, and a
-      ``sumsq_bits``-wide accumulator preset to ``eps``: ``sumsq = Σ x² + eps``;
+    * pass 0: per lane the one's-complement magnitude ``x ^ (x >> 31)`` (no negation),
+      OR-ed over the lanes and the beats into ``m``; then a leading-one detector gives the
+      row's shift ``p = max(0, bitlen(m) − 15)`` (:func:`~dfvg_hw.spec.numerics.
+      norm_input_shift`), so that every ``x >> p`` fits int16;
+    * pass 1: per lane ``x' = x >> p`` (a registered barrel shifter), a 16-bit squarer, a
+      registered adder tree, and a ``sumsq_bits``-wide accumulator preset to
+      ``eps >> 2p``: ``sumsq = Σ x'² + eps'``;
     * :class:`Rsqrt` of ``sumsq`` gives ``(r, k)``;
-    * pass 2: per lane ``x · gamma`` (int32, |x·γ| ≤ 2^30), then a
+    * pass 2: per lane ``x' = x >> p`` again, ``x' · gamma`` (|x'·γ| ≤ 2^30), then a
       :class:`VectorRequantizer` with ``mult = r`` (≤ 2^15) and
       ``shift = 15 + k + gamma_shift`` (8 less for a wide row):
-      ``requant(x·γ, r, shift)`` is exactly ``sat(round_shift(x · r · γ, shift))``, to
+      ``requant(x'·γ, r, shift)`` is exactly ``sat(round_shift(x' · r · γ, shift))``, to
       16 bits and then, unless wide, to 8 (``sat8 ∘ sat16 = sat8``).
 
-    Pass 1 takes a beat every cycle (nothing comes out); during the rsqrt the input is
-    not ready; pass 2 streams at initiation interval 1 with backpressure from ``o``. A
-    row shorter than a whole number of beats is padded with zeros (x = 0 adds nothing to
-    Σx² and gives y = 0). An all-zero row outputs zeros for any ``eps`` (with ``eps = 0``
-    the rsqrt sees ``s = 0`` and, like ``rsqrt_fixed``, takes it as 1).
+    The shift keeps the datapath of an int16 RMSNorm (16-bit squarers and multipliers, the
+    same accumulator) for a residual of any magnitude: a massive-activation channel only
+    moves ``p``. Pass 0 and pass 1 take a beat every cycle (nothing comes out); between
+    them the input is not ready for :data:`SHIFT_TURNAROUND` cycles, during the rsqrt for
+    :attr:`TURNAROUND`; pass 2 streams at initiation interval 1 with backpressure from
+    ``o``. A row shorter than a whole number of beats is padded with zeros (x = 0 ORs
+    nothing into ``m``, adds nothing to Σx² and gives y = 0). An all-zero row outputs zeros
+    for any ``eps`` (with ``eps = 0`` the rsqrt sees ``s = 0`` and, like ``rsqrt_fixed``,
+    takes it as 1).
 
     ``eps`` is sampled with the first beat of pass 1, and ``gamma_shift`` (legal range
     0 … 16, ``GAMMA_SHIFT_MAX``; the controller faults larger values) and ``wide`` with
@@ -164,15 +182,15 @@ class RMSNorm(wiring.Component):
     config : EngineConfig
         ``lanes`` sets the beat width; rows are bounded by the VMEM size.
     max_len : int, optional
-        Longest row in elements (default: ``config.vmem_bytes // 2``); sets the
-        accumulator width :func:`sumsq_bits`.
+        Longest row in elements (default: ``config.vmem_bytes // 4``, int32 rows); sets
+        the accumulator width :func:`sumsq_bits`.
 
     Members
     -------
     i : In(stream.Signature(RMSNormInput(lanes)))
-        Row beats, pass 1 then pass 2.
+        Row beats, pass 0, pass 1, then pass 2.
     eps : In(unsigned(32))
-        ε in units of Σx².
+        ε in units of Σx² (of the unshifted row).
     gamma_shift : In(unsigned(5))
         Gain shift.
     wide : In(1)
@@ -180,24 +198,28 @@ class RMSNorm(wiring.Component):
     o : Out(stream.Signature(RMSNormOutput(lanes)))
         Normalised row beats (pass 2), ``last`` on the final one.
     busy : Out(1)
-        A row is between its first pass-1 beat and its last pass-2 beat.
+        A row is between its first pass-0 beat and its last pass-2 beat.
 
-    Timing: ``LATENCY`` (pass-2 beat in → its output) is 4. ``TURNAROUND`` is the
-    number of cycles from the edge that accepts the last pass-1 beat to the first edge
-    that can accept a pass-2 beat: ``2 + ceil(log2(lanes)) + Rsqrt.LATENCY`` (square,
-    adder tree, accumulate, rsqrt; the cycle model charges 4).
+    Timing: ``LATENCY`` (pass-2 beat in → its output) is 5: the shift, the gamma
+    product, the requantiser. ``SHIFT_TURNAROUND`` (2) is the number of cycles from the
+    edge that accepts the last pass-0 beat to the first edge that can accept a pass-1
+    beat (the OR register, the leading-one detector). ``TURNAROUND`` is the number of
+    cycles from the edge that accepts the last pass-1 beat to the first edge that can
+    accept a pass-2 beat: ``3 + ceil(log2(lanes)) + Rsqrt.LATENCY`` (shift, square, adder
+    tree, accumulate, rsqrt).
     """
 
     LATENCY = timing.RMSNORM_LATENCY
+    SHIFT_TURNAROUND = timing.RMSNORM_SHIFT_TURNAROUND
 
     @staticmethod
     def turnaround(lanes: int) -> int:
-        """``TURNAROUND`` for a given lane count: square, tree, accumulate, rsqrt."""
+        """``TURNAROUND`` for a given lane count: shift, square, tree, accumulate, rsqrt."""
         return timing.rmsnorm_turnaround(lanes)
 
     def __init__(self, config: EngineConfig, max_len: int | None = None):
         self.lanes = config.lanes
-        self.max_len = config.vmem_bytes // 2 if max_len is None else max_len
+        self.max_len = config.vmem_bytes // 4 if max_len is None else max_len
         self.acc_bits = sumsq_bits(self.max_len)
         self.TURNAROUND = self.turnaround(self.lanes)
         super().__init__({
@@ -209,34 +231,62 @@ class RMSNorm(wiring.Component):
             "busy": Out(1),
         })
 
+    def shift_of(self, m: Module, mag):
+        """The row's shift from the OR of its magnitudes: ``max(0, bitlen(mag) − 15)``."""
+        length = Signal(range(nx.RES_BITS + 1))
+        for b in range(len(mag)):                 # the last true If wins: the highest set bit
+            with m.If(mag[b]):
+                m.d.comb += length.eq(b + 1)
+        return Mux(length > nx.NORM_IN_BITS - 1, length - (nx.NORM_IN_BITS - 1), 0)
+
     def elaborate(self, platform):
         m = Module()
         lanes = self.lanes
         rs = m.submodules.rsqrt = Rsqrt(self.acc_bits)
         # side band: (last, wide) travel with each beat, so a row's outputs keep its
         # width while the next row's pass 1 already sampled another
-        vr = m.submodules.requant = VectorRequantizer(lanes, nx.RES_BITS, 32, side=2)
+        vr = m.submodules.requant = VectorRequantizer(lanes, WIDE_BITS, 32, side=2)
         p = self.i.payload
+        phase = Signal(_Phase)
+        first = Signal(init=1)                    # next beat starts a row (its pass 0)
 
-        # -- pass 1: squares, adder tree, accumulator -------------------------------------
-        sum_ready = Signal()
-        take1 = Signal()
-        first = Signal(init=1)                    # next pass-1 beat starts a row
+        # -- pass 0: OR of one's-complement magnitudes, then the leading-one detector ------
+        max_ready, take0 = Signal(), Signal()
+        m.d.comb += take0.eq(self.i.valid & max_ready)
+        mag_bits = nx.RES_BITS - 1                # x ^ sign(x) is non-negative: 31 bits
+        beat_or = Signal(mag_bits)
+        m.d.comb += beat_or.eq(_or_all([(p.x[l] ^ p.x[l][-1].replicate(nx.RES_BITS))[:mag_bits]
+                                         for l in range(lanes)]))
+        row_or = Signal(mag_bits)
+        shift = Signal(range(nx.RES_BITS - nx.NORM_IN_BITS + 2))   # p ≤ 16
+        with m.If(take0):
+            m.d.sync += row_or.eq(Mux(first, 0, row_or) | beat_or)
+        with m.If(phase == _Phase.LOD):
+            m.d.sync += shift.eq(self.shift_of(m, row_or))
+
+        # -- pass 1: shift, squares, adder tree, accumulator -------------------------------
+        sum_ready, take1 = Signal(), Signal()
+        sum_first = Signal()                      # next pass-1 beat is the row's first
         m.d.comb += take1.eq(self.i.valid & sum_ready)
-        sq_v, sq_last = Signal(), Signal()
-        squares = [Signal(unsigned(2 * nx.RES_BITS - 1), name=f"sq{l}") for l in range(lanes)]
-        m.d.sync += [sq_v.eq(take1), sq_last.eq(take1 & p.last)]
+        xs_v, xs_last = Signal(), Signal()
+        xs1 = [Signal(signed(nx.NORM_IN_BITS), name=f"xs{l}") for l in range(lanes)]
+        m.d.sync += [xs_v.eq(take1), xs_last.eq(take1 & p.last)]
         for l in range(lanes):
-            m.d.sync += squares[l].eq(p.x[l] * p.x[l])
+            m.d.sync += xs1[l].eq(_shift_to_int16(m, p.x[l], shift, f"xs1_{l}"))
+        sq_v, sq_last = Signal(), Signal()
+        squares = [Signal(unsigned(2 * nx.NORM_IN_BITS - 1), name=f"sq{l}") for l in range(lanes)]
+        m.d.sync += [sq_v.eq(xs_v), sq_last.eq(xs_last)]
+        for l in range(lanes):
+            m.d.sync += squares[l].eq(xs1[l] * xs1[l])
         total, t_v, (t_last,), _ = reduce_tree(m, squares, lambda a, b: a + b, valid=sq_v,
                                                tags=[sq_last], name="sumsq")
         acc = Signal(self.acc_bits)
         acc_done = Signal()                       # the row's last partial sum is in acc
         gs, wide = Signal(5), Signal()
-        with m.If(take1 & first):
-            m.d.sync += acc.eq(self.eps)
+        with m.If(take1 & sum_first):
+            m.d.sync += acc.eq(self.eps >> Cat(Const(0, 1), shift))     # eps >> 2p
         with m.If(take1):
-            m.d.sync += first.eq(0)
+            m.d.sync += sum_first.eq(0)
         with m.If(take1 & p.last):
             m.d.sync += [gs.eq(self.gamma_shift), wide.eq(self.wide)]
         with m.If(t_v):
@@ -244,20 +294,29 @@ class RMSNorm(wiring.Component):
         with m.Else():
             m.d.sync += acc_done.eq(0)
 
-        # -- pass 2: x·gamma, then requantise by (r, 15 + k + gamma_shift) -------------
+        # -- pass 2: shift, x'·gamma, then requantise by (r, 15 + k + gamma_shift) ------
         # (r, k) stay in the rsqrt's output register (not popped) for the whole pass.
         r = rs.o.payload.r
-        total_shift = nx.RSQRT_BITS + rs.o.payload.k + gs - Mux(wide, nx.RES_BITS - nx.ACT_BITS, 0)
-        shift = Mux(total_shift > 63, 63, total_shift)
-        front_adv, v1 = Signal(), Signal()
-        scale_ready = Signal()
-        take2 = Signal()
+        total_shift = nx.RSQRT_BITS + rs.o.payload.k + gs - Mux(wide, WIDE_BITS - nx.ACT_BITS, 0)
+        rq_shift = Mux(total_shift > 63, 63, total_shift)
+        front_adv, v0, v1 = Signal(), Signal(), Signal()
+        scale_ready, take2 = Signal(), Signal()
+        # a stall-all front end (the shift, then the product) ahead of the requantiser
         m.d.comb += [front_adv.eq(~v1 | vr.i.ready), take2.eq(self.i.valid & scale_ready)]
+        # stage 0 keeps (r, shift) with the beat: the row's last take pops the rsqrt
+        xs2 = [Signal(signed(nx.NORM_IN_BITS), name=f"xs2_{l}") for l in range(lanes)]
+        g2 = [Signal(signed(16), name=f"g2_{l}") for l in range(lanes)]
+        last2, wide2 = Signal(), Signal()
+        r2, rq_shift2 = Signal.like(r), Signal(6)
         with m.If(front_adv):
-            m.d.sync += [v1.eq(take2), vr.i.payload.side.eq(Cat(p.last, wide))]
+            m.d.sync += [v0.eq(take2), last2.eq(p.last), wide2.eq(wide), r2.eq(r),
+                         rq_shift2.eq(rq_shift),
+                         v1.eq(v0), vr.i.payload.side.eq(Cat(last2, wide2))]
             for l in range(lanes):
                 q = vr.i.payload.r[l]
-                m.d.sync += [q.acc.eq(p.x[l] * p.gamma[l]), q.mult.eq(r), q.shift.eq(shift)]
+                m.d.sync += [xs2[l].eq(_shift_to_int16(m, p.x[l], shift, f"xs2in_{l}")),
+                             g2[l].eq(p.gamma[l]),
+                             q.acc.eq(xs2[l] * g2[l]), q.mult.eq(r2), q.shift.eq(rq_shift2)]
         m.d.comb += [self.o.payload.y[l].eq(narrow_unless_wide(vr.o.payload.y[l], vr.o.payload.side[1]))
                      for l in range(lanes)]
         m.d.comb += [
@@ -268,10 +327,17 @@ class RMSNorm(wiring.Component):
         ]
 
         # -- sequencing ---------------------------------------------------------------------
-        m.d.comb += [self.i.ready.eq(sum_ready | scale_ready), self.busy.eq(~first)]
-        # (If/Elif rather than m.FSM: three states in two bits lint clean as an if chain)
-        phase = Signal(_Phase)
-        with m.If(phase == _Phase.SUM):
+        m.d.comb += [self.i.ready.eq(max_ready | sum_ready | scale_ready), self.busy.eq(~first)]
+        with m.If(take0):
+            m.d.sync += first.eq(0)
+        # (If/Elif rather than m.FSM: five states in three bits lint clean as an if chain)
+        with m.If(phase == _Phase.MAX):
+            m.d.comb += max_ready.eq(1)
+            with m.If(take0 & p.last):
+                m.d.sync += phase.eq(_Phase.LOD)
+        with m.Elif(phase == _Phase.LOD):          # row_or is complete: p into `shift`
+            m.d.sync += [phase.eq(_Phase.SUM), sum_first.eq(1)]
+        with m.Elif(phase == _Phase.SUM):
             m.d.comb += sum_ready.eq(1)
             with m.If(take1 & p.last):
                 m.d.sync += phase.eq(_Phase.DRAIN)
@@ -283,7 +349,13 @@ class RMSNorm(wiring.Component):
             m.d.comb += [scale_ready.eq(front_adv & rs.o.valid),
                          rs.o.ready.eq(take2 & p.last)]
             with m.If(take2 & p.last):
-                m.d.sync += phase.eq(_Phase.SUM)
-        with m.If(take2 & p.last):
-            m.d.sync += first.eq(1)
+                m.d.sync += [phase.eq(_Phase.MAX), first.eq(1)]
         return m
+
+
+def _or_all(values):
+    """The bitwise OR of equal-width values (a flat tree: the synthesiser balances it)."""
+    out = values[0]
+    for v in values[1:]:
+        out = out | v
+    return out

@@ -79,8 +79,14 @@ ACTMUL_LATENCY = 2 + VECTOR_REQUANT_LATENCY
 ACTMUL_LUT_DEPTH = 256
 #: Rsqrt: the LUT index, the ROM read, the interpolation and the output register.
 RSQRT_LATENCY = 4
-#: RMSNorm pass 2: the gamma product, then the VectorRequantizer.
-RMSNORM_LATENCY = 1 + VECTOR_REQUANT_LATENCY
+#: RMSNorm: the register after the ``x >> p`` barrel shifter that cuts an int32 residual to
+#: int16 (passes 1 and 2, ahead of the squarers and the gamma products).
+RMSNORM_SHIFT_STAGE = 1
+#: RMSNorm pass 2: the shift, the gamma product, then the VectorRequantizer.
+RMSNORM_LATENCY = RMSNORM_SHIFT_STAGE + 1 + VECTOR_REQUANT_LATENCY
+#: RMSNorm: from the edge that takes a row's last pass-0 beat to the first edge that can
+#: take a pass-1 beat (the row's OR register, then the leading-one detector's ``p``).
+RMSNORM_SHIFT_TURNAROUND = 2
 #: Rope: four products, the two sums, the shift and clamp.
 ROPE_LATENCY = 3
 #: SoftmaxExp: subtract, multiply, rounding shift into the EXP2 ROM, shift.
@@ -100,8 +106,8 @@ KV_READ_LATENCY = 3
 
 def rmsnorm_turnaround(lanes: int) -> int:
     """RMSNorm's ``TURNAROUND``: from the edge that takes a row's last pass-1 beat to the
-    first edge that can take a pass-2 beat (square, adder tree, accumulate, rsqrt)."""
-    return 2 + ceil_log2(lanes) + RSQRT_LATENCY
+    first edge that can take a pass-2 beat (shift, square, adder tree, accumulate, rsqrt)."""
+    return RMSNORM_SHIFT_STAGE + 2 + ceil_log2(lanes) + RSQRT_LATENCY
 
 
 def softmax_load_to_emit(lanes: int) -> int:
