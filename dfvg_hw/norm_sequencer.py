@@ -1,6 +1,6 @@
 """RMSNORM sequencing (docs/isa.md §3.3, ``FunctionalEngine._unit``): the parameter
-block from device memory, each source row twice through :class:`~dfvg_hw.rmsnorm.RMSNorm`,
-the normalised rows into VMEM.
+block from device memory, each int32 source row three times through
+:class:`~dfvg_hw.rmsnorm.RMSNorm`, the normalised rows into VMEM.
 
 Per job:
 
@@ -13,21 +13,28 @@ Per job:
    writer is given the destination span, so a refused instruction leaves VMEM untouched
    and no port waiting. ``rows > config.rows`` (``PROGRAM``) is checked first of all,
    as ``_unit`` does.
-3. **Rows.** The destination is one write span (``rows`` rows); each row is then read
-   from VMEM twice, as two one-row spans: pass 1 (Σx²) and pass 2, in which every x beat
-   meets the gamma beat of the same lanes. **Gamma is re-read from device memory for
-   every row** (issued as the row starts, so its latency hides behind pass 1): no
-   on-chip gamma buffer, which would have to hold ``vmem_bytes`` bytes for the longest
-   legal row; the cost is ``2n`` more bytes of device-memory traffic per extra row
-   (the cycle model counts gamma once).
+3. **Rows.** The destination is one write span (``rows`` rows); each source row
+   (``4n`` bytes: the int32 residual) is then read from VMEM three times, as three
+   one-row spans: pass 0 (the row's shift ``p``), pass 1 (Σx'²) and pass 2, in which
+   every x beat meets the gamma beat of the same lanes. **Gamma is re-read from device
+   memory for every row** (issued as the row starts, so its latency hides behind passes
+   0 and 1): no on-chip gamma buffer, which would have to hold ``vmem_bytes / 2`` bytes
+   for the longest legal row; the cost is ``2n`` more bytes of device-memory traffic per
+   extra row (the cycle model counts gamma once). Gamma is ``2n`` bytes cut into beats of
+   ``2·lanes`` bytes, x ``4n`` bytes cut into beats of ``4·lanes``: below 8 lanes a row's
+   last gamma line can give a beat or more past x's last one (padding lanes only), so
+   the gamma cutter is emptied as each row starts.
 
 Parameter blocks may sit at any byte address (:class:`~dfvg_hw.line_streams.UnalignedReader`):
 compiled images align them to 16 bytes, but a 256-bit bus needs 32, and gamma itself
 is at ``addr + 40``.
 
-A row of ``n`` elements takes about ``2·ceil(2n/16)·max(1, 16/(2·lanes))`` beats plus
-:meth:`~dfvg_hw.rmsnorm.RMSNorm.turnaround` and two VMEM read latencies; results are
-written as they come. ``src == dst`` is exact: an output line is written only after the
+A row of ``n`` elements takes about ``3·max(ℓ, b)`` cycles of beats (``ℓ = ceil(4n/16)``
+VMEM lines, ``b = ℓ·max(1, 4/lanes)`` beats, or ``ceil(ℓ·4/lanes)`` from 8 lanes on)
+plus three VMEM read latencies (``NORM_PASS1_START`` each), the shift's
+``RMSNORM_SHIFT_TURNAROUND`` hidden behind the second one, and
+:meth:`~dfvg_hw.rmsnorm.RMSNorm.turnaround`; results are written as they come
+(:func:`sim.cycle_model._rmsnorm` has it to the cycle). ``src == dst`` is exact: an output line is written only after the
 input lines it overlays were read for the last time (the output row is never longer
 than the input row, and starts no later). A destination overlapping the source
 otherwise is not supported (the functional model reads all rows first).
@@ -35,7 +42,7 @@ otherwise is not supported (the functional model reads all rows first).
 
 from __future__ import annotations
 
-from amaranth import Cat, Module, Mux, Signal, unsigned
+from amaranth import Cat, Module, Mux, ResetInserter, Signal, unsigned
 from amaranth.lib import wiring
 
 from dfvg_hw.spec import numerics as nx
@@ -77,7 +84,7 @@ class NormSequencer(wiring.Component):
     error : Out(8)
         :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
     read_cmd, read_data : the memory port's read side (parameter head and gamma)
-    vmem_rd_cmd, vmem_rd : VMEM's span reader (one-row spans, each row twice)
+    vmem_rd_cmd, vmem_rd : VMEM's span reader (one-row spans, each row three times)
     vmem_wr_cmd, vmem_wr, vmem_wr_done : VMEM's span writer (one span per job)
     vmem_error : In(1)
         Unused: spans are checked before they are issued.
@@ -94,8 +101,10 @@ class NormSequencer(wiring.Component):
         lanes = c.lanes
         reader = m.submodules.reader = UnalignedReader(c, self.data_width)
         norm = m.submodules.norm = RMSNorm(c)
-        x_cut = m.submodules.x_cut = Gearbox(L, 2 * lanes)         # VMEM lines → lanes × int16
-        gamma_cut = m.submodules.gamma_cut = Gearbox(L, 2 * lanes)  # gamma lines, cut alike
+        x_cut = m.submodules.x_cut = Gearbox(L, 4 * lanes)         # VMEM lines → lanes × int32
+        gamma_cut = Gearbox(L, 2 * lanes)                         # gamma lines → lanes × int16
+        flush_gamma = Signal()              # a row's surplus gamma beats (below 8 lanes) go
+        m.submodules.gamma_cut = ResetInserter({"sync": flush_gamma})(gamma_cut)
         writer = m.submodules.writer = RowWriter(c)
 
         wiring.connect(m, reader.read_cmd, wiring.flipped(self.read_cmd))
@@ -103,7 +112,8 @@ class NormSequencer(wiring.Component):
 
         job = Signal(OpJob())
         wide = flags_view(job.flags).wide
-        in_bytes = Signal(17)                       # 2n
+        in_bytes = Signal(18)                       # 4n: an int32 row
+        gamma_bytes = Signal(17)                    # 2n
         out_bytes = Signal(17)                      # n, or 2n when wide
         eps, gamma_shift = Signal(32), Signal(32)
         row = Signal(8)
@@ -124,14 +134,14 @@ class NormSequencer(wiring.Component):
         m.d.comb += [writer.i.p.y[j].eq(norm.o.p.y[j]) for j in range(lanes)]
         x_bytes, g_bytes = x_cut.o.p.data.as_value(), gamma_cut.o.p.data.as_value()
         for j in range(lanes):
-            m.d.comb += [norm.i.p.x[j].eq(x_bytes.word_select(j, 16)),
+            m.d.comb += [norm.i.p.x[j].eq(x_bytes.word_select(j, 32)),
                          norm.i.p.gamma[j].eq(g_bytes.word_select(j, 16))]
         m.d.comb += norm.i.p.last.eq(x_cut.o.p.last)
         progress = RowWriteProgress(m, writer, self.vmem_wr, self.vmem_wr_done,
                                     wide=wide, row_bytes=out_bytes)
 
         def request_source_row():
-            """Source row ``row`` as a one-row span (each row is read twice: pass 1 and 2)."""
+            """Source row ``row`` as a one-row span (each row is read three times)."""
             return span_request(self.vmem_rd_cmd, job.src + row * lines_of(in_bytes), 1, in_bytes)
 
         with m.FSM(name="rmsnorm"):
@@ -140,7 +150,7 @@ class NormSequencer(wiring.Component):
                 with m.If(self.job.valid):
                     p = self.job.payload
                     p_wide = flags_view(p.flags).wide
-                    m.d.sync += [job.eq(p), in_bytes.eq(2 * p.n),
+                    m.d.sync += [job.eq(p), in_bytes.eq(4 * p.n), gamma_bytes.eq(2 * p.n),
                                  out_bytes.eq(Mux(p_wide, 2 * p.n, p.n)), row.eq(0),
                                  error.eq(ErrorCode.OK), *progress.restart()]
                     m.next = "HEAD_CMD"
@@ -162,7 +172,7 @@ class NormSequencer(wiring.Component):
                 with m.If(gamma_shift > nx.GAMMA_SHIFT_MAX):
                     m.d.sync += error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
-                with m.Elif((gamma_addr + in_bytes > c.mem_bytes)
+                with m.Elif((gamma_addr + gamma_bytes > c.mem_bytes)
                             | job_spans_outside(c, job, in_bytes, out_bytes)):
                     m.d.sync += error.eq(ErrorCode.BAD_ADDRESS)
                     m.next = "DONE"
@@ -175,8 +185,17 @@ class NormSequencer(wiring.Component):
                 with m.If(self.vmem_wr_cmd.ready):
                     m.next = "GAMMA_CMD"
             with m.State("GAMMA_CMD"):
-                m.d.comb += read_request(reader, gamma_addr, in_bytes, lines_of(in_bytes))
+                m.d.comb += [*read_request(reader, gamma_addr, gamma_bytes, lines_of(gamma_bytes)),
+                             flush_gamma.eq(1)]
                 with m.If(reader.cmd.ready):
+                    m.next = "PASS0_CMD"
+            with m.State("PASS0_CMD"):
+                m.d.comb += request_source_row()
+                with m.If(self.vmem_rd_cmd.ready):
+                    m.next = "PASS0"
+            with m.State("PASS0"):                       # the row's shift: gamma is not looked at
+                m.d.comb += [norm.i.valid.eq(x_cut.o.valid), x_cut.o.ready.eq(norm.i.ready)]
+                with m.If(x_cut.o.valid & norm.i.ready & x_cut.o.p.last):
                     m.next = "PASS1_CMD"
             with m.State("PASS1_CMD"):
                 m.d.comb += request_source_row()

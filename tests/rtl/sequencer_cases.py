@@ -1,7 +1,8 @@
 """Cases shared by the row sequencers' tests (ActMulSequencer, NormSequencer).
 
-Both run jobs of ``rows`` rows of ``n`` int16 source elements (``2n`` bytes) into int8
-or, with ``WIDE``, int16 results, with a parameter block at ``addr``; they are checked
+Both run jobs of ``rows`` rows of ``n`` source elements (RMSNORM: int32 residuals, ``4n``
+bytes; ACTMUL: an int8 gate and up pair, ``2n`` bytes) into int8 or, with ``WIDE``, int16
+results, with a parameter block at ``addr``; they are checked
 the same way against the functional model (:func:`sim.op_bench.compare_with_reference`).
 Each test file keeps its own parameter blocks and cases.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
-from dfvg_hw.spec.isa import Flag
+from dfvg_hw.spec.isa import Flag, Op
 from sim.op_bench import compare_with_reference
 
 TINY = get_preset("tiny")
@@ -28,6 +29,11 @@ def row_job(opcode, rows, n, src, dst, addr, wide=False) -> dict:
                 dst=dst, addr=addr)
 
 
+def source_bytes(opcode) -> int:
+    """Bytes per element of a row job's source row."""
+    return 4 if opcode == Op.RMSNORM else 2
+
+
 def random_row_job(rng, opcode, blocks) -> dict:
     """A random row job on ``TINY`` with one of ``blocks`` as its parameter block, either
     in place or with source and destination apart."""
@@ -35,7 +41,7 @@ def random_row_job(rng, opcode, blocks) -> dict:
     rows = int(rng.integers(1, TINY.rows + 1))
     wide = bool(rng.integers(2))
     lines = TINY.vmem_bytes // L
-    src_lines = rows * -(-2 * n // L)
+    src_lines = rows * -(-source_bytes(opcode) * n // L)
     dst_lines = rows * -(-(2 if wide else 1) * n // L)
     src = int(rng.integers(0, lines - src_lines))
     dst = src
