@@ -11,7 +11,7 @@ wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits
    (``lanes·kpad`` bytes, tile-major in the image) and then its ``lanes`` requant words
    (after all tiles in the image) are read from device memory; each tile meets x-buffer
    entry ``kt`` in the matrix unit.
-3. **Write-back.** Each output row of a group goes to VMEM (INT8: int8, RESADD: int16,
+3. **Write-back.** Each output row of a group goes to VMEM (INT8: int8, RESADD: int32,
    the residual read from the same place first) or, in LOGITS mode, to the logit buffer.
 
 **Checks**, all before the first pass and in the functional model's order, so a refused
@@ -30,24 +30,25 @@ with ``rows ≠ 1`` or ``n > vocab_max`` (``PROGRAM``), the destination span out
   beat per read when the address is not aligned; none when it is).
 * *Requant words* ``4N`` bytes per group: whole beats, or, when ``4N`` is less than a
   beat, part of one (the aligner puts them at byte 0).
-* *Write-back*: a group's result row is ``N`` bytes (INT8) or ``2N`` (RESADD). Up to a
-  line it is one masked write inside a line; beyond, it starts a line and takes
-  ``W = N·eb/16`` line writes, one per cycle, the lanes past ``n`` masked off. A RESADD
-  residual row likewise takes ``R = max(1, 2N/16)`` line reads (one per cycle, one more
-  cycle to start each row). LOGITS rows go to the logit buffer as one ``N``-lane tile.
+* *Write-back*: a group's result row is ``N`` bytes (INT8) or ``4N`` (RESADD: the int32
+  residual). Up to a line it is one masked write inside a line; beyond, it starts a line
+  and takes ``W = N·eb/16`` line writes, one per cycle, the lanes past ``n`` masked off.
+  A RESADD residual row likewise takes ``R = max(1, 4N/16)`` line reads (one per cycle,
+  one more cycle to start each row). LOGITS rows go to the logit buffer as one ``N``-lane tile.
 
 **Timing.** At ``tiny`` (every result row inside one line, requant words one beat,
 blocks bus-aligned) the sequencer takes exactly the cycles of the one-line sequencer
 before it (tests/rtl/test_matmul_sequencer.py pins them). Wider rows cost more at the
 output: a group row holds the write-back for ``W = max(1, N/16)`` cycles in INT8 and
-``R + 1`` in RESADD (``R = max(1, 2N/16)`` residual lines read, the same ``R`` lines
+``R + 1`` in RESADD (``R = max(1, 4N/16)`` residual lines read, the same ``R`` lines
 written; a group's first residual is read in advance), 1 in LOGITS. Against one line per
 row, each pass's last group adds ``rows_pass · (W − 1)`` cycles (INT8) or
 ``rows_pass · (R − 1)`` (RESADD) to the pass's tail, ``rows_pass`` being the pass's output
 rows (a wide row counts once). Earlier groups' write-backs overlap the next group's
 weight stream and cost nothing while ``rows_pass · W`` (RESADD: ``rows_pass · (R + 1)``) is
-at most that group's ``N·Kp/B + max(1, 4N/B)`` beats: at the Alveo presets 32 (72) cycles
-for 8 rows against at least 72 beats. A weight block off the bus alignment costs one
+at most that group's ``N·Kp/B + max(1, 4N/B)`` beats: at the Alveo presets 32 (136)
+cycles for 8 rows against at least 72 beats, so a RESADD of 8 rows at 64 lanes now
+waits on its write-back (single-row RESADDs, the compiler's, take 17 against 72). A weight block off the bus alignment costs one
 more beat per read whose bytes straddle one more beat (every tile read; a requant read
 unless ``4N < B`` and its words stay inside one beat).
 
@@ -68,6 +69,7 @@ from amaranth.lib.wiring import In, Out
 from amaranth.lib.memory import Memory
 from amaranth.utils import exact_log2
 
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.isa import MatmulMode
@@ -286,7 +288,7 @@ class MatmulSequencer(wiring.Component):
         per_pass = Mux(wide, M // 2, M)
         first, pass_rows = Signal(8), Signal(8)
         weight_bytes = Signal(48)
-        out_eb = Mux(mode == MatmulMode.INT8, 1, 2)
+        out_eb = Mux(mode == MatmulMode.INT8, 1, 4)      # RESADD: int32 residuals
         k_zero = k_tiles == 0            # no tiles: each group gets one zero tile
         offset_bits = exact_log2(beat_bytes)
 
@@ -304,7 +306,7 @@ class MatmulSequencer(wiring.Component):
                     p_wide, p_mode = flags_view(p.flags).wide, flags_view(p.flags).mode
                     npad, kpad = padded(p.n, N), padded(p.k, K)
                     p_in = p.k * Mux(p_wide, 2, 1)
-                    p_out = p.n * Mux(p_mode == MatmulMode.INT8, 1, 2)
+                    p_out = p.n * Mux(p_mode == MatmulMode.INT8, 1, 4)
                     m.d.sync += [job.eq(p), n_groups.eq(npad // N), k_tiles.eq(kpad // K),
                                  weight_bytes.eq(npad * kpad), first.eq(0),
                                  in_bytes.eq(p_in), stride_in.eq(padded(p_in, L)),
@@ -481,8 +483,8 @@ class MatmulSequencer(wiring.Component):
                 # if it was peeked in this state (x loads use the same VMEM read port)
                 res_group, res_row, peek_at = Signal(16), Signal(8), Signal(16)
                 m.d.sync += peek_live.eq(1)
-                res_offset = (first + res_row) * stride_out + res_group * N * 2
-                res_lines = max(1, 2 * N // L)
+                res_offset = (first + res_row) * stride_out + res_group * N * 4
+                res_lines = max(1, 4 * N // L)
                 restart_residuals = []
                 if res_lines == 1:
                     # the row inside one line
@@ -513,7 +515,7 @@ class MatmulSequencer(wiring.Component):
                     # past the last group it gathers lines nobody takes: start the next pass afresh
                     restart_residuals = [res_j.eq(0)]
                 for lane in range(N):
-                    m.d.comb += mx.res.payload[lane].eq(res_bytes.word_select(lane, 16).as_signed())
+                    m.d.comb += mx.res.payload[lane].eq(res_bytes.word_select(lane, 32).as_signed())
                 with m.If(mx.res.valid & mx.res.ready):
                     m.d.sync += res_row.eq(res_row + 1)
                     with m.If(res_row + 1 == pass_rows):
@@ -521,11 +523,12 @@ class MatmulSequencer(wiring.Component):
 
                 # results: to the logit buffer (a tile per row) or into dst, a line per cycle
                 o = mx.o
-                wb_lines = {eb: max(1, N * eb // L) for eb in (1, 2)}
+                wb_lines = {eb: max(1, N * eb // L) for eb in (1, 4)}
                 wb_line = Signal(range(max(2, *wb_lines.values())))      # (no 0-bit signal)
                 with m.If(mode == MatmulMode.LOGITS):
                     m.d.comb += [self.logits.valid.eq(o.valid), o.ready.eq(self.logits.ready),
-                                 self.logits.payload.data.as_value().eq(o.payload.data.as_value())]
+                                 *(self.logits.payload.data[j].eq(o.payload.data[j][:nx.LOGIT_BITS])
+                                   for j in range(N))]
                 with m.Else():
                     # the group's row is N·eb bytes at byte `row·stride + group·N·eb` of dst:
                     # inside one line when N·eb ≤ 16 (at `shift`), else whole lines from a
@@ -533,9 +536,9 @@ class MatmulSequencer(wiring.Component):
                     offset = (first + o.payload.row) * stride_out + out_group * N * out_eb
                     shift = offset % L
                     left = out_bytes - (out_group * N * out_eb + L * wb_line)      # signed
-                    last_line = wb_line == Mux(out_eb == 1, wb_lines[1], wb_lines[2]) - 1
+                    last_line = wb_line == Mux(out_eb == 1, wb_lines[1], wb_lines[4]) - 1
                     pieces, masks = [], []
-                    for eb in (1, 2):
+                    for eb in (1, 4):
                         row_bytes = Cat(*(v[:8 * eb] for v in o.payload.data))
                         nbytes = N * eb
                         pieces.append(row_bytes if nbytes <= L

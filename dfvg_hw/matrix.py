@@ -94,12 +94,13 @@ class GroupParams(data.StructLayout):
 
 
 class MatrixResult(data.StructLayout):
-    """One output row: ``data[lane]`` (int8 results sign-extended in INT8 mode), its
-    ``row`` index and ``last`` on the group's final active row."""
+    """One output row: ``data[lane]`` (int32 residuals in RESADD mode; int8 results in
+    INT8 and int16 logits in LOGITS mode, sign-extended), its ``row`` index and ``last``
+    on the group's final active row."""
 
     def __init__(self, rows: int, lanes: int):
         super().__init__({
-            "data": data.ArrayLayout(signed(16), lanes),
+            "data": data.ArrayLayout(signed(nx.RES_BITS), lanes),
             "row": unsigned(max(1, ceil_log2(rows))),
             "last": unsigned(1),
         })
@@ -145,13 +146,13 @@ class MatrixUnit(wiring.Component):
     its sums move to the write-back bank and the next tile starts a new group. The write-back
     consumes one ``q`` beat per group and emits the group's first ``q.rows`` rows on ``o``, one
     row (all N lanes) per cycle, through N :class:`~dfvg_hw.requant.Requantizer` (16-bit)
-    instances:
+    instances (32-bit, the residual's width):
 
-    * ``INT8``: ``sat8(requant16(acc))`` = ``numerics.requant(acc, mult, shift, 8)``
-      (saturating a 16-bit-saturated value to 8 bits is the same as saturating once);
-    * ``RESADD``: ``sat16(res + requant16(acc))`` = ``numerics.residual_add`` — the residual
-      add is done here; one ``res`` beat (the row's N int16 residuals) per output row;
-    * ``LOGITS``: ``requant16(acc)``.
+    * ``INT8``: ``sat8(requant32(acc))`` = ``numerics.requant(acc, mult, shift, 8)``
+      (saturating a wider-saturated value to 8 bits is the same as saturating once);
+    * ``RESADD``: ``sat32(res + requant32(acc))`` = ``numerics.residual_add`` — the residual
+      add is done here; one ``res`` beat (the row's N int32 residuals) per output row;
+    * ``LOGITS``: ``sat16(requant32(acc))`` = ``numerics.requant(acc, mult, shift, 16)``.
 
     With ``q.wide`` set, ``acc`` of output row ``r`` is ``256·acc[2r] + acc[2r+1]``: the
     exact int16 × int8 dot product of the wide row whose digits came in rows ``2r``, ``2r+1``.
@@ -180,7 +181,7 @@ class MatrixUnit(wiring.Component):
         Activation K-slices of all M rows, transferred together with ``w``.
     q : In(stream.Signature(GroupParams(rows, lanes)))
         Per-group requant words, mode and active rows; consumed with the group's last row.
-    res : In(stream.Signature(ArrayLayout(signed(16), lanes)))
+    res : In(stream.Signature(ArrayLayout(signed(32), lanes)))
         RESADD residuals, one beat per output row (unused in the other modes).
     o : Out(stream.Signature(MatrixResult(rows, lanes)))
         Results, one row per beat.
@@ -189,6 +190,9 @@ class MatrixUnit(wiring.Component):
     """
 
     TREE_STAGES = timing.MATRIX_TREE_STAGES
+    #: RESADD saturates the residual sum to this width (a parameter so a test can prove a
+    #: narrower one is caught)
+    RES_SAT_BITS = nx.RES_BITS
     #: cycles from the transfer of a group's ``last`` tile to its first output row
     LATENCY = timing.MATRIX_LATENCY
     PACK_SHIFT = 18
@@ -201,7 +205,7 @@ class MatrixUnit(wiring.Component):
             "w": In(stream.Signature(WeightTile(self.lanes, self.reduce))),
             "x": In(stream.Signature(ActivationRows(self.rows, self.reduce))),
             "q": In(stream.Signature(GroupParams(self.rows, self.lanes))),
-            "res": In(stream.Signature(data.ArrayLayout(signed(16), self.lanes))),
+            "res": In(stream.Signature(data.ArrayLayout(signed(nx.RES_BITS), self.lanes))),
             "o": Out(stream.Signature(MatrixResult(self.rows, self.lanes))),
             "idle": Out(1),
         }))
@@ -339,7 +343,7 @@ class MatrixUnit(wiring.Component):
             m.d.sync += [metas[i].eq(metas[i - 1]) for i in range(1, len(metas))]
         mt = metas[-1]
 
-        # -- output stage: INT8 clamp or residual add -----------------------------------
+        # -- output stage: INT8 or LOGITS clamp, or residual add ---------------------------
         need_res = Signal()
         m.d.comb += need_res.eq(mt.mode == MatmulMode.RESADD)
         out_adv = Signal()
@@ -351,7 +355,8 @@ class MatrixUnit(wiring.Component):
             m.d.comb += rq.o.ready.eq(out_adv & res_ok)
         m.d.comb += self.res.ready.eq(ov & need_res & out_adv)
         lo8, hi8 = -(1 << (nx.ACT_BITS - 1)), (1 << (nx.ACT_BITS - 1)) - 1
-        lo16, hi16 = -(1 << (nx.RES_BITS - 1)), (1 << (nx.RES_BITS - 1)) - 1
+        lo16, hi16 = -(1 << (nx.LOGIT_BITS - 1)), (1 << (nx.LOGIT_BITS - 1)) - 1
+        lo32, hi32 = -(1 << (self.RES_SAT_BITS - 1)), (1 << (self.RES_SAT_BITS - 1)) - 1
         with m.If(out_adv):
             m.d.sync += [
                 self.o.valid.eq(ov & res_ok),
@@ -366,9 +371,9 @@ class MatrixUnit(wiring.Component):
                     with m.Case(MatmulMode.INT8):
                         m.d.sync += self.o.p.data[l].eq(Mux(y > hi8, hi8, Mux(y < lo8, lo8, y)))
                     with m.Case(MatmulMode.RESADD):
-                        m.d.sync += self.o.p.data[l].eq(Mux(s > hi16, hi16, Mux(s < lo16, lo16, s)))
-                    with m.Default():
-                        m.d.sync += self.o.p.data[l].eq(y)
+                        m.d.sync += self.o.p.data[l].eq(Mux(s > hi32, hi32, Mux(s < lo32, lo32, s)))
+                    with m.Default():                   # LOGITS
+                        m.d.sync += self.o.p.data[l].eq(Mux(y > hi16, hi16, Mux(y < lo16, lo16, y)))
 
         m.d.comb += self.idle.eq(~(Cat(*valid).any() | busy | Cat(*(mm.valid for mm in metas)).any()
                                    | self.o.valid))

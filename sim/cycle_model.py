@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import ceil, gcd
 
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words, watchdog_budget
@@ -39,6 +40,8 @@ LINE = VMEM_LINE_BYTES
 ISSUE, UNIT_OVERHEAD, BEFORE_FINISH = tm.ISSUE, tm.UNIT_OVERHEAD, tm.BEFORE_FINISH
 READ_OVERHEAD = tm.MEM_READ_OVERHEAD
 PAGE = tm.AXI_BOUNDARY_BYTES
+#: Bytes of a residual-stream element (int32): EMBED rows, RMSNORM sources, RESADD rows.
+RES_BYTES = nx.RES_BITS // 8
 
 
 @dataclass
@@ -341,7 +344,7 @@ class _WriteBack:
     before it has entered; the three requantiser stages and the row's entry stand still
     while the row in the last stage waits for the output register. That register takes a
     row when the previous one has been held for ``hold`` cycles: the result row's VMEM
-    lines are written one a cycle (INT8: ``max(1, N/16)``, RESADD: ``R = max(1, 2N/16)``)
+    lines are written one a cycle (INT8: ``max(1, N/16)``, RESADD: ``R = max(1, 4N/16)``)
     or it goes to the logit buffer (1). A RESADD row also needs its residual: its ``R``
     lines are peeked one a cycle from the cycle after the previous row's transfer and
     arrive a cycle later, one line sooner when its first line is the previous row's last
@@ -392,7 +395,7 @@ def _matmul_stream(port: _Port, lanes: int, reduce: int, groups: int, k_tiles: i
     B = port.bus_bytes
     reads = _ReadPath(port)
     acc = _Accumulate(lanes * reduce // B)
-    wb = _WriteBack(hold, max(1, 2 * lanes // LINE), line_of)
+    wb = _WriteBack(hold, max(1, RES_BYTES * lanes // LINE), line_of)
     tile_bytes, q_bytes = lanes * k_tiles * reduce, 4 * lanes
     prev, prev_done = None, NEVER                       # the group awaiting write-back
     for g in range(groups):
@@ -426,7 +429,7 @@ def _matmul_cycles(port: _Port, lanes: int, reduce: int, rows_per_pass: int, n: 
     per_pass = rows_per_pass // 2 if wide else rows_per_pass
     slice_bytes = 2 * reduce if wide else reduce
     slices_per_row = ceil(k * (2 if wide else 1) / LINE) * max(1, LINE // slice_bytes)
-    out_bytes = 1 if mode == MatmulMode.INT8 else 2
+    out_bytes = 1 if mode == MatmulMode.INT8 else RES_BYTES
     row_stride = padded(n * out_bytes, LINE)
     hold = 1 if mode == MatmulMode.LOGITS else max(1, lanes * out_bytes // LINE)
     total = UNIT_OVERHEAD + tm.MATMUL_STATES
@@ -438,7 +441,7 @@ def _matmul_cycles(port: _Port, lanes: int, reduce: int, rows_per_pass: int, n: 
         if not groups:                              # nothing to compute: CHECK ends the MATMUL
             break
         def line_of(g, r, first=first):         # residual row of group g, row r: first line
-            return dst + ((first + r) * row_stride + g * 2 * lanes) // LINE
+            return dst + ((first + r) * row_stride + g * RES_BYTES * lanes) // LINE
         total += tm.MATMUL_NEXT_PASS + _matmul_stream(port, lanes, reduce, groups, k_tiles, pass_rows, hold,
                                     page_offset, page_offset + npad * kpad,
                                     line_of if mode == MatmulMode.RESADD else None)

@@ -87,7 +87,7 @@ def _random_job(rng, config, addrs) -> dict:
     rows = 1 if mode == LOGITS else int(rng.integers(1, config.rows + 1))
     lines = config.vmem_bytes // L
     src_lines = rows * _lines(k * (2 if wide else 1))
-    dst_lines = 0 if mode == LOGITS else rows * _lines(n * (1 if mode == INT8 else 2))
+    dst_lines = 0 if mode == LOGITS else rows * _lines(n * (1 if mode == INT8 else 4))
     while True:
         src = int(rng.integers(0, lines - src_lines + 1))
         dst = int(rng.integers(0, lines - dst_lines + 1))
@@ -170,7 +170,7 @@ def test_errors_in_the_functional_models_order():
         _mm(LOGITS, 2, 8, 8, last_line + 5, 0, small),             # src before LOGITS' PROGRAM
         _mm(LOGITS, 2, 8, 8, 0, 0, small),                         # LOGITS rows ≠ 1: PROGRAM
         _mm(LOGITS, 1, TINY.vocab_max + 1, 8, 0, 0, small),        # n > vocab_max: PROGRAM
-        _mm(RESADD, 1, 40, 40, 0, last_line - 3, a),               # int16 dst outside VMEM
+        _mm(RESADD, 1, 40, 40, 0, last_line - 3, a),               # int32 dst outside VMEM
         _mm(INT8, 1, 40, 40, 0, last_line - 3, a),                 # the same, int8: inside
         _mm(INT8, 2, 8, 8, 0, last_line, small, wide=True),        # two rows: outside
         _mm(LOGITS, 1, 8, 8, 0, last_line + 100, small),           # LOGITS ignores dst
@@ -201,12 +201,12 @@ def test_empty_operands():
 # -- wider geometries: result rows over several lines --------------------------------------------
 
 def test_16_lanes():
-    """RESADD rows of two lines, INT8 rows of one, requant words four beats."""
+    """RESADD rows of four lines, INT8 rows of one, requant words four beats."""
     _check_random(5, TINY.with_changes(lanes=16), count=12)
 
 
 def test_32_lanes_wide_bus():
-    """256-bit bus, 32 lanes × reduce 4 × 4 rows: INT8 rows two lines, RESADD rows four,
+    """256-bit bus, 32 lanes × reduce 4 × 4 rows: INT8 rows two lines, RESADD rows eight,
     requant words four beats, weights on and off the bus alignment; wide jobs of 3 and
     4 rows take two passes."""
     _check_random(6, TINY.with_changes(lanes=32, reduce=4, rows=4), data_width=256, count=10,

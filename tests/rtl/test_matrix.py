@@ -80,9 +80,12 @@ class Matmul:
         Wp[:n, :k] = W
         acc = xp @ Wp.T                                          # [M, Np], exact in int64
         mult_p, shift_p = words & 0xFFFF, (words >> 16) & 0x3F
-        self.res = rng.integers(-1 << 15, 1 << 15, (x_rows, np_))
+        # int32 residuals of a random bit width per row (a massive channel among small ones)
+        bits = rng.integers(1, 33, (x_rows, 1))
+        self.res = rng.integers(-(1 << 31), 1 << 31, (x_rows, np_)) >> (32 - bits)
         if extreme:
-            self.res = rng.choice(np.array([-32768, 32767, 0]), (x_rows, np_))
+            self.res = rng.choice(np.array([-(1 << 31), (1 << 31) - 1, -32768, 32767, 0]),
+                                  (x_rows, np_))
         if mode == MatmulMode.INT8:
             ref = nx.requant(acc, mult_p, shift_p, nx.ACT_BITS)
         elif mode == MatmulMode.RESADD:
@@ -173,15 +176,30 @@ def test_random_matmuls(name):
 @pytest.mark.parametrize("name", ["tiny", "m3n2k4"])
 def test_saturation_extremes(name):
     """Products of ±128/127 (and of ±32768/32767 in wide groups) and shifts 0, 1, 63:
-    saturation at both ends of int8 / int16 (and of the residual add), in every mode."""
+    saturation at both ends of int8 / int16 / int32 (the residual add), in every mode."""
     cfg, pack = CONFIGS[name]
     rng = np.random.default_rng(7)
     matmuls = random_matmuls(rng, cfg, 24, extreme=True)
     got = simulate(MatrixUnit(cfg, pack_rows=pack), matmuls, rng)
     check(got, matmuls)
     values = np.array([v for g in got for v in g[2]])
-    for lo, hi in ((-128, 127), (-32768, 32767)):
+    for lo, hi in ((-128, 127), (-32768, 32767), (-(1 << 31), (1 << 31) - 1)):
         assert (values == lo).any() and (values == hi).any()
+
+
+class _Residual16(MatrixUnit):
+    """A wrong design: saturates the residual sum at 16 bits (the pre-issue-#13 width)."""
+    RES_SAT_BITS = 16
+
+
+def test_the_comparison_catches_a_16_bit_residual():
+    """The same check fails on a unit whose RESADD saturates at int16."""
+    cfg, pack = CONFIGS["tiny"]
+    rng = np.random.default_rng(8)
+    matmuls = [Matmul(rng, cfg, n=cfg.lanes, k=cfg.reduce, rows=cfg.rows, mode=MatmulMode.RESADD)
+               for _ in range(4)]
+    with pytest.raises(AssertionError):
+        check(simulate(_Residual16(cfg, pack_rows=pack), matmuls, rng), matmuls)
 
 
 def test_full_throughput_and_stall_on_backpressure():
