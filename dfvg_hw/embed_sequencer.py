@@ -7,11 +7,13 @@ Per job:
    the job, or the request's input token, read as the job is taken (one bus beat, the
    word at ``token_addr``). That read is issued in the cycle the job is offered, so the
    controller lends this sequencer the memory port from its job cycle on.
-2. **Span.** VMEM's writer is given the destination, one row of ``2n`` bytes from line
-   ``dst`` (``BAD_ADDRESS`` if it leaves VMEM).
-3. **Row.** ``2n`` bytes from ``addr + 2n·token``, cut into VMEM lines by a
+2. **Span.** VMEM's writer is given the destination, one row of ``4n`` bytes (int32, the
+   residual stream) from line ``dst`` (``BAD_ADDRESS`` if it leaves VMEM).
+3. **Row.** ``4n`` bytes from ``addr + 4n·token``, cut into VMEM lines by a
    :class:`~dfvg_hw.vmem.Gearbox` (emptied before each row: a row that ends inside a beat
-   leaves that beat's other lines behind) and written a line a cycle.
+   leaves that beat's other lines behind) and written a line a cycle. The memory port
+   refuses a row address off the bus beat (``BAD_ADDRESS``), which is the functional
+   model's alignment check on ``addr + 4n·token``.
 
 ``rows`` is 1 (the controller refuses any other). ``token`` holds the token until the
 next job, for the controller to retire with.
@@ -24,6 +26,7 @@ from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.vmem import Gearbox
@@ -81,7 +84,7 @@ class EmbedSequencer(wiring.Component):
 
         job = Signal(OpJob())
         token, word = self.token, Signal(range(beat_words))
-        row_bytes = job.n * 2
+        row_bytes = job.n * (nx.RES_BITS // 8)          # an int32 row
 
         def read(addr, length):
             m.d.comb += [self.read_cmd.valid.eq(1), self.read_cmd.payload.addr.eq(addr),

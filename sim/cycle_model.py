@@ -683,15 +683,16 @@ class CycleModel:
         """controller.py EMBED_*: read the token (one beat) if it comes from the request,
         open the VMEM span, read the row and write it a line a cycle."""
         port = self.port
-        lines = ceil(2 * n / LINE)
+        row = RES_BYTES * n                         # an int32 row
+        lines = ceil(row / LINE)
         token = tm.EMBED_TOKEN + (READ_OVERHEAD + port.latency if token_from_request else 0)
         if port.beats_per_cycle >= 1:
             data = READ_OVERHEAD + port.latency + tm.GEARBOX_LATENCY + lines
         else:
             splitter = _LineSplitter(port.lines_per_beat)
-            last_beat = _ReadPath(port).read(0, 2 * n, splitter)
+            last_beat = _ReadPath(port).read(0, row, splitter)
             data = last_beat + tm.GEARBOX_LATENCY + (lines - 1) % port.lines_per_beat + 1
-        nbytes = 2 * n + (port.bus_bytes if token_from_request else 0)
+        nbytes = row + (port.bus_bytes if token_from_request else 0)
         # FETCH + DECODE, the token, EMBED_CMD, EMBED_READ, the row, RETIRE
         return ISSUE + token + tm.EMBED_COMMANDS + data + tm.RETIRE, nbytes
 

@@ -1,7 +1,8 @@
 """EmbedSequencer against the functional model's EMBED (sim/op_bench.py): the row into
-VMEM, its BAD_ADDRESS refusals, and the input token read from ``token_addr`` (0 in the
-bench: device address 0). The row's address must be bus-aligned (a row at an unaligned
-address is refused by the memory port, as it was before EMBED became a sequencer)."""
+VMEM (int32 rows of ``4n`` bytes), its BAD_ADDRESS refusals, and the input token read from
+``token_addr`` (0 in the bench: device address 0). The row's address ``addr + 4n·token``
+must be bus-aligned (a row at an unaligned address is refused by the memory port, as the
+functional model refuses it)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,31 @@ def test_the_input_token_selects_the_row():
     vmem = np.zeros(TINY.vmem_bytes, np.uint8)
     n = 16
     got, errors = run_jobs(TINY, EmbedSequencer(TINY, 128), vmem, _memory(3), [_embed(n, 2)])
-    want, _ = reference_jobs(TINY, vmem, _memory(3), [_embed(n, 2, TABLE + 3 * 2 * n)])
+    want, _ = reference_jobs(TINY, vmem, _memory(3), [_embed(n, 2, TABLE + 3 * 4 * n)])
     assert errors == [ErrorCode.OK]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_random_rows_and_the_row_alignment():
+    """Over 1000 random int32 table entries (random bytes) in rows of 1 … 40 at aligned
+    tables; and token 1 with ``4n`` not a multiple of the beat: refused, as the
+    functional model refuses it, while ``4n`` a multiple of 16 is not."""
+    rng = np.random.default_rng(6)
+    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
+    jobs, values = [], 0
+    while values < 1000:
+        n = int(rng.integers(1, 41))
+        jobs.append(_embed(n, int(rng.integers(0, TINY.vmem_bytes // 16 - 10)),
+                           TABLE + 16 * int(rng.integers(0, 256))))
+        values += n
+    errors = compare_with_reference(TINY, EmbedSequencer(TINY, 128), vmem, _memory(0), jobs)
+    assert errors == [ErrorCode.OK] * len(jobs)
+    # (the reference's token is 0: its table starts one row on)
+    jobs = [_embed(3, 5), _embed(4, 5), _embed(6, 9), _embed(8, 9)]
+    got, errors = run_jobs(TINY, EmbedSequencer(TINY, 128), vmem, _memory(1), jobs)
+    want, want_errors = reference_jobs(TINY, vmem, _memory(1),
+                                       [_embed(j["n"], j["dst"], TABLE + 4 * j["n"]) for j in jobs])
+    assert errors == want_errors == [ErrorCode.BAD_ADDRESS, ErrorCode.OK] * 2
     np.testing.assert_array_equal(got, want)
 
 
