@@ -31,7 +31,7 @@ is at ``addr + 40``.
 
 A row of ``n`` elements takes about ``3·max(ℓ, b)`` cycles of beats (``ℓ = ceil(4n/16)``
 VMEM lines, ``b = ℓ·max(1, 4/lanes)`` beats, or ``ceil(ℓ·4/lanes)`` from 8 lanes on)
-plus three VMEM read latencies (``NORM_PASS1_START`` each), the shift's
+plus three VMEM read latencies (``NORM_PASS_START`` each), the shift's
 ``RMSNORM_SHIFT_TURNAROUND`` hidden behind the second one, and
 :meth:`~dfvg_hw.rmsnorm.RMSNorm.turnaround`; results are written as they come
 (:func:`sim.cycle_model._rmsnorm` has it to the cycle). ``src == dst`` is exact: an output line is written only after the

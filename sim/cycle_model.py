@@ -475,18 +475,26 @@ def _writer_last_take(in0: int, in_prev: int, in_last: int, beats: int, s: int) 
 
 
 def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
-    """norm_sequencer.py: read the parameter head; per row, pass 1 over x (sum of squares,
-    then rsqrt) races the gamma read issued at the row's start; pass 2 streams x and
-    gamma through the scaler."""
+    """norm_sequencer.py: read the parameter head; per row, pass 0 over x (the row's
+    shift) and pass 1 (sum of squares, then rsqrt) race the gamma read issued at the row's
+    start; pass 2 streams x and gamma through the scaler.
+
+    x is the int32 row, ``4n`` bytes cut into beats of ``4·lanes``; gamma ``2n`` bytes cut
+    into beats of ``2·lanes``: below 8 lanes gamma can have beats past x's last (padding,
+    emptied as the next row starts), so pass 2 ends with the gamma beat of x's last."""
     L, B = port.latency, port.bus_bytes
-    ell = ceil(2 * n / LINE)                       # VMEM lines of an int16 row
-    if 2 * lanes <= LINE:                          # beats cut from lines ...
-        cut, pack = LINE // (2 * lanes), None
-        beats = ell * cut
-    else:                                          # ... or packed from several lines
-        cut, pack = None, 2 * lanes // LINE
-        beats = ceil(ell / pack)
-    stream = max(beats, ell)
+
+    def cutting(nbytes: int, beat_bytes: int):
+        """(lines, beats per line or None, lines per beat or None, beats) of a row."""
+        lines = ceil(nbytes / LINE)
+        if beat_bytes <= LINE:                     # beats cut from lines ...
+            return lines, LINE // beat_bytes, None, lines * (LINE // beat_bytes)
+        pack = beat_bytes // LINE                  # ... or packed from several lines
+        return lines, None, pack, ceil(lines / pack)
+
+    ell, cut, pack, beats = cutting(RES_BYTES * n, RES_BYTES * lanes)
+    g_ell, g_cut, g_pack, _ = cutting(2 * n, 2 * lanes)
+    stream = max(beats, ell)                       # cycles of one pass over x
     turnaround = tm.rmsnorm_turnaround(lanes)
     first = tm.PARAM_CMD + READ_OVERHEAD + L
     skip = addr % B
@@ -494,21 +502,30 @@ def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) 
     head_lines = ceil((NORM_PARAM_BYTES + skip) / B) * port.lines_per_beat
     gamma_cmd = max(head_out + tm.NORM_HEAD_TO_GAMMA,
                     port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY)
+    if n == 0:                                     # CHECK goes to DONE: nothing to read
+        check = gamma_cmd - tm.NORM_HEAD_TO_GAMMA + 1
+        return UNIT_OVERHEAD + check + tm.ROW_JOB_DONE
     gamma_skip = (addr + NORM_PARAM_BYTES) % B
     s, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide)
 
     g = gamma_cmd
     for _ in range(rows):
         gamma_first = g + tm.READER_CMD_REGISTER + READ_OVERHEAD + L
-        pass2 = g + tm.NORM_PASS1_START + stream
+        last0 = g + tm.NORM_PASS_START + stream - 1            # pass 0's last beat
+        pass2 = last0 + tm.NORM_PASS_START + stream            # PASS2_CMD
         u = pass2 + turnaround - 1
         gamma_line = lambda j: port.emit(j, gamma_first, gamma_skip, 2 * n) + tm.LINE_ALIGNER_LATENCY
-        if pack is None:
-            end, gap = max(u + beats - 1, gamma_line(0) + beats, gamma_line(ell - 1) + cut), 1
+        if g_cut is not None:                      # the gamma beat of x's last beat
+            g_last = gamma_line((beats - 1) // g_cut) + 1 + (beats - 1) % g_cut
         else:
-            g0 = gamma_line(min(pack, ell) - 1) + 1
+            g_last = gamma_line(g_ell - 1) + 1
+        if pack is None:
+            end, gap = max(u + beats - 1, gamma_line(0) + beats, g_last), 1
+        else:
+            g_first = (gamma_line(0) + 1 if g_pack is None
+                       else gamma_line(min(g_pack, g_ell) - 1) + 1)
             tail = ell - pack if beats > 1 else 0
-            end = max(pass2 + 3 + ell, gamma_line(ell - 1) + 1, max(u, g0) + tail)
+            end = max(pass2 + 3 + ell, g_last, max(u, g_first) + tail)
             gap = ell - pack * (beats - 1)
         g = end + 1
     last_out = end + tm.RMSNORM_LATENCY + (max(0, s - gap) if beats > 1 else 0)

@@ -121,7 +121,7 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
     ``logits``, if given, receives each logit vector the sequencer streams (int16 arrays,
     in order; a sequencer with a logit port only). ``cycles``, if given, receives each
     job's cycle count from the clock edge that transfers the job to the one after which
-    ``done`` is high.
+    ``done`` is high (None for a job cancelled after a memory error).
     """
     bench = OpBench(config, sequencer, data_width)
     slave = AXI4SlaveMemory(bench.axi, memory, timing or MemoryTiming.for_config(config, data_width))
@@ -151,6 +151,8 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
                     break
                 if ctx.get(bench.mem_error):            # a refused read brings no data
                     errors.append(int(ErrorCode.BAD_ADDRESS))
+                    if cycles is not None:              # (no done: the job was cancelled)
+                        cycles.append(None)
                     ctx.set(bench.cancel, 1)
                     await ctx.tick()
                     ctx.set(bench.cancel, 0)

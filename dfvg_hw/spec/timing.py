@@ -209,9 +209,10 @@ ROW_JOB_DONE = 1
 
 #: NormSequencer: CHECK, WRITE_CMD and GAMMA_CMD after the head line.
 NORM_HEAD_TO_GAMMA = 3
-#: NormSequencer: PASS1_CMD, VMEM's read latency and the line-to-beat Gearbox, from
-#: GAMMA_CMD to a row's first pass-1 beat.
-NORM_PASS1_START = 1 + VMEM_READ_LATENCY + GEARBOX_LATENCY
+#: NormSequencer: a pass's command state (PASS0_CMD, PASS1_CMD, PASS2_CMD), VMEM's read
+#: latency and the line-to-beat Gearbox: from GAMMA_CMD to a row's first pass-0 beat, and
+#: from a pass's last beat to the next pass's first (RMSNORM_SHIFT_TURNAROUND hides in it).
+NORM_PASS_START = 1 + VMEM_READ_LATENCY + GEARBOX_LATENCY
 #: ActMulSequencer: from the first table line out of the reader to the first entry written
 #: (the line-to-entries Gearbox, the table port).
 ACTMUL_TABLE_START = GEARBOX_LATENCY + 1

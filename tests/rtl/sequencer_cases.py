@@ -12,8 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
-from dfvg_hw.spec.isa import Flag, Op
-from sim.op_bench import compare_with_reference
+from dfvg_hw.spec import timing
+from dfvg_hw.spec.isa import Flag, Instruction, Op
+from sim.cycle_model import CycleModel
+from sim.op_bench import compare_with_reference, reference_jobs, run_jobs
 
 TINY = get_preset("tiny")
 L = VMEM_LINE_BYTES
@@ -54,26 +56,50 @@ def random_row_job(rng, opcode, blocks) -> dict:
                    wide=wide)
 
 
-def check_row_jobs(rng, sequencer_class, make_memory, jobs, data_width=128, config=TINY):
+def check_row_jobs(rng, sequencer_class, make_memory, jobs, data_width=128, config=TINY,
+                   timed=False):
     """Run ``jobs`` on a ``sequencer_class(config, data_width)`` and on the functional model
     from random VMEM and the device memory ``make_memory(rng)`` gives; assert they agree
-    and return the error codes."""
+    and return the error codes. With ``timed``, also assert that every job that completes
+    takes the cycle model's cycles (:func:`model_cycles`)."""
     vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
     memory = make_memory(rng)
-    return compare_with_reference(config, sequencer_class(config, data_width), vmem, memory,
-                                  jobs, data_width=data_width)
+    if not timed:
+        return compare_with_reference(config, sequencer_class(config, data_width), vmem, memory,
+                                      jobs, data_width=data_width)
+    cycles = []
+    after, errors = run_jobs(config, sequencer_class(config, data_width), vmem, memory, jobs,
+                             data_width=data_width, cycles=cycles)
+    expected, expected_errors = reference_jobs(config, vmem, memory, jobs)
+    assert errors == expected_errors
+    np.testing.assert_array_equal(after, expected)
+    timed_jobs = [(job, got) for job, got, error in zip(jobs, cycles, errors) if error == 0]
+    assert [got for _, got in timed_jobs] == [model_cycles(config, data_width, job)
+                                              for job, _ in timed_jobs]
+    return errors
 
 
-def check_random_row_jobs(rng, sequencer_class, make_memory, opcode, blocks, count=24):
+def model_cycles(config, data_width: int, job: dict) -> int:
+    """The cycle model's count for a row job on the op bench: the instruction's cycles at
+    the job's device address on a ``data_width``-bit port, less the controller's
+    ``UNIT_OVERHEAD`` (the bench counts from the job's hand-over to ``done``)."""
+    model = CycleModel(config.with_changes(mem_port_bits=data_width))
+    fields = ("flags", "rows", "dst", "src", "n", "addr")
+    ins = Instruction(job["opcode"], **{name: job[name] for name in fields})
+    return model.instruction(ins, addr=job["addr"])[0] - timing.UNIT_OVERHEAD
+
+
+def check_random_row_jobs(rng, sequencer_class, make_memory, opcode, blocks, count=24,
+                          timed=False):
     """:func:`check_row_jobs` on ``count`` :func:`random_row_job`\\ s; assert they moved
     at least 1000 elements, so the run is not a handful of short rows."""
     jobs = [random_row_job(rng, opcode, blocks) for _ in range(count)]
-    check_row_jobs(rng, sequencer_class, make_memory, jobs)
+    check_row_jobs(rng, sequencer_class, make_memory, jobs, timed=timed)
     elements = sum(j["rows"] * j["n"] for j in jobs)
     assert elements >= 1000, elements
 
 
-def check_wide_lanes(rng, sequencer_class, make_memory, opcode, blocks):
+def check_wide_lanes(rng, sequencer_class, make_memory, opcode, blocks, timed=False):
     """64 lanes (the Alveo presets') on a 256-bit bus: unit beats wider than a line, so
     rows are packed into beats and results split into lines, with surplus lines past a
     row's end; each job must start only after the previous one's surplus has left. The
@@ -84,5 +110,5 @@ def check_wide_lanes(rng, sequencer_class, make_memory, opcode, blocks):
             row_job(opcode, 1, 70, 150, 200, addr=blocks[3], wide=True),
             row_job(opcode, 2, 33, 80, 30, addr=blocks[0])]
     errors = check_row_jobs(rng, sequencer_class, make_memory, jobs, data_width=256,
-                            config=TINY.with_changes(lanes=64))
+                            config=TINY.with_changes(lanes=64), timed=timed)
     assert errors == [0] * len(jobs)            # ErrorCode.OK

@@ -42,7 +42,9 @@ def _norm(rows, n, src, dst, addr=BLOCKS[0], wide=False):
 
 
 def _check(rng, jobs, data_width=128, config=TINY):
-    return check_row_jobs(rng, NormSequencer, _memory, jobs, data_width, config)
+    """The jobs against the functional model, and each that completes against the cycle
+    model's cycles."""
+    return check_row_jobs(rng, NormSequencer, _memory, jobs, data_width, config, timed=True)
 
 
 def test_rows_widths_alignments_and_in_place():
@@ -76,7 +78,8 @@ def test_errors_in_the_functional_models_order():
 
 
 def test_random_jobs():
-    check_random_row_jobs(np.random.default_rng(3), NormSequencer, _memory, Op.RMSNORM, BLOCKS)
+    check_random_row_jobs(np.random.default_rng(3), NormSequencer, _memory, Op.RMSNORM, BLOCKS,
+                          timed=True)
 
 
 def test_wide_bus():
@@ -89,7 +92,8 @@ def test_wide_bus():
 
 def test_wide_lanes():
     """64 lanes: rows packed into beats wider than a line (see check_wide_lanes)."""
-    check_wide_lanes(np.random.default_rng(5), NormSequencer, _memory, Op.RMSNORM, BLOCKS)
+    check_wide_lanes(np.random.default_rng(5), NormSequencer, _memory, Op.RMSNORM, BLOCKS,
+                     timed=True)
 
 
 def test_lint():
