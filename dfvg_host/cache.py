@@ -31,7 +31,20 @@ def cache_dir() -> Path:
     return Path(base) / "dfvg"
 
 
-def fingerprint(model_dir: Path, calibration: Path | None, engine: EngineConfig,
+def calibration_files(calibration: Path | tuple[Path, ...] | None) -> tuple[Path, ...]:
+    """The calibration text files, in order: one path, several, or none."""
+    if calibration is None:
+        return ()
+    return (calibration,) if isinstance(calibration, Path) else tuple(calibration)
+
+
+def calibration_text(calibration: Path | tuple[Path, ...] | None) -> str | None:
+    """The calibration files' texts joined by blank lines; None without files."""
+    files = calibration_files(calibration)
+    return "\n\n".join(f.read_text() for f in files) if files else None
+
+
+def fingerprint(model_dir: Path, calibration: Path | tuple[Path, ...] | None, engine: EngineConfig,
                 tokenizer_dir: Path | None = None) -> str:
     """16 hex digits over what a compiled draft depends on: the model's config and weights,
     the calibration text and the tokenizer that reads it, the engine configuration and the
@@ -43,8 +56,8 @@ def fingerprint(model_dir: Path, calibration: Path | None, engine: EngineConfig,
     for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())
-    if calibration is not None:
-        h.update(calibration.read_bytes())
+    for text_file in calibration_files(calibration):
+        h.update(text_file.read_bytes())
     h.update(repr(sorted(engine.to_dict().items())).encode())
     # The compiler's own sources: a changed compiler must not reuse an old image. The
     # contract modules (dfvg_hw/spec: ISA, image layout, numerics) are part of it.

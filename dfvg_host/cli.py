@@ -23,16 +23,18 @@ def _preset(name: str):
         raise CliError(str(exc)) from None
 
 
-def _read_calibration(path: str | None, required_for: Path) -> tuple[str | None, Path | None]:
-    from dfvg_host.demo import DEMO_DATA
+def _read_calibration(path: str | None, required_for: Path) -> tuple[str | None, Path | tuple[Path, ...]]:
+    """The calibration text and the file(s) it came from: ``path``, else the default
+    prose-and-code text."""
+    from dfvg_host.cache import calibration_text
+    from dfvg_host.demo import DEFAULT_CALIBRATION
     if path:
         p = Path(path)
         if not p.is_file():
             raise CliError(f"calibration file {p} does not exist")
         return p.read_text(), p
-    default = DEMO_DATA / "calibration.txt"
-    if default.is_file():
-        return default.read_text(), default
+    if all(f.is_file() for f in DEFAULT_CALIBRATION):
+        return calibration_text(DEFAULT_CALIBRATION), DEFAULT_CALIBRATION
     raise CliError(f"no calibration text for {required_for}: pass --calibration FILE "
                    "(or --random-weights for sizing only)")
 
@@ -392,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--preset", default="alveo-u55c", help=f"engine preset ({', '.join(preset_names())})")
     c.add_argument("-o", "--output", required=True, help="output directory")
     c.add_argument("--calibration", help="text file to calibrate activation scales "
-                   "(default: the shipped calibration text)")
+                   "(default: the shipped prose-and-code text)")
     c.add_argument("--tokenizer", metavar="DIR", help="directory of the tokenizer that reads the "
                    "calibration text (default: the draft's own)")
     c.add_argument("--calibration-tokens", metavar="FILE", help="calibration token ids "

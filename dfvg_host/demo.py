@@ -5,13 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from dfvg_hw.spec.config import EngineConfig
-from dfvg_host.cache import REPO_ROOT, build_dir_once, cache_dir, fingerprint
+from dfvg_host.cache import REPO_ROOT, build_dir_once, cache_dir, calibration_text, fingerprint
 
-__all__ = ["REPO_ROOT", "DEMO_DRAFT", "DEMO_TARGET", "DEMO_DATA", "demo_paths", "compile_cached"]
+__all__ = ["REPO_ROOT", "DEMO_DRAFT", "DEMO_TARGET", "DEMO_DATA", "DEFAULT_CALIBRATION", "demo_paths",
+           "compile_cached"]
 
 DEMO_DRAFT = REPO_ROOT / "models" / "demo-draft"
 DEMO_TARGET = REPO_ROOT / "models" / "demo-target"
 DEMO_DATA = REPO_ROOT / "models" / "demo-data"
+#: The calibration text of a draft compiled without --calibration: prose of several
+#: kinds and code in several languages first, then the demo's Python. The compiler reads
+#: its first 4096 tokens. (The demo draft, a Python model, keeps the Python alone.)
+DEFAULT_CALIBRATION = (REPO_ROOT / "models" / "calibration" / "prose-and-code.txt",
+                       DEMO_DATA / "calibration.txt")
 
 
 def demo_paths() -> tuple[Path, Path]:
@@ -23,7 +29,8 @@ def demo_paths() -> tuple[Path, Path]:
     return DEMO_DRAFT, DEMO_TARGET
 
 
-def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | None, log=print, *,
+def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | tuple[Path, ...] | None,
+                   log=print, *,
                    tokenizer_dir: Path | None = None):
     """The compiled draft for ``engine``, from the cache when its inputs are unchanged; the
     calibration text is tokenised by the tokenizer in ``tokenizer_dir`` (default ``model_dir``).
@@ -39,7 +46,7 @@ def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | No
 
     def build(tmp: Path) -> None:
         log(f"compiling {model_dir} for {engine.name} (cached in {out}) ...")
-        text = calibration.read_text() if calibration else None
+        text = calibration_text(calibration)
         built.append(compile_draft(model_dir, engine, calibration_text=text, tokenizer_dir=tokenizer_dir))
         built[0].save(tmp)
 
