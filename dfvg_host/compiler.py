@@ -129,7 +129,8 @@ def check_fits(shape: ModelShape, engine: EngineConfig) -> None:
 # -- calibration ------------------------------------------------------------------------
 @dataclass
 class Calibration:
-    """Absolute maxima of every activation the engine quantises, from sample text."""
+    """Absolute maxima of every activation the engine quantises, from sample text: per
+    tensor, and per channel for ``up`` and ``down_in`` (the up→down smoothing needs them)."""
     residual: float = 0.0
     layers: list[dict] = field(default_factory=list)
     final_norm: float = 0.0
@@ -141,7 +142,8 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
     import torch
 
     cal = Calibration(layers=[dict(norm1=0.0, q=0.0, k=0.0, v=0.0, norm2=0.0, gate=0.0,
-                                   up=0.0, down_in=0.0) for _ in range(shape.layers)])
+                                   up=np.zeros(shape.intermediate), down_in=np.zeros(shape.intermediate))
+                              for _ in range(shape.layers)])
     hd = shape.head_dim
 
     def amax(t) -> float:
@@ -162,26 +164,24 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
     def bump(d, key, value):
         d[key] = max(d[key], value)
 
-    def unit_rms(i) -> float:
-        # The engine's RMSNORM output before the gain: the gain is folded into the next matmul.
-        x = i.detach().double()
-        return amax(x * torch.rsqrt((x * x).mean(-1, keepdim=True) + shape.rms_norm_eps))
+    def bump_channels(d, key, t):
+        d[key] = np.maximum(d[key], t.detach().abs().reshape(-1, t.shape[-1]).amax(0).double().numpy())
 
     for li, layer in enumerate(model.model.layers):
         st = cal.layers[li]
         on(layer.input_layernorm, lambda i, o, st=st: (setattr(cal, "residual", max(cal.residual, amax(i))),
-                                                       bump(st, "norm1", unit_rms(i))))
+                                                       bump(st, "norm1", amax(o))))
         on(layer.post_attention_layernorm, lambda i, o, st=st: (
-            setattr(cal, "residual", max(cal.residual, amax(i))), bump(st, "norm2", unit_rms(i))))
+            setattr(cal, "residual", max(cal.residual, amax(i))), bump(st, "norm2", amax(o))))
         att, mlp = layer.self_attn, layer.mlp
         on(att.q_proj, lambda i, o, st=st: bump(st, "q", pair_norm_max(o, shape.heads)))
         on(att.k_proj, lambda i, o, st=st: bump(st, "k", pair_norm_max(o, shape.kv_heads)))
         on(att.v_proj, lambda i, o, st=st: bump(st, "v", amax(o)))
         on(mlp.gate_proj, lambda i, o, st=st: bump(st, "gate", amax(o)))
-        on(mlp.up_proj, lambda i, o, st=st: bump(st, "up", amax(o)))
-        on(mlp.down_proj, lambda i, o, st=st: bump(st, "down_in", amax(i)))
+        on(mlp.up_proj, lambda i, o, st=st: bump_channels(st, "up", o))
+        on(mlp.down_proj, lambda i, o, st=st: bump_channels(st, "down_in", i))
     on(model.model.norm, lambda i, o: (setattr(cal, "residual", max(cal.residual, amax(i))),
-                                       setattr(cal, "final_norm", max(cal.final_norm, unit_rms(i)))))
+                                       setattr(cal, "final_norm", max(cal.final_norm, amax(o)))))
     by_length: dict[int, list[list[int]]] = {}
     for ids in token_ids:
         by_length.setdefault(len(ids), []).append(ids)
@@ -215,7 +215,7 @@ def _act_scale(absmax: float, bits: int = 8) -> float:
 RESIDUAL_HEADROOM_BITS = 2
 
 
-def _residual_scale(sd: dict, shape: ModelShape, cal: Calibration) -> float:
+def _residual_scale(sd: dict, cal: Calibration, layer_scales: list["LayerScales"]) -> float:
     """The int32 residual stream's scale.
 
     Real checkpoints carry a few "massive activation" channels (10^4 against a typical
@@ -227,13 +227,60 @@ def _residual_scale(sd: dict, shape: ModelShape, cal: Calibration) -> float:
     """
     s_x = _act_scale(cal.residual * 1.05 * 2 ** RESIDUAL_HEADROOM_BITS, nx.RES_BITS)
     finest = 0.0
-    for li, c in enumerate(cal.layers):
+    for li, ls in enumerate(layer_scales):
         p = f"model.layers.{li}."
-        s_o = _act_scale(c["v"]) / 2 ** (16 - nx.ACT_BITS)
-        s_h = _act_scale(c["down_in"], 16)
-        for s_in, w in ((s_o, sd[p + "self_attn.o_proj.weight"]), (s_h, sd[p + "mlp.down_proj.weight"])):
+        w_down = sd[p + "mlp.down_proj.weight"] * ls.u
+        for s_in, w in ((ls.o, sd[p + "self_attn.o_proj.weight"]), (ls.h, w_down)):
             finest = max(finest, s_in * float(np.abs(w).max()) / 127.0)
     return max(s_x, finest / 2 ** 15)
+
+
+#: Exponent of the up→down smoothing (SmoothQuant's alpha), chosen by measurement
+#: (docs/numerics.md §13.5).
+UP_SMOOTHING_ALPHA = 0.5
+
+
+def up_down_smoothing(up_max: np.ndarray, w_down: np.ndarray, alpha: float = UP_SMOOTHING_ALPHA) -> np.ndarray:
+    """Per intermediate channel j, the factor ``u_j`` that up_proj's row j is divided by
+    and down_proj's column j multiplied by: ``h_j = act(gate_j) · up_j`` scales with up_j,
+    so the model is unchanged. ``u_j = max|up_j|^alpha / max|W_down[:, j]|^(1 - alpha)``,
+    normalised to median 1: it evens out int8 up's channels (a few reach 50–80 where
+    most stay below 3 on real checkpoints), moving part of the range into down's weight
+    columns, which int8 per output row absorbs better."""
+    x = np.maximum(np.asarray(up_max, np.float64), 1e-6)
+    w = np.maximum(np.abs(w_down).max(axis=0), 1e-6)
+    u = x ** alpha / w ** (1.0 - alpha)
+    return u / np.median(u)
+
+
+@dataclass(frozen=True)
+class LayerScales:
+    """One layer's activation scales and its up→down smoothing factors ``u``."""
+    n1: float
+    q: float
+    k: float
+    v: float
+    o: float
+    n2: float
+    gate: float
+    up: float
+    h: float
+    u: np.ndarray
+
+    @classmethod
+    def calibrated(cls, c: dict, w_down: np.ndarray) -> "LayerScales":
+        # Matmul inputs are wide (int16); q, k, v (the KV cache), gate and up stay int8.
+        u = up_down_smoothing(c["up"], w_down)
+        s_v = _act_scale(c["v"])
+        return cls(n1=_act_scale(c["norm1"], 16), q=_act_scale(c["q"]), k=_act_scale(c["k"]), v=s_v,
+                   o=s_v / 2 ** (16 - nx.ACT_BITS),       # wide attention output: V's scale / 2^8
+                   n2=_act_scale(c["norm2"], 16), gate=_act_scale(c["gate"]),
+                   up=_act_scale(float(np.max(c["up"] / u))),
+                   h=_act_scale(float(np.max(c["down_in"] / u)), 16), u=u)
+
+    def to_dict(self) -> dict:
+        return dict(norm1=self.n1, q=self.q, k=self.k, v=self.v, norm2=self.n2, gate=self.gate,
+                    up=self.up, down_in=self.h)
 
 
 def _norm_block(gamma: np.ndarray, hidden: int, eps: float, s_x: float, s_out: float) -> bytes:
@@ -289,7 +336,9 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     from transformers.activations import ACT2FN
 
     sd = {k: v.detach().to(torch.float64).numpy() for k, v in model.state_dict().items()}
-    s_x = _residual_scale(sd, shape, cal)
+    layer_scales = [LayerScales.calibrated(c, sd[f"model.layers.{li}.mlp.down_proj.weight"])
+                    for li, c in enumerate(cal.layers)]
+    s_x = _residual_scale(sd, cal, layer_scales)
     b = ImageBuilder()
     lay = Layout()
     scales = dict(residual=s_x, layers=[])
@@ -311,41 +360,35 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     for li in range(shape.layers):
         p = f"model.layers.{li}."
         c = cal.layers[li]
-        # Matmul inputs are wide (int16); q, k, v (the KV cache), gate and up stay int8.
-        s_n1, s_n2 = _act_scale(c["norm1"], 16), _act_scale(c["norm2"], 16)
-        s_q, s_k, s_v = _act_scale(c["q"]), _act_scale(c["k"]), _act_scale(c["v"])
-        s_g, s_u, s_h = _act_scale(c["gate"]), _act_scale(c["up"]), _act_scale(c["down_in"], 16)
-        s_o = s_v / 2 ** (16 - nx.ACT_BITS)       # wide attention output: V's scale / 2^8
+        ls = layer_scales[li]
         qd, kd = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         parts = {}
-        # RMSNorm gains are folded into the following matmul's input columns: the
-        # normalised vector then has unit RMS in every channel, which int8 represents far
-        # better than the gained one, and per-output-channel weight scales absorb the gain.
-        unit = np.ones(shape.hidden)
-        parts["norm1"] = _norm_block(unit, shape.hidden, shape.rms_norm_eps, s_x, s_n1)
+        # RMSNorm gains stay in the int16 gamma (folded into the weight columns, a few large
+        # gains set each int8 row's range: measured 1.2 points of top-1 on SmolLM2-135M).
+        parts["norm1"] = _norm_block(sd[p + "input_layernorm.weight"], shape.hidden,
+                                     shape.rms_norm_eps, s_x, ls.n1)
         wqkv = np.concatenate([sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"],
-                               sd[p + "self_attn.v_proj.weight"]]) * sd[p + "input_layernorm.weight"]
+                               sd[p + "self_attn.v_proj.weight"]])
         w8, sw = _weight_int8(wqkv)
-        s_out = np.concatenate([np.full(qd, s_q), np.full(kd, s_k), np.full(kd, s_v)])
-        parts["qkv"] = _matmul_block(w8, s_n1 * sw / s_out, engine)
-        am, ash = nx.host_multiplier(s_q * s_k * scaling * math.log2(math.e) * (1 << nx.EXP_FRAC))
+        s_out = np.concatenate([np.full(qd, ls.q), np.full(kd, ls.k), np.full(kd, ls.v)])
+        parts["qkv"] = _matmul_block(w8, ls.n1 * sw / s_out, engine)
+        am, ash = nx.host_multiplier(ls.q * ls.k * scaling * math.log2(math.e) * (1 << nx.EXP_FRAC))
         parts["attn"] = pack_attn_params(int(am), int(ash), shape.kv_heads)
         w8, sw = _weight_int8(sd[p + "self_attn.o_proj.weight"])
-        parts["o"] = _matmul_block(w8, s_o * sw / s_x, engine)
-        parts["norm2"] = _norm_block(unit, shape.hidden, shape.rms_norm_eps, s_x, s_n2)
-        wgu = np.concatenate([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]) \
-            * sd[p + "post_attention_layernorm.weight"]
+        parts["o"] = _matmul_block(w8, ls.o * sw / s_x, engine)
+        parts["norm2"] = _norm_block(sd[p + "post_attention_layernorm.weight"], shape.hidden,
+                                     shape.rms_norm_eps, s_x, ls.n2)
+        wgu = np.concatenate([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] / ls.u[:, None]])
         w8, sw = _weight_int8(wgu)
-        s_out = np.concatenate([np.full(shape.intermediate, s_g), np.full(shape.intermediate, s_u)])
-        parts["gateup"] = _matmul_block(w8, s_n2 * sw / s_out, engine)
-        lut, s_lut = nx.host_act_lut(lambda g: act_fn(torch.from_numpy(g)).numpy(), s_g)
-        m, sh = nx.host_multiplier(s_lut * s_u / s_h)
+        s_out = np.concatenate([np.full(shape.intermediate, ls.gate), np.full(shape.intermediate, ls.up)])
+        parts["gateup"] = _matmul_block(w8, ls.n2 * sw / s_out, engine)
+        lut, s_lut = nx.host_act_lut(lambda g: act_fn(torch.from_numpy(g)).numpy(), ls.gate)
+        m, sh = nx.host_multiplier(s_lut * ls.up / ls.h)
         parts["act"] = pack_act_params(int(m), int(sh), lut)
-        w8, sw = _weight_int8(sd[p + "mlp.down_proj.weight"])
-        parts["down"] = _matmul_block(w8, s_h * sw / s_x, engine)
+        w8, sw = _weight_int8(sd[p + "mlp.down_proj.weight"] * ls.u)
+        parts["down"] = _matmul_block(w8, ls.h * sw / s_x, engine)
         blocks.append(parts)
-        scales["layers"].append(dict(norm1=s_n1, q=s_q, k=s_k, v=s_v, norm2=s_n2, gate=s_g,
-                                     up=s_u, down_in=s_h))
+        scales["layers"].append(ls.to_dict())
 
     # Every layer block has the same internal layout, so one stride serves the LOOP.
     offset = 0
@@ -361,10 +404,10 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
         b.place(bytes(block))
 
     s_fn = _act_scale(cal.final_norm, 16)
-    lay.final_norm = b.place(_norm_block(np.ones(shape.hidden), shape.hidden,
+    lay.final_norm = b.place(_norm_block(sd["model.norm.weight"], shape.hidden,
                                          shape.rms_norm_eps, s_x, s_fn))
     # A tied lm_head has no entry of its own: quantise the embedding matrix per row.
-    lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"]) * sd["model.norm.weight"]
+    lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
     w8, sw = _weight_int8(lm)
     lay.lm_head = b.place(_matmul_block(w8, s_fn * sw * (1 << nx.LOGIT_FRAC), engine))
     scales["final_norm"] = s_fn
