@@ -152,21 +152,26 @@ def run_program(tiny_engine, tiny_compiled, program, request):
     return s.run(request), s.engine.last_fault
 
 
+def _replace(program: list[int], op: Op, new: Instruction) -> list[int]:
+    """``program`` with its first ``op`` instruction replaced by ``new``."""
+    from dfvg_hw.spec.isa import decode
+    at = next(i for i, word in enumerate(program) if decode(word).opcode == op)
+    return program[:at] + [encode(new)] + program[at + 1:]
+
+
 @pytest.mark.parametrize("mutate, message", [
     # drop the BRANCH that skips sampling for prefill forwards: SAMPLE runs unasked
-    (lambda p: p[:14] + [encode(Instruction(Op.NOP))] + p[15:], "SAMPLE in a forward that drafts no token"),
+    (lambda p: _replace(p, Op.BRANCH, Instruction(Op.NOP)), "SAMPLE in a forward that drafts no token"),
     # drop the SAMPLE itself: NEXT would continue the draft loop with no token
-    (lambda p: p[:17] + [encode(Instruction(Op.NOP))] + p[18:], "no SAMPLE ran"),
+    (lambda p: _replace(p, Op.SAMPLE, Instruction(Op.NOP)), "no SAMPLE ran"),
     # ROPE over an odd head dimension
-    (lambda p: p[:4] + [encode(Instruction(Op.ROPE, rows=1, n=2, k=15))] + p[5:], "odd head dimension"),
+    (lambda p: _replace(p, Op.ROPE, Instruction(Op.ROPE, rows=1, n=2, k=15)), "odd head dimension"),
     # KVAPPEND of 3 KV heads: layer 0 fills slots 0 … 2, layer 1 would need 3 … 5 of 4
-    (lambda p: p[:6] + [encode(Instruction(Op.KVAPPEND, rows=1, src=10, n=3, k=16))] + p[7:],
+    (lambda p: _replace(p, Op.KVAPPEND, Instruction(Op.KVAPPEND, rows=1, src=10, n=3, k=16)),
      "KVAPPEND at layer 1 with 3 KV heads × 16 exceeds the KV buffer (4 slots"),
 ])
 def test_malformed_programs_fault_cleanly(tiny_engine, tiny_compiled, mutate, message):
-    from dfvg_hw.spec.isa import decode
     program = list(tiny_compiled.program)
-    assert decode(program[14]).opcode == Op.BRANCH and decode(program[17]).opcode == Op.SAMPLE
     r, fault = run_program(tiny_engine, tiny_compiled, mutate(program),
                            DraftRequest(tokens=prompt(3), start_pos=0, n_draft=2))
     assert r.status == ErrorCode.PROGRAM and message in str(fault)

@@ -81,8 +81,8 @@ def test_embed_row_must_be_beat_aligned(offset, code):
 
 
 def test_embed_alignment_counts_the_token():
-    """The row address includes TOKEN · 2n: token 3 with n = 4 is 24 bytes in."""
-    s = session(Instruction(Op.EMBED, rows=1, dst=0, n=4, addr=0x100))
+    """The row address includes TOKEN · 4n (int32 rows): token 3 with n = 2 is 24 bytes in."""
+    s = session(Instruction(Op.EMBED, rows=1, dst=0, n=2, addr=0x100))
     assert s.run(DraftRequest([3], start_pos=0, n_draft=0)).status == ErrorCode.BAD_ADDRESS
     assert s.run(DraftRequest([2], start_pos=0, n_draft=0)).status == ErrorCode.OK
 
