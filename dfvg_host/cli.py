@@ -246,10 +246,10 @@ def cmd_accuracy(args) -> int:
     from dfvg_host.demo import DEMO_DATA
 
     engine = _preset(args.preset)
-    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, print)
     text_path = Path(args.text) if args.text else DEMO_DATA / "heldout.txt"
-    if not text_path.is_file():
+    if not text_path.is_file():                 # before the (slow) compile
         raise CliError(f"--text {text_path} is not a file")
+    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, print)
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else draft_dir
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
