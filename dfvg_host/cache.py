@@ -61,7 +61,8 @@ def fingerprint(model_dir: Path, calibration: Path | tuple[Path, ...] | None, en
     h.update(repr(sorted(engine.to_dict().items())).encode())
     # The compiler's own sources: a changed compiler must not reuse an old image. The
     # contract modules (dfvg_hw/spec: ISA, image layout, numerics) are part of it.
-    for mod in sorted((REPO_ROOT / "dfvg_hw").rglob("*.py")) + [Path(__file__).with_name("compiler.py")]:
+    for mod in sorted((REPO_ROOT / "dfvg_hw").rglob("*.py")) + [
+            Path(__file__).with_name(name) for name in ("compiler.py", "compiled_draft.py")]:
         h.update(mod.read_bytes())
     return h.hexdigest()[:16]
 

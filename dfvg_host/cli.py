@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["main"]
@@ -32,7 +33,7 @@ def _read_calibration(path: str | None, required_for: Path) -> tuple[str | None,
         p = Path(path)
         if not p.is_file():
             raise CliError(f"calibration file {p} does not exist")
-        return p.read_text(), p
+        return _read_text_file(p, "--calibration"), p
     if all(f.is_file() for f in DEFAULT_CALIBRATION):
         return calibration_text(DEFAULT_CALIBRATION), DEFAULT_CALIBRATION
     raise CliError(f"no calibration text for {required_for}: pass --calibration FILE "
@@ -89,35 +90,76 @@ def cmd_presets(args) -> int:
     return 0
 
 
-def _load_compiled(draft: str | None, engine, calibration: str | None, log, *,
-                   target: Path | None = None):
-    """A compiled draft for ``engine``: a compile output directory, or an HF model compiled
-    (and cached) now. With no ``draft`` it is the shipped demo draft. A draft without a
-    tokenizer of its own is calibrated through the ``target``'s (they must share one)."""
-    from dfvg_host.compiler import CompiledDraft, has_tokenizer
-    from dfvg_host.demo import DEMO_DATA, compile_cached, demo_paths
+@dataclass
+class DraftSource:
+    """A draft named on the command line, resolved without compiling anything.
 
-    if draft is None:
-        draft_dir, _ = demo_paths()
-        return compile_cached(draft_dir, engine, DEMO_DATA / "calibration.txt", log=log), draft_dir
-    path = Path(draft)
+    Members
+    -------
+    compiled : CompiledDraft or None
+        The loaded and checked compile output, when ``--draft`` names one.
+    model_dir : Path
+        The Hugging Face directory of the float draft (the demo draft's by default).
+    vocab : int
+        Rows of the draft's embedding table.
+    context_limit : int
+        KV positions the compiled draft can hold on the engine.
+    """
+    compiled: object
+    model_dir: Path
+    vocab: int
+    context_limit: int
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        from dfvg_host.checkpoints import has_tokenizer
+        return self.model_dir if has_tokenizer(self.model_dir) else None
+
+
+def _resolve_draft(draft: str | None, engine) -> DraftSource:
+    """Where the draft comes from, checked against ``engine`` (cheap: reads the compile
+    output or the config, never the weights)."""
+    from dfvg_host.compiled_draft import CompiledDraft
+    from dfvg_host.compiler import check_fits, describe_model, load_config
+    from dfvg_host.demo import demo_paths
+
+    path = Path(draft) if draft is not None else demo_paths()[0]
     if (path / "manifest.json").is_file():
         compiled = CompiledDraft.load(path)
         if compiled.manifest["engine"] != engine.to_dict():
             raise CliError(f"{path} was compiled for preset '{compiled.manifest['engine']['name']}', "
                            f"the device is '{engine.name}'; recompile with --preset {engine.name}")
-        return compiled, Path(compiled.manifest["model_dir"])
+        return DraftSource(compiled, Path(compiled.manifest["model_dir"]), compiled.shape.vocab,
+                           compiled.context_limit)
     if not (path / "config.json").is_file():
         raise CliError(f"--draft {path} is neither a compiled draft (manifest.json) nor a Hugging "
                        "Face model directory (config.json)")
+    shape = describe_model(load_config(path))
+    check_fits(shape, engine)
+    return DraftSource(None, path, shape.vocab, min(engine.kv_positions, shape.max_positions))
+
+
+def _compile_source(source: DraftSource, engine, calibration: str | None, log, *,
+                    target: Path | None = None, demo: bool = False):
+    """The compiled draft of ``source``: as loaded, or its model compiled (and cached) now.
+    The demo draft calibrates on the demo's Python; a draft without a tokenizer of its own
+    is calibrated through the ``target``'s (they must share one)."""
+    from dfvg_host.checkpoints import has_tokenizer
+    from dfvg_host.demo import DEMO_DATA, compile_cached
+
+    if source.compiled is not None:
+        return source.compiled
+    if demo:
+        return compile_cached(source.model_dir, engine, DEMO_DATA / "calibration.txt", log=log)
+    path = source.model_dir
     _, cal_path = _read_calibration(calibration, path)
-    tokenizer_dir = path if has_tokenizer(path) else target if target and has_tokenizer(target) else None
+    tokenizer_dir = source.tokenizer_dir or (target if target and has_tokenizer(target) else None)
     if tokenizer_dir is None:
         raise CliError(f"--draft {path} has no tokenizer files to tokenise the calibration text"
                        f"{'' if target is None else f', nor has --target {target}'}: compile it "
                        f"first with `dfvg compile --draft {path} --tokenizer DIR` (or "
                        "--calibration-tokens FILE) and pass the compile output as --draft")
-    return compile_cached(path, engine, cal_path, log=log, tokenizer_dir=tokenizer_dir), path
+    return compile_cached(path, engine, cal_path, log=log, tokenizer_dir=tokenizer_dir)
 
 
 def _open_device(url: str):
@@ -128,31 +170,79 @@ def _open_device(url: str):
         raise CliError(str(exc)) from None
 
 
+def _read_text_file(path: Path, option: str) -> str:
+    """A UTF-8 text file named by ``option``, with an error that says which."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CliError(f"{option} {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                       f"{exc.start}); convert it, e.g. with iconv") from None
+
+
+def _read_prompt(prompt: str | None) -> str:
+    """``--prompt``, else standard input (UTF-8); an empty prompt is an error."""
+    if prompt is None:
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CliError(f"standard input is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                           f"{exc.start}); convert it, e.g. with iconv, or pass --prompt TEXT") from None
+    if not prompt:
+        raise CliError("empty prompt: pass --prompt TEXT or text on standard input")
+    return prompt
+
+
+def _check_verifier_options(args) -> None:
+    """``--verifier-device`` and ``--dtype`` name things this machine has."""
+    from dfvg_host.verifier import parse_dtype, pick_device
+    try:
+        pick_device(args.verifier_device)
+        parse_dtype(args.dtype)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _target(args):
+    """(target directory, its config) of ``--target``, else the demo target; checked to be a
+    causal LM. With ``--target`` a ``--draft`` is needed too, and the other way round."""
+    from dfvg_host.checkpoints import check_causal_lm, load_checkpoint_config
+    from dfvg_host.demo import demo_paths
+
+    if (args.draft is None) != (args.target is None):
+        raise CliError("give both --draft and --target, or neither (the shipped demo pair)")
+    target_dir = Path(args.target) if args.target else demo_paths()[1]
+    config = load_checkpoint_config(target_dir, "--target")
+    check_causal_lm(config, target_dir)
+    return target_dir, config
+
+
 def cmd_generate(args) -> int:
     """Speculative decoding: draft on the device, verify on the target."""
-    from transformers import AutoTokenizer
-
     from dfvg_host.acceptance import SamplingParams
-    from dfvg_host.demo import demo_paths
+    from dfvg_host.checkpoints import check_tokenizer_pair
     from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
     from dfvg_host.speculative import SpeculativeDecoder
     from dfvg_host.verifier import Verifier
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    if (args.draft is None) != (args.target is None):
-        raise CliError("give both --draft and --target, or neither (the shipped demo pair)")
-    target_dir = Path(args.target) if args.target else demo_paths()[1]
-    if not (target_dir / "config.json").is_file():
-        raise CliError(f"--target {target_dir} is not a Hugging Face model directory (no config.json)")
+    # Every argument and input first; the compile and the model loads come after.
+    _check_verifier_options(args)
+    target_dir, target_config = _target(args)
+    prompt_text = _read_prompt(args.prompt)
     transport, engine = _open_device(args.device)
-    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, log, target=target_dir)
-    prompt_text = args.prompt if args.prompt is not None else sys.stdin.read()
-    if not prompt_text:
-        raise CliError("empty prompt: pass --prompt TEXT or text on standard input")
-    tok = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    source = _resolve_draft(args.draft, engine)
+    tok = check_tokenizer_pair(target_dir, target_config.get_text_config().vocab_size, source.vocab,
+                               source.tokenizer_dir)
     prompt = tok(prompt_text)["input_ids"]
     if not prompt:
         raise CliError("the prompt tokenises to nothing")
+    if len(prompt) >= source.context_limit:
+        raise CliError(f"the prompt has {len(prompt)} tokens; the draft's context limit is "
+                       f"{source.context_limit}. Shorten the prompt or use a preset with more kv_positions")
+    compiled = _compile_source(source, engine, args.calibration, log, target=target_dir,
+                               demo=args.draft is None)
+    draft_dir = source.model_dir
     try:
         verifier = Verifier.from_pretrained(target_dir, device=args.verifier_device, dtype=args.dtype)
         device = DraftDevice(transport, compiled, timeout_s=args.timeout,
@@ -197,15 +287,28 @@ def cmd_generate(args) -> int:
 def cmd_draft(args) -> int:
     """Greedy drafting alone on the device, checked against the float draft."""
     import torch
-    from transformers import AutoTokenizer
 
+    from dfvg_host.checkpoints import load_tokenizer
     from dfvg_host.compiler import load_model
     from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
 
     transport, engine = _open_device(args.device)
-    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, print)
-    tok = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
+    source = _resolve_draft(args.draft, engine)
+    draft_dir = source.model_dir
+    if source.tokenizer_dir is None:
+        raise CliError(f"{draft_dir} has no tokenizer files: `dfvg draft` reads the prompt and prints "
+                       "text with the draft's own tokenizer; use `dfvg generate` with a --target")
+    tok = load_tokenizer(source.tokenizer_dir, "draft")
     prompt = tok(args.prompt)["input_ids"]
+    if not prompt:
+        raise CliError("the prompt tokenises to nothing")
+    if max(prompt) >= source.vocab:
+        raise CliError(f"the tokenizer in {draft_dir} gives id {max(prompt)}, past the draft's vocabulary "
+                       f"of {source.vocab}: the draft was not built for this tokenizer")
+    if len(prompt) + args.max_new_tokens > source.context_limit:
+        raise CliError(f"the prompt ({len(prompt)} tokens) and --max-new-tokens {args.max_new_tokens} "
+                       f"exceed the draft's context limit of {source.context_limit}; shorten one of them")
+    compiled = _compile_source(source, engine, args.calibration, print, demo=args.draft is None)
     try:
         device = DraftDevice(transport, compiled, cycle_source=cycle_source(args.device))
     except DraftDeviceError as exc:
@@ -239,9 +342,8 @@ def cmd_draft(args) -> int:
 
 def cmd_accuracy(args) -> int:
     """Teacher-forced agreement of the compiled draft with its float model on a text."""
-    from transformers import AutoTokenizer
-
     from dfvg_host.accuracy import segments, teacher_forced_agreement
+    from dfvg_host.checkpoints import load_tokenizer
     from dfvg_host.compiler import load_model
     from dfvg_host.demo import DEMO_DATA
 
@@ -249,20 +351,24 @@ def cmd_accuracy(args) -> int:
     text_path = Path(args.text) if args.text else DEMO_DATA / "heldout.txt"
     if not text_path.is_file():                 # before the (slow) compile
         raise CliError(f"--text {text_path} is not a file")
-    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, print)
-    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else draft_dir
-    try:
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise CliError(f"cannot load a tokenizer from {tokenizer_dir} ({exc}); pass --tokenizer DIR") from None
-    ids = tok(text_path.read_text())["input_ids"]
-    length = min(args.segment, compiled.context_limit)
+    source = _resolve_draft(args.draft, engine)
+    draft_dir = source.model_dir
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else source.tokenizer_dir
+    if tokenizer_dir is None:
+        raise CliError(f"{draft_dir} has no tokenizer files to read --text: pass --tokenizer DIR")
+    tok = load_tokenizer(tokenizer_dir, "draft")
+    ids = tok(_read_text_file(text_path, "--text"))["input_ids"]
+    if ids and max(ids) >= source.vocab:
+        raise CliError(f"the tokenizer in {tokenizer_dir} gives id {max(ids)}, past the draft's vocabulary "
+                       f"of {source.vocab}: pass the draft's own tokenizer as --tokenizer DIR")
+    length = min(args.segment, source.context_limit)
     parts = segments(ids, length, -(-args.positions // length))
     if sum(map(len, parts)) < args.positions:
         raise CliError(f"--text {text_path} gives {len(ids)} tokens, fewer than the {args.positions} "
                        f"positions asked for in segments of {length}; pass a longer text or fewer --positions")
     remainder = args.positions - length * (len(parts) - 1)
     parts[-1] = parts[-1][:remainder]
+    compiled = _compile_source(source, engine, args.calibration, print, demo=args.draft is None)
     t0 = time.perf_counter()
     agreement = teacher_forced_agreement(load_model(draft_dir), engine, compiled.image,
                                          compiled.program, parts)
@@ -312,7 +418,7 @@ def cmd_bench(args) -> int:
     from dfvg_host.bench import (DEFAULT_PROMPT_SET, FULL, QUICK, BenchError, load_prompt_set,
                                  pick_prompts, run_benchmark)
     from dfvg_host.bench_report import format_result
-    from dfvg_host.demo import demo_paths
+    from dfvg_host.checkpoints import check_tokenizer_pair
     from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
     from dfvg_host.efficiency import engine_efficiency
 
@@ -340,18 +446,20 @@ def cmd_bench(args) -> int:
         raise CliError(f"dfvg bench projects the engine's time with the cycle model: use a sim:// "
                        f"device, not {args.device}")
     presets = [] if args.no_efficiency else [_preset(n) for n in args.efficiency_presets.split(",")]
-    if (args.draft is None) != (args.target is None):
-        raise CliError("give both --draft and --target, or neither (the shipped demo pair)")
-    target_dir = Path(args.target) if args.target else demo_paths()[1]
-    if not (target_dir / "config.json").is_file():
-        raise CliError(f"--target {target_dir} is not a Hugging Face model directory (no config.json)")
+    _check_verifier_options(args)
+    target_dir, target_config = _target(args)
     prompt_set = Path(args.prompts) if args.prompts else DEFAULT_PROMPT_SET
     try:
         prompts = pick_prompts(load_prompt_set(prompt_set), settings.per_task)
     except BenchError as exc:
         raise CliError(str(exc)) from None
     transport, engine = _open_device(args.device)
-    compiled, draft_dir = _load_compiled(args.draft, engine, args.calibration, log, target=target_dir)
+    source = _resolve_draft(args.draft, engine)
+    check_tokenizer_pair(target_dir, target_config.get_text_config().vocab_size, source.vocab,
+                         source.tokenizer_dir)
+    compiled = _compile_source(source, engine, args.calibration, log, target=target_dir,
+                               demo=args.draft is None)
+    draft_dir = source.model_dir
     if not (Path(draft_dir) / "config.json").is_file():
         raise CliError(f"assisted generation needs the float draft, but {draft_dir} (named by the "
                        "compiled draft's manifest) is not a Hugging Face model directory")
@@ -486,6 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from dfvg_hw.spec.config import ConfigError
+    from dfvg_hw.spec.descriptors import MAX_DRAFT
+    from dfvg_host.checkpoints import CheckpointError
+    from dfvg_host.compiled_draft import CompiledDraftError
     from dfvg_host.compiler import CompileError
 
     parser = build_parser()
@@ -493,13 +604,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_new_tokens", "gamma", "context", "positions", "segment"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if getattr(args, "gamma", 1) > MAX_DRAFT:
+        parser.error(f"--gamma {args.gamma}: the engine drafts at most {MAX_DRAFT} tokens per request")
     if getattr(args, "temperature", 0.0) < 0 or getattr(args, "top_k", 0) < 0:
         parser.error("--temperature and --top-k must be >= 0")
     if getattr(args, "timeout", 1.0) <= 0:
         parser.error("--timeout must be positive")
     try:
         return args.func(args)
-    except (CliError, CompileError, ConfigError, FileNotFoundError, OSError) as exc:
+    except (CliError, CompileError, CompiledDraftError, CheckpointError, ConfigError, OSError) as exc:
         print(f"dfvg: error: {exc}", file=sys.stderr)
         return 2
 

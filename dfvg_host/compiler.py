@@ -17,7 +17,6 @@ integer-only (:mod:`dfvg_hw.spec.numerics`).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,8 +29,9 @@ from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, HEADER_BYTES,
                            ImageHeader, align, matmul_bytes, pack_act_params, pack_attn_params,
                            pack_norm_params, pack_qparams, padded, tile_weights)
 from dfvg_hw.spec.regmap import MemoryMap
-from dfvg_hw.spec.isa import Cond, Flag, Instruction, MatmulMode, Op, assemble, disassemble, encode, \
-    from_bytes, to_bytes
+from dfvg_hw.spec.isa import Cond, Flag, Instruction, MatmulMode, Op, encode
+from dfvg_host.checkpoints import TOKENIZER_FILES, has_tokenizer
+from dfvg_host.compiled_draft import CompiledDraft, ModelShape
 
 __all__ = ["CompileError", "UnsupportedModel", "DoesNotFit", "ModelShape", "CompiledDraft",
            "describe_model", "check_fits", "calibrate", "compile_draft", "emit_program"]
@@ -49,32 +49,6 @@ class UnsupportedModel(CompileError):
 
 class DoesNotFit(CompileError):
     pass
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the compiler needs to know of a Llama-family draft."""
-    model_type: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    max_positions: int
-    rms_norm_eps: float
-    hidden_act: str
-    tied_embeddings: bool
-
-    @property
-    def qkv_out(self) -> int:
-        return (self.heads + 2 * self.kv_heads) * self.head_dim
-
-    def describe(self) -> str:
-        return (f"{self.model_type}: {self.layers} layers, hidden {self.hidden}, {self.heads} heads "
-                f"({self.kv_heads} KV) x {self.head_dim}, intermediate {self.intermediate}, "
-                f"vocab {self.vocab}")
 
 
 def describe_model(hf_config) -> ModelShape:
@@ -534,49 +508,18 @@ def emit_program(shape: ModelShape, lay: Layout) -> list[int]:
 
 
 # -- the whole compile ----------------------------------------------------------------------
-@dataclass
-class CompiledDraft:
-    """A compiled draft: the image, the program and what the host needs to drive them."""
-    image: bytes
-    program: list[int]
-    manifest: dict
-
-    def save(self, out_dir: str | Path) -> Path:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "image.bin").write_bytes(self.image)
-        (out / "program.bin").write_bytes(to_bytes(self.program))
-        (out / "program.s").write_text(
-            f"; DFVG draft program for preset {self.manifest['engine']['name']}\n"
-            f"; model: {self.manifest['model_dir']}\n" + disassemble(self.program))
-        (out / "manifest.json").write_text(json.dumps(self.manifest, indent=2) + "\n")
-        return out
-
-    @classmethod
-    def load(cls, out_dir: str | Path) -> "CompiledDraft":
-        out = Path(out_dir)
-        manifest = json.loads((out / "manifest.json").read_text())
-        return cls((out / "image.bin").read_bytes(), from_bytes((out / "program.bin").read_bytes()),
-                   manifest)
-
-    @property
-    def shape(self) -> ModelShape:
-        return ModelShape(**self.manifest["model"])
-
-    @property
-    def context_limit(self) -> int:
-        return self.manifest["context_limit"]
-
-
 def load_config(model_dir: str | Path):
     """The HF config of the draft in a local directory, checked to be one the compiler
     supports (cheap: no weights are read)."""
-    from transformers import AutoConfig
+    from dfvg_host.checkpoints import CheckpointError, load_checkpoint_config
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise CompileError(f"{path} has no config.json: pass a local Hugging Face model directory")
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        hf_config = load_checkpoint_config(path, "the draft")
+    except CheckpointError as exc:
+        raise CompileError(str(exc)) from None
     describe_model(hf_config)
     return hf_config
 
@@ -586,28 +529,25 @@ def load_model(model_dir: str | Path, *, random_weights: bool = False, seed: int
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dfvg_host.checkpoints import CheckpointError, load_causal_lm
+
     path = Path(model_dir)
     hf_config = load_config(path)
     if random_weights:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        try:
+            model = load_causal_lm(path, torch.float32, "draft")
+        except CheckpointError as exc:
+            raise CompileError(str(exc)) from None
     return model.eval()
 
-
-#: Files any of which makes a directory loadable with ``AutoTokenizer.from_pretrained``.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 #: What a user can pass instead when a draft has no tokenizer of its own.
 _TOKENIZER_HELP = ("pass --tokenizer DIR (a directory holding the draft's tokenizer), "
                    "--calibration-tokens FILE (calibration token ids, whitespace-separated) "
                    "or --random-weights (random weights, for sizing only)")
-
-
-def has_tokenizer(directory: Path) -> bool:
-    """Whether ``directory`` holds tokenizer files (:data:`TOKENIZER_FILES`)."""
-    return any((Path(directory) / f).is_file() for f in TOKENIZER_FILES)
 
 
 def require_tokenizer(tokenizer_dir: Path) -> None:
@@ -621,14 +561,12 @@ def require_tokenizer(tokenizer_dir: Path) -> None:
 def load_tokenizer(tokenizer_dir: Path):
     """The tokenizer in ``tokenizer_dir`` for the calibration text; a :class:`CompileError`
     that says what to pass instead when there is none."""
-    from transformers import AutoTokenizer
+    from dfvg_host.checkpoints import CheckpointError, load_tokenizer as load_checked
     require_tokenizer(tokenizer_dir)
     try:
-        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except (OSError, ValueError, ImportError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CompileError(f"cannot load the tokenizer in {tokenizer_dir} ({first_line}): "
-                           f"{_TOKENIZER_HELP}") from None
+        return load_checked(tokenizer_dir, "calibration")
+    except CheckpointError as exc:
+        raise CompileError(f"{exc}; or {_TOKENIZER_HELP}") from None
 
 
 def read_token_ids(path: Path) -> list[int]:
@@ -690,7 +628,7 @@ def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_te
         raise DoesNotFit(f"program of {len(program)} instructions exceeds imem_words = "
                          f"{engine.imem_words}")
     manifest = dict(
-        format=1, engine=engine.to_dict(), model=asdict(shape),
+        engine=engine.to_dict(), model=asdict(shape),
         model_dir=str(model_dir.resolve()), random_weights=random_weights,
         context_limit=min(engine.kv_positions, shape.max_positions),
         image_bytes=len(image), program_words=len(program),

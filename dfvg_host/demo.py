@@ -50,5 +50,5 @@ def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | tu
         built.append(compile_draft(model_dir, engine, calibration_text=text, tokenizer_dir=tokenizer_dir))
         built[0].save(tmp)
 
-    build_dir_once(out, build, complete=lambda d: (d / "manifest.json").is_file())
+    build_dir_once(out, build, complete=CompiledDraft.is_complete)
     return built[0] if built else CompiledDraft.load(out)

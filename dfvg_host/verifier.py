@@ -14,10 +14,28 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 
 
 def pick_device(name: str | None = None) -> torch.device:
-    """``cuda`` when present, else ``cpu`` (or what the caller names)."""
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """``cuda`` when present, else ``cpu``; or the device the caller names, checked to
+    exist on this machine (a ``ValueError`` that says what to use otherwise)."""
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--verifier-device {name!r} is not a torch device; use cpu, cuda or "
+                         "cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--verifier-device {name}: this machine has no CUDA device (torch "
+                             f"{torch.__version__}); use --verifier-device cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--verifier-device {name}: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--verifier-device {name}: MPS is not available here; use cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--verifier-device {name}: dfvg runs the target on cpu, cuda or mps")
+    return device
 
 
 def parse_dtype(name: str | None) -> torch.dtype:
@@ -61,11 +79,11 @@ class Verifier:
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | None = None,
                         dtype: str | None = None) -> "Verifier":
-        from transformers import AutoModelForCausalLM
+        from dfvg_host.checkpoints import check_causal_lm, load_causal_lm, load_checkpoint_config
 
         dev = pick_device(device)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), local_files_only=True)
-        return cls(model, dev)
+        check_causal_lm(load_checkpoint_config(Path(path), "--target"), path)
+        return cls(load_causal_lm(Path(path), parse_dtype(dtype), "target"), dev)
 
     @property
     def vocab_size(self) -> int:
