@@ -13,18 +13,21 @@
 defined in :mod:`dfvg_host.transport_base` and re-exported here.
 
 :class:`LinkedTransport` wraps any transport and accounts PCIe traffic with a
-:class:`LinkModel`: every figure it produces is *modelled*.
+:class:`LinkModel`: every figure it produces is *modelled*. :class:`RetryingTransport`
+wraps any transport and retries an access that raised :class:`TransportError` a bounded
+number of times, so that a transient link error costs a retry instead of the device.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from dfvg_host.transport_base import Transport, TransportError
 
-__all__ = ["Transport", "LinkModel", "LinkStats", "LinkedTransport", "open_transport",
-           "TransportError"]
+__all__ = ["Transport", "LinkModel", "LinkStats", "LinkedTransport", "RetryingTransport",
+           "open_transport", "TransportError"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,72 @@ class LinkedTransport:
             self.stats.irqs += 1
             self.stats.seconds += self.link.irq_us * 1e-6
         return got
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class RetryingTransport:
+    """A transport that retries an access raising :class:`TransportError`.
+
+    Each operation is tried at most ``1 + retries`` times, sleeping ``backoff_s``,
+    ``2·backoff_s``, ... between tries; the last error is re-raised. Every operation of
+    the driver may be repeated without harm: register reads have no side effects, the
+    register writes it issues either set a value or are write-1-to-clear/-set commands
+    (a repeated ``START`` reruns the same request, whose result carries the same ``seq``),
+    and DMAs write or read whole buffers. An interrupt wait is retried with the same
+    timeout. Errors other than :class:`TransportError` pass through at once.
+
+    Members
+    -------
+    inner : Transport
+    retries : int
+        Extra tries per operation (0: no retry).
+    backoff_s : float
+        Sleep before the first retry; doubled before each further one.
+    retried : int
+        Retries made so far (each one after a failed try).
+    failures : int
+        Operations that failed on every try (their error was re-raised).
+    """
+
+    def __init__(self, inner: Transport, *, retries: int = 2, backoff_s: float = 1e-3):
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.inner = inner
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.retried = 0
+        self.failures = 0
+
+    def _call(self, op: str, *args):
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return getattr(self.inner, op)(*args)
+            except TransportError:
+                if attempt == self.retries:
+                    self.failures += 1
+                    raise
+            self.retried += 1
+            if delay > 0:
+                time.sleep(delay)
+            delay *= 2
+
+    def read32(self, offset: int) -> int:
+        return self._call("read32", offset)
+
+    def write32(self, offset: int, value: int) -> None:
+        self._call("write32", offset, value)
+
+    def dma_write(self, addr: int, data: bytes) -> None:
+        self._call("dma_write", addr, data)
+
+    def dma_read(self, addr: int, nbytes: int) -> bytes:
+        return self._call("dma_read", addr, nbytes)
+
+    def wait_irq(self, timeout_s: float) -> bool:
+        return self._call("wait_irq", timeout_s)
 
     def close(self) -> None:
         self.inner.close()
