@@ -4,23 +4,36 @@ It is the code that would run against a card: it checks the engine's identity an
 parameters, DMAs the image and program, writes request descriptors into the ping-pong
 buffers, starts the engine through CONTROL, waits for the interrupt, and validates what
 comes back. It knows devices only through :class:`~dfvg_host.transport.Transport`.
+
+Faults: every register access and DMA goes through a
+:class:`~dfvg_host.transport.RetryingTransport`, so a transient :class:`TransportError`
+(an :class:`~dfvg_host.xdma.XdmaError` included) is retried a bounded number of times;
+one that persists becomes a :class:`DeviceLinkError`. Every result is checked against
+the descriptor contract (check word, ``seq``, ``end_pos``, the ``ERROR`` register, and
+each record: its token among its top-k, with the probability it reports and q > 0, the
+top-k summing to exactly 2^24) and a result that breaks it raises
+:class:`MalformedResult`. :meth:`DraftDevice.reset` brings a failed device back: soft
+reset, identity check, image and program reloaded. Deciding when to reset and what to
+replay is the caller's (:class:`~dfvg_host.speculative.SpeculativeDecoder`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
 from dfvg_hw.spec.descriptors import (MAX_DRAFT, DraftedToken, DraftRequest, DraftResult, ErrorCode,
                                  result_bytes)
-from dfvg_hw.spec.numerics import host_temperature
+from dfvg_hw.spec.numerics import PROB_BITS, host_temperature
 from dfvg_hw.spec.regmap import (ENGINE_ID, ENGINE_VERSION, PARAM_REGS, Control, Irq, MemoryMap, Reg,
                             Status)
 from dfvg_host.compiler import CompiledDraft
-from dfvg_host.transport import LinkedTransport, Transport, open_transport
+from dfvg_host.transport import (LinkedTransport, RetryingTransport, Transport, TransportError,
+                                 open_transport)
 
 __all__ = ["DraftDevice", "DraftOutput", "CYCLE_SOURCES", "cycle_source", "DraftDeviceError", "DeviceTimeout", "DeviceFault",
-           "EngineMismatch", "MalformedResult", "ContextFull"]
+           "EngineMismatch", "MalformedResult", "ContextFull", "DeviceLinkError"]
 
 
 #: What a device's cycle counters are, by URL scheme: the sim device reports the cycle
@@ -65,11 +78,42 @@ class ContextFull(DraftDeviceError):
 class DeviceFault(DraftDeviceError):
     """The engine stopped with an error status. ``tokens`` holds what it drafted before."""
 
+    #: Codes that the request itself provokes: the same request on a freshly reset
+    #: engine is refused again, so a reset cannot help.
+    REQUEST_CAUSED = frozenset({ErrorCode.KV_OVERFLOW, ErrorCode.BAD_REQUEST})
+
     def __init__(self, code: ErrorCode, pc: int, tokens: list[DraftedToken]):
         self.code = code
         self.pc = pc
         self.tokens = tokens
         super().__init__(f"draft engine error {code.name} at pc {pc}: {code.describe()}")
+
+    @property
+    def request_caused(self) -> bool:
+        """Whether the code is one the request provokes (:data:`REQUEST_CAUSED`): the
+        driver checked the request on the host, so the engine's limits differ from the
+        manifest's and replaying it would fail the same way."""
+        return self.code in self.REQUEST_CAUSED
+
+
+class DeviceLinkError(DraftDeviceError, TransportError):
+    """A register access, DMA or interrupt wait failed on every try (the transport's
+    error, retried :attr:`DraftDevice.retries` times). Also a :class:`TransportError`."""
+
+
+def _link_errors(method):
+    """Turn a :class:`TransportError` that outlived the retries into :class:`DeviceLinkError`."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except DraftDeviceError:
+            raise
+        except TransportError as exc:
+            raise DeviceLinkError(f"{exc} (failed {self.retries + 1} times in a row); the card or its "
+                                  "link is unreliable: check dmesg and the card, then reset the "
+                                  "device") from exc
+    return wrapper
 
 
 @dataclass
@@ -92,6 +136,13 @@ class DraftDevice:
     -------
     transport : LinkedTransport
         The device's transport, counting PCIe traffic for the link model.
+    io : RetryingTransport
+        ``transport`` with bounded retries; every access of the driver goes through it
+        (a retried access is counted again by the link model, as it costs again).
+    retries : int
+        Extra tries of a failed access before :class:`DeviceLinkError`.
+    resets : int
+        Times :meth:`reset` was called.
     compiled : CompiledDraft
     clock_hz : float
         The engine clock, read from its parameter register.
@@ -105,8 +156,11 @@ class DraftDevice:
     ABORT_GRACE_S = 1.0   #: how long a timed-out request may take to stop after ABORT
 
     def __init__(self, transport: Transport, compiled: CompiledDraft, *, timeout_s: float = 30.0,
-                 cycle_source: str = "measured: engine counters"):
+                 cycle_source: str = "measured: engine counters", retries: int = 2,
+                 retry_backoff_s: float = 1e-3):
         self.transport = transport if isinstance(transport, LinkedTransport) else LinkedTransport(transport)
+        self.io = RetryingTransport(self.transport, retries=retries, backoff_s=retry_backoff_s)
+        self.resets = 0
         #: where the engine's cycle counts come from, as every printed figure says
         self.cycle_source = cycle_source
         self.compiled = compiled
@@ -120,6 +174,15 @@ class DraftDevice:
         self.check_engine()
         self.load()
 
+    @property
+    def retries(self) -> int:
+        return self.io.retries
+
+    @property
+    def transport_retries(self) -> int:
+        """Accesses retried so far (each after a transient :class:`TransportError`)."""
+        return self.io.retried
+
     @classmethod
     def open(cls, url: str, compiled: CompiledDraft, **kwargs) -> "DraftDevice":
         transport, _ = open_transport(url)
@@ -127,8 +190,9 @@ class DraftDevice:
         return cls(transport, compiled, **kwargs)
 
     # -- bring-up ------------------------------------------------------------------------
+    @_link_errors
     def check_engine(self) -> None:
-        t = self.transport
+        t = self.io
         ident, version = t.read32(Reg.ID), t.read32(Reg.VERSION)
         if ident != ENGINE_ID:
             raise EngineMismatch(f"no DFVG engine at this device (ID register reads 0x{ident:08x}, "
@@ -147,12 +211,13 @@ class DraftDevice:
         self.clock_hz = t.read32(Reg.P_CLOCK_KHZ) * 1e3
 
     def _write_addr(self, lo: Reg, addr: int) -> None:
-        self.transport.write32(lo, addr & 0xFFFFFFFF)
-        self.transport.write32(lo + 4, addr >> 32)
+        self.io.write32(lo, addr & 0xFFFFFFFF)
+        self.io.write32(lo + 4, addr >> 32)
 
+    @_link_errors
     def load(self) -> None:
         """DMA the image and program, point the engine at its buffers, load the program."""
-        t, c = self.transport, self.compiled
+        t, c = self.io, self.compiled
         t.write32(Reg.CONTROL, Control.SOFT_RESET)
         try:
             t.dma_write(MemoryMap.IMAGE, c.image)
@@ -170,9 +235,34 @@ class DraftDevice:
         t.write32(Reg.CONTROL, Control.LOAD_PROGRAM)
         status = self._wait_idle("the soft reset and program load")
         if not status & Status.PROGRAM_LOADED:
-            code = ErrorCode(t.read32(Reg.ERROR))
+            # ERROR = 0 with the program not loaded: the command never arrived.
+            code = self._error_code(t.read32(Reg.ERROR), "after LOAD_PROGRAM") or ErrorCode.PROGRAM
             raise DeviceFault(code, 0, [])
         self.kv_length = self.committed = 0
+
+    @_link_errors
+    def reset(self) -> None:
+        """Bring the device back after a failure: soft reset (which stops a request still
+        running), check the engine's identity and parameters again, DMA the image and the
+        program again and load the program.
+
+        The engine's KV is lost: ``kv_length = committed = 0``, so the caller feeds every
+        committed token again. Raises what :meth:`check_engine` and :meth:`load` raise
+        when the device does not come back.
+        """
+        self.resets += 1
+        self.kv_length = self.committed = 0
+        self.io.write32(Reg.CONTROL, Control.SOFT_RESET)
+        self.check_engine()
+        self.load()
+
+    @staticmethod
+    def _error_code(value: int, where: str) -> ErrorCode:
+        try:
+            return ErrorCode(value)
+        except ValueError:
+            raise MalformedResult(f"the ERROR register reads {value} {where}, not an engine error "
+                                  "code; the device or the link is misbehaving — reset the device") from None
 
     # -- drafting ------------------------------------------------------------------------
     def rollback(self, length: int) -> None:
@@ -183,9 +273,18 @@ class DraftDevice:
 
     commit = rollback
 
+    @_link_errors
     def draft(self, tokens: list[int], n_draft: int, *, sample: bool = False,
               temperature: float = 1.0, topk: int = 1, seed: int = 0, counter: int = 0) -> DraftOutput:
-        """Feed ``tokens`` after the committed KV and draft ``n_draft`` tokens in one request."""
+        """Feed ``tokens`` after the committed KV and draft ``n_draft`` tokens in one request.
+
+        Raises :class:`ContextFull` or ``ValueError`` (checked on the host, nothing sent),
+        or, with the committed KV unchanged: :class:`DeviceTimeout`,
+        :class:`DeviceFault` (an error status in the result or the ``ERROR`` register),
+        :class:`MalformedResult` (a result that breaks the descriptor contract) or
+        :class:`DeviceLinkError`. After any of the last four the device should be
+        :meth:`reset` before it is trusted again.
+        """
         limit = self.compiled.context_limit
         need = self.committed + len(tokens) + max(n_draft - 1, 0)
         if need > limit:
@@ -205,7 +304,7 @@ class DraftDevice:
                                t_mult=t_mult, t_shift=t_shift, seed=seed, counter=counter, seq=self._seq)
         buf = self._buf
         self._buf ^= 1
-        t = self.transport
+        t = self.io
         t.dma_write(MemoryMap.REQUEST[buf], request.pack())
         t.write32(Reg.IRQ_STATUS, Irq.DONE)
         t.write32(Reg.CONTROL, Control.START | (Control.BUF if buf else 0))
@@ -214,28 +313,66 @@ class DraftDevice:
         except DeviceTimeout as exc:
             raise DeviceTimeout(str(exc), self._aborted_tokens(buf, n_draft)) from None
         t.write32(Reg.IRQ_STATUS, Irq.DONE)
-        error = t.read32(Reg.ERROR)
+        error = self._error_code(t.read32(Reg.ERROR), "after the request")
         try:
             result = self._read_result(buf, n_draft)
         except MalformedResult:
             if error:   # the engine refused before writing a result (no program, bad request)
-                raise DeviceFault(ErrorCode(error), t.read32(Reg.ERROR_PC), []) from None
+                raise DeviceFault(error, t.read32(Reg.ERROR_PC), []) from None
             raise
-        self.kv_length = result.end_pos
         if result.status != ErrorCode.OK:
+            self.kv_length = result.end_pos
             # Drafted tokens stay in the exception; the committed KV is unchanged.
             raise DeviceFault(result.status, result.error_pc, result.tokens)
+        if error:
+            # The result says OK, the register says otherwise: one of them is wrong.
+            raise DeviceFault(error, t.read32(Reg.ERROR_PC), [])
         if len(result.tokens) != n_draft:
             raise MalformedResult(f"the engine drafted {len(result.tokens)} tokens for a request of "
                                   f"{n_draft} without an error status; the device is misbehaving")
-        self.committed = result.end_pos
+        self._check_records(result, request, buf)
+        self.kv_length = self.committed = result.end_pos
         return DraftOutput(result.tokens, result.cycles, result.end_pos, result.n_forward)
+
+    def _check_records(self, result: DraftResult, request: DraftRequest, buf: int) -> None:
+        """Hold a result with status OK to the descriptor contract (docs/isa.md §5.2).
+
+        The check word catches a corrupted buffer; this catches what would pass it (a
+        device or link that writes a consistent but wrong result). Above all, each drafted
+        token must have q(token) > 0 under the top-k it reports: rejection sampling is
+        lossless only when q is the distribution the token was drawn from.
+        """
+        def bad(why: str) -> MalformedResult:
+            return MalformedResult(f"result buffer {buf} breaks the result contract: {why}; the "
+                                   "device or the PCIe link corrupted it — reset the device")
+
+        want_end = request.start_pos + len(request.tokens) + max(request.n_draft - 1, 0)
+        if result.end_pos != want_end:
+            raise bad(f"end_pos is {result.end_pos}, the request ends at {want_end}")
+        if result.tokens and not 1 <= result.topk <= min(request.topk, self.topk_max):
+            raise bad(f"top-k lists of {result.topk} for a request of topk {request.topk}")
+        vocab = self.compiled.shape.vocab
+        for i, d in enumerate(result.tokens):
+            ids, probs = d.topk_ids, d.topk_probs
+            if len(ids) != result.topk or len(set(ids)) != len(ids) or not all(0 <= x < vocab for x in ids):
+                raise bad(f"draft {i}'s top-k ids {ids} are not {result.topk} distinct ids of the "
+                          f"vocabulary of {vocab}")
+            if sum(probs) != 1 << PROB_BITS:
+                raise bad(f"draft {i}'s top-k probabilities sum to {sum(probs)}, not 2^{PROB_BITS}")
+            if d.token not in ids:
+                raise bad(f"draft {i} is token {d.token}, outside its top-k {ids} (q(token) = 0)")
+            j = ids.index(d.token)
+            if probs[j] == 0 or probs[j] != d.prob:
+                raise bad(f"draft {i} (token {d.token}) reports probability {d.prob}, its top-k "
+                          f"{probs[j]} (q(token) must be > 0 and equal)")
+            if not request.sample and j != 0:
+                raise bad(f"greedy draft {i} is candidate {j} of its top-k, not the argmax")
 
     def _wait_idle(self, what: str) -> int:
         """Poll STATUS until BUSY clears (commands other than START raise no interrupt on
         success); returns the final STATUS."""
         deadline = time.monotonic() + self.timeout_s
-        while (status := self.transport.read32(Reg.STATUS)) & Status.BUSY:
+        while (status := self.io.read32(Reg.STATUS)) & Status.BUSY:
             if time.monotonic() >= deadline:
                 raise DeviceTimeout(f"{what} did not finish within {self.timeout_s:g} s "
                                     f"(STATUS=0x{status:x}); check the device")
@@ -243,12 +380,12 @@ class DraftDevice:
 
     def _wait(self) -> None:
         deadline = time.monotonic() + self.timeout_s
-        while not self.transport.wait_irq(max(0.0, deadline - time.monotonic())):
-            status = self.transport.read32(Reg.STATUS)
+        while not self.io.wait_irq(max(0.0, deadline - time.monotonic())):
+            status = self.io.read32(Reg.STATUS)
             if status & Status.DONE:
                 return                  # finished; the interrupt was lost or is disabled
             if time.monotonic() >= deadline:
-                self.transport.write32(Reg.CONTROL, Control.ABORT)
+                self.io.write32(Reg.CONTROL, Control.ABORT)
                 raise DeviceTimeout(f"the draft engine did not finish within {self.timeout_s:g} s "
                                     f"(STATUS=0x{status:x}); it was aborted. Check the device, or "
                                     "raise the timeout for slow simulators")
@@ -258,7 +395,7 @@ class DraftDevice:
         (it stops before its next instruction), or none if it does not within
         :attr:`ABORT_GRACE_S`."""
         deadline = time.monotonic() + self.ABORT_GRACE_S
-        while not self.transport.read32(Reg.STATUS) & Status.DONE:
+        while not self.io.read32(Reg.STATUS) & Status.DONE:
             if time.monotonic() >= deadline:
                 return []
         try:
@@ -269,7 +406,7 @@ class DraftDevice:
         return result.tokens
 
     def _read_result(self, buf: int, n_draft: int) -> DraftResult:
-        raw = self.transport.dma_read(MemoryMap.RESULT[buf], result_bytes(self.topk_max, n_draft))
+        raw = self.io.dma_read(MemoryMap.RESULT[buf], result_bytes(self.topk_max, n_draft))
         try:
             result = DraftResult.unpack(raw, self.topk_max)
         except ValueError as exc:
@@ -281,9 +418,10 @@ class DraftDevice:
                                   "device")
         return result
 
+    @_link_errors
     def cycles(self) -> tuple[int, int]:
         """(cycles of the last request, busy cycles since reset), from the counters."""
-        t = self.transport
+        t = self.io
         last = t.read32(Reg.CYCLES_LO) | (t.read32(Reg.CYCLES_HI) << 32)
         busy = t.read32(Reg.BUSY_CYCLES_LO) | (t.read32(Reg.BUSY_CYCLES_HI) << 32)
         return last, busy
