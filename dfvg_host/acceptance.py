@@ -3,6 +3,13 @@
 Rejection sampling (Leviathan et al.; Chen et al.) keeps the target's distribution
 exactly as long as ``q`` is exactly the distribution each draft token was sampled from —
 here, the draft engine's reported top-k probabilities (integers over 2^24).
+
+A draft token with q(token) = 0 cannot have been drawn from q, so the rule cannot be
+applied to it. :func:`accept_rejection` then ends the round there: the drafts before it
+are judged as usual, and the next token is drawn from the target's own distribution at
+that position, which is exactly the target's conditional — lossless whatever the device
+sent from that position on. The driver refuses such a result before it gets here
+(:class:`~dfvg_host.driver.MalformedResult`); this is the last line of defence.
 """
 
 from __future__ import annotations
@@ -43,9 +50,14 @@ class SamplingParams:
 
 @dataclass
 class Verdict:
-    """Outcome of verifying one round: how many drafts were accepted, then the next token."""
+    """Outcome of verifying one round: how many drafts were accepted, then the next token.
+
+    ``invalid_q`` is set when the round ended at a draft whose q(token) is 0 (see the
+    module docstring): the device's q was wrong there.
+    """
     accepted: int
     next_token: int
+    invalid_q: bool = False
 
 
 def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -82,12 +94,14 @@ def accept_rejection(p: torch.Tensor, drafts: list[int], q: list[torch.Tensor],
     distribution for ``drafts[i]``. Draft i is accepted with probability
     ``min(1, p_i(x) / q_i(x))``; on the first rejection the next token is drawn from
     ``norm(max(0, p_i - q_i))``; if all are accepted, the bonus token comes from ``p_n``.
+
+    A draft with ``q_i(x) = 0`` was not drawn from ``q_i``: the round ends there, with the
+    next token drawn from ``p_i`` itself (lossless) and ``Verdict.invalid_q`` set.
     """
     for i, x in enumerate(drafts):
         qx = float(q[i][x])
-        if qx <= 0:
-            raise ValueError(f"draft token {x} has q = 0: the device's q is not the "
-                             "distribution it sampled from")
+        if not qx > 0:
+            return Verdict(i, int(torch.multinomial(p[i], 1, generator=generator)), invalid_q=True)
         ratio = float(p[i, x]) / qx
         if ratio >= 1 or float(torch.rand((), generator=generator, dtype=torch.float64)) < ratio:
             continue

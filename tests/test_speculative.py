@@ -155,3 +155,20 @@ def test_context_limit_stops_and_keeps_tokens(small_vocab_pair):
         logits = model(torch.tensor([seq])).logits[0, len(prompt) - 1:-1]
     chosen = logits[torch.arange(len(out.tokens)), torch.tensor(out.tokens)]
     assert torch.all(chosen >= logits.max(dim=-1).values - 1e-2)
+
+
+def test_a_draft_with_q_zero_ends_the_round_losslessly():
+    """q(x) = 0: x was not drawn from q. The drafts before it are judged as usual and the
+    next token comes from the target's own distribution at x's position."""
+    from dfvg_host.acceptance import accept_rejection
+    p = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4], [0.25] * 4], dtype=torch.float64)
+    q_ok = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    q_bad = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)       # the draft says 3
+    gen = torch.Generator().manual_seed(0)
+    counts = Counter()
+    for _ in range(4000):
+        v = accept_rejection(p, [1, 3], [q_ok, q_bad], gen)
+        assert v.accepted == 1 and v.invalid_q
+        counts[v.next_token] += 1
+    freq = np.array([counts[i] for i in range(4)]) / 4000
+    assert np.abs(freq - p[1].numpy()).max() < 0.03
