@@ -493,6 +493,7 @@ class Controller(wiring.Component):
         # -- per-unit busy counters (regmap.OP_CYCLE_BUCKETS) ------------------------------------
         fetch_ends = seq.fault.valid | seq.halted | (seq.pc >= program_len) | (budget == 0)
         m.d.comb += [counters.busy.eq(busy), counters.opcode.eq(ins.opcode),
+                     counters.illegal.eq(dec.illegal),
                      counters.decode.eq(phase.ongoing("DECODE")),
                      counters.fetch.eq(phase.ongoing("FETCH")), counters.fetch_ends.eq(fetch_ends),
                      counters.finish.eq(phase.ongoing("FINISH")),

@@ -3,8 +3,9 @@ every busy cycle of a request is counted against the unit it is spent in.
 
 An instruction's fetch and decode cycles go to its opcode (as the cycle model's ISSUE
 does: the decode cycle adds both), then every cycle until it retires; all other busy
-cycles — the request's header and token scan, a fetch that ends the request, the result
-write — are the ``REQUEST`` bucket's.
+cycles — the request's header and token scan, a fetch that ends the request, the fetch
+and decode of an illegal word (whatever its opcode byte: it is no instruction of that
+opcode), the result write — are the ``REQUEST`` bucket's.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class OpCycleCounters(wiring.Component):
     opcode : In(8)
         The decoded opcode (a value outside :class:`~dfvg_hw.spec.isa.Op` counts as
         ``REQUEST``).
+    illegal : In(1)
+        The decoded word is illegal (the decoder's ``illegal``): ``REQUEST``, whatever
+        ``opcode`` is.
     fetch : In(1)
         A fetch cycle: counted with the decode that follows, unless ``fetch_ends``.
     fetch_ends : In(1)
@@ -54,6 +58,7 @@ class OpCycleCounters(wiring.Component):
             "busy": In(1),
             "decode": In(1),
             "opcode": In(8),
+            "illegal": In(1),
             "fetch": In(1),
             "fetch_ends": In(1),
             "finish": In(1),
@@ -71,6 +76,8 @@ class OpCycleCounters(wiring.Component):
                     m.d.comb += decoded.eq(OP_CYCLE_BUCKETS.index(op.name))
             with m.Default():
                 m.d.comb += decoded.eq(request_bucket)
+        with m.If(self.illegal):
+            m.d.comb += decoded.eq(request_bucket)
         counters = self.op_cycles
         with m.If(self.start):
             m.d.sync += [counters.as_value().eq(0), bucket.eq(request_bucket)]

@@ -33,7 +33,7 @@ from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, 
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
 
-__all__ = ["CycleModel", "CycleCounts", "estimate_request", "BEFORE_FINISH"]
+__all__ = ["CycleModel", "CycleCounts", "estimate_request", "BEFORE_FINISH", "ISSUE"]
 
 LINE = VMEM_LINE_BYTES
 #: The latencies and fixed overheads below are the RTL's own (:mod:`dfvg_hw.spec.timing`).
@@ -703,7 +703,11 @@ class CycleModel:
         row = RES_BYTES * n                         # an int32 row
         lines = ceil(row / LINE)
         token = tm.EMBED_TOKEN + (READ_OVERHEAD + port.latency if token_from_request else 0)
-        if port.beats_per_cycle >= 1:
+        if n == 0:
+            # An empty row: the zero-length read is a no-op (memory_port.py) and the
+            # empty span's wr_done, VMEM_CHECK_LATENCY after EMBED_CMD, ends ROW.
+            data = max(1, tm.VMEM_CHECK_LATENCY + 1 - tm.EMBED_COMMANDS)
+        elif port.beats_per_cycle >= 1:
             data = READ_OVERHEAD + port.latency + tm.GEARBOX_LATENCY + lines
         else:
             splitter = _LineSplitter(port.lines_per_beat)
@@ -726,10 +730,19 @@ class CycleModel:
 
     def request_start(self, n_in: int) -> tuple[int, int]:
         """(cycles, bytes) before the first instruction: the header and the token scan."""
-        B = self.port.bus_bytes
-        header, scan = 4 * REQUEST_HEADER_WORDS, 4 * n_in
-        return (self._read(ceil(header / B)) + tm.REQUEST_READ_DONE
-                + self._read(ceil(scan / B)) + tm.REQUEST_READ_DONE, header + scan)
+        (c0, b0), (c1, b1) = self.request_header(), self.request_scan(n_in)
+        return c0 + c1, b0 + b1
+
+    def request_header(self) -> tuple[int, int]:
+        """(cycles, bytes) of the header's read and check (all a request refused for a
+        header field costs before its result: request_front_end.py scans no tokens)."""
+        header = 4 * REQUEST_HEADER_WORDS
+        return self._read(ceil(header / self.port.bus_bytes)) + tm.REQUEST_READ_DONE, header
+
+    def request_scan(self, n_in: int) -> tuple[int, int]:
+        """(cycles, bytes) of the token scan, after a header that passed its checks."""
+        scan = 4 * n_in
+        return self._read(ceil(scan / self.port.bus_bytes)) + tm.REQUEST_READ_DONE, scan
 
     def request_finish(self, n_records: int) -> tuple[int, int]:
         """(cycles, bytes) after HALT: the result header assembled a word a cycle, every

@@ -21,7 +21,7 @@ from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BY
                            unpack_qparams, untile_weights)
 from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
 from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
-from sim.cycle_model import BEFORE_FINISH, UNIT_OVERHEAD, CycleCounts, CycleModel
+from sim.cycle_model import BEFORE_FINISH, ISSUE, UNIT_OVERHEAD, CycleCounts, CycleModel
 from sim.memory import DeviceMemory, MemoryError_
 
 __all__ = ["FunctionalEngine", "EngineFault"]
@@ -116,7 +116,8 @@ class FunctionalEngine:
             except MemoryError_ as exc:
                 raise EngineFault(ErrorCode.BAD_ADDRESS, f"request descriptor: {exc}") from None
             # the engine reads the request and writes a result even when it refuses it
-            self.counts.add("REQUEST", *self.cycle_model.request_start(header["n_in"]))
+            # (the token scan only after a header that passes its checks)
+            self.counts.add("REQUEST", *self.cycle_model.request_header())
             tokens = self._read_request_tokens(header, request_addr)
             seq = ProgramFlow(tokens, header["start_pos"], header["n_draft"])
             budget = watchdog if watchdog is not None else \
@@ -127,8 +128,9 @@ class FunctionalEngine:
             self.last_fault = fault
         # The result reports the cycles up to FINISH; the engine's counters go on through
         # the result write.
+        # (request_finish counts from the FETCH that finds the request over, which _execute
+        # charged where the request had one)
         finish, nbytes = self.cycle_model.request_finish(len(drafted))
-        self.counts.add("REQUEST", BEFORE_FINISH)
         reported = self.counts.total
         self.counts.add("REQUEST", finish - BEFORE_FINISH, nbytes)
         result = DraftResult(seq=header["seq"], status=status,
@@ -152,6 +154,7 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.BAD_REQUEST, "sampling needs a non-zero t_mult")
         if h["t_shift"] > 63 or h["flags_reserved"] or h["reserved"]:
             raise EngineFault(ErrorCode.BAD_REQUEST, "reserved request fields must be 0")
+        self.counts.add("REQUEST", *self.cycle_model.request_scan(h["n_in"]))
         try:
             raw = self.memory.view(request_addr + 4 * REQUEST_HEADER_WORDS, 4 * h["n_in"])
         except MemoryError_ as exc:
@@ -164,16 +167,23 @@ class FunctionalEngine:
 
     def _execute(self, seq: ProgramFlow, h: dict, image_base: int, drafted: list,
                  result_addr: int, budget: int) -> None:
+        # A request that ends at a FETCH (after HALT, past the program's end, over the
+        # budget, after a control instruction's fault) spends that FETCH (BEFORE_FINISH)
+        # before FINISH; one that another instruction stops goes from it straight to FINISH.
         executed = 0
         while not seq.halted:
             if seq.pc >= len(self.imem):
+                self.counts.add("REQUEST", BEFORE_FINISH)
                 raise EngineFault(ErrorCode.PROGRAM, f"pc {seq.pc} ran past the program's "
                                   f"{len(self.imem)} instructions")
             executed += 1
             if executed > budget:
+                self.counts.add("REQUEST", BEFORE_FINISH)
                 raise EngineFault(ErrorCode.WATCHDOG, f"{budget} instructions without HALT")
             ins = self._decoded[seq.pc]
             if isinstance(ins, IllegalInstruction):
+                # its fetch and decode are REQUEST's whatever its opcode byte (docs/registers.md)
+                self.counts.add("REQUEST", ISSUE)
                 raise EngineFault(ErrorCode.ILLEGAL_INSTRUCTION, str(ins))
             addr = seq.block_address(ins, image_base)
             try:
@@ -186,7 +196,12 @@ class FunctionalEngine:
                                                           token_from_request=not seq.token_is_drafted)
             self.counts.add(ins.opcode, cycles, nbytes, self.cycle_model.macs(ins, pos=seq.pos))
             if ins.opcode in CONTROL_OPS:
-                seq.control(ins)
+                try:
+                    seq.control(ins)
+                except ControlFault:
+                    # the RTL's program flow reports it at the next FETCH
+                    self.counts.add("REQUEST", BEFORE_FINISH)
+                    raise
                 continue
             if ins.opcode == Op.SAMPLE:
                 token = self._sample(ins, h, seq.n_drafted)
@@ -196,6 +211,7 @@ class FunctionalEngine:
             else:
                 self._unit(ins, seq, image_base)
             seq.pc += 1
+        self.counts.add("REQUEST", BEFORE_FINISH)
 
     # -- units -------------------------------------------------------------------------
     def _check_operands(self, ins: Instruction, st: ProgramFlow, addr: int) -> None:

@@ -1,6 +1,7 @@
 """OpCycleCounters: where each busy cycle goes (regmap.OP_CYCLE_BUCKETS), on a made-up
 request: fetch + decode to the opcode, its cycles until it retires, a fetch that ends the
-request and the finish to REQUEST; idle cycles are not counted."""
+request and the finish to REQUEST; idle cycles are not counted. An illegal word's fetch and
+decode are REQUEST's whatever its opcode byte."""
 
 from __future__ import annotations
 
@@ -42,6 +43,17 @@ def test_cycles_go_to_the_unit_they_are_spent_in():
         got["before_clear"] = [ctx.get(dut.op_cycles[i]) for i in range(len(OP_CYCLE_BUCKETS))]
         await cycles(clear=1)
         got["after_clear"] = [ctx.get(dut.op_cycles[i]) for i in range(len(OP_CYCLE_BUCKETS))]
+        # an illegal word with an opcode's byte: its fetch and decode are REQUEST's
+        await cycles(start=1)
+        ctx.set(dut.busy, 1)
+        await cycles(fetch=1)
+        await cycles(decode=1, opcode=Op.NOP)
+        await cycles(fetch=1)
+        await cycles(decode=1, opcode=Op.MATMUL, illegal=1)
+        await cycles(finish=1)
+        ctx.set(dut.busy, 0)
+        await cycles(1)
+        got["illegal"] = [ctx.get(dut.op_cycles[i]) for i in range(len(OP_CYCLE_BUCKETS))]
 
     run_simulation(dut, tb)
     want = [0] * len(OP_CYCLE_BUCKETS)
@@ -50,6 +62,10 @@ def test_cycles_go_to_the_unit_they_are_spent_in():
     want[OP_CYCLE_BUCKETS.index("HALT")] = 2
     assert got["before_clear"] == want
     assert got["after_clear"] == [0] * len(OP_CYCLE_BUCKETS)
+    want = [0] * len(OP_CYCLE_BUCKETS)
+    want[OP_CYCLE_BUCKETS.index("NOP")] = 2
+    want[OP_CYCLE_BUCKETS.index("REQUEST")] = 2 + 1
+    assert got["illegal"] == want
 
 
 def test_lint():
