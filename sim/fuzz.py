@@ -1,26 +1,43 @@
-"""Random programs on random images through the ``sim`` device's register interface.
+"""Random programs on random images through the devices' register interface.
 
 The functional model's contract under fuzzing: whatever program, image and request it is
 given, a run either completes or stops with an :class:`~dfvg_hw.spec.descriptors.ErrorCode`
 in the ERROR register and the result; it never raises anything else and never runs for
-long (the watchdog and the legality checks come before any costly work).
-``tests/test_fuzz_functional.py`` runs a small seeded sample in CI,
-``scripts/fuzz_functional.py`` longer runs.
+long (the watchdog and the legality checks come before any costly work). The RTL's: the
+same error code, error PC, tokens and cycle counters as the functional model, and no
+hang. ``tests/test_fuzz_functional.py`` runs a seeded sample on the ``sim`` device in CI,
+``tests/test_fuzz_rtl.py`` a smaller one on ``rtl+verilator`` against it, and
+``scripts/fuzz_functional.py`` longer runs of both.
 
-A case is a program (random 128-bit words mixed with random *legal* instructions of every
-opcode, fields drawn around the engine's limits), a random image, a random request
-(sometimes with out-of-range header fields) and the device addresses; :func:`run_case`
-executes it on a fresh :class:`~sim.device.SimDevice` the way the host driver does:
-DMA writes, base registers, ``LOAD_PROGRAM``, ``START``.
+A case is a program, a random image, a random request (sometimes with out-of-range
+header fields) and the device addresses. Programs come in two kinds, half each:
+
+* **random**: random 128-bit words mixed with random *legal* instructions of every
+  opcode, fields drawn around the engine's limits (most stop at their first unit
+  instruction, which is the point: the legality checks);
+* **forward**: a model-shaped program (EMBED, RMSNORM, the QKV matmul, ROPE, KVAPPEND,
+  ATTN, RESADD, ACTMUL in an optional layer loop, then BRANCH NO_SAMPLE over the final
+  norm, the LOGITS matmul and SAMPLE, NEXT, HALT) with random shapes and VMEM places that
+  fit, over an image with valid parameter blocks, then a few mutations (an instruction
+  replaced, dropped, swapped or a field nudged, a random word put in) so that faults
+  also come mid-request, after real work.
+
+:func:`run_case` executes a case on a fresh :class:`~sim.device.SimDevice` the way the host
+driver does (DMA writes, base registers, ``LOAD_PROGRAM``, ``START``); :class:`DeviceRunner`
+runs cases one after another on one device (the Verilator one), :func:`compare` holds two
+outcomes to each other and :class:`Tally` counts how runs end.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import signal
 import struct
-import time
+import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -28,14 +45,17 @@ from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
 from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_FIELDS, REQUEST_HEADER_WORDS, DraftResult,
                                       ErrorCode,
                                       pack_fields, result_bytes)
-from dfvg_hw.spec.image import NORM_PARAM_BYTES
-from dfvg_hw.spec.isa import (INSTRUCTION_BITS, Cond, Flag, Instruction, MatmulMode, Op,
-                              encode, opcode_rules, to_bytes)
+from dfvg_hw.spec.image import (ACT_PARAM_BYTES, NORM_PARAM_BYTES, matmul_bytes,
+                                pack_attn_params, pack_norm_params)
+from dfvg_hw.spec.isa import (INSTRUCTION_BITS, Cond, Flag, IllegalInstruction, Instruction,
+                              MatmulMode, Op, decode, encode, opcode_rules, to_bytes)
 from dfvg_hw.spec.numerics import GAMMA_SHIFT_MAX
-from dfvg_hw.spec.regmap import Control, Reg, Status
+from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Control, Reg, Status, op_cycles_offset
 from sim.device import SimDevice
+from sim.program_flow import CONTROL_OPS
 
-__all__ = ["FuzzCase", "Outcome", "random_case", "run_case", "Hang"]
+__all__ = ["FuzzCase", "Outcome", "random_case", "random_forward_case", "run_case", "Hang",
+           "DeviceRunner", "compare", "fault_site", "faulting_bucket", "Tally", "fuzz_sim", "fuzz_rtl"]
 
 PROGRAM_ADDR = 0x0000_0000
 REQUEST_ADDR = 0x0001_0000
@@ -54,11 +74,12 @@ class FuzzCase:
 @dataclass
 class Outcome:
     """``error`` is the ERROR register's code; ``tokens`` the drafted ids; ``cycles`` the
-    CYCLES register."""
+    CYCLES register; ``units`` the ``OP_CYCLES`` counters by bucket name."""
     error: ErrorCode
     tokens: list[int]
     cycles: int
     error_pc: int
+    units: dict = field(default_factory=dict)
 
 
 class Hang(Exception):
@@ -175,11 +196,213 @@ def random_request(rng, c: EngineConfig) -> tuple[bytes, int]:
     return struct.pack(f"<{len(words) + len(tokens)}I", *words, *tokens), min(fields["n_draft"], MAX_DRAFT)
 
 
-def random_case(rng, c: EngineConfig) -> FuzzCase:
+def random_case(rng, c: EngineConfig, forward_p: float = 0.5) -> FuzzCase:
+    """A random-words program (see the module docstring) or, with probability
+    ``forward_p``, a mutated model-shaped one (:func:`random_forward_case`)."""
+    if rng.random() < forward_p:
+        return random_forward_case(rng, c)
     image = random_image(rng, c)
     program = random_program(rng, c, len(image))
     request, n_draft = random_request(rng, c)
     return FuzzCase(program, image, request, n_draft)
+
+
+# -- model-shaped programs --------------------------------------------------------------
+
+def _lines(nbytes: int) -> int:
+    return -(-nbytes // VMEM_LINE_BYTES)
+
+
+class _Vmem:
+    """Places operands in VMEM one after another (a line or two apart), and now and then
+    anywhere they fit, over others (in-place and overlapping operands are legal)."""
+
+    def __init__(self, rng, c: EngineConfig):
+        self.rng, self.size, self.next = rng, c.vmem_bytes // VMEM_LINE_BYTES, 0
+
+    def place(self, rows: int, row_bytes: int) -> int:
+        need = max((rows - 1) * _lines(row_bytes) + _lines(row_bytes), 1)
+        if self.rng.random() < 0.1 or self.next + need > self.size:
+            return int(self.rng.integers(0, max(self.size - need, 0) + 1))
+        at, self.next = self.next, self.next + need + int(self.rng.integers(0, 3))
+        return at
+
+
+class _Image:
+    """An image built block by block, 16-byte aligned (a weight block now and then off
+    its beat, which the engine reads with one more beat)."""
+
+    def __init__(self, rng):
+        self.rng, self.data = rng, bytearray(rng.bytes(256))
+
+    def put(self, block: bytes, misalign: bool = False) -> int:
+        at = len(self.data) + (int(self.rng.integers(1, 16)) if misalign else 0)
+        self.data += bytes(at - len(self.data)) + block
+        self.data += bytes(-len(self.data) % 16)
+        return at
+
+    def weights(self, n: int, k: int, c: EngineConfig) -> int:
+        """An ``n × k`` int8 block: random tiles, then requant words with shifts that
+        keep some outputs off the rails."""
+        tiles = matmul_bytes(n, k, c.lanes, c.reduce) - 4 * (-(-n // c.lanes) * c.lanes)
+        words = [int(self.rng.integers(1, 1 << 16)) | int(self.rng.integers(12, 36)) << 16
+                 for _ in range(-(-n // c.lanes) * c.lanes)]
+        return self.put(self.rng.bytes(tiles) + struct.pack(f"<{len(words)}I", *words),
+                        misalign=self.rng.random() < 0.1)
+
+    def norm(self, n: int) -> int:
+        eps = 0 if self.rng.random() < 0.2 else int(self.rng.integers(0, 1 << 20))
+        shift = int(self.rng.integers(0, GAMMA_SHIFT_MAX + 1)) if self.rng.random() < 0.95 \
+            else GAMMA_SHIFT_MAX + 1
+        gamma = self.rng.integers(-1 << 15, 1 << 15, n).astype("<i2")
+        return self.put(pack_norm_params(eps, gamma, shift))
+
+    def attn(self, kv_heads: int) -> int:
+        return self.put(pack_attn_params(int(self.rng.integers(1, 1 << 16)),
+                                         int(self.rng.integers(8, 40)), kv_heads))
+
+    def act(self) -> int:
+        word = int(self.rng.integers(1, 1 << 16)) | int(self.rng.integers(4, 24)) << 16
+        return self.put(struct.pack("<I", word).ljust(16, b"\0") + self.rng.bytes(ACT_PARAM_BYTES - 16))
+
+
+def _mutate(rng, c: EngineConfig, words: list[int], image_len: int) -> list[int]:
+    """One random change: an instruction replaced by a random legal one, dropped, two
+    swapped, a random word put in, or one used field nudged (± 1, or an edge value)."""
+    words = list(words)
+    i = int(rng.integers(0, len(words)))
+    u = rng.random()
+    if u < 0.2:
+        words[i] = random_instruction(rng, c, len(words), image_len)
+    elif u < 0.35 and len(words) > 1:
+        del words[i]
+    elif u < 0.5:
+        j = int(rng.integers(0, len(words)))
+        words[i], words[j] = words[j], words[i]
+    elif u < 0.6:
+        words.insert(i, int.from_bytes(rng.bytes(16), "little"))
+    else:
+        try:
+            ins = decode(words[i])
+        except IllegalInstruction:
+            return words
+        # (not a branch target: one moved back loops a forward of real work until the
+        # watchdog, tens of thousands of instructions; the random kind has cheap loops)
+        used = [f for f in ("rows", "dst", "src", "n", "k", "addr")
+                if f in opcode_rules(ins.opcode)[0]
+                and not (f == "n" and ins.opcode in (Op.BRANCH, Op.NEXT))]
+        if not used:
+            return words
+        name = used[int(rng.integers(0, len(used)))]
+        width = 32 if name == "addr" else 8 if name == "rows" else 16
+        old = getattr(ins, name)
+        new = int(rng.choice([old + 1, old - 1, old + 2, 0, (1 << width) - 1, old * 2])) % (1 << width)
+        try:
+            words[i] = encode(dataclasses.replace(ins, **{name: new}))
+        except IllegalInstruction:
+            pass
+    return words
+
+
+def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> FuzzCase:
+    """A model-shaped program (see the module docstring) on an image that holds its
+    blocks, and a request that mostly fits the KV buffer; ``mutations`` changes (0 to 3
+    by default: half the cases none)."""
+    img, vm = _Image(rng), _Vmem(rng, c)
+    h = int(rng.choice([4, 8, 12, 16, 24, 32]))
+    hd = int(rng.choice([x for x in (2, 4, 8, 16, 32) if x <= c.head_dim] or [2]))
+    nh = int(rng.choice([1, 2, 4]))
+    layers = int(rng.choice([0, 1, 2]))              # 0: no layer loop
+    g_ok = [g for g in (1, 2, 4) if nh % g == 0 and max(layers, 1) * g <= c.kv_slots] or [1]
+    g = int(rng.choice(g_ok))
+    inter = int(rng.choice([4, 8, 16, 24, 32]))
+    vocab = int(rng.choice([4, 16, 40, 64, 128, c.vocab_max])) if rng.random() < 0.95 \
+        else int(rng.integers(1, c.vocab_max + 1))
+    r = 1 if rng.random() < 0.6 else int(rng.integers(1, c.rows + 1))
+    wide = lambda: int(Flag.WIDE) if rng.random() < 0.3 else 0      # noqa: E731
+    in_loop = layers > 0
+
+    def lrel():
+        return int(Flag.LREL) if in_loop and rng.random() < 0.8 else 0
+
+    # embedding table: a few rows of int32 (tokens past them read what follows)
+    table = img.put(rng.bytes(4 * h * int(rng.integers(1, 9))))
+    rope = img.put(rng.bytes(2 * hd * c.kv_positions))
+    # VMEM: the int32 residual x, the norm output xn, q, k|v, the attention output, gate|up, act
+    x = vm.place(r, 4 * h)
+    xn = vm.place(r, 2 * h)
+    q = vm.place(r, nh * hd)
+    kv = vm.place(r, 2 * g * hd)
+    att = vm.place(1, 2 * nh * hd)
+    gu = vm.place(r, 2 * inter)
+    act = vm.place(r, 2 * inter)
+
+    # the layer's blocks; layers after the first are copies at LSTRIDE (LREL reaches them)
+    start = len(img.data)
+    b = dict(norm1=img.norm(h), wq=img.weights(nh * hd, h, c), wkv=img.weights(2 * g * hd, h, c),
+             attn=img.attn(g), wo=img.weights(h, nh * hd, c), norm2=img.norm(h),
+             wgu=img.weights(2 * inter, h, c), act=img.act(), wd=img.weights(h, inter, c))
+    stride = len(img.data) - start
+    img.data += bytes(img.data[start:]) * (max(layers, 1) - 1)
+    final_norm, lm_head = img.norm(h), img.weights(vocab, h, c)
+
+    w1, w2, w3 = wide(), wide(), wide()
+    M = lambda mode: int(mode) << 1                                        # noqa: E731
+    body = [
+        Instruction(Op.RMSNORM, flags=lrel() | w1, rows=r, dst=xn, src=x, n=h, addr=b["norm1"]),
+        Instruction(Op.MATMUL, flags=lrel() | w1 | M(MatmulMode.INT8), rows=r, dst=q, src=xn,
+                    n=nh * hd, k=h, addr=b["wq"]),
+        Instruction(Op.MATMUL, flags=lrel() | w1 | M(MatmulMode.INT8), rows=r, dst=kv, src=xn,
+                    n=2 * g * hd, k=h, addr=b["wkv"]),
+        Instruction(Op.ROPE, rows=r, dst=q, src=q, n=nh, k=hd, addr=rope),
+        Instruction(Op.ROPE, rows=r, dst=kv, src=kv, n=g, k=hd, addr=rope),
+        Instruction(Op.KVAPPEND, rows=1, src=kv, n=g, k=hd),
+        Instruction(Op.ATTN, flags=lrel() | w2, rows=1, dst=att, src=q, n=nh, k=hd, addr=b["attn"]),
+        Instruction(Op.MATMUL, flags=lrel() | w2 | M(MatmulMode.RESADD), rows=1, dst=x, src=att,
+                    n=h, k=nh * hd, addr=b["wo"]),
+        Instruction(Op.RMSNORM, flags=lrel(), rows=r, dst=xn, src=x, n=h, addr=b["norm2"]),
+        Instruction(Op.MATMUL, flags=lrel() | M(MatmulMode.INT8), rows=r, dst=gu, src=xn,
+                    n=2 * inter, k=h, addr=b["wgu"]),
+        Instruction(Op.ACTMUL, flags=lrel() | w3, rows=r, dst=act, src=gu, n=inter, addr=b["act"]),
+        Instruction(Op.MATMUL, flags=lrel() | w3 | M(MatmulMode.RESADD), rows=r, dst=x, src=act,
+                    n=h, k=inter, addr=b["wd"]),
+    ]
+    if rng.random() < 0.3:                            # drop a few, as a smaller model might
+        body = [ins for ins in body if rng.random() < 0.8]
+    prog = [Instruction(Op.EMBED, rows=1, dst=x, n=h, addr=table)]
+    if in_loop:
+        prog += [Instruction(Op.LOOP, n=layers, addr=stride)] + body + [Instruction(Op.ENDLOOP)]
+    else:
+        prog += body
+    w4 = wide()
+    tail = [Instruction(Op.RMSNORM, flags=w4, rows=1, dst=xn, src=x, n=h, addr=final_norm),
+            Instruction(Op.MATMUL, flags=w4 | M(MatmulMode.LOGITS), rows=1, src=xn, n=vocab, k=h,
+                        addr=lm_head),
+            Instruction(Op.SAMPLE, n=vocab)]
+    after = len(prog) + 1 + len(tail)
+    prog += [Instruction(Op.BRANCH, flags=int(Cond.NO_SAMPLE), n=after)] + tail
+    prog += [Instruction(Op.NEXT, n=0), Instruction(Op.HALT)]
+    words = [encode(ins) for ins in prog]
+    count = mutations if mutations is not None else int(rng.choice([0, 0, 0, 1, 1, 2, 3]))
+    for _ in range(count):
+        words = _mutate(rng, c, words, len(img.data))
+
+    n_in = int(rng.integers(1, 4))
+    n_draft = int(rng.integers(0, 5))
+    forwards = n_in + max(n_draft - 1, 0)
+    start_pos = int(rng.integers(0, max(c.kv_positions - forwards, 0) + 1)) if rng.random() < 0.9 \
+        else int(rng.integers(c.kv_positions - forwards, c.kv_positions + 1))
+    sample = rng.random() < 0.5
+    header = dict(seq=int(rng.integers(1, 1 << 32)), flags=int(sample), start_pos=start_pos,
+                  n_in=n_in, n_draft=n_draft, topk=int(rng.integers(1, c.topk_max + 1)),
+                  t_mult=int(rng.integers(1, 1 << 16)), t_shift=int(rng.integers(0, 24)),
+                  seed_lo=int(rng.integers(0, 1 << 32)), seed_hi=int(rng.integers(0, 1 << 32)),
+                  counter=int(rng.integers(0, 1 << 32)))
+    tokens = [int(rng.integers(0, 8)) if rng.random() < 0.8 else int(rng.integers(0, c.vocab_max))
+              for _ in range(n_in)]
+    request = pack_fields(REQUEST_FIELDS, REQUEST_HEADER_WORDS, header)
+    return FuzzCase(words, bytes(img.data), struct.pack(f"<{len(request) + n_in}I", *request, *tokens),
+                    n_draft)
 
 
 @contextmanager
@@ -197,8 +420,9 @@ def time_bound(seconds: float):
 
 
 def load_case(dev, case: FuzzCase) -> None:
-    """Write the case into a device the way the host driver does and load the program.
-    ``dev`` offers the transport operations (:class:`SimDevice`, the RTL devices)."""
+    """Write the case into a device the way the host driver does and load the program
+    (returns once STATUS is no longer BUSY). ``dev`` offers the transport operations
+    (:class:`SimDevice`, the RTL devices)."""
     dev.dma_write(IMAGE_ADDR, case.image)
     dev.dma_write(PROGRAM_ADDR, to_bytes(case.program))
     dev.dma_write(REQUEST_ADDR, case.request)
@@ -209,12 +433,39 @@ def load_case(dev, case: FuzzCase) -> None:
     dev.write32(Reg.PROG_LEN, len(case.program))
     dev.write32(Reg.IRQ_ENABLE, 1)
     dev.write32(Reg.CONTROL, Control.LOAD_PROGRAM)
+    wait_idle(dev, "LOAD_PROGRAM")
 
 
-def start_case(dev, case: FuzzCase, timeout_s: float = 60.0) -> Outcome:
-    """START the loaded request and read the outcome from the registers and result."""
+def wait_idle(dev, what: str) -> None:
+    """Poll STATUS until BUSY clears, as the driver does after a command other than START
+    (a soft reset, a program load: the RTL takes cycles over them and raises no
+    interrupt); a device that runs by the clock runs 256 cycles between polls."""
+    for _ in range(100_000):
+        if not dev.read32(Reg.STATUS) & Status.BUSY:
+            return
+        if hasattr(dev, "run_cycles"):
+            dev.run_cycles(256)
+    raise Hang(f"{what} does not finish")
+
+
+def read_units(dev) -> dict:
+    """The ``OP_CYCLES`` counters by bucket name."""
+    return {b: dev.read32(op_cycles_offset(b)) for b in OP_CYCLE_BUCKETS}
+
+
+def start_case(dev, case: FuzzCase, timeout_s: float = 60.0, max_cycles: int | None = None) -> Outcome:
+    """START the loaded request and read the outcome from the registers and result.
+    ``max_cycles``: on a device that runs by the clock (``run_cycles``), the request must
+    interrupt within that many cycles, else :class:`Hang` (a bound that does not depend
+    on the machine's load, as ``timeout_s`` does)."""
     dev.write32(Reg.CONTROL, Control.START)
-    if not dev.wait_irq(timeout_s):
+    if max_cycles is not None and hasattr(dev, "run_cycles"):
+        ran = 0
+        while not dev.run_cycles(min(200_000, max_cycles - ran)):
+            ran += min(200_000, max_cycles - ran)
+            if ran >= max_cycles:
+                raise Hang(f"no completion interrupt within {max_cycles} cycles")
+    elif not dev.wait_irq(timeout_s):
         raise Hang("no completion interrupt")
     status = dev.read32(Reg.STATUS)
     assert status & Status.DONE and not status & Status.BUSY, f"STATUS 0x{status:x}"
@@ -223,7 +474,8 @@ def start_case(dev, case: FuzzCase, timeout_s: float = 60.0) -> Outcome:
     result = DraftResult.unpack(dev.dma_read(RESULT_ADDR, result_bytes(dev.config.topk_max, case.n_draft)),
                                 dev.config.topk_max)
     assert result.status == error, f"result status {result.status!r}, ERROR register {error!r}"
-    return Outcome(error, [t.token for t in result.tokens], cycles, dev.read32(Reg.ERROR_PC))
+    return Outcome(error, [t.token for t in result.tokens], cycles, dev.read32(Reg.ERROR_PC),
+                   read_units(dev))
 
 
 def run_case(c: EngineConfig, case: FuzzCase, time_limit_s: float = 5.0) -> Outcome:
@@ -233,5 +485,231 @@ def run_case(c: EngineConfig, case: FuzzCase, time_limit_s: float = 5.0) -> Outc
     with time_bound(time_limit_s):
         load_case(dev, case)
         if not dev.read32(Reg.STATUS) & Status.PROGRAM_LOADED:
-            return Outcome(ErrorCode(dev.read32(Reg.ERROR)), [], 0, 0)
+            return Outcome(ErrorCode(dev.read32(Reg.ERROR)), [], 0, 0, read_units(dev))
         return start_case(dev, case)
+
+
+class DeviceRunner:
+    """Runs cases one after another on one device of ``factory(config)`` (the Verilator
+    one: it generates the engine's Verilog to find its build, seconds, so it is made once
+    and reused): before each case a soft reset and zeros over what the previous case
+    wrote, so that the device starts as a fresh sim device does. A run past ``timeout_s``
+    (the engine never interrupts, or a register access never returns) raises
+    :class:`Hang`; after that, or after any exception, the device is thrown away and the
+    next case gets a new one. ``close`` when done."""
+
+    def __init__(self, config: EngineConfig, factory, timeout_s: float = 60.0):
+        self.config, self.factory, self.timeout_s = config, factory, timeout_s
+        self.dev, self._dirty = None, []
+
+    def run(self, case: FuzzCase, max_cycles: int | None = None) -> Outcome:
+        if self.dev is None:                         # (a build may take minutes: no bound)
+            self.dev, self._dirty = self.factory(self.config), []
+        try:
+            with time_bound(self.timeout_s + 10):
+                dev = self.dev
+                dev.write32(Reg.CONTROL, Control.SOFT_RESET)
+                wait_idle(dev, "SOFT_RESET")
+                for addr, n in self._dirty:
+                    dev.dma_write(addr, bytes(n))
+                self._dirty = [(IMAGE_ADDR, len(case.image)), (PROGRAM_ADDR, 16 * len(case.program)),
+                               (REQUEST_ADDR, len(case.request)),
+                               (RESULT_ADDR, result_bytes(self.config.topk_max, MAX_DRAFT))]
+                load_case(dev, case)
+                if not dev.read32(Reg.STATUS) & Status.PROGRAM_LOADED:
+                    return Outcome(ErrorCode(dev.read32(Reg.ERROR)), [], 0, 0, read_units(dev))
+                return start_case(dev, case, self.timeout_s, max_cycles)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Close the device (a stuck one is killed when its last reference goes)."""
+        dev, self.dev = self.dev, None
+        if dev is not None:
+            try:
+                with time_bound(10):
+                    dev.close()
+            except Exception:                       # noqa: BLE001 - a stuck harness
+                pass
+
+    close = discard
+
+
+def fault_site(case: FuzzCase, out: Outcome) -> str | None:
+    """The opcode at the error PC of a fault that came from an instruction, or None (a
+    request field, an illegal word, a fetch past the program or over the budget)."""
+    if out.error in (ErrorCode.OK, ErrorCode.ILLEGAL_INSTRUCTION, ErrorCode.BAD_REQUEST,
+                     ErrorCode.WATCHDOG) or out.error_pc >= len(case.program):
+        return None
+    try:
+        return decode(case.program[out.error_pc]).opcode.name
+    except IllegalInstruction:
+        return None
+
+
+def faulting_bucket(case: FuzzCase, out: Outcome) -> str | None:
+    """The ``OP_CYCLES`` bucket of the instruction a fault stopped part-way, or None where
+    it stopped none: :func:`fault_site`, but None for a control instruction (it faults in
+    its ISSUE cycles, which the model charges in full)."""
+    site = fault_site(case, out)
+    return None if site is None or Op[site] in CONTROL_OPS else site
+
+
+def compare(case: FuzzCase, rtl: Outcome, ref: Outcome) -> str | None:
+    """How ``rtl`` differs from ``ref`` (the sim device's outcome of ``case``), or None.
+
+    The error code, error PC and tokens must be equal. On a run that completes, every
+    cycle counter too. On a fault that stops no instruction part-way (a request field,
+    an illegal word, a fetch past the program or over the budget, a control
+    instruction's), every counter and CYCLES too. On a fault that stops an instruction
+    (:func:`faulting_bucket`), every counter but two: that instruction's bucket, which
+    must be counted on both or neither (the RTL stops part-way through it, the model
+    charges its unit overhead or all of it, docs/isa.md §8), and ``REQUEST``, which the
+    RTL may make longer, never shorter, draining a read the faulting unit had in flight.
+    """
+    got = (rtl.error.name, rtl.error_pc, rtl.tokens)
+    want = (ref.error.name, ref.error_pc, ref.tokens)
+    if got != want:
+        return f"rtl {got} | sim {want}"
+    skip = faulting_bucket(case, ref)
+    diff = {}
+    for b in OP_CYCLE_BUCKETS:
+        r, f = rtl.units.get(b, 0), ref.units.get(b, 0)
+        if skip is None or (b != skip and b != "REQUEST"):
+            ok = r == f
+        elif b == skip:
+            ok = bool(r) == bool(f)
+        else:
+            ok = r >= f
+        if not ok:
+            diff[b] = (r, f)
+    if skip is None and rtl.cycles != ref.cycles:
+        diff["CYCLES"] = (rtl.cycles, ref.cycles)
+    if diff:
+        return f"{ref.error.name} pc {ref.error_pc}: (rtl, sim) " + \
+            ", ".join(f"{b} {r}/{f}" for b, (r, f) in diff.items())
+    return None
+
+
+def exception_key(exc: BaseException) -> str:
+    """One line naming an exception and where it was raised."""
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
+    return f"{type(exc).__name__}: {exc}{at}"
+
+
+@dataclass
+class Tally:
+    """How the runs of one device ended: ``ends`` by error-code name, ``bare``
+    exceptions by :func:`exception_key`, ``hangs``; ``ran`` counts, per opcode, the
+    completed runs that spent cycles in it; ``stopped_in`` the faults by the opcode at
+    the error PC (``-`` for faults outside an instruction)."""
+    programs: int = 0
+    ends: collections.Counter = field(default_factory=collections.Counter)
+    bare: collections.Counter = field(default_factory=collections.Counter)
+    hangs: int = 0
+    ran: collections.Counter = field(default_factory=collections.Counter)
+    stopped_in: collections.Counter = field(default_factory=collections.Counter)
+
+    def add(self, case: FuzzCase, out: Outcome) -> None:
+        self.programs += 1
+        self.ends[out.error.name] += 1
+        if out.error == ErrorCode.OK:
+            self.ran.update(b for b, n in out.units.items() if n and b != "REQUEST")
+        else:
+            self.stopped_in[fault_site(case, out) or "-"] += 1
+
+    def add_hang(self) -> None:
+        self.programs += 1
+        self.hangs += 1
+
+    def add_bare(self, exc: BaseException) -> str:
+        """Count ``exc``; returns its key."""
+        self.programs += 1
+        key = exception_key(exc)
+        self.bare[key] += 1
+        return key
+
+    def lines(self) -> list[str]:
+        ends = collections.Counter(self.ends)
+        done = ends.pop("OK", 0)
+        return [f"programs {self.programs}, completed {done}, hangs {self.hangs}, "
+                f"bare exceptions {sum(self.bare.values())}",
+                "faults " + (", ".join(f"{k} {v}" for k, v in ends.most_common()) or "none"),
+                "  stopped in " + ", ".join(f"{k} {v}" for k, v in self.stopped_in.most_common()),
+                "opcodes run on completed programs " +
+                ", ".join(f"{op.name} {self.ran[op.name]}" for op in Op)] + \
+            [f"  {v} x {k}" for k, v in self.bare.items()]
+
+
+def fuzz_sim(config: EngineConfig, rng, count: int, time_limit_s: float = 10.0, log=print,
+             keep: int = 0) -> tuple[Tally, list[tuple[int, FuzzCase]]]:
+    """``count`` random cases on the sim device; the tally and the first ``keep`` cases
+    (with their indices) for :func:`fuzz_rtl`. Each bare exception and hang is logged
+    once with its case index."""
+    tally, kept = Tally(), []
+    for i in range(count):
+        case = random_case(rng, config)
+        if i < keep:
+            kept.append((i, case))
+        try:
+            tally.add(case, run_case(config, case, time_limit_s))
+        except Hang:
+            tally.add_hang()
+            log(f"case {i}: sim hang")
+        except Exception as exc:                     # noqa: BLE001 - what we are looking for
+            before = len(tally.bare)
+            key = tally.add_bare(exc)
+            if len(tally.bare) > before:
+                log(f"case {i}: sim {key}")
+    return tally, kept
+
+
+def rtl_cycle_bound(ref: Outcome) -> int:
+    """The cycles an RTL run may take before it counts as a hang: twice the sim device's
+    count and 100 000 more (a fault stops the RTL part-way, within the model's count)."""
+    return 2 * ref.cycles + 100_000
+
+
+def fuzz_rtl(config: EngineConfig, cases, runner: DeviceRunner, log=print,
+             max_model_cycles: int | None = None) -> tuple[Tally, Tally, list[tuple[int, str]], int]:
+    """Run ``cases`` (index, case) on the sim device and on ``runner``'s device; the
+    tallies of both, the disagreements (index, what differs, from :func:`compare`) and
+    how many cases were skipped: those whose sim run takes more than ``max_model_cycles``
+    cycles (None: no limit). The RTL run must interrupt within :func:`rtl_cycle_bound`
+    cycles and the runner's ``timeout_s``, else it is a hang. A hang or a bare exception
+    on one device is a disagreement unless the other has the same."""
+    rtl, ref, bad, skipped = Tally(), Tally(), [], 0
+    for i, case in cases:
+        try:
+            s = run_case(config, case, runner.timeout_s)
+        except Hang:
+            s = "hang"
+        except Exception as exc:                     # noqa: BLE001
+            s = exc
+        if isinstance(s, Outcome) and max_model_cycles is not None and s.cycles > max_model_cycles:
+            skipped += 1
+            continue
+        if isinstance(s, Outcome):
+            ref.add(case, s)
+        elif s == "hang":
+            ref.add_hang()
+        else:
+            s = ref.add_bare(s)
+        try:
+            r = runner.run(case, rtl_cycle_bound(s) if isinstance(s, Outcome) else None)
+            rtl.add(case, r)
+        except Hang:
+            rtl.add_hang()
+            r = "hang"
+        except Exception as exc:                     # noqa: BLE001
+            r = rtl.add_bare(exc)
+        if isinstance(s, Outcome) and isinstance(r, Outcome):
+            what = compare(case, r, s)
+        else:
+            what = None if r == s == "hang" else f"rtl {r} | sim {s}"
+        if what:
+            bad.append((i, what))
+            log(f"case {i}: {what}")
+    return rtl, ref, bad, skipped

@@ -9,20 +9,26 @@ from dfvg_hw.spec.config import get_preset
 from dfvg_hw.spec.descriptors import DraftRequest, ErrorCode
 from dfvg_hw.spec.image import NORM_PARAM_BYTES
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op, encode
-from sim.fuzz import FuzzCase, random_case, run_case
+from sim.cycle_model import BEFORE_FINISH, ISSUE, CycleModel
+from sim.fuzz import FuzzCase, Tally, random_case, run_case
 from sim.session import FunctionalSession
 
 TINY = get_preset("tiny")
-SEEDS, PER_SEED = 5, 250          # 1,250 programs (~25 s); the script runs longer samples
+#: 800 programs, half of them model-shaped (~20 s on one loaded core); the script runs
+#: longer samples. A case's bound is 10 s: a watchdog case runs up to ~40 000 instructions.
+SEEDS, PER_SEED = 5, 160
 
 
 @pytest.mark.parametrize("seed", range(SEEDS))
 def test_random_programs_fault_only_with_error_codes(seed):
     rng = np.random.default_rng(seed)
-    seen = set()
+    tally = Tally()
     for _ in range(PER_SEED):
-        seen.add(run_case(TINY, random_case(rng, TINY), time_limit_s=5.0).error)
-    assert ErrorCode.OK in seen and ErrorCode.PROGRAM in seen
+        case = random_case(rng, TINY)
+        tally.add(case, run_case(TINY, case, time_limit_s=10.0))
+    assert tally.ends["OK"] >= PER_SEED // 5 and tally.ends["PROGRAM"]
+    # the model-shaped half reaches every unit in runs that complete
+    assert [op.name for op in Op if op != Op.NOP and not tally.ran[op.name]] == []
 
 
 def program(*ins):
@@ -110,3 +116,70 @@ def test_sample_over_an_empty_logit_vector():
                 Instruction(Op.SAMPLE, n=0))
     r = s.run(DraftRequest([3], start_pos=0, n_draft=1, topk=4))
     assert r.status == ErrorCode.PROGRAM and r.error_pc == 1 and not r.tokens
+
+
+# -- cycle counts the RTL comparison (sim.fuzz.fuzz_rtl, tests/test_fuzz_rtl.py) found off --
+
+def _request_cycles(model, n_in, n_records=0, *, header_only=False, final_fetch=True):
+    """The REQUEST bucket: the header (and the token scan), the result write, and the
+    FETCH that finds the request over where the request has one."""
+    start = model.request_header()[0] if header_only else model.request_start(n_in)[0]
+    return start + model.request_finish(n_records)[0] - (0 if final_fetch else BEFORE_FINISH)
+
+
+@pytest.mark.parametrize("tokens, n_draft, cycles", [([3], 0, 20), ([3], 2, 20 + 7)])
+def test_embed_of_an_empty_row(tokens, n_draft, cycles):
+    """EMBED n = 0 reads no row (a zero-length read is a no-op for the memory port): the
+    RTL takes 20 cycles at ``tiny`` with the input token (7 with a drafted one); the model
+    charged the row read's latency, 33."""
+    image = bytearray(4096)
+    image[0x200:0x200 + 8] = b"\x10\x00" * 4                # a LOGITS block for the draft
+    s = session(Instruction(Op.EMBED, rows=1, dst=0, n=0, addr=0x100),
+                Instruction(Op.BRANCH, flags=1, n=4),
+                Instruction(Op.MATMUL, flags=int(MatmulMode.LOGITS) << 1, rows=1, n=4, k=8, addr=0x200),
+                Instruction(Op.SAMPLE, n=4), Instruction(Op.NEXT, n=0), image=bytes(image))
+    r = s.run(DraftRequest(tokens, start_pos=0, n_draft=n_draft))
+    assert r.status == ErrorCode.OK and len(r.tokens) == n_draft
+    assert s.engine.counts.by_op["EMBED"] == cycles
+
+
+@pytest.mark.parametrize("word", [0xEE, encode(Instruction(Op.MATMUL, rows=1, n=8, k=8)) | 1 << 24])
+def test_an_illegal_word_is_charged_to_request(word):
+    """Whatever its opcode byte, an illegal word's fetch and decode (ISSUE) are REQUEST's,
+    and the request ends at that decode (no further FETCH), as the RTL counts them; the
+    model charged nothing for them, the RTL a legal opcode byte's bucket."""
+    s = FunctionalSession(TINY, bytes(256), [encode(Instruction(Op.NOP)), word])
+    r = s.run(REQUEST)
+    assert r.status == ErrorCode.ILLEGAL_INSTRUCTION and r.error_pc == 1
+    model = CycleModel(TINY)
+    assert s.engine.counts.by_op == {"REQUEST": _request_cycles(model, 1, final_fetch=False) + ISSUE,
+                                     "NOP": ISSUE}
+
+
+@pytest.mark.parametrize("request_, header_only", [
+    (DraftRequest([3], start_pos=0, n_draft=0, topk=0), True),        # a header field
+    (DraftRequest([3, TINY.vocab_max], start_pos=0, n_draft=0), False),  # a token
+])
+def test_a_refused_request_costs_what_it_read(request_, header_only):
+    """A header that fails its checks is refused before the token scan, and a refused
+    request has no FETCH before FINISH; the model charged both."""
+    s = session()
+    assert s.run(request_).status == ErrorCode.BAD_REQUEST
+    assert s.engine.counts.by_op == {"REQUEST": _request_cycles(CycleModel(TINY), len(request_.tokens),
+                                                                header_only=header_only,
+                                                                final_fetch=False)}
+
+
+@pytest.mark.parametrize("ins, final_fetch", [
+    (Instruction(Op.ROPE, rows=1, dst=0, src=0, n=1, k=3, addr=0), False),    # a unit's fault
+    (Instruction(Op.SAMPLE, n=4), False),                                       # SAMPLE's, at decode
+    (Instruction(Op.ENDLOOP), True),               # the program flow's: seen at the next FETCH
+    (Instruction(Op.NOP), True),                   # HALT
+])
+def test_the_fetch_that_ends_a_request(ins, final_fetch):
+    """A request that ends at a FETCH (HALT, a control instruction's fault) spends it
+    before FINISH; one that a unit or SAMPLE stops goes to FINISH at once."""
+    s = session(ins)
+    r = s.run(REQUEST)
+    assert (r.status == ErrorCode.OK) == (ins.opcode == Op.NOP)
+    assert s.engine.counts.by_op["REQUEST"] == _request_cycles(CycleModel(TINY), 1, final_fetch=final_fetch)
