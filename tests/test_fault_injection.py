@@ -3,7 +3,9 @@
 Every generation here runs the sim device behind a :class:`FaultInjectingTransport` and is
 checked token for token against target-only greedy decoding (``model.generate``): drops,
 lost writes, bit flips, hung and failing requests, at chosen operations and in a seeded
-random campaign; a device that never works; a verifier that raises. The pair is the tiny
+random campaign; a device that never works; a verifier that raises. Then the driver's
+recovery tools one by one: the result contract, the ERROR register check, retries, reset.
+The pair is the tiny
 Llama of the fixtures drafting for itself (high acceptance, so faults land in rounds with
 accepted drafts and KV rollbacks), 24 new tokens per run.
 """
@@ -16,11 +18,13 @@ from collections import Counter
 import pytest
 import torch
 
-from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.descriptors import DraftResult, ErrorCode
+from dfvg_hw.spec.regmap import Control, MemoryMap, Reg, Status
 from dfvg_host.acceptance import SamplingParams
 from dfvg_host.compiler import load_model
-from dfvg_host.driver import DraftDevice
+from dfvg_host.driver import DeviceFault, DeviceLinkError, DeviceTimeout, DraftDevice, MalformedResult
 from dfvg_host.fault_injection import Fault, FaultInjectingTransport, FaultKind
+from dfvg_host.transport import TransportError
 from dfvg_host.speculative import SpeculativeDecoder
 from dfvg_host.verifier import Verifier
 from sim.device import SimDevice
@@ -230,3 +234,114 @@ def test_fault_plan_is_checked():
     with pytest.raises(ValueError, match="code other than OK"):
         Fault(FaultKind.ERROR, code=ErrorCode.OK)
     assert Fault("corrupt").op == "dma_read"
+
+
+# -- the driver's recovery tools, each against a device that needs it -------------------------
+
+DRIVER_PROMPT = [5, 17, 99, 3, 42, 7]
+
+
+class HungDevice(SimDevice):
+    """Never finishes a request: no interrupt, no DONE."""
+
+    def write32(self, offset, value):
+        if offset == Reg.CONTROL and value & Control.START:
+            self._regs[Reg.STATUS] = Status.BUSY | Status.PROGRAM_LOADED
+            return
+        super().write32(offset, value)
+
+
+class RewritingDevice(SimDevice):
+    """Rewrites each result it returns with ``rewrite(result)`` and a valid check word: a
+    device or link that corrupts a result consistently."""
+    rewrite = None
+
+    def dma_read(self, addr, nbytes):
+        data = super().dma_read(addr, nbytes)
+        if self.rewrite is not None and addr in MemoryMap.RESULT:
+            result = DraftResult.unpack(data, self.config.topk_max)
+            self.rewrite(result)
+            packed = result.pack(self.config.topk_max)
+            data = packed + data[len(packed):]
+        return data
+
+
+def _set(obj, **fields):
+    for k, v in fields.items():
+        setattr(obj, k, v)
+
+
+@pytest.mark.parametrize("rewrite, sample, message", [
+    (lambda r: _set(r.tokens[1], token=(set(range(9)) - set(r.tokens[1].topk_ids)).pop()), True,
+     r"outside its top-k .* \(q\(token\) = 0\)"),
+    (lambda r: _set(r.tokens[0], prob=r.tokens[0].prob + 1), True, "reports probability"),
+    (lambda r: r.tokens[2].topk_probs.__setitem__(-1, r.tokens[2].topk_probs[-1] + 5), True,
+     "sum to"),
+    (lambda r: _set(r, end_pos=r.end_pos + 1), True, "end_pos is"),
+    (lambda r: _set(r.tokens[0], token=r.tokens[0].topk_ids[1], prob=r.tokens[0].topk_probs[1]),
+     False, "greedy draft 0 is candidate 1"),
+], ids=["q-zero", "prob", "sum", "end-pos", "greedy-not-argmax"])
+def test_a_consistent_but_wrong_result_is_malformed(tiny_engine, tiny_compiled, rewrite, sample, message):
+    device = RewritingDevice(tiny_engine)
+    dev = DraftDevice(device, tiny_compiled)
+    device.rewrite = rewrite
+    with pytest.raises(MalformedResult, match=message):
+        dev.draft(DRIVER_PROMPT, 3, sample=sample, temperature=1.0, topk=4, seed=3)
+    assert dev.committed == 0
+
+
+class RegisterDevice(SimDevice):
+    """Reports ``error`` in the ERROR register whatever the request did."""
+    error = 0
+
+    def read32(self, offset):
+        return self.error if offset == Reg.ERROR and self.error else super().read32(offset)
+
+
+def test_error_register_is_checked_against_the_result(tiny_engine, tiny_compiled):
+    device = RegisterDevice(tiny_engine)
+    dev = DraftDevice(device, tiny_compiled)
+    device.error = int(ErrorCode.WATCHDOG)
+    with pytest.raises(DeviceFault, match="WATCHDOG"):
+        dev.draft(DRIVER_PROMPT, 2)
+    device.error = 0x1234
+    with pytest.raises(MalformedResult, match="ERROR register reads 4660"):
+        dev.draft(DRIVER_PROMPT, 2)
+
+
+class FlakyDevice(SimDevice):
+    """DMA reads fail ``fail`` times, then work."""
+    fail = 0
+
+    def dma_read(self, addr, nbytes):
+        if self.fail:
+            self.fail -= 1
+            raise TransportError("C2H DMA failed: Input/output error")
+        return super().dma_read(addr, nbytes)
+
+
+def test_transient_transport_errors_are_retried(tiny_engine, tiny_compiled):
+    device = FlakyDevice(tiny_engine)
+    dev = DraftDevice(device, tiny_compiled, retries=2, retry_backoff_s=0.0)
+    want = DraftDevice.open("sim://tiny", tiny_compiled).draft(DRIVER_PROMPT, 3).ids
+    device.fail = 2
+    assert dev.draft(DRIVER_PROMPT, 3).ids == want and dev.transport_retries == 2
+    device.fail = 3
+    dev.rollback(0)
+    with pytest.raises(DeviceLinkError, match=r"failed 3 times in a row") as info:
+        dev.draft(DRIVER_PROMPT, 3)
+    # both a device error and a transport error, for callers catching either
+    assert isinstance(info.value, TransportError) and dev.committed == 0
+
+
+def test_reset_brings_a_hung_device_back(tiny_engine, tiny_compiled):
+    device = HungDevice(tiny_engine)
+    dev = DraftDevice(device, tiny_compiled, timeout_s=0.05)
+    dev.ABORT_GRACE_S = 0.05
+    with pytest.raises(DeviceTimeout):
+        dev.draft(DRIVER_PROMPT, 2)
+    device.__class__ = SimDevice            # the hang is over; the engine state is not
+    dev.reset()
+    assert dev.resets == 1 and dev.committed == dev.kv_length == 0
+    want = DraftDevice.open("sim://tiny", tiny_compiled).draft(DRIVER_PROMPT, 3)
+    assert dev.draft(DRIVER_PROMPT, 3).tokens == want.tokens
