@@ -37,7 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--count", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--time-limit", type=float, default=10.0, help="seconds per sim run")
+    ap.add_argument("--time-limit", type=float, default=60.0,
+                    help="seconds per sim run before it counts as a hang (a watchdog case on a loaded "
+                         "machine takes ~10)")
     ap.add_argument("--rtl", type=int, default=0, metavar="N",
                     help="also compare the first N cases with the rtl+verilator device")
     ap.add_argument("--rtl-timeout", type=float, default=600.0,

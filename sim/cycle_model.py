@@ -581,6 +581,8 @@ def _actmul(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -
     head_out = port.emit(0, first, skip, ACT_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
     first_table_line = max(head_out, port.emit(1, first, skip, ACT_PARAM_BYTES))
     a = first_table_line + tm.ACTMUL_TABLE_START + tm.ACTMUL_LUT_DEPTH + tm.ACTMUL_TABLE_TO_ROWS
+    if n == 0:                # CHECK goes to DONE in WRITE_CMD's cycle, before ROW_ALIGN's a
+        return UNIT_OVERHEAD + a - 1
     beat_bytes = lanes * (2 if wide else 1)
     s = max(1, beat_bytes // LINE)
     w_last, beats = _actmul_rows(a, rows, n, lanes, s)
@@ -593,6 +595,10 @@ def _actmul(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -
 def _rope(port: _Port, n: int, k: int, rows: int, addr: int, pos: int) -> int:
     """rope_sequencer.py: the table row of ``POS`` (whole beats), then head by head: gather
     (lines + 3), rotate (Rope.LATENCY 3 + 2), scatter (lines + 3), next."""
+    if k == 0:
+        # An empty table row is done without a read (BlockReader: IDLE, then DONE at once)
+        # and SPANS finds nothing to rotate, whatever n.
+        return UNIT_OVERHEAD + tm.ROPE_SETUP_STATES + 1 + tm.ROPE_DONE
     row_addr = addr + pos * 2 * k
     beats = ceil((row_addr % port.bus_bytes + 2 * k) / port.bus_bytes)
     spans = (tm.ROPE_SETUP_STATES + READ_OVERHEAD + port.latency + port.beat_offset(beats - 1)

@@ -259,7 +259,8 @@ class FunctionalEngine:
             if ins.k > c.head_dim:
                 raise EngineFault(ErrorCode.PROGRAM, f"ROPE over head dimension {ins.k} > "
                                   f"head_dim {c.head_dim}")
-            self._dram(addr + st.pos * 2 * ins.k, 2 * ins.k)
+            if ins.k:                   # an empty table row is not read, wherever it is
+                self._dram(addr + st.pos * 2 * ins.k, 2 * ins.k)
             self._vspan(ins.src, rows, ins.n * ins.k)
             self._vspan(ins.dst, rows, ins.n * ins.k)
         elif op == Op.ACTMUL:
@@ -287,6 +288,8 @@ class FunctionalEngine:
         elif op == Op.MATMUL:
             self._matmul(ins, addr)
         elif op == Op.ROPE:
+            if not ins.k:
+                return                  # nothing to rotate (and no table read)
             table = self._dram(addr + st.pos * 2 * ins.k, 2 * ins.k).view("<i2").reshape(-1, 2)
             x = self._vload(ins.src, rows, ins.n * ins.k, np.int8).reshape(rows, ins.n, ins.k)
             y = nx.rope(x, table[:, 0], table[:, 1])

@@ -56,6 +56,11 @@ REGRESSIONS = {
     "embed_empty_row": (_case(I(Op.EMBED, rows=1, dst=53, n=0, addr=7152)), "OK"),
     "embed_empty_row_drafted": (_case(*_drafting(0), request=DraftRequest([3], start_pos=0, n_draft=3)),
                                 "OK"),
+    # ROPE k = 0 reads no table row (not even one past memory) and rotates no head; the
+    # model charged both and refused the address (seed 7 case 399: 9 vs 720907 cycles)
+    "rope_of_an_empty_head": (_case(I(Op.ROPE, rows=2, dst=0, src=0, n=65535, k=0, addr=0xFFFF_FFF0)), "OK"),
+    # ACTMUL n = 0 stops after its table; the model's row loop ran (seed 7 case 797)
+    "actmul_of_empty_rows": (_case(I(Op.ACTMUL, rows=2, dst=112, src=0, n=0, addr=0x100)), "OK"),
     # an illegal word's fetch and decode are REQUEST's whatever its opcode byte: the RTL
     # charged a legal opcode byte's bucket, the model nothing at all
     "illegal_with_an_opcode_byte": (_case(I(Op.NOP), encode(I(Op.MATMUL, rows=1, n=8, k=8)) | 1 << 24),
