@@ -327,7 +327,9 @@ class BenchRunner:
                              host_s=max(0.0, wall - target.seconds - draft.seconds))
 
     def dfvg(self, prompt: list[int], max_new_tokens: int, gamma: int) -> tuple[list[int], Tally]:
-        decoder = SpeculativeDecoder(self.device, self.verifier, gamma=gamma, eos_token_id=None)
+        # A device given up would leave the target decoding alone under DFVG's name.
+        decoder = SpeculativeDecoder(self.device, self.verifier, gamma=gamma, eos_token_id=None,
+                                     fallback=False)
         out = decoder.generate(prompt, max_new_tokens)
         if out.stop_reason != "max_new_tokens":
             raise BenchError(f"DFVG stopped early at γ={gamma} ({out.stop_reason}): {out.message}")

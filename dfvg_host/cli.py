@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -266,20 +268,50 @@ def cmd_generate(args) -> int:
             f"gamma {args.gamma} | {'greedy' if sampling.greedy else f'T={args.temperature} top-k={args.top_k} seed={args.seed}'}\n")
         print(prompt_text, end="", flush=True)
     try:
-        result = decoder.generate(prompt, args.max_new_tokens, on_tokens=stream)
+        with _decoder_log_silenced():
+            result = decoder.generate(prompt, args.max_new_tokens, on_tokens=stream)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     if args.json:
         print(json.dumps(dict(prompt_ids=prompt, token_ids=result.tokens, text=tok.decode(result.tokens),
                               stop_reason=result.stop_reason, message=result.message,
+                              degraded=result.degraded, fallback_reason=result.fallback_reason,
+                              faults=result.faults, error=None if result.error is None else repr(result.error),
                               device=args.device, metrics=result.metrics.to_dict()), indent=2))
     else:
         print("\n")
         print(f"stop             {result.stop_reason}")
         print(result.metrics.summary())
+    return _report_generation_end(result)
+
+
+@contextlib.contextmanager
+def _decoder_log_silenced():
+    """The decoder logs a device given up as it happens, mid-stream; the CLI says it once,
+    after the text (:func:`_report_generation_end`)."""
+    logger = logging.getLogger("dfvg_host.speculative")
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+def _report_generation_end(result) -> int:
+    """Warnings and the exit code for how a generation ended: 0 with every token the
+    decoding rule gives (also after a fallback to the target alone), 1 when it stopped
+    early on an error; the tokens generated so far are printed either way."""
+    kept = f"the {len(result.tokens)} tokens generated so far are above"
+    if result.degraded:
+        print(f"dfvg: warning: the draft device was given up: {result.fallback_reason}; the last "
+              f"{result.metrics.fallback_tokens} tokens came from the target alone (the output is "
+              "what the target alone gives; only the speed-up is lost)", file=sys.stderr)
+    if result.stop_reason == "verifier_error":
+        print(f"dfvg: error: {result.message} ({kept})", file=sys.stderr)
+        return 1
     if result.stop_reason in ("device_error", "context_limit"):
-        print(f"dfvg: warning: {result.message} (the {len(result.tokens)} tokens generated "
-              "so far are above)", file=sys.stderr)
+        print(f"dfvg: warning: {result.message} ({kept})", file=sys.stderr)
         return 1 if result.stop_reason == "device_error" else 0
     return 0
 

@@ -111,6 +111,7 @@ class Fault:
     def __post_init__(self):
         kind = FaultKind(self.kind)
         object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "code", ErrorCode(self.code))
         if self.op is None:
             object.__setattr__(self, "op", APPLIES_TO[kind][0])
         if self.op not in APPLIES_TO[kind]:
