@@ -4,7 +4,10 @@
 ``sim://PRESET``   the functional model of the engine (``sim.device.SimDevice``)
 ``rtl://PRESET``   the generated engine in Amaranth's simulator (``sim.rtl_device.RtlDevice``)
 ``rtl+verilator://PRESET``
-                   the same Verilog in Verilator (``sim.verilator_device.VerilatorDevice``)
+                   the same Verilog in Verilator (``sim.verilator_device.VerilatorDevice``);
+                   an RTL device refuses a preset whose matrix tile has more than
+                   ``sim.rtl_limits.MAX_SIMULATED_MULTIPLIERS`` multipliers unless the
+                   URL ends in ``?large=1``
 ``xdma://PATH``    an Alveo card through the XDMA driver's ``PATH_user``, ``_h2c_0``, ``_c2h_0``,
                    ``_events_0`` (``dfvg_host.xdma``); ``xdma://`` alone is ``/dev/xdma0``
 =================  ===============================================================
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 from dfvg_host.transport_base import Transport, TransportError
 
@@ -206,6 +209,16 @@ def open_transport(url: str) -> tuple[Transport, "object"]:
         if scheme == "sim":
             from sim.device import SimDevice
             return SimDevice(config), config
+        from sim.rtl_limits import SimulationTooLarge, check_simulation_size
+        options = parse_qs(parsed.query)
+        unknown = set(options) - {"large"}
+        if unknown:
+            raise TransportError(f"device {url!r}: unknown option {sorted(unknown)[0]!r}; an RTL device "
+                                 "takes ?large=1 alone")
+        try:
+            check_simulation_size(config, scheme, large=options.get("large", ["0"])[-1] == "1")
+        except SimulationTooLarge as exc:
+            raise TransportError(str(exc)) from None
         if scheme == "rtl":
             from sim.rtl_device import RtlDevice
             return RtlDevice(config), config

@@ -3,8 +3,8 @@ code 2 that says what is wrong, found before any slow work where it can be.
 
 The cases run ``dfvg_host.cli.main`` in this process, so an exception that escapes it — a
 traceback for a user — fails the test. Cases marked ``before_slow_work`` run with the
-draft compiler and the target loader replaced by functions that fail the test: their
-error must come from the argument and input checks alone.
+draft compiler, the target loader and the RTL devices replaced by functions that fail
+the test: their error must come from the argument and input checks alone.
 """
 
 from __future__ import annotations
@@ -172,6 +172,9 @@ CASES = {
     "gamma_zero": Case([*GEN, "--gamma", "0"], "--gamma must be at least 1"),
     "negative_temperature": Case([*GEN, "--temperature", "-1"], "must be >= 0"),
     "unknown_device_scheme": Case([*GEN, "--device", "pcie://0"], "unknown scheme"),
+    "rtl_device_of_a_card_preset": Case([*GEN, "--device", "rtl+verilator://alveo-u55c"],
+                                        "rtl+verilator://alveo-u55c?large=1 to simulate it anyway"),
+    "rtl_device_option_unknown": Case([*GEN, "--device", "rtl://tiny?fast=1"], "unknown option 'fast'"),
     "unknown_preset": Case(["compile", "--draft", str(DEMO_DRAFT), "--preset", "v80", "-o", "{out}"],
                            "unknown engine preset 'v80'"),
 }
@@ -193,6 +196,8 @@ def test_bad_input_is_one_line_and_exit_2(name, corpus, tmp_path, monkeypatch, c
         monkeypatch.setattr("dfvg_host.demo.compile_cached", _fail_if_called("the draft compiler"))
         monkeypatch.setattr("dfvg_host.compiler.compile_draft", _fail_if_called("the draft compiler"))
         monkeypatch.setattr("dfvg_host.verifier.Verifier.from_pretrained", _fail_if_called("the target load"))
+        monkeypatch.setattr("sim.verilator_device.VerilatorDevice", _fail_if_called("the Verilator build"))
+        monkeypatch.setattr("sim.rtl_device.RtlDevice", _fail_if_called("the RTL simulator"))
     if case.setup:
         case.setup(monkeypatch)
     try:
