@@ -494,19 +494,22 @@ class DeviceRunner:
     one: it generates the engine's Verilog to find its build, seconds, so it is made once
     and reused): before each case a soft reset and zeros over what the previous case
     wrote, so that the device starts as a fresh sim device does. A run past ``timeout_s``
-    (the engine never interrupts, or a register access never returns) raises
-    :class:`Hang`; after that, or after any exception, the device is thrown away and the
-    next case gets a new one. ``close`` when done."""
+    (the engine never interrupts), or past ``timeout_s + grace_s`` in all (a register
+    access never returns), raises :class:`Hang`; after that, or after any exception, the
+    device is thrown away and the next case gets a new one. ``close`` when done."""
 
-    def __init__(self, config: EngineConfig, factory, timeout_s: float = 60.0):
-        self.config, self.factory, self.timeout_s = config, factory, timeout_s
+    def __init__(self, config: EngineConfig, factory, timeout_s: float = 60.0, grace_s: float = 10.0):
+        self.config, self.factory, self.timeout_s, self.grace_s = config, factory, timeout_s, grace_s
         self.dev, self._dirty = None, []
+        self.made = 0                                #: devices made so far
 
     def run(self, case: FuzzCase, max_cycles: int | None = None) -> Outcome:
         if self.dev is None:                         # (a build may take minutes: no bound)
             self.dev, self._dirty = self.factory(self.config), []
+            self.made += 1
         try:
-            with time_bound(self.timeout_s + 10):
+            # the run's own bound, and grace_s for the register traffic around it
+            with time_bound(self.timeout_s + self.grace_s):
                 dev = self.dev
                 dev.write32(Reg.CONTROL, Control.SOFT_RESET)
                 wait_idle(dev, "SOFT_RESET")

@@ -1,6 +1,9 @@
 """Random programs on random images through the sim device (sim.fuzz): every run completes
 or stops with an ErrorCode, never another exception, never past its time bound. Plus one
-regression test per fault the fuzzer found at its cause."""
+regression test per fault the fuzzer found at its cause (the RTL halves of the cycle-count
+ones are in tests/rtl/test_fuzz_rtl.py), and tests of the comparison itself."""
+
+import time
 
 import numpy as np
 import pytest
@@ -9,8 +12,10 @@ from dfvg_hw.spec.config import get_preset
 from dfvg_hw.spec.descriptors import DraftRequest, ErrorCode
 from dfvg_hw.spec.image import NORM_PARAM_BYTES
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op, encode
+from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Control, Reg
 from sim.cycle_model import BEFORE_FINISH, ISSUE, CycleModel
-from sim.fuzz import FuzzCase, Tally, random_case, run_case
+from sim.device import SimDevice
+from sim.fuzz import DeviceRunner, FuzzCase, Outcome, Tally, compare, fuzz_rtl, random_case, run_case
 from sim.session import FunctionalSession
 
 TINY = get_preset("tiny")
@@ -203,3 +208,84 @@ def test_actmul_of_empty_rows(rows):
     s = session(Instruction(Op.ACTMUL, rows=rows, dst=0, src=0, n=0, addr=0x100))
     assert s.run(REQUEST).status == ErrorCode.OK
     assert s.engine.counts.by_op["ACTMUL"] == 272 + TINY.mem_latency_cycles
+
+
+# -- the comparison itself (sim.fuzz.compare, DeviceRunner): it must be able to fail --------
+
+class _Silent(SimDevice):
+    """An engine whose requests never raise the interrupt."""
+
+    def wait_irq(self, timeout_s):
+        return False
+
+
+class _Stuck(SimDevice):
+    """A register access after START that never returns."""
+
+    started = False
+
+    def write32(self, offset, value):
+        super().write32(offset, value)
+        self.started |= offset == Reg.CONTROL and bool(value & Control.START)
+
+    def read32(self, offset):
+        while self.started:
+            time.sleep(1)
+        return super().read32(offset)
+
+
+@pytest.mark.parametrize("device", [_Silent, _Stuck])
+def test_a_device_that_hangs_is_a_hang_and_is_replaced(device):
+    rng = np.random.default_rng(0)
+    cases = [(i, random_case(rng, TINY, forward_p=1.0)) for i in range(2)]
+    runner = DeviceRunner(TINY, device, timeout_s=0.3, grace_s=0.3)
+    rtl, ref, bad, _ = fuzz_rtl(TINY, cases, runner, log=lambda line: None)
+    runner.close()
+    assert rtl.hangs == 2 and not ref.hangs and runner.made == 2
+    assert [what.startswith("rtl hang | sim ") for _, what in bad] == [True, True]
+
+
+def test_a_device_that_raises_is_a_bare_exception():
+    class Broken(SimDevice):
+        def dma_read(self, addr, nbytes):
+            raise RuntimeError("the harness exited")
+    rng = np.random.default_rng(0)
+    runner = DeviceRunner(TINY, Broken)
+    rtl, ref, bad, _ = fuzz_rtl(TINY, [(0, random_case(rng, TINY, forward_p=1.0))], runner,
+                                log=lambda line: None)
+    assert list(rtl.bare) and "the harness exited" in list(rtl.bare)[0] and len(bad) == 1
+    # and the sim device against itself agrees
+    rtl, ref, bad, _ = fuzz_rtl(TINY, [(0, random_case(rng, TINY, forward_p=1.0))],
+                                DeviceRunner(TINY, SimDevice), log=lambda line: None)
+    assert not bad and rtl.ends == ref.ends
+
+
+def _outcome(error=ErrorCode.OK, pc=0, **units):
+    full = dict.fromkeys(OP_CYCLE_BUCKETS, 0) | units
+    return Outcome(error, [], sum(full.values()), pc, full)
+
+
+ROPE_THEN_HALT = FuzzCase(program(Instruction(Op.ROPE, rows=1, dst=0, src=0, n=1, k=2, addr=0)),
+                          bytes(16), b"", 0)
+
+
+BA, PR = ErrorCode.BAD_ADDRESS, ErrorCode.PROGRAM
+
+
+@pytest.mark.parametrize("rtl, ref, same", [
+    (_outcome(ROPE=30, REQUEST=100), _outcome(ROPE=30, REQUEST=100), True),
+    (_outcome(ROPE=30, REQUEST=100), _outcome(ROPE=31, REQUEST=100), False),   # completed: exact
+    (_outcome(ROPE=30, REQUEST=101), _outcome(ROPE=30, REQUEST=100), False),
+    # a fault that stops the ROPE: its bucket counted on both, REQUEST no shorter
+    (_outcome(BA, ROPE=9, REQUEST=120), _outcome(BA, ROPE=4, REQUEST=100), True),
+    (_outcome(BA, ROPE=9, REQUEST=99), _outcome(BA, ROPE=4, REQUEST=100), False),
+    (_outcome(BA, REQUEST=100), _outcome(BA, ROPE=4, REQUEST=100), False),
+    (_outcome(BA, ROPE=4, NOP=2, REQUEST=100), _outcome(BA, ROPE=4, REQUEST=100), False),
+    # the error PC, the code
+    (_outcome(BA, 1, ROPE=4), _outcome(BA, 0, ROPE=4), False),
+    (_outcome(PR, ROPE=4), _outcome(BA, ROPE=4), False),
+    # a fault at a fetch (past the program's end: pc 2) stops no instruction: exact
+    (_outcome(PR, 2, ROPE=30, REQUEST=101), _outcome(PR, 2, ROPE=30, REQUEST=100), False),
+])
+def test_compare(rtl, ref, same):
+    assert (compare(ROPE_THEN_HALT, rtl, ref) is None) == same
