@@ -76,7 +76,9 @@ PROMPT = [1, 4, 6, 3]
 def test_sampling_is_lossless(small_vocab_pair):
     draft, target = small_vocab_pair
     decoder = make_decoder(draft, target, PARAMS)
-    n = 20000
+    # 8 000 samples (~60 ms each, mostly the functional model) give p = 0.25 here; a
+    # uniform q gives p = 0.0 (float64) from 1 000 samples on (test_wrong_q_is_detected).
+    n = 8000
     counts = sample_first_two(decoder, PROMPT, n, PARAMS)
     expected = first_two_distribution(target, PROMPT, PARAMS)
     p = chi_square_p(counts, expected, n)
@@ -88,7 +90,7 @@ def test_wrong_q_is_detected(small_vocab_pair, monkeypatch):
     uniform = lambda token, vocab: torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)
     monkeypatch.setattr(speculative, "draft_distribution", uniform)
     decoder = make_decoder(draft, target, PARAMS)
-    n = 6000
+    n = 1500
     counts = sample_first_two(decoder, PROMPT, n, PARAMS)
     p = chi_square_p(counts, first_two_distribution(target, PROMPT, PARAMS), n)
     assert p < 0.01, f"a uniform q went undetected (p = {p:.3f})"
