@@ -45,6 +45,7 @@ SLOW_TESTS = {
     "test_kv_sequencer.py::test_appends_then_attention_gqa_wide_and_narrow",
     "test_rope_sequencer.py::test_heads_rows_in_place_and_table_offsets",
     "test_rope_sequencer.py::test_lint_clean",
+    "test_fuzz_rtl.py::test_random_cases",
     # every case builds the engine's Verilog (and, once, the Verilator harness)
     "test_rtl_device.py::test_rtl_device_matches_the_sim_device",
     "test_cli.py::test_generate_json_on_the_demo_pair",
