@@ -31,8 +31,8 @@ def check_simulation_size(config: EngineConfig, scheme: str, *, large: bool = Fa
     if large or multipliers <= MAX_SIMULATED_MULTIPLIERS:
         return
     raise SimulationTooLarge(
-        f"{scheme}://{config.name} simulates the whole engine, a {config.rows}×{config.lanes}×"
-        f"{config.reduce} matrix tile of {multipliers:,} multipliers: building and simulating it takes "
+        f"{scheme}://{config.name} simulates the whole engine, with a matrix tile of {config.rows}×"
+        f"{config.lanes}×{config.reduce} = {multipliers:,} multipliers: building and simulating it takes "
         "minutes and gigabytes before the first token (rtl+verilator://alveo-u55c: 150 s and 5 GB to "
         f"build). Use sim://{config.name} (the bit-exact functional model; time from the cycle model), "
         f"an RTL device at a small preset (tiny, nitefury), or {scheme}://{config.name}?large=1 to "
