@@ -18,5 +18,6 @@ setup-dev:
 demo: setup
 	.venv/bin/dfvg generate --prompt "$(DEMO_PROMPT)"
 
+# --durations: CI's log names the slowest tests, to keep the run inside its 30 minutes.
 test: setup-dev
-	.venv/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+	.venv/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=25
