@@ -59,16 +59,33 @@ class EngineConfig:
     clock_mhz : float
         Engine clock.
     mem_bandwidth_gbps : float
-        Device-memory bandwidth available to the engine, GB/s (10^9 bytes/s).
+        The card's theoretical device-memory bandwidth, GB/s (10^9 bytes/s): the data
+        sheet's figure, all channels together.
     mem_latency_ns : float
-        Device-memory read latency (first beat of a burst).
+        Device-memory read latency (first beat of a burst), as one port sees it.
     mem_bytes : int
-        Device-memory capacity.
+        Device-memory capacity, all channels together.
     mem_port_bits : int
-        Data width of the engine's AXI4 master into device memory (128: one VMEM line a
-        beat; 256: one HBM pseudo-channel beat). One port moves at most one beat a
-        cycle, so the engine sees ``min(mem_bandwidth_gbps, mem_port_bits/8 · clock)``
-        (:attr:`engine_bytes_per_cycle`).
+        Data width of each of the engine's AXI4 masters into device memory, on the engine
+        side (128: one VMEM line a beat; 512: a 256-bit HBM pseudo-channel port at 450 MHz
+        behind a width and clock converter). A port moves at most one beat a cycle.
+    mem_ports : int
+        AXI4 masters, one per memory channel (an HBM pseudo-channel, a DDR4 controller).
+        Port ``p`` reads and writes only channel ``p``'s ``mem_bytes / mem_ports`` bytes;
+        the engine drives all of them in lockstep and sees one beat of
+        :attr:`mem_beat_bytes` (docs/isa.md §1.1 "Striping"; :mod:`dfvg_hw.spec.striping`).
+    mem_clock_mhz : float
+        Clock of the memory side of each port (the HBM's AXI clock). ``0``: the engine
+        clock, no clock crossing. Where it differs, the board flow puts a clock converter
+        on each port; the engine's timing sees only :attr:`port_beats_per_cycle`.
+    mem_achievable_gbps : float
+        Bandwidth the card's memory sustains when every channel streams sequential reads,
+        as measured by its vendor (all channels together). ``0``: not measured, taken as
+        :attr:`mem_bandwidth_gbps`. Each port is rate-limited to its share of it, and the
+        "achievable roofline" divides by it.
+    kv_banks : int
+        Banks of the KV buffer: position ``t`` lives in bank ``t mod kv_banks``, and ATTN
+        reads one K or V row from every bank a cycle (docs/isa.md §1.4).
     source : str
         Where the numbers come from.
     """
@@ -89,6 +106,10 @@ class EngineConfig:
     mem_latency_ns: float
     mem_bytes: int
     mem_port_bits: int = 128
+    mem_ports: int = 1
+    mem_clock_mhz: float = 0.0
+    mem_achievable_gbps: float = 0.0
+    kv_banks: int = 1
     acc_bits: int = 32
     source: str = ""
 
@@ -102,13 +123,42 @@ class EngineConfig:
 
     @property
     def mem_bytes_per_cycle(self) -> float:
+        """The card's theoretical bandwidth in bytes per engine cycle."""
         return self.mem_bandwidth_gbps * 1e9 / (self.clock_mhz * 1e6)
 
     @property
+    def achievable_bandwidth_gbps(self) -> float:
+        """:attr:`mem_achievable_gbps`, or the theoretical figure where none was measured."""
+        return self.mem_achievable_gbps or self.mem_bandwidth_gbps
+
+    @property
+    def port_bytes(self) -> int:
+        """Bytes per beat of one port (engine side)."""
+        return self.mem_port_bits // 8
+
+    @property
+    def mem_beat_bytes(self) -> int:
+        """Bytes of one engine beat: a beat of every port, side by side (port 0 lowest)."""
+        return self.mem_ports * self.port_bytes
+
+    @property
+    def mem_channel_bytes(self) -> int:
+        """Bytes of device memory behind each port (one channel)."""
+        return self.mem_bytes // self.mem_ports
+
+    @property
+    def port_beats_per_cycle(self) -> float:
+        """Beats a cycle one port's memory delivers: its share of the achievable
+        bandwidth, at most one (a port moves at most a beat a cycle). The simulated
+        memories rate-limit each port to this, and the cycle model uses it."""
+        share = self.achievable_bandwidth_gbps * 1e9 / self.mem_ports
+        return min(1.0, share / (self.port_bytes * self.clock_mhz * 1e6))
+
+    @property
     def engine_bytes_per_cycle(self) -> float:
-        """Device-memory bytes per cycle the engine can move: the memory's bandwidth,
-        capped at one beat a cycle of its single port."""
-        return min(self.mem_bytes_per_cycle, self.mem_port_bits / 8)
+        """Device-memory bytes per cycle the engine moves when streaming: every port at
+        :attr:`port_beats_per_cycle`."""
+        return self.port_beats_per_cycle * self.mem_beat_bytes
 
     @property
     def engine_bandwidth_gbps(self) -> float:
@@ -144,6 +194,18 @@ class EngineConfig:
                  "must be a positive integer")
         for p in ("clock_mhz", "mem_bandwidth_gbps", "mem_latency_ns"):
             need(getattr(self, p) > 0, p, "must be positive")
+        for p in ("mem_clock_mhz", "mem_achievable_gbps"):
+            need(getattr(self, p) >= 0, p, "must be positive, or 0 for the default")
+        need(self.mem_achievable_gbps <= self.mem_bandwidth_gbps, "mem_achievable_gbps",
+             "cannot exceed the theoretical mem_bandwidth_gbps")
+        need(isinstance(self.mem_ports, int) and _is_pow2(self.mem_ports)
+             and self.mem_ports <= 64, "mem_ports",
+             "a power of two, at most 64 (32 HBM pseudo-channels on an Alveo U55C)")
+        need(self.mem_bytes % (self.mem_ports * 4096) == 0, "mem_bytes",
+             f"must split into {self.mem_ports} channels of whole 4 KiB pages")
+        need(isinstance(self.kv_banks, int) and _is_pow2(self.kv_banks)
+             and self.kv_banks <= self.kv_positions, "kv_banks",
+             "a power of two, at most kv_positions")
         need(self.acc_bits == 32, "acc_bits", "the numerics define int32 accumulators only")
         need(self.rows >= 2, "rows", "at least 2: a wide (int16) matmul row is two int8 digit "
              "rows that the matrix unit computes side by side")
@@ -236,6 +298,16 @@ PRESETS: dict[str, EngineConfig] = {
                    "512 MiB x16 DDR3 at 800 MT/s = 1.6 GB/s peak (RHS Research's MIG project), "
                    "PCIe Gen2 x4. The tiny tile (2x4x8) and a KV the size of the demo draft "
                    "(4 slots = 2 layers x 2 KV heads, x 512 positions x 64, 64 BRAM36); 100 MHz"),
+        EngineConfig(
+            name="tiny-hbm", rows=2, lanes=8, reduce=8,
+            kv_slots=4, kv_positions=64, head_dim=16,
+            vocab_max=512, topk_max=4, vmem_bytes=4096, imem_words=256,
+            clock_mhz=100.0, mem_bandwidth_gbps=6.4, mem_latency_ns=100.0, mem_bytes=1 << 24,
+            mem_port_bits=128, mem_ports=4, mem_achievable_gbps=4.8, kv_banks=2,
+            source="the multi-channel engine small enough to co-simulate in tests: 4 channels "
+                   "of 4 MiB behind 128-bit ports at 100 MHz (6.4 GB/s in all), each rate-limited "
+                   "to 75 % of its peak (4.8 GB/s achievable) as a stand-in for refresh and "
+                   "page misses; 2 KV banks. Nominal, not a board"),
     ]
 }
 
