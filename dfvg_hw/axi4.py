@@ -21,7 +21,7 @@ from amaranth.lib.wiring import In, Out
 from dfvg_hw.spec import timing
 
 __all__ = ["AXI4Signature", "Burst", "Resp", "MAX_BURST_BEATS", "BOUNDARY_BYTES",
-           "connect_flat"]
+           "connect_flat", "master_prefix"]
 
 #: AXI4 INCR bursts carry at most 256 beats (AxLEN is beats − 1, 8 bits).
 MAX_BURST_BEATS = timing.AXI_MAX_BURST_BEATS
@@ -121,6 +121,13 @@ class AXI4Signature(wiring.Signature):
         whose Verilog ports must read ``m_axi_awaddr`` (a nested ``m_axi`` member would
         be written ``m_axi__awaddr``, which Vivado does not infer as an AXI bus)."""
         return {prefix + name: member for name, member in self.members.items()}
+
+
+def master_prefix(port: int, ports: int) -> str:
+    """The flat name prefix of memory master ``port`` of ``ports``: ``m_axi_`` for a
+    single-port engine, ``m00_axi_``, ``m01_axi_``, … for several (Vivado infers each as
+    its own AXI4 interface, as in its own IP's ``mNN_axi`` naming)."""
+    return "m_axi_" if ports == 1 else f"m{port:02d}_axi_"
 
 
 def connect_flat(m, master, top, prefix: str = "m_axi_") -> None:

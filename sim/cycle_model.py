@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from math import ceil, gcd
+from math import ceil
 
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing as tm
@@ -32,10 +32,11 @@ from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words, watchdog_budget
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
+from sim.attention_timing import attn_cycles, kvappend_cycles
+from sim.timing_common import LINE, _lines, _window
 
 __all__ = ["CycleModel", "CycleCounts", "estimate_request", "BEFORE_FINISH", "ISSUE"]
 
-LINE = VMEM_LINE_BYTES
 #: The latencies and fixed overheads below are the RTL's own (:mod:`dfvg_hw.spec.timing`).
 ISSUE, UNIT_OVERHEAD, BEFORE_FINISH = tm.ISSUE, tm.UNIT_OVERHEAD, tm.BEFORE_FINISH
 READ_OVERHEAD = tm.MEM_READ_OVERHEAD
@@ -60,16 +61,6 @@ class CycleCounts:
         self.by_op[name] = self.by_op.get(name, 0) + cycles
         self.mem_bytes += nbytes
         self.macs += macs
-
-
-def _lines(byte_addr: int, nbytes: int) -> int:
-    """VMEM lines that ``nbytes`` at VMEM byte ``byte_addr`` touch."""
-    return (byte_addr % LINE + nbytes + LINE - 1) // LINE if nbytes else 0
-
-
-def _window(byte_addr: int, nbytes: int) -> int:
-    """A gather or scatter through ``VmemWindow``: the request state, then lines + 2."""
-    return _lines(byte_addr, nbytes) + tm.WINDOW_ACCESS
 
 
 # -- the memory path ---------------------------------------------------------------------------
@@ -608,41 +599,6 @@ def _rope(port: _Port, n: int, k: int, rows: int, addr: int, pos: int) -> int:
     return UNIT_OVERHEAD + spans + rows * per_row + tm.ROPE_DONE
 
 
-# -- KVAPPEND, ATTN ----------------------------------------------------------------------------
-def _kv_words(config: EngineConfig) -> int:
-    """KV buffer words per head entry (one word a cycle on its port)."""
-    return config.head_dim // gcd(config.reduce, config.head_dim)
-
-
-def _kvappend(config: EngineConfig, n: int, k: int, src: int) -> int:
-    """kv_sequencer.py: per head, gather K and V from VMEM, then append 2W words."""
-    w = _kv_words(config)
-    base = src * LINE
-    heads = sum(_window(base + h * k, k) + _window(base + n * k + h * k, k)
-                + tm.KVAPPEND_HEAD_STATES + 2 * w for h in range(n))
-    return UNIT_OVERHEAD + tm.KVAPPEND_STATES + heads
-
-
-def _attn(port: _Port, config: EngineConfig, n: int, k: int, src: int, dst: int, pos: int,
-          wide: bool, addr: int) -> int:
-    """kv_sequencer.py + softmax.Attention, heads strictly one after another: per head the
-    K rows stream at one KV word a cycle (W·T), the scores go through the dot-product
-    tree and exp, the V rows stream again (the gearbox holds one row, so V cannot be
-    fetched ahead), then reciprocal and normaliser."""
-    w = _kv_words(config)
-    t = pos + 1
-    out_bytes = 2 * k if wide else k
-    beats = ceil((addr % port.bus_bytes + ATTN_PARAM_BYTES) / port.bus_bytes)
-    params = (tm.ATTN_PARAMS + READ_OVERHEAD + port.latency
-              + (beats - 1) * ceil(1 / port.beats_per_cycle))
-    score_to_v = tm.ceil_log2(config.head_dim) + tm.ATTN_SCORE_TO_V
-    per_head_kv = 2 * w * t - w + max(score_to_v, w) + tm.ATTN_HEAD_TAIL
-    heads = sum(_window(src * LINE + h * k, k) + per_head_kv + _window(dst * LINE + h * out_bytes, out_bytes)
-                for h in range(n))
-    return (UNIT_OVERHEAD + tm.ATTN_CHECK + params + tm.ATTN_GROUPS + tm.GQA_DIVIDE_STEPS
-            + tm.ATTN_END_STATES + heads)
-
-
 # -- the model ---------------------------------------------------------------------------------
 class CycleModel:
     """Cycles per instruction and per request for one :class:`EngineConfig`.
@@ -690,9 +646,9 @@ class CycleModel:
         if op == Op.ROPE:
             return _rope(port, ins.n, ins.k, rows, addr, pos), 2 * ins.k
         if op == Op.KVAPPEND:
-            return _kvappend(c, ins.n, ins.k, ins.src), 0
+            return kvappend_cycles(c, ins.n, ins.k, ins.src), 0
         if op == Op.ATTN:
-            return (_attn(port, c, ins.n, ins.k, ins.src, ins.dst, pos, bool(ins.wide), addr),
+            return (attn_cycles(port, c, ins.n, ins.k, ins.src, ins.dst, pos, bool(ins.wide), addr),
                     ATTN_PARAM_BYTES)
         if op == Op.ACTMUL:
             return _actmul(port, c.lanes, ins.n, rows, bool(ins.wide), addr), ACT_PARAM_BYTES

@@ -27,7 +27,7 @@ import numpy as np
 
 __all__ = [
     "IMAGE_MAGIC", "IMAGE_VERSION", "HEADER_BYTES", "ALIGN", "ImageHeader",
-    "padded", "tile_weights", "untile_weights", "matmul_bytes", "pack_qparams",
+    "padded", "embed_row_stride", "tile_weights", "untile_weights", "matmul_bytes", "pack_qparams",
     "unpack_qparams", "NORM_PARAM_BYTES", "ATTN_PARAM_BYTES", "ACT_PARAM_BYTES",
     "pack_norm_params", "pack_attn_params", "pack_act_params", "align",
 ]
@@ -47,6 +47,13 @@ def align(x: int, a: int = ALIGN) -> int:
 
 def padded(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
+
+
+def embed_row_stride(n: int, beat_bytes: int) -> int:
+    """Bytes between consecutive rows of an EMBED table of ``n`` int32 entries a row: the
+    row padded to whole engine beats (``EngineConfig.mem_beat_bytes``), so every row
+    starts on a beat whatever the width (docs/isa.md §3.2)."""
+    return padded(4 * n, beat_bytes)
 
 
 @dataclass
