@@ -25,8 +25,8 @@ import numpy as np
 
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
-from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, HEADER_BYTES, NORM_PARAM_BYTES,
-                           ImageHeader, align, matmul_bytes, pack_act_params, pack_attn_params,
+from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ALIGN, ATTN_PARAM_BYTES, HEADER_BYTES, NORM_PARAM_BYTES,
+                           ImageHeader, align, embed_row_stride, matmul_bytes, pack_act_params, pack_attn_params,
                            pack_norm_params, pack_qparams, padded, tile_weights)
 from dfvg_hw.spec.regmap import MemoryMap
 from dfvg_hw.spec.isa import Cond, Flag, Instruction, MatmulMode, Op, encode
@@ -91,13 +91,6 @@ def check_fits(shape: ModelShape, engine: EngineConfig) -> None:
         raise DoesNotFit(f"head_dim {shape.head_dim} is not a multiple of {VMEM_LINE_BYTES}")
     if shape.heads % shape.kv_heads:
         raise DoesNotFit(f"{shape.heads} heads are not a multiple of {shape.kv_heads} KV heads")
-    port_bytes = engine.mem_port_bits // 8
-    if (4 * shape.hidden) % port_bytes:
-        # EMBED reads the token's int32 row at token · 4·hidden; the memory port takes
-        # bus-aligned addresses only.
-        raise DoesNotFit(f"hidden {shape.hidden}: an embedding row (4·hidden bytes) must be a "
-                         f"whole number of the '{engine.name}' preset's {port_bytes}-byte memory "
-                         f"beats, i.e. hidden a multiple of {max(port_bytes // 4, 1)}")
 
 
 # -- calibration ------------------------------------------------------------------------
@@ -312,13 +305,17 @@ def _norm_block(gamma: np.ndarray, hidden: int, eps: float, s_x: float, s_out: f
 
 
 class ImageBuilder:
-    """Appends 16-byte-aligned blocks and remembers where each went."""
+    """Appends blocks, each at the start of an engine beat (``mem_beat_bytes``: every port's
+    beat side by side), and remembers where each went. Beat-aligned blocks start every
+    weight stream on every memory channel at once, and no reader has to re-cut a first
+    beat."""
 
-    def __init__(self):
+    def __init__(self, beat_bytes: int):
+        self.beat = max(beat_bytes, ALIGN)
         self.data = bytearray(HEADER_BYTES)
 
     def place(self, block: bytes) -> int:
-        addr = align(len(self.data))
+        addr = align(len(self.data), self.beat)
         self.data.extend(b"\0" * (addr - len(self.data)))
         self.data.extend(block)
         return addr
@@ -354,13 +351,15 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     layer_scales = [LayerScales.calibrated(c, sd[f"model.layers.{li}.mlp.down_proj.weight"])
                     for li, c in enumerate(cal.layers)]
     s_x = _residual_scale(sd, cal, layer_scales)
-    b = ImageBuilder()
+    b = ImageBuilder(engine.mem_beat_bytes)
     lay = Layout()
     scales = dict(residual=s_x, layers=[])
 
     emb = sd["model.embed_tokens.weight"]
-    lay.embed = b.place(np.clip(np.round(emb / s_x), -(1 << 31), (1 << 31) - 1)
-                        .astype("<i4").tobytes())
+    # EMBED rows are padded to whole engine beats (embed_row_stride), so each starts on one.
+    table = np.zeros((emb.shape[0], embed_row_stride(shape.hidden, engine.mem_beat_bytes) // 4), "<i4")
+    table[:, :shape.hidden] = np.clip(np.round(emb / s_x), -(1 << 31), (1 << 31) - 1).astype("<i4")
+    lay.embed = b.place(table.tobytes())
 
     rotary = model.model.rotary_emb
     positions = torch.arange(engine.kv_positions)[None, :]
@@ -413,9 +412,9 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     offset = 0
     for name, data in blocks[0].items():
         lay.sub[name] = offset
-        offset = align(offset + len(data))
+        offset = align(offset + len(data), b.beat)
     lay.layer_stride = offset
-    lay.layers_base = align(len(b.data))
+    lay.layers_base = align(len(b.data), b.beat)
     for parts in blocks:
         block = bytearray(lay.layer_stride)
         for name, data in parts.items():
@@ -437,7 +436,7 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
         intermediate=shape.intermediate, vocab=shape.vocab, rope_positions=engine.kv_positions,
         layer_stride=lay.layer_stride, layers_base=lay.layers_base, embed_addr=lay.embed,
         rope_addr=lay.rope, final_norm_addr=lay.final_norm, lm_head_addr=lay.lm_head,
-        image_bytes=align(len(b.data)))
+        image_bytes=align(len(b.data), b.beat))
     image = bytearray(b.data.ljust(header.image_bytes, b"\0"))
     image[:HEADER_BYTES] = header.pack()
     return bytes(image), lay, scales
