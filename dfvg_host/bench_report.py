@@ -103,24 +103,27 @@ def efficiency_table(result: BenchResult) -> str:
     rows = result.efficiency
     if not rows:
         return ""
-    ctx = rows[0].report.context
-    lines = [f"Draft-engine efficiency, all modelled: cycle model on the compiled program "
-             f"(random weights), one draft token at context {ctx}",
+    lines = ["Draft-engine efficiency, all modelled: cycle model on the compiled program "
+             "(random weights), one draft token at the context shown",
              "",
-             f"{'shape':<20}{'preset':<12}{'tok/s':>9}{'memory':>10}{'compute':>10}"
-             f"{'efficiency':>12}{'bound':>9}{'cycles/tok':>12}{'MB/tok':>8}{'board mem':>11}",
-             f"{'':<20}{'':<12}{'modelled':>9}{'roofline':>10}{'roofline':>10}"
-             f"{'÷ min roof':>12}{'':>9}{'':>12}{'':>8}{'roofline':>11}"]
+             f"{'shape':<20}{'preset':<12}{'ctx':>6}{'tok/s':>9}{'achievable':>12}{'of it':>7}"
+             f"{'theoretical':>13}{'of it':>7}{'ports':>9}{'compute':>10}{'bound':>8}"
+             f"{'cycles/tok':>12}{'MB/tok':>8}  cycles by opcode",
+             f"{'':<20}{'':<12}{'':>6}{'modelled':>9}{'roofline':>12}{'':>7}"
+             f"{'roofline':>13}{'':>7}{'roofline':>9}{'roofline':>10}"]
     for r in rows:
         p = r.report
-        lines.append(f"{r.shape:<20}{p.preset:<12}{p.tokens_per_s:>9,.0f}"
-                     f"{p.roofline_memory_tokens_per_s:>10,.0f}{p.roofline_compute_tokens_per_s:>10,.0f}"
-                     f"{100 * p.efficiency:>11.1f}%{r.bound:>9}{p.cycles_per_token:>12,}"
-                     f"{p.bytes_per_token / 1e6:>8.1f}{p.roofline_board_tokens_per_s:>11,.0f}")
-    lines += ["", "memory roofline: the bandwidth of the engine's one memory port / bytes read per "
-              "token; compute roofline: clock x lanes x reduce MACs per cycle (a chain fills one "
-              "row) / MACs per token; board mem roofline: the card's whole memory bandwidth / "
-              "bytes per token, which needs a multi-port memory system the engine does not have yet."]
+        ops = ", ".join(f"{op} {c:,}" for op, c in sorted(p.cycles_by_op.items(), key=lambda kv: -kv[1]))
+        lines.append(f"{r.shape:<20}{p.preset:<12}{p.context:>6}{p.tokens_per_s:>9,.0f}"
+                     f"{p.roofline_achievable_tokens_per_s:>12,.0f}{100 * p.efficiency:>6.1f}%"
+                     f"{p.roofline_theoretical_tokens_per_s:>13,.0f}{100 * p.fraction_of_theoretical:>6.1f}%"
+                     f"{p.roofline_ports_tokens_per_s:>9,.0f}{p.roofline_compute_tokens_per_s:>10,.0f}"
+                     f"{r.bound:>8}{p.cycles_per_token:>12,}{p.bytes_per_token / 1e6:>8.1f}  {ops}")
+    lines += ["", "achievable roofline: the card's sustained memory bandwidth (every channel "
+              "streaming, the vendor's measurement) / bytes read per token; 'of it' is the "
+              "efficiency (÷ the compute roofline instead where that is lower). theoretical: the "
+              "data sheet's bandwidth. ports: what the engine's memory ports move. compute: "
+              "clock x lanes x reduce MACs per cycle (a chain fills one row) / MACs per token."]
     return "\n".join(lines)
 
 

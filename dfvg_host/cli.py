@@ -85,10 +85,13 @@ def cmd_compile(args) -> int:
 def cmd_presets(args) -> int:
     from dfvg_hw.spec.config import PRESETS
     for cfg in PRESETS.values():
+        achievable = (f"{cfg.mem_achievable_gbps:g} GB/s achievable (vendor-measured)"
+                      if cfg.mem_achievable_gbps else "achievable not measured")
         print(f"{cfg.name:12s} tile {cfg.rows}x{cfg.lanes}x{cfg.reduce}  KV {cfg.kv_slots} slots x "
-              f"{cfg.kv_positions}P x {cfg.head_dim}  {cfg.clock_mhz:g} MHz  "
-              f"memory {cfg.mem_bandwidth_gbps:g} GB/s, engine port {cfg.mem_port_bits} bits = "
-              f"{cfg.engine_bandwidth_gbps:g} GB/s\n{'':12s} {cfg.source}")
+              f"{cfg.kv_positions}P x {cfg.head_dim} in {cfg.kv_banks} bank(s)  {cfg.clock_mhz:g} MHz\n"
+              f"{'':12s} memory {cfg.mem_bandwidth_gbps:g} GB/s theoretical, {achievable}; engine "
+              f"{cfg.mem_ports} x {cfg.mem_port_bits}-bit ports = {cfg.engine_bandwidth_gbps:.4g} GB/s\n"
+              f"{'':12s} {cfg.source}")
     return 0
 
 
@@ -441,6 +444,17 @@ def _parse_gammas(text: str) -> tuple[int, ...]:
     return gammas
 
 
+def _parse_contexts(text: str) -> list[int]:
+    try:
+        contexts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise CliError(f"--contexts {text!r}: give positive integers separated by commas, "
+                       "e.g. 256,1024") from None
+    if not contexts or min(contexts) < 1:
+        raise CliError(f"--contexts {text!r}: each context must be at least 1")
+    return contexts
+
+
 def cmd_bench(args) -> int:
     """Target-only, HF assisted generation and DFVG on a prompt set; engine efficiency."""
     import dataclasses
@@ -478,6 +492,7 @@ def cmd_bench(args) -> int:
         raise CliError(f"dfvg bench projects the engine's time with the cycle model: use a sim:// "
                        f"device, not {args.device}")
     presets = [] if args.no_efficiency else [_preset(n) for n in args.efficiency_presets.split(",")]
+    contexts = _parse_contexts(args.contexts)
     _check_verifier_options(args)
     target_dir, target_config = _target(args)
     prompt_set = Path(args.prompts) if args.prompts else DEFAULT_PROMPT_SET
@@ -505,7 +520,8 @@ def cmd_bench(args) -> int:
     except (BenchError, DraftDeviceError, ValueError) as exc:
         raise CliError(str(exc)) from None
     if presets:
-        result.efficiency = engine_efficiency(presets, context=args.context, log=log)
+        result.efficiency = [row for context in contexts
+                             for row in engine_efficiency(presets, context=context, log=log)]
     data = result.to_dict()
     if args.save:
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
@@ -593,8 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-efficiency", action="store_true", help="skip the engine-efficiency table")
     b.add_argument("--efficiency-presets", default="alveo-u55c,alveo-u280,alveo-u250",
                    help="presets of the engine-efficiency table (comma-separated)")
-    b.add_argument("--context", type=int, default=256,
-                   help="context the engine-efficiency table is modelled at (default 256)")
+    b.add_argument("--contexts", default="256,1024",
+                   help="contexts the engine-efficiency table is modelled at (comma-separated, "
+                        "default 256,1024)")
     b.add_argument("--save", metavar="FILE", help="also write the results as JSON to FILE")
     b.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR (needs matplotlib)")
     b.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")

@@ -69,31 +69,27 @@ class EfficiencyRow:
 
     @property
     def bound(self) -> str:
-        """Which roofline is lower: what limits the engine on this shape."""
-        r = self.report
-        return "memory" if r.roofline_memory_tokens_per_s <= r.roofline_compute_tokens_per_s else "compute"
+        """Which card roofline is lower: what limits the engine on this shape."""
+        return self.report.bound
 
     def to_dict(self) -> dict:
         r = self.report
-        return dict(shape=self.shape, preset=r.preset, model=r.model, context=r.context,
-                    tokens_per_s=r.tokens_per_s, roofline_memory_tokens_per_s=r.roofline_memory_tokens_per_s,
-                    roofline_compute_tokens_per_s=r.roofline_compute_tokens_per_s,
-                    efficiency=r.efficiency, bound=self.bound, cycles_per_token=r.cycles_per_token,
-                    bytes_per_token=r.bytes_per_token, macs_per_token=r.macs_per_token,
-                    clock_mhz=r.clock_mhz, image_bytes=r.image_bytes,
-                    roofline_board_tokens_per_s=r.roofline_board_tokens_per_s,
-                    engine_bandwidth_gbps=r.engine_bandwidth_gbps,
+        return dict(shape=self.shape, **{k: v for k, v in r.to_dict().items() if k != "cycles_by_op"},
+                    cycles_by_op=dict(r.cycles_by_op),
                     label="modelled: cycle model on the compiled program; rooflines from the "
-                          "engine port's bandwidth and peak MACs")
+                          "card's achievable and theoretical memory bandwidth, the engine's "
+                          "ports and peak MACs")
 
 
 def _report_fingerprint() -> str:
     """The sources that turn a compiled program into figures: a changed cycle model or
     report must not reuse cached figures."""
+    import sim.attention_timing
     import sim.cycle_model
+    import sim.timing_common
     from dfvg_host import report
     h = hashlib.sha256()
-    for module in (sim.cycle_model, report):
+    for module in (sim.cycle_model, sim.attention_timing, sim.timing_common, report):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:8]
 

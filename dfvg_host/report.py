@@ -1,10 +1,18 @@
 """The compile report: sizes, instruction count and modelled draft speed.
 
 Every speed figure here is *modelled*: cycles come from the cycle model
-(:mod:`sim.cycle_model`) at the preset's clock; the memory roofline is the bandwidth the
-engine's memory port can move (``EngineConfig.engine_bandwidth_gbps``), and the board
-roofline the card's whole device-memory bandwidth, which only a multi-port memory system
-would reach. Nothing is measured on hardware.
+(:mod:`sim.cycle_model`) at the preset's clock. The rooflines divide a bandwidth by the
+bytes the engine reads per token:
+
+* **achievable**: what the card's memory sustains with every channel streaming, as its
+  vendor measured it (``EngineConfig.achievable_bandwidth_gbps``; 421 GB/s on the HBM
+  Alveos). *Efficiency* is the modelled speed over this roofline (or over the compute
+  roofline, if that is lower): the card's roofline, not the engine's ports'.
+* **theoretical**: the data sheet's bandwidth (``mem_bandwidth_gbps``), never reached.
+* **ports**: what the engine's memory ports can move (``engine_bandwidth_gbps``), which
+  says whether the ports or the rest of the engine fall short.
+
+Nothing is measured on hardware.
 """
 
 from __future__ import annotations
@@ -30,27 +38,55 @@ class CompileReport:
     bytes_per_token: int
     clock_mhz: float
     tokens_per_s: float
-    roofline_memory_tokens_per_s: float
     roofline_compute_tokens_per_s: float
     macs_per_token: int
     cycles_by_op: dict
     engine_bandwidth_gbps: float
-    board_bandwidth_gbps: float
+    achievable_bandwidth_gbps: float
+    theoretical_bandwidth_gbps: float
+    mem_ports: int
+
+    def _memory_roofline(self, gbps: float) -> float:
+        return gbps * 1e9 / self.bytes_per_token
 
     @property
-    def roofline_board_tokens_per_s(self) -> float:
-        """The memory roofline at the board's whole bandwidth (not reachable through one
-        port when the board has more)."""
-        return self.board_bandwidth_gbps * 1e9 / self.bytes_per_token
+    def roofline_achievable_tokens_per_s(self) -> float:
+        """The card's sustained memory bandwidth ÷ bytes read per token."""
+        return self._memory_roofline(self.achievable_bandwidth_gbps)
+
+    @property
+    def roofline_theoretical_tokens_per_s(self) -> float:
+        """The data sheet's memory bandwidth ÷ bytes read per token."""
+        return self._memory_roofline(self.theoretical_bandwidth_gbps)
+
+    @property
+    def roofline_ports_tokens_per_s(self) -> float:
+        """What the engine's memory ports can move ÷ bytes read per token."""
+        return self._memory_roofline(self.engine_bandwidth_gbps)
+
+    @property
+    def bound(self) -> str:
+        """Which card roofline is lower: ``memory`` (achievable) or ``compute``."""
+        return ("memory" if self.roofline_achievable_tokens_per_s <= self.roofline_compute_tokens_per_s
+                else "compute")
 
     @property
     def efficiency(self) -> float:
-        """Modelled speed ÷ the lower of the two rooflines."""
-        return self.tokens_per_s / min(self.roofline_memory_tokens_per_s,
+        """Modelled speed ÷ the lower of the achievable memory and the compute rooflines."""
+        return self.tokens_per_s / min(self.roofline_achievable_tokens_per_s,
                                        self.roofline_compute_tokens_per_s)
 
+    @property
+    def fraction_of_theoretical(self) -> float:
+        """Modelled speed ÷ the theoretical memory roofline."""
+        return self.tokens_per_s / self.roofline_theoretical_tokens_per_s
+
     def to_dict(self) -> dict:
-        return dict(asdict(self), efficiency=self.efficiency)
+        return dict(asdict(self), efficiency=self.efficiency, bound=self.bound,
+                    fraction_of_theoretical=self.fraction_of_theoretical,
+                    roofline_achievable_tokens_per_s=self.roofline_achievable_tokens_per_s,
+                    roofline_theoretical_tokens_per_s=self.roofline_theoretical_tokens_per_s,
+                    roofline_ports_tokens_per_s=self.roofline_ports_tokens_per_s)
 
     def text(self) -> str:
         top = sorted(self.cycles_by_op.items(), key=lambda kv: -kv[1])[:4]
@@ -65,16 +101,18 @@ class CompileReport:
             f"[modelled: cycle model]  ({share})",
             f"draft speed   {self.tokens_per_s:,.0f} tokens/s at {self.clock_mhz:g} MHz "
             f"[modelled]",
-            f"memory        {self.bytes_per_token:,} bytes read per token -> roofline "
-            f"{self.roofline_memory_tokens_per_s:,.0f} tokens/s [modelled: the engine's memory "
-            f"port, {self.engine_bandwidth_gbps:g} GB/s]",
-            f"board memory  {self.board_bandwidth_gbps:g} GB/s -> roofline "
-            f"{self.roofline_board_tokens_per_s:,.0f} tokens/s [modelled: needs a multi-port "
-            f"memory system]" if self.board_bandwidth_gbps > self.engine_bandwidth_gbps else
-            f"board memory  {self.board_bandwidth_gbps:g} GB/s (the port is not the limit)",
+            f"memory        {self.bytes_per_token:,} bytes read per token",
+            f"  achievable  {self.achievable_bandwidth_gbps:g} GB/s -> roofline "
+            f"{self.roofline_achievable_tokens_per_s:,.0f} tokens/s [the card's sustained bandwidth]",
+            f"  theoretical {self.theoretical_bandwidth_gbps:g} GB/s -> roofline "
+            f"{self.roofline_theoretical_tokens_per_s:,.0f} tokens/s [data sheet]",
+            f"  ports       {self.mem_ports} x {self.engine_bandwidth_gbps / self.mem_ports:.3g} GB/s = "
+            f"{self.engine_bandwidth_gbps:.4g} GB/s -> roofline "
+            f"{self.roofline_ports_tokens_per_s:,.0f} tokens/s [the engine's memory ports]",
             f"compute       {self.macs_per_token:,} MACs per token -> roofline "
-            f"{self.roofline_compute_tokens_per_s:,.0f} tokens/s [modelled: peak MACs at clock]",
-            f"efficiency    {100 * self.efficiency:.1f}% of min(rooflines)",
+            f"{self.roofline_compute_tokens_per_s:,.0f} tokens/s [peak MACs at clock]",
+            f"efficiency    {100 * self.efficiency:.1f}% of the card's roofline ({self.bound}-bound), "
+            f"{100 * self.fraction_of_theoretical:.1f}% of the theoretical",
         ])
 
 
@@ -89,9 +127,9 @@ def compile_report(engine: EngineConfig, program: list[int], *, model: str, imag
         program_bytes=16 * len(program), context_limit=context_limit, context=context,
         cycles_per_token=counts.total, bytes_per_token=counts.mem_bytes, clock_mhz=engine.clock_mhz,
         tokens_per_s=clock / counts.total,
-        roofline_memory_tokens_per_s=engine.engine_bandwidth_gbps * 1e9 / counts.mem_bytes,
         engine_bandwidth_gbps=engine.engine_bandwidth_gbps,
-        board_bandwidth_gbps=engine.mem_bandwidth_gbps,
+        achievable_bandwidth_gbps=engine.achievable_bandwidth_gbps,
+        theoretical_bandwidth_gbps=engine.mem_bandwidth_gbps, mem_ports=engine.mem_ports,
         # A chain drafts one row: it uses lanes x reduce of the M x N x K MACs per cycle.
         roofline_compute_tokens_per_s=clock * engine.lanes * engine.reduce / counts.macs,
         macs_per_token=counts.macs, cycles_by_op=counts.by_op)

@@ -158,15 +158,20 @@ def test_efficiency_agrees_with_compile_and_an_independent_count(tmp_path, monke
         assert r.bytes_per_token >= weights
         assert r.roofline_compute_tokens_per_s == pytest.approx(
             engine.clock_mhz * 1e6 * engine.lanes * engine.reduce / macs)
-        assert r.roofline_memory_tokens_per_s == pytest.approx(engine.engine_bandwidth_gbps * 1e9 / r.bytes_per_token)
-        assert r.roofline_board_tokens_per_s == pytest.approx(engine.mem_bandwidth_gbps * 1e9 / r.bytes_per_token)
+        assert r.roofline_ports_tokens_per_s == pytest.approx(engine.engine_bandwidth_gbps * 1e9 / r.bytes_per_token)
+        assert r.roofline_theoretical_tokens_per_s == pytest.approx(engine.mem_bandwidth_gbps * 1e9 / r.bytes_per_token)
+        achievable = engine.achievable_bandwidth_gbps * 1e9 / r.bytes_per_token
+        assert r.roofline_achievable_tokens_per_s == pytest.approx(achievable)
+        # efficiency is against the card's roofline, never the ports'
+        assert r.efficiency == pytest.approx(r.tokens_per_s / min(achievable, r.roofline_compute_tokens_per_s))
         assert row.bound in ("memory", "compute")
         # the same figures as `dfvg compile --random-weights` for that shape and preset
         assert main(["compile", "--draft", str(shape_dir), "--random-weights", "--preset", engine.name,
                      "--context", str(ctx), "-o", str(tmp_path / engine.name), "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
-        for k in ("tokens_per_s", "roofline_memory_tokens_per_s", "roofline_compute_tokens_per_s",
-                  "efficiency", "cycles_per_token"):
+        for k in ("tokens_per_s", "roofline_achievable_tokens_per_s", "roofline_theoretical_tokens_per_s",
+                  "roofline_ports_tokens_per_s", "roofline_compute_tokens_per_s", "efficiency",
+                  "fraction_of_theoretical", "cycles_per_token"):
             assert row.to_dict()[k] == pytest.approx(report[k]), k
     # a second call comes from the cache and agrees
     again = engine_efficiency(engines, (SMALL,), context=ctx)
@@ -204,6 +209,8 @@ def test_bad_prompt_set_is_a_clear_error(tmp_path):
     (["--draft", "models/demo-draft"], "give both --draft and --target"),
     (["--device", "sim://nope"], "unknown engine preset"),
     (["--efficiency-presets", "alveo-u55c,nope"], "unknown engine preset"),
+    (["--contexts", "256,x"], "positive integers separated by commas"),
+    (["--contexts", "0"], "each context must be at least 1"),
 ])
 def test_bad_bench_arguments_are_one_line_errors(argv, message, capsys):
     try:
