@@ -17,6 +17,14 @@ Register access maps the BAR when the device allows it and falls back to ``pread
 ``pwrite``; DMA runs on a worker thread so that a hung card cannot hang the host past
 ``dma_timeout_s``; ``wait_irq`` polls the events file. Every failure is an
 :class:`XdmaError` that says what to check.
+
+**Striping.** The engine addresses device memory as one logical space laid across its
+memory channels (:mod:`dfvg_hw.spec.striping`); the card's DMA sees physical addresses.
+On open the transport reads the channel geometry from the engine's parameter registers
+(``P_MEM_PORTS``, ``P_MEM_PORT_BITS``, ``P_MEM_CHANNEL_KIB``) and :class:`StripedDma` turns
+every logical transfer into one DMA per channel for the whole engine beats, plus a DMA per
+port-beat piece at a partial first or last beat. With one channel the map is the identity
+and each transfer is one DMA, as before.
 """
 
 from __future__ import annotations
@@ -26,10 +34,16 @@ import mmap
 import os
 import select
 
+from typing import Callable
+
+import numpy as np
+
 from dfvg_hw.spec.regmap import Reg
+from dfvg_hw.spec.striping import Striping
 from dfvg_host.transport_base import TransportError
 
-__all__ = ["XdmaTransport", "XdmaError", "DEFAULT_PREFIX", "DEVICE_SUFFIXES", "REGISTER_WINDOW"]
+__all__ = ["XdmaTransport", "XdmaError", "StripedDma", "DEFAULT_PREFIX", "DEVICE_SUFFIXES",
+           "REGISTER_WINDOW"]
 
 DEFAULT_PREFIX = "/dev/xdma0"
 #: The device files the transport opens, by role.
@@ -46,6 +60,66 @@ _PERMISSION_HINT = ("run as root, or give your user access with a udev rule such
 
 class XdmaError(TransportError):
     """The XDMA device files could not be opened or an access to them failed."""
+
+
+class StripedDma:
+    """Logical transfers over physical DMA: whole engine beats as one run per channel, a
+    partial beat at either end as port-beat pieces.
+
+    Parameters
+    ----------
+    striping : Striping
+        The engine's channel geometry.
+    write : callable
+        ``write(physical, data)``: one host-to-card DMA.
+    read : callable
+        ``read(physical, nbytes) -> bytes``: one card-to-host DMA.
+    """
+
+    def __init__(self, striping: Striping, write: Callable[[int, bytes], None],
+                 read: Callable[[int, int], bytes]):
+        self.striping, self._write, self._read = striping, write, read
+
+    def _split(self, addr: int, nbytes: int) -> tuple[int, int]:
+        """The whole-beat middle ``[lo, hi)`` of a logical range (empty if it has none)."""
+        beat = self.striping.beat_bytes
+        lo = -(-addr // beat) * beat
+        hi = (addr + nbytes) // beat * beat
+        return (lo, hi) if hi > lo else (addr, addr)
+
+    def write(self, addr: int, data: bytes) -> None:
+        data = bytes(data)
+        if self.striping.ports == 1:
+            self._write(addr, data)
+            return
+        lo, hi = self._split(addr, len(data))
+        for start, end in ((addr, lo), (hi, addr + len(data))):
+            for _, phys, off in self._pieces(start, end - start):
+                run = min(end - start - off, self.striping.port_bytes - phys % self.striping.port_bytes)
+                self._write(phys, data[start - addr + off:start - addr + off + run])
+        if hi > lo:
+            for _, phys, run in self.striping.to_channels(lo, np.frombuffer(data[lo - addr:hi - addr], np.uint8)):
+                self._write(phys, run.tobytes())
+
+    def read(self, addr: int, nbytes: int) -> bytes:
+        if self.striping.ports == 1:
+            return self._read(addr, nbytes)
+        out = bytearray(nbytes)
+        lo, hi = self._split(addr, nbytes)
+        for start, end in ((addr, lo), (hi, addr + nbytes)):
+            for _, phys, off in self._pieces(start, end - start):
+                run = min(end - start - off, self.striping.port_bytes - phys % self.striping.port_bytes)
+                out[start - addr + off:start - addr + off + run] = self._read(phys, run)
+        if hi > lo:
+            per_port = (hi - lo) // self.striping.ports
+            first = (lo // self.striping.beat_bytes) * self.striping.port_bytes
+            runs = [np.frombuffer(self._read(p * self.striping.channel_bytes + first, per_port), np.uint8)
+                    for p in range(self.striping.ports)]
+            out[lo - addr:hi - addr] = self.striping.from_channels(lo, runs).tobytes()
+        return bytes(out)
+
+    def _pieces(self, start: int, nbytes: int):
+        return self.striping.pieces(start, nbytes) if nbytes > 0 else []
 
 
 class XdmaTransport:
@@ -81,6 +155,8 @@ class XdmaTransport:
                 self._fds[role] = self._open(self.paths[role], flags)
             if use_mmap:
                 self._map_registers()
+            self._striped = StripedDma(self._read_striping(), self._dma_write_physical,
+                                       self._dma_read_physical)
         except BaseException:
             self.close()
             raise
@@ -110,6 +186,20 @@ class XdmaTransport:
     @property
     def mapped(self) -> bool:
         return self._regs is not None
+
+    def _read_striping(self) -> Striping:
+        """The engine's memory channels, from its parameter registers. An engine that
+        reports none (a bitstream older than version 2.2 reads 0) has one channel: the
+        whole memory, unstriped."""
+        ports = self.read32(Reg.P_MEM_PORTS)
+        if ports <= 1:
+            return Striping(1, 16, 1 << 62)
+        bits, kib = self.read32(Reg.P_MEM_PORT_BITS), self.read32(Reg.P_MEM_CHANNEL_KIB)
+        if bits % 128 or not kib or ports & (ports - 1):
+            raise XdmaError(f"the engine reports {ports} memory channels of {kib} KiB behind "
+                            f"{bits}-bit ports, which no DFVG engine has; the bitstream does not "
+                            "match this host (rebuild it, or update dfvg)")
+        return Striping(ports, bits // 8, kib << 10)
 
     # -- registers ---------------------------------------------------------------------
     def _check_register(self, offset: int) -> None:
@@ -149,10 +239,18 @@ class XdmaTransport:
 
     # -- DMA ---------------------------------------------------------------------------
     def dma_write(self, addr: int, data: bytes) -> None:
+        """Write ``data`` at the engine's logical address ``addr`` (striped over channels)."""
+        self._striped.write(addr, data)
+
+    def dma_read(self, addr: int, nbytes: int) -> bytes:
+        """Read ``nbytes`` from the engine's logical address ``addr``."""
+        return self._striped.read(addr, nbytes)
+
+    def _dma_write_physical(self, addr: int, data: bytes) -> None:
         self._run_dma(self._write_all, addr, memoryview(bytes(data)),
                       what=f"H2C DMA of {len(data)} bytes to card address 0x{addr:x}")
 
-    def dma_read(self, addr: int, nbytes: int) -> bytes:
+    def _dma_read_physical(self, addr: int, nbytes: int) -> bytes:
         return self._run_dma(self._read_all, addr, nbytes,
                              what=f"C2H DMA of {nbytes} bytes from card address 0x{addr:x}")
 

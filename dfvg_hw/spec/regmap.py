@@ -21,8 +21,9 @@ __all__ = ["Reg", "Control", "Status", "Irq", "ENGINE_ID", "ENGINE_VERSION", "Me
 
 ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
 #: Engine version: major (ISA / descriptor / image format) << 16 | minor. Minor 1: KV
-#: capacity in slots (P_KV_SLOTS replaces P_KV_LAYERS and P_KV_HEADS).
-ENGINE_VERSION = (IMAGE_VERSION << 16) | 1
+#: capacity in slots (P_KV_SLOTS replaces P_KV_LAYERS and P_KV_HEADS). Minor 2: striped
+#: memory channels and KV banks (P_MEM_PORTS … P_KV_BANKS), EMBED rows padded to engine beats.
+ENGINE_VERSION = (IMAGE_VERSION << 16) | 2
 
 
 class Reg(enum.IntEnum):
@@ -66,6 +67,11 @@ class Reg(enum.IntEnum):
     RES0_HI = 0x0A4
     RES1_LO = 0x0A8           #: RW  pong result buffer
     RES1_HI = 0x0AC
+    # Memory system and KV banking (RO, version 2.2), after the buffer registers.
+    P_MEM_PORTS = 0x0B0       #: memory channels the engine stripes over (dfvg_hw.spec.striping)
+    P_MEM_PORT_BITS = 0x0B4   #: data width of each channel's port
+    P_MEM_CHANNEL_KIB = 0x0B8 #: KiB of device memory behind each port
+    P_KV_BANKS = 0x0BC
 
 
 #: Per-unit busy counters: the cycles of the last request spent in each opcode's
@@ -105,6 +111,7 @@ PARAM_REGS = {
     Reg.P_KV_SLOTS: "kv_slots", Reg.P_KV_POSITIONS: "kv_positions",
     Reg.P_HEAD_DIM: "head_dim", Reg.P_VOCAB_MAX: "vocab_max", Reg.P_TOPK_MAX: "topk_max",
     Reg.P_VMEM_BYTES: "vmem_bytes", Reg.P_IMEM_WORDS: "imem_words",
+    Reg.P_MEM_PORTS: "mem_ports", Reg.P_MEM_PORT_BITS: "mem_port_bits", Reg.P_KV_BANKS: "kv_banks",
 }
 
 
@@ -118,6 +125,7 @@ def engine_params(config: EngineConfig) -> dict[Reg, int]:
     """The read-only parameter registers' values for an engine built from ``config``."""
     values = {reg: getattr(config, name) for reg, name in PARAM_REGS.items()}
     values[Reg.P_CLOCK_KHZ] = round(config.clock_mhz * 1000)
+    values[Reg.P_MEM_CHANNEL_KIB] = config.mem_channel_bytes >> 10
     return values
 
 
