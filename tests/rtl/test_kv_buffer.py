@@ -25,6 +25,10 @@ CONFIGS = {
     "s9p20d32": TINY.with_changes(kv_slots=9, kv_positions=20, head_dim=32,
                                   reduce=16),                        # non-power-of-two map
     "s5p7r4": TINY.with_changes(kv_slots=5, kv_positions=7, reduce=4),
+    # banked: position t in bank t mod B, a READ beat is one row from every bank
+    "b2": TINY.with_changes(kv_banks=2),
+    "s3p13b4": TINY.with_changes(kv_slots=3, kv_positions=13, kv_banks=4),   # PB = 4: a pad row
+    "s2p16b8d32": TINY.with_changes(kv_slots=2, kv_positions=16, head_dim=32, kv_banks=8),
 }
 ONE_POSITION = TINY.with_changes(kv_slots=1, kv_positions=1)
 
@@ -33,11 +37,12 @@ class KVModel:
     """Reference: the functional model's KV arrays, POS register and error flags."""
 
     def __init__(self, cfg, word_bytes):
-        self.cfg, self.wb = cfg, word_bytes
+        self.cfg, self.wb, self.banks = cfg, word_bytes, cfg.kv_banks
         shape = (cfg.kv_slots, cfg.kv_positions, cfg.head_dim)
         self.k, self.v = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
         self.pos = 0
         self.overflow = self.range = 0
+        self.rows_read = 0          # K and V entries the READs stream
 
     def rollback(self, n):
         self.pos = min(n, self.cfg.kv_positions)
@@ -63,10 +68,29 @@ class KVModel:
         if not self._check(slot):
             return []
         beats = []
+        t, B = self.pos + 1, self.banks
+        self.rows_read += 2 * t
         for v, arr in ((0, self.k), (1, self.v)):
-            words = arr[slot, :self.pos + 1].reshape(-1, self.wb)
-            beats += [(w.tolist(), v, int(i == len(words) - 1)) for i, w in enumerate(words)]
+            if B == 1:
+                words = arr[slot, :t].reshape(-1, self.wb)
+                beats += [(w.tolist(), v, int(i == len(words) - 1)) for i, w in enumerate(words)]
+                continue
+            groups = -(-t // B)             # a beat: positions g·B … g·B + B − 1
+            for g in range(groups):
+                keep = [g * B + b < t for b in range(B)]
+                rows = [arr[slot, g * B + b].tolist() if keep[b] else None for b in range(B)]
+                beats.append((rows, sum(kb << b for b, kb in enumerate(keep)), v,
+                              int(g == groups - 1)))
         return beats
+
+
+def beat_of(dut, beat):
+    """A READ beat as KVModel.read gives it (banked: the rows not kept are None)."""
+    if dut.banks == 1:
+        return ([int(b) for b in beat.data], int(beat.v), int(beat.last))
+    keep = int(beat.keep)
+    rows = [[int(x) for x in beat.rows[b]] if keep >> b & 1 else None for b in range(dut.banks)]
+    return (rows, keep, int(beat.v), int(beat.last))
 
 
 def words_of(entry, wb):
@@ -130,7 +154,7 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
             for _ in range((stall or {}).get(i, 0)):
                 await ctx.tick()
             beat = await stream_get(ctx, dut.rdata)
-            got.append(([int(b) for b in beat.data], int(beat.v), int(beat.last)))
+            got.append(beat_of(dut, beat))
 
     total_words = sum(2 * dut.words for op, *_ in plan if op == "append")
     limit = 6 * (len(plan) + len(expected_reads) + total_words) + 200 + sum((stall or {}).values())
@@ -171,9 +195,9 @@ def random_ops(cfg, rng, n):
 def test_random_sequences(name):
     cfg = CONFIGS[name]
     rng = np.random.default_rng(sum(map(ord, name)))
-    ops = random_ops(cfg, rng, 500)
+    ops = random_ops(cfg, rng, 500 if cfg.kv_banks == 1 else 800)
     beats, model, _ = run_ops(cfg, ops, rng)
-    assert len(ops) + beats >= 1000
+    assert len(ops) + max(beats, model.rows_read) >= 1000     # words, or banked rows
 
 
 def fill(cfg, slot, rng, n=None):
@@ -185,7 +209,12 @@ def fill(cfg, slot, rng, n=None):
     return ops
 
 
-@pytest.mark.parametrize("name", ["tiny", "s9p20d32", "one-position"])
+def read_beats(dut, t):
+    """Beats of one READ section over positions 0 … t − 1."""
+    return -(-t // dut.banks) * dut.words
+
+
+@pytest.mark.parametrize("name", ["tiny", "s9p20d32", "one-position", "s3p13b4"])
 def test_capacity_and_rollback_edges(name):
     """Fill the last slot to capacity; at full an append raises overflow and writes
     nothing, a read raises overflow and streams nothing; rollback to full - 1 reads every
@@ -211,11 +240,11 @@ def test_capacity_and_rollback_edges(name):
         ("rollback", (P,)), ("read", (slot,)),
     ]
     beats, model, dut = run_ops(cfg, ops, rng)
-    assert model.overflow == 1 and beats == 2 * dut.words * (P + P + 1 + 1)
+    assert model.overflow == 1 and beats == 2 * (2 * read_beats(dut, P) + 2 * read_beats(dut, 1))
     assert (model.k[slot, 0, :D // 2] == 9).all() and (model.k[slot, 0, D // 2:] == -128).all()
 
 
-@pytest.mark.parametrize("name", ["tiny", "s5p7r4"])
+@pytest.mark.parametrize("name", ["tiny", "s5p7r4", "s3p13b4"])
 def test_slot_past_the_end(name):
     """APPEND and READ at ``slot = kv_slots`` (the first slot that does not exist) and at the
     largest slot the command can carry raise ``range`` and do nothing: no other slot is
@@ -230,15 +259,16 @@ def test_slot_past_the_end(name):
         ops += [("append", (bad, D, np.full(D, 77), np.full(D, -77))), ("read", (bad,)),
                 ("clear", ())]
     ops += [("read", (s,)) for s in range(S)]
-    beats, _, _ = run_ops(cfg, ops, rng)
-    assert beats == S * 2 * 2 * D // gcd(cfg.reduce, D)    # every slot's 2 positions, K and V
+    beats, _, dut = run_ops(cfg, ops, rng)
+    assert beats == S * 2 * read_beats(dut, 2)     # every slot's 2 positions, K and V
 
 
-def test_append_while_read_output_stalled():
+@pytest.mark.parametrize("name", ["tiny", "b2"])
+def test_append_while_read_output_stalled(name):
     """An APPEND issued while the previous READ's last word still waits on rdata: the
     pending word is delivered intact and the partial append merges with the entry's true
     old bytes (the merge's read must not see the stalled output register)."""
-    cfg = TINY
+    cfg = CONFIGS[name]
     D = cfg.head_dim
     rng = np.random.default_rng(11)
     ops = fill(cfg, 1, rng, n=6) + [
@@ -248,17 +278,20 @@ def test_append_while_read_output_stalled():
         ("append", (1, D - 1, rng.integers(-128, 128, D), rng.integers(-128, 128, D))),
         ("rollback", (5,)), ("read", (1,)),
     ]
-    words = cfg.head_dim // gcd(cfg.reduce, cfg.head_dim)
-    first_read = 2 * 3 * words
-    beats, model, _ = run_ops(cfg, ops, rng, wgap=0.0, backpressure=0.0,
-                              stall={first_read - 1: 40, first_read - 2: 3})
-    assert beats == first_read + 2 * 6 * words
+    probe = KVBuffer(cfg)
+    probe._MustUse__silence = True
+    first_read = 2 * read_beats(probe, 3)
+    beats, model, dut = run_ops(cfg, ops, rng, wgap=0.0, backpressure=0.0,
+                                stall={first_read - 1: 40, first_read - 2: 3})
+    assert beats == first_read + 2 * read_beats(dut, 6)
 
 
-def test_read_throughput():
-    """With rdata always ready a READ streams one word per cycle, K then V, no bubbles,
-    the first one READ_LATENCY cycles after the command."""
-    cfg = TINY
+@pytest.mark.parametrize("name", ["tiny", "b2", "s2p16b8d32"])
+def test_read_throughput(name):
+    """With rdata always ready a READ streams one beat per cycle (a word; banked, a row
+    from every bank), K then V, no bubbles, the first one READ_LATENCY cycles after the
+    command."""
+    cfg = CONFIGS[name]
     rng = np.random.default_rng(9)
     n = 10
     dut = KVBuffer(cfg)
@@ -266,21 +299,21 @@ def test_read_throughput():
     appends = []
     for p in range(n):
         kd, vd = rng.integers(-128, 128, cfg.head_dim), rng.integers(-128, 128, cfg.head_dim)
-        model.append(2, cfg.head_dim, kd, vd)
+        model.append(1, cfg.head_dim, kd, vd)
         model.advance()
         appends.append((kd, vd))
     model.rollback(n - 1)
-    expected = model.read(2)
+    expected = model.read(1)
     stamps, got = [], []
 
     async def tb(ctx):
         for kd, vd in appends:
-            await stream_put(ctx, dut.cmd, {"op": KVOp.APPEND, "slot": 2, "arg": 16})
+            await stream_put(ctx, dut.cmd, {"op": KVOp.APPEND, "slot": 1, "arg": cfg.head_dim})
             for word in words_of(kd, dut.word_bytes) + words_of(vd, dut.word_bytes):
                 await stream_put(ctx, dut.wdata, word)
             await stream_put(ctx, dut.cmd, {"op": KVOp.ADVANCE, "slot": 0, "arg": 0})
         await stream_put(ctx, dut.cmd, {"op": KVOp.ROLLBACK, "slot": 0, "arg": n - 1})
-        await stream_put(ctx, dut.cmd, {"op": KVOp.READ, "slot": 2, "arg": 0})
+        await stream_put(ctx, dut.cmd, {"op": KVOp.READ, "slot": 1, "arg": 0})
         ctx.set(dut.rdata.ready, 1)
         cycle = 0
         while len(got) < len(expected):
@@ -288,23 +321,58 @@ def test_read_throughput():
             cycle += 1
             if valid:
                 stamps.append(cycle)
-                got.append(([int(b) for b in beat.data], int(beat.v), int(beat.last)))
+                got.append(beat_of(dut, beat))
 
     run_simulation(dut, tb)
     assert got == expected
-    assert stamps[-1] - stamps[0] == len(expected) - 1 == 2 * n * dut.words - 1
+    assert stamps[-1] - stamps[0] == len(expected) - 1 == 2 * read_beats(dut, n) - 1
     assert stamps[0] == KVBuffer.READ_LATENCY          # cycles after the READ's transfer
 
 
 def test_address_map_and_width():
     """The documented word width, depth and RAM style, at the tiny and u55c sizes."""
+    u55c = get_preset("alveo-u55c")
     for cfg, wb, depth, style in ((TINY, 8, 2 * 2 * 64 * 2, None),
-                                  (get_preset("alveo-u55c"), 32, 144 * 1024 * 2, "ultra")):
+                                  (u55c, 32, 144 * 1024 * 2, "ultra"),
+                                  # banked: a row per word, each bank 1/16 of the positions
+                                  (u55c.with_changes(kv_banks=16), 64, 144 * 64, "ultra"),
+                                  (CONFIGS["s3p13b4"], 16, 3 * 4, None)):
         kv = KVBuffer(cfg)
         kv._MustUse__silence = True          # only its parameters are inspected here
         assert (kv.word_bytes, kv.words, kv.depth, kv.ram_style) == (wb, cfg.head_dim // wb, depth, style)
 
 
-def test_lint_clean():
-    clean, output = verilator_lint(to_verilog(KVBuffer(TINY), "kv_buffer"), "kv_buffer")
+@pytest.mark.parametrize("name", ["tiny", "s3p13b4"])
+def test_lint_clean(name):
+    clean, output = verilator_lint(to_verilog(KVBuffer(CONFIGS[name]), "kv_buffer"), "kv_buffer")
     assert clean, output
+
+
+def mutant(module, old: str, new: str, shared=("KVOp",)):
+    """A copy of ``module`` with one source edit (``old`` must occur exactly once); the
+    names in ``shared`` stay the original's (enums the test bench encodes with)."""
+    import importlib.util
+    import inspect
+    source = inspect.getsource(module)
+    assert source.count(old) == 1, old
+    spec = importlib.util.spec_from_loader(module.__name__ + "_mutant", loader=None)
+    copy = importlib.util.module_from_spec(spec)
+    exec(compile(source.replace(old, new), module.__file__, "exec"), copy.__dict__)
+    copy.__dict__.update({name: getattr(module, name) for name in shared})
+    return copy
+
+
+@pytest.mark.parametrize("old, new", [
+    ("m.d.sync += bank.eq(pos[:bank_bits])", "m.d.sync += bank.eq(pos[:bank_bits] + 1)"),
+    ("(pos[:bank_bits] >= b for b", "(pos[:bank_bits] > b for b"),
+], ids=["append-bank+1", "keep-off-by-one"])
+def test_a_banking_mutation_is_caught(monkeypatch, old, new):
+    """The banked checks can fail: an APPEND into the neighbouring bank, or a last group
+    that drops its last position, makes test_random_sequences fail."""
+    import dfvg_hw.kv_buffer as kv_module
+    cfg = CONFIGS["b2"]
+    ops = random_ops(cfg, np.random.default_rng(2), 150)
+    run_ops(cfg, ops, np.random.default_rng(3))                 # the original passes
+    monkeypatch.setitem(globals(), "KVBuffer", mutant(kv_module, old, new).KVBuffer)
+    with pytest.raises(AssertionError):
+        run_ops(cfg, ops, np.random.default_rng(3))
