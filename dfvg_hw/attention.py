@@ -24,7 +24,7 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
 from dfvg_hw.spec import numerics as nx
-from dfvg_hw.spec import timing
+from dfvg_hw.spec import kv_timing, timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.elementwise import WIDE_BITS, VectorRequantizer, narrow_unless_wide, reduce_tree
 
@@ -418,77 +418,98 @@ class _AttnPhase(enum.Enum, shape=3):
 class Attention(wiring.Component):
     """One query head over streamed K and V rows, bit-exact with :func:`numerics.attention`.
 
-    Sequence per head (``T`` = number of K rows, ``D = config.head_dim``):
+    Rows come in groups of ``B = config.kv_banks`` (one per KV bank; one row when
+    ``B = 1``), a group a cycle. Sequence per head (``T`` = number of K rows,
+    ``G = ceil(T / B)`` groups, ``D = config.head_dim``):
 
     1. ``q`` beat: the query and the ATTN block's (mult, shift); clears the accumulators.
-    2. **Scores:** one K row per cycle; ``D`` int8 products and a registered adder tree
-       give ``s_t = K[t]·q``, written to a ``kv_positions``-deep score buffer while a
-       running maximum is kept. ``last`` on the final K row ends the pass.
-    3. **Weights:** the buffer is read back through :class:`SoftmaxExp` (one score per
-       cycle); each weight ``e_t`` meets V row ``t`` (one per cycle, in order) and
-       ``E += e_t``, ``num[d] += e_t · V[t][d]``.
+    2. **Scores:** one group of K rows per cycle; ``B·D`` int8 products and ``B``
+       registered adder trees give ``s_t = K[t]·q``, written (with the group's ``keep``
+       mask) to a ``ceil(kv_positions / B)``-deep score buffer, while a registered max tree
+       over the kept lanes (``ceil(log2 B)`` levels) feeds a running maximum. ``last`` on
+       the final group ends the pass.
+    3. **Weights:** the buffer is read back through :class:`SoftmaxExp` (``B`` lanes, a
+       group per cycle; 0 for lanes not kept); the group's weights ``e_t`` meet its V
+       rows (one group per cycle, in order): ``E += Σ e_t`` and ``num[d] += Σ e_t · V[t][d]``
+       through registered adder trees over the ``B`` lanes. Integer sums, so the result
+       is the functional model's in any grouping.
     4. **Reciprocal:** ``R = floor(2^32 / E)`` (:class:`Reciprocal`, 34 cycles).
     5. **Output:** ``o[d] = sat8(round_shift(num[d] · R, 32))``, or int16 with the q beat's
        ``wide`` (:class:`Normalizer`).
 
-    With all streams ready, the output is valid ``cycles(T) = 2·T + ceil(log2 D) + 45``
-    edges after the edge that accepts ``q``. The next head's ``q`` is accepted as soon
-    as the output is handed to the normaliser. Grouped-query attention streams the same K/V
-    for every query head of the group.
+    With all streams ready, the output is valid ``cycles(T) = 2·G + ceil(log2 D) +
+    2·ceil(log2 B) + 45`` edges after the edge that accepts ``q``
+    (:func:`dfvg_hw.spec.kv_timing.attention_head_cycles`). The next head's ``q`` is
+    accepted as soon as the output is handed to the normaliser. Grouped-query attention
+    streams the same K/V for every query head of the group.
 
     Parameters
     ----------
     config : EngineConfig
-        ``head_dim`` (D) and ``kv_positions`` (largest T).
+        ``head_dim`` (D), ``kv_positions`` (largest T) and ``kv_banks`` (B).
 
     Members
     -------
     q : In(stream.Signature(StructLayout({"q": ArrayLayout(signed(8), D), "mult": unsigned(16), "shift": unsigned(6), "wide": 1})))
         The query head, the softmax multiplier and the output width.
     k : In(stream.Signature(StructLayout({"row": ArrayLayout(signed(8), D), "last": 1})))
-        K rows 0 … T−1, ``last`` on row T−1.
+        K rows 0 … T−1, ``last`` on row T−1. With ``B ≥ 2``: ``{"rows": ArrayLayout(
+        ArrayLayout(signed(8), D), B), "keep": unsigned(B), "last": 1}``, groups of rows
+        ``g·B … g·B + B − 1``, ``keep`` marking the rows ``< T`` (at least row ``g·B``).
     v : In(stream.Signature(ArrayLayout(signed(8), D)))
-        V rows 0 … T−1 (taken after all K rows).
+        V rows 0 … T−1 (taken after all K rows); with ``B ≥ 2``
+        ``ArrayLayout(ArrayLayout(signed(8), D), B)``, the same groups (rows not kept
+        are ignored).
     o : Out(stream.Signature(ArrayLayout(signed(16), D)))
         The attention output (int8 sign-extended unless wide).
     """
 
     def __init__(self, config: EngineConfig):
         self.head_dim = d = config.head_dim
+        self.banks = b = config.kv_banks
         self.max_t = config.kv_positions
         self.score_bits = ceil_log2(d) + 2 * nx.ACT_BITS    # |s| ≤ D·2^14
         self.sum_bits = (self.max_t * nx.EXP_ONE).bit_length()
         self.num_bits = (self.max_t * nx.EXP_ONE * 128).bit_length() + 1
         vec8 = data.ArrayLayout(signed(nx.ACT_BITS), d)
+        if b == 1:
+            k_layout, v_layout = data.StructLayout({"row": vec8, "last": 1}), vec8
+        else:
+            v_layout = data.ArrayLayout(vec8, b)
+            k_layout = data.StructLayout({"rows": v_layout, "keep": unsigned(b), "last": 1})
         super().__init__({
             "q": In(stream.Signature(data.StructLayout({
                 "q": vec8, "mult": unsigned(nx.MULT_BITS), "shift": unsigned(6), "wide": 1}))),
-            "k": In(stream.Signature(data.StructLayout({"row": vec8, "last": 1}))),
-            "v": In(stream.Signature(vec8)),
+            "k": In(stream.Signature(k_layout)),
+            "v": In(stream.Signature(v_layout)),
             "o": Out(stream.Signature(data.ArrayLayout(signed(WIDE_BITS), d))),
         })
 
     def cycles(self, t: int) -> int:
         """Edges from accepting ``q`` to a valid output for ``t`` rows, streams ready.
 
-        q (1) + K rows (t) + dot-product tree (ceil(log2 D)) + max/phase (1) + first
-        read (1) + exp path (``SoftmaxExp.LATENCY``) + the other t − 1 weights + V join
-        (1) + accumulate (1) + reciprocal (34) + normaliser (3).
+        q (1) + K groups (G) + dot-product tree (ceil(log2 D)) + max tree (ceil(log2 B))
+        + max/phase (1) + first read (1) + exp path (``SoftmaxExp.LATENCY``) + the other
+        G − 1 weights + V join (1) + column-sum tree (ceil(log2 B)) + accumulate (1) +
+        reciprocal (34) + normaliser (3).
         """
-        return self.head_cycles(self.head_dim, t)
+        return kv_timing.attention_head_cycles(self.head_dim, t, self.banks)
 
     @staticmethod
-    def head_cycles(head_dim: int, t: int) -> int:
-        """:meth:`cycles` for a given head dimension."""
-        return timing.attention_head_cycles(head_dim, t)
+    def head_cycles(head_dim: int, t: int, banks: int = 1) -> int:
+        """:meth:`cycles` for a given head dimension and bank count."""
+        return kv_timing.attention_head_cycles(head_dim, t, banks)
 
     def elaborate(self, platform):
         m = Module()
-        d, sb = self.head_dim, self.score_bits
-        ex = m.submodules.exp = SoftmaxExp(1, sb)
+        d, sb, B = self.head_dim, self.score_bits, self.banks
+        depth = -(-self.max_t // B)                 # score groups
+        ex = m.submodules.exp = SoftmaxExp(B, sb)
         rc = m.submodules.recip = Reciprocal(self.sum_bits)
         nm = m.submodules.norm = Normalizer(d, self.num_bits)
-        scores = m.submodules.scores = Memory(shape=signed(sb), depth=self.max_t, init=[])
+        score_shape = signed(sb) if B == 1 else data.StructLayout({
+            "s": data.ArrayLayout(signed(sb), B), "keep": unsigned(B)})
+        scores = m.submodules.scores = Memory(shape=score_shape, depth=depth, init=[])
         wp, rp = scores.write_port(), scores.read_port()
         phase = Signal(_AttnPhase)
 
@@ -498,22 +519,45 @@ class Attention(wiring.Component):
         m.d.comb += [self.q.ready.eq(phase == _AttnPhase.IDLE),
                      take_q.eq(self.q.valid & self.q.ready)]
 
-        # -- scores --------------------------------------------------------------------------
+        # -- scores: B dot products a cycle --------------------------------------------------
         take_k = Signal()
         k_open = Signal()                       # K rows still expected
         m.d.comb += [self.k.ready.eq((phase == _AttnPhase.SCORE) & k_open),
                      take_k.eq(self.k.valid & self.k.ready)]
-        prods = [Signal(signed(2 * nx.ACT_BITS), name=f"qk{j}") for j in range(d)]
+        k_rows = [self.k.payload.row] if B == 1 else list(self.k.payload.rows)
         p_v, p_last = Signal(), Signal()
         m.d.sync += [p_v.eq(take_k), p_last.eq(take_k & self.k.payload.last)]
-        for j in range(d):
-            m.d.sync += prods[j].eq(self.k.payload.row[j] * q[j])
-        score, s_v, (s_last,), _ = reduce_tree(m, prods, lambda a, b: a + b, valid=p_v,
-                                               tags=[p_last], name="dot")
-        n_rows = Signal(range(self.max_t + 1))
+        p_keep = Signal(B)
+        if B > 1:
+            m.d.sync += p_keep.eq(self.k.payload.keep)
+        bank_scores = []
+        for b in range(B):
+            sfx = "" if B == 1 else f"_{b}"
+            prods = [Signal(signed(2 * nx.ACT_BITS), name=f"qk{sfx}{j}") for j in range(d)]
+            for j in range(d):
+                m.d.sync += prods[j].eq(k_rows[b][j] * q[j])
+            if b == 0:
+                tags = [p_last] + ([p_keep] if B > 1 else [])
+                score, s_v, s_tags, _ = reduce_tree(m, prods, lambda x, y: x + y, valid=p_v,
+                                                    tags=tags, name=f"dot{sfx}")
+                s_last = s_tags[0]
+                s_keep = s_tags[1] if B > 1 else Const(1, 1)
+            else:
+                score, *_ = reduce_tree(m, prods, lambda x, y: x + y, name=f"dot{sfx}")
+            bank_scores.append(score)
+        n_rows = Signal(range(depth + 1))       # groups written
         smax = Signal(signed(sb))
         lo = -(1 << (sb - 1))
-        m.d.comb += [wp.en.eq(s_v), wp.addr.eq(n_rows), wp.data.eq(score)]
+        m.d.comb += [wp.en.eq(s_v), wp.addr.eq(n_rows)]
+        if B == 1:
+            m.d.comb += wp.data.eq(bank_scores[0])
+        else:
+            m.d.comb += [wp.data.keep.eq(s_keep)] + [wp.data.s[b].eq(bank_scores[b])
+                                                      for b in range(B)]
+        # the group's maximum over its kept lanes (row g·B is always kept)
+        masked = [bank_scores[0]] + [Mux(s_keep[b], bank_scores[b], lo) for b in range(1, B)]
+        gmax, g_v, (g_last,), _ = reduce_tree(m, masked, _smax, valid=s_v, tags=[s_last],
+                                              name="gmax")
         with m.If(take_q):
             m.d.sync += [q.eq(self.q.payload.q), mult.eq(self.q.payload.mult),
                          shift.eq(self.q.payload.shift), wide.eq(self.q.payload.wide),
@@ -522,12 +566,14 @@ class Attention(wiring.Component):
         with m.If(take_k & self.k.payload.last):
             m.d.sync += k_open.eq(0)
         with m.If(s_v):
-            m.d.sync += [n_rows.eq(n_rows + 1), smax.eq(_smax(smax, score))]
-            with m.If(s_last):
+            m.d.sync += n_rows.eq(n_rows + 1)
+        with m.If(g_v):
+            m.d.sync += smax.eq(_smax(smax, gmax))
+            with m.If(g_last):
                 m.d.sync += phase.eq(_AttnPhase.EXP)
 
         # -- weights: read the scores back through the exp path, meet the V rows ---------------
-        rd = Signal(range(self.max_t + 1))
+        rd = Signal(range(depth + 1))
         r_v, r_last, r_adv, issue = Signal(), Signal(), Signal(), Signal()
         issuing = Signal()                     # reads still to issue
         m.d.comb += [
@@ -535,13 +581,16 @@ class Attention(wiring.Component):
             issue.eq(r_adv & issuing),
             rp.en.eq(r_adv), rp.addr.eq(rd),
             ex.i.valid.eq(r_v),
-            ex.i.payload.s[0].eq(rp.data), ex.i.payload.keep.eq(1),
             ex.i.payload.max.eq(smax), ex.i.payload.mult.eq(mult),
             ex.i.payload.shift.eq(shift), ex.i.payload.last.eq(r_last),
         ]
+        if B == 1:
+            m.d.comb += [ex.i.payload.s[0].eq(rp.data), ex.i.payload.keep.eq(1)]
+        else:
+            m.d.comb += [ex.i.payload.s.eq(rp.data.s), ex.i.payload.keep.eq(rp.data.keep)]
         with m.If(r_adv):
             m.d.sync += [r_v.eq(issue), r_last.eq(rd == n_rows - 1)]
-        with m.If(s_v & s_last):
+        with m.If(g_v & g_last):
             m.d.sync += [rd.eq(0), issuing.eq(1)]
         with m.If(issue):
             m.d.sync += rd.eq(rd + 1)
@@ -550,22 +599,37 @@ class Attention(wiring.Component):
 
         e_sum = Signal(self.sum_bits)
         num = [Signal(signed(self.num_bits), name=f"num{j}") for j in range(d)]
-        ev = [Signal(signed(EXP_BITS + nx.ACT_BITS + 1), name=f"ev{j}") for j in range(d)]
         mac_v, mac_last = Signal(), Signal()
         join = Signal()
         m.d.comb += [join.eq(ex.o.valid & self.v.valid),
                      ex.o.ready.eq(self.v.valid), self.v.ready.eq(ex.o.valid)]
-        e = ex.o.payload.e[0]
+        v_rows = [self.v.payload] if B == 1 else list(self.v.payload)
+        es = list(ex.o.payload.e)
         m.d.sync += [mac_v.eq(join), mac_last.eq(join & ex.o.payload.last)]
+        ev = [[Signal(signed(EXP_BITS + nx.ACT_BITS + 1),
+                      name=f"ev{j}" if B == 1 else f"ev_{b}_{j}") for j in range(d)]
+              for b in range(B)]
+        for b in range(B):
+            for j in range(d):
+                m.d.sync += ev[b][j].eq(es[b] * v_rows[b][j])
+        # Σ_b e_b and Σ_b e_b·V_b[d]: registered trees over the B lanes (none for one bank)
+        e_tot, e_v, _, _ = reduce_tree(m, es, lambda x, y: x + y, valid=join, name="esum")
+        col_v = col_last = None
         for j in range(d):
-            m.d.sync += ev[j].eq(e * self.v.payload[j])
-            with m.If(mac_v):
-                m.d.sync += num[j].eq(num[j] + ev[j])
-        with m.If(join):
-            m.d.sync += e_sum.eq(e_sum + e)
+            if j == 0:
+                col, col_v, (col_last,), _ = reduce_tree(
+                    m, [ev[b][j] for b in range(B)], lambda x, y: x + y, valid=mac_v,
+                    tags=[mac_last], name=f"col{j}")
+            else:
+                col, *_ = reduce_tree(m, [ev[b][j] for b in range(B)], lambda x, y: x + y,
+                                      name=f"col{j}")
+            with m.If(col_v):
+                m.d.sync += num[j].eq(num[j] + col)
+        with m.If(e_v):
+            m.d.sync += e_sum.eq(e_sum + e_tot)
         with m.If(take_q):
             m.d.sync += [e_sum.eq(0)] + [n.eq(0) for n in num]
-        with m.If(mac_v & mac_last):
+        with m.If(col_v & col_last):
             m.d.sync += phase.eq(_AttnPhase.DIV)
 
         # -- reciprocal and output --------------------------------------------------------------

@@ -16,6 +16,10 @@ from sim.testbench import first_valid_after_accept, run_simulation, stream_get, 
 TINY = get_preset("tiny")
 CONFIGS = [TINY, TINY.with_changes(name="tiny-l8-hd32", lanes=8, head_dim=32)]
 IDS = ["tiny", "l8-hd32"]
+#: banked: B K (V) rows a cycle, one from each KV bank
+BANKED = [TINY.with_changes(kv_banks=2), TINY.with_changes(kv_banks=4),
+          TINY.with_changes(kv_banks=8, kv_positions=40)]
+BANKED_IDS = ["b2", "b4", "b8"]
 I32 = (-2 ** 31, 2 ** 31 - 1)
 
 
@@ -205,9 +209,35 @@ def test_normalizer_random(lanes):
 
 
 # -- attention --------------------------------------------------------------------------
-def simulate_attention(dut, heads, v_stall=(1,), o_stall=(1,)):
-    """heads: list of (q, k, v, mult, shift, wide) → list of outputs (int16 when wide)."""
+def groups(rows, banks, rng):
+    """K or V rows in groups of ``banks`` (one per KV bank): (rows, keep) per group, the
+    rows past the end random (stale KV that the keep mask must hide)."""
+    out = []
+    for g in range(0, len(rows), banks):
+        chunk = [ints(r) for r in rows[g:g + banks]]
+        keep = (1 << len(chunk)) - 1
+        chunk += [ints(rng.integers(-128, 128, len(rows[0]))) for _ in range(banks - len(chunk))]
+        out.append((chunk, keep))
+    return out
+
+
+def simulate_attention(dut, heads, v_stall=(1,), o_stall=(1,), seed=0):
+    """heads: list of (q, k, v, mult, shift, wide) → list of outputs (int16 when wide).
+    With ``dut.banks ≥ 2`` the rows go in groups, stale rows past the end."""
     got = []
+    B = dut.banks
+    rng = np.random.default_rng(seed)
+    k_beats, v_beats = [], []
+    for q, k, v, *_ in heads:
+        if B == 1:
+            k_beats.append([{"row": ints(k[t]), "last": int(t == len(k) - 1)}
+                            for t in range(len(k))])
+            v_beats.append([ints(row) for row in v])
+        else:
+            kg, vg = groups(k, B, rng), groups(v, B, rng)
+            k_beats.append([{"rows": rows, "keep": keep, "last": int(i == len(kg) - 1)}
+                            for i, (rows, keep) in enumerate(kg)])
+            v_beats.append([rows for rows, _ in vg])
 
     async def put_q(ctx):
         for q, k, v, mult, shift, wide in heads:
@@ -215,18 +245,18 @@ def simulate_attention(dut, heads, v_stall=(1,), o_stall=(1,)):
                                           "wide": int(wide)})
 
     async def put_k(ctx):
-        for q, k, v, *_ in heads:
-            for t in range(len(k)):
-                await stream_put(ctx, dut.k, {"row": ints(k[t]), "last": int(t == len(k) - 1)})
+        for beats in k_beats:
+            for beat in beats:
+                await stream_put(ctx, dut.k, beat)
 
     async def put_v(ctx):
         c = 0
-        for q, k, v, *_ in heads:
-            for t in range(len(v)):
+        for beats in v_beats:
+            for beat in beats:
                 if not v_stall[c % len(v_stall)]:
                     await ctx.tick()
                 c += 1
-                await stream_put(ctx, dut.v, ints(v[t]))
+                await stream_put(ctx, dut.v, beat)
 
     async def get(ctx):
         for c in range(len(heads)):
@@ -302,41 +332,94 @@ def test_attention_full_kv_buffer():
         np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift, 16 if wide else 8))
 
 
-@pytest.mark.parametrize("t", [1, 7])
-def test_attention_cycles(t):
-    dut = Attention(TINY)
-    d = TINY.head_dim
+def banked_edge_heads(rng, d, banks, max_t):
+    """Lengths at the bank edges: t = 1, t mod B = 0, t mod B = B − 1, t = kv_positions;
+    a saturating head (every score equal and extreme) and the largest max-to-score gap."""
+    heads = []
+    for t in sorted({1, banks, banks - 1 or 1, banks + 1, 2 * banks, 2 * banks - 1, max_t}):
+        heads.append((rng.integers(-128, 128, d), rng.integers(-128, 128, (t, d)),
+                      rng.integers(-128, 128, (t, d)), 50000, 24, bool(t % 2)))
+    full = np.full(d, -128)
+    heads += [(full, np.full((banks + 1, d), -128), np.full((banks + 1, d), 127), 65535, 0, False),
+              (full, np.tile([[-128], [127]], (banks + 1, d)),
+               rng.integers(-128, 128, (2 * banks + 2, d)), 65535, 0, True)]
+    return heads
+
+
+@pytest.mark.parametrize("cfg", BANKED, ids=BANKED_IDS)
+def test_banked_attention_random(cfg):
+    """B rows a cycle against numerics.attention: the edge lengths, then random heads;
+    the rows past T in the last group are random, as stale KV would be."""
+    rng = np.random.default_rng(100 + cfg.kv_banks)
+    d, B = cfg.head_dim, cfg.kv_banks
+    heads = banked_edge_heads(rng, d, B, cfg.kv_positions) \
+        + random_heads(rng, math.ceil(400 / d), d, cfg.kv_positions)
+    got = simulate_attention(Attention(cfg), heads, v_stall=(1, 1, 0), o_stall=(1, 0), seed=B)
+    for (q, k, v, mult, shift, wide), o in zip(heads, got):
+        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift, 16 if wide else 8))
+    assert sum(len(o) for o in got) >= 400
+
+
+def test_banked_attention_mutation_is_caught(monkeypatch):
+    """The banked check can fail: a group maximum that also takes the lanes past T (stale
+    rows) gives other outputs."""
+    import dfvg_hw.attention as attention_module
+    from tests.rtl.test_kv_buffer import mutant
+    cfg = BANKED[1]
+    rng = np.random.default_rng(7)
+    d = cfg.head_dim
+    heads = [(rng.integers(-128, 128, d), rng.integers(-128, 128, (t, d)),
+              rng.integers(-128, 128, (t, d)), 50000, 24, False) for t in (1, 5, 6, 7)]
+    want = [nx.attention(q, k, v, mult, shift, 8) for q, k, v, mult, shift, _ in heads]
+    bad = mutant(attention_module, "[Mux(s_keep[b], bank_scores[b], lo) for b in range(1, B)]",
+                 "[bank_scores[b] for b in range(1, B)]", shared=()).Attention(cfg)
+    got = simulate_attention(bad, heads, seed=1)
+    assert any((o != w).any() for o, w in zip(got, want))
+    got = simulate_attention(Attention(cfg), heads, seed=1)
+    assert all((o == w).all() for o, w in zip(got, want))
+
+
+@pytest.mark.parametrize("cfg, t", [(TINY, 1), (TINY, 7), (BANKED[0], 1), (BANKED[0], 7),
+                                    (BANKED[1], 8), (BANKED[2], 13)],
+                         ids=["b1-t1", "b1-t7", "b2-t1", "b2-t7", "b4-t8", "b8-t13"])
+def test_attention_cycles(cfg, t):
+    dut = Attention(cfg)
+    d, B = cfg.head_dim, cfg.kv_banks
+    G = -(-t // B)
     result = []
 
     async def tb(ctx):
         ctx.set(dut.o.ready, 1)
         ctx.set(dut.k.valid, 1)
         ctx.set(dut.v.valid, 1)
-        ctx.set(dut.k.payload, {"row": [1] * d, "last": 0})
-        ctx.set(dut.v.payload, [3] * d)
+        row = (lambda last: {"row": [1] * d, "last": last}) if B == 1 else \
+            (lambda last: {"rows": [[1] * d] * B, "keep": (1 << B) - 1, "last": last})
+        ctx.set(dut.k.payload, row(0))
+        ctx.set(dut.v.payload, [3] * d if B == 1 else [[3] * d] * B)
         ctx.set(dut.q.payload, {"q": [1] * d, "mult": 1000, "shift": 10, "wide": 0})
         ctx.set(dut.q.valid, 1)
         await ctx.tick().until(dut.q.ready)
         ctx.set(dut.q.valid, 0)
         n, rows = 1, 0
         while not ctx.get(dut.o.valid):
-            ctx.set(dut.k.payload, {"row": [1] * d, "last": int(rows == t - 1)})
-            ctx.set(dut.k.valid, rows < t)
+            ctx.set(dut.k.payload, row(int(rows == G - 1)))
+            ctx.set(dut.k.valid, rows < G)
             *_, kr = await ctx.tick().sample(dut.k.ready)
-            rows += int(kr and rows < t)
+            rows += int(kr and rows < G)
             n += 1
         result.append(n)
         assert list(ctx.get(dut.o.payload)) == [3] * d
 
     run_simulation(dut, tb)
-    assert result[0] == dut.cycles(t) == 2 * t + 4 + 45
+    levels = (B - 1).bit_length()
+    assert result[0] == dut.cycles(t) == 2 * G + 4 + 2 * levels + 45
 
 
 # -- lint ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("make", [
     lambda: SoftmaxExp(TINY.lanes, 32), lambda: SoftmaxWeights(TINY), lambda: Reciprocal(23),
-    lambda: Normalizer(TINY.lanes, 31), lambda: Attention(TINY),
-], ids=["exp", "weights", "reciprocal", "normalizer", "attention"])
+    lambda: Normalizer(TINY.lanes, 31), lambda: Attention(TINY), lambda: Attention(BANKED[0]),
+], ids=["exp", "weights", "reciprocal", "normalizer", "attention", "attention-b2"])
 def test_lint_clean(make, monkeypatch):
     monkeypatch.setitem(rtl_lint.VERILATOR_WAIVERS, "DECLFILENAME",
                         "Amaranth emits every submodule into the top module's file")

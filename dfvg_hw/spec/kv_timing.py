@@ -1,0 +1,41 @@
+"""Latencies of the banked KV path (``kv_banks``), written once for the RTL and the cycle
+model (:mod:`sim.attention_timing`); the common ones live in :mod:`dfvg_hw.spec.timing`.
+
+With ``B = kv_banks`` banks the attention unit takes ``B`` K rows (then ``B`` V rows) a
+cycle: ``G = ceil(t / B)`` groups per pass instead of ``t`` rows, and two reduction trees
+over the ``B`` lanes that one bank does not have (``ceil(log2 B)`` registered levels each,
+0 for one bank): the group's score maximum, and the ``Σ_b e_b·V_b`` column sums ahead of
+the accumulators. numpy/stdlib only, like the rest of :mod:`dfvg_hw.spec`.
+"""
+
+from __future__ import annotations
+
+from math import gcd
+
+from dfvg_hw.spec import timing as tm
+
+__all__ = ["kv_groups", "kv_words", "bank_tree_levels", "attention_head_cycles"]
+
+
+def kv_groups(t: int, banks: int) -> int:
+    """Groups of ``banks`` positions that cover positions ``0 … t − 1`` (a READ beat each)."""
+    return -(-t // banks)
+
+
+def kv_words(reduce: int, head_dim: int, banks: int) -> int:
+    """KV buffer words per entry: ``head_dim / gcd(reduce, head_dim)`` with one bank (a
+    word is one K-slice), 1 with ``banks ≥ 2`` (a bank word is a whole row)."""
+    return head_dim // gcd(reduce, head_dim) if banks == 1 else 1
+
+
+def bank_tree_levels(banks: int) -> int:
+    """Registered levels of a reduction over the ``banks`` lanes (0 for one bank)."""
+    return tm.ceil_log2(banks)
+
+
+def attention_head_cycles(head_dim: int, t: int, banks: int = 1) -> int:
+    """Attention: edges from accepting ``q`` to a valid output over ``t`` positions, the
+    streams ready (a group of ``banks`` K or V rows a cycle). ``banks = 1`` is
+    :func:`dfvg_hw.spec.timing.attention_head_cycles`."""
+    g = kv_groups(t, banks)
+    return tm.attention_head_cycles(head_dim, g) + 2 * bank_tree_levels(banks)
