@@ -39,7 +39,10 @@ class AlveoU250Platform(AlveoPlatform):
     pcie = PcieLink(lanes=16, gen=3, block=None, quad=None)
     memory = MemorySystem(kind=DDR4, channels=4, bytes_per_channel=16 * GiB,
                           refclks=tuple(f"ddr4_c{i}_sysclk" for i in range(4)), refclk_mhz=300.0,
-                          board_interfaces=tuple(f"ddr4_sdram_c{i}" for i in range(4)))
+                          board_interfaces=tuple(f"ddr4_sdram_c{i}" for i in range(4)),
+                          # DDR4-2400 x72 per channel: the controller's AXI port is 512 bits
+                          # at its 300 MHz UI clock (PG150), 19.2 GB/s each, 77 GB/s in all.
+                          port_bits=512, port_max_mhz=300.0)
     # DS962 (Alveo U200 and U250 data sheet), U250 column: 1,728K LUTs, 3,456K
     # registers, 12,288 DSP slices, 2,688 block RAMs (94.5 Mb), 1,280 UltraRAMs (360 Mb).
     capacity = PartCapacity(lut=1_728_000, ff=3_456_000, dsp=12_288, bram36=2_688, uram=1_280,

@@ -31,8 +31,11 @@ class AlveoU280Platform(AlveoPlatform):
     fabric_clock = "sysclk2"
     # Same package and PCIe lane placement as the U55C (quads 224-227, PCIE4C X1Y0).
     pcie = PcieLink(lanes=16, gen=3, block="PCIE4C_X1Y0", quad="GTY_Quad_227")
+    # Two 4-high stacks of 4 GiB: 32 pseudo-channels of 256 MiB, each behind its own
+    # 256-bit AXI port that takes up to 450 MHz (PG276; 460 GB/s in all, DS963).
     memory = MemorySystem(kind=HBM, channels=2, bytes_per_channel=4 * GiB,
-                          refclks=("hbm_refclk",), refclk_mhz=100.0, cattrip="hbm_cattrip")
+                          refclks=("hbm_refclk",), refclk_mhz=100.0, cattrip="hbm_cattrip",
+                          pseudo_channels=32, port_bits=256, port_max_mhz=450.0)
     # DS963 (Alveo U280 data sheet): 1,304K LUTs, 2,607K registers, 9,024 DSP slices,
     # 2,016 block RAMs (70.9 Mb), 960 UltraRAMs (270 Mb).
     capacity = PartCapacity(lut=1_303_680, ff=2_607_360, dsp=9_024, bram36=2_016, uram=960,

@@ -36,8 +36,11 @@ class AlveoU55CPlatform(AlveoPlatform):
     # The x16 lanes occupy GTY quads 224-227 next to the PCIE4C hard block X1Y0; the
     # Vitis shells and open-source XDMA designs for this card place the XDMA there.
     pcie = PcieLink(lanes=16, gen=3, block="PCIE4C_X1Y0", quad="GTY_Quad_227")
+    # Two 8-high stacks of 8 GiB: 32 pseudo-channels of 512 MiB, each behind its own
+    # 256-bit AXI port that takes up to 450 MHz (PG276; 32 x 14.4 GB/s = 460 GB/s, DS978).
     memory = MemorySystem(kind=HBM, channels=2, bytes_per_channel=8 * GiB,
-                          refclks=("hbm_refclk",), refclk_mhz=100.0, cattrip="hbm_cattrip")
+                          refclks=("hbm_refclk",), refclk_mhz=100.0, cattrip="hbm_cattrip",
+                          pseudo_channels=32, port_bits=256, port_max_mhz=450.0)
     # DS978 (Alveo U55C data sheet), table "Alveo U55C card": 1,304K LUTs, 2,607K
     # registers, 9,024 DSP slices, 2,016 block RAMs (70.9 Mb), 960 UltraRAMs (270 Mb).
     capacity = PartCapacity(lut=1_303_680, ff=2_607_360, dsp=9_024, bram36=2_016, uram=960,

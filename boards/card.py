@@ -141,6 +141,17 @@ class MemorySystem:
     mig : object or None
         For DDR3, the MIG 7-series settings (:class:`boards.mig7.Mig7Ddr3`): its pins come
         from the platform's ``ddr3`` resource through the MIG project file.
+    pseudo_channels : int
+        HBM only: the pseudo-channels of both stacks together (32 on the XCU55C and
+        XCU280), each with its own AXI slave port ``SAXI_00`` … ``SAXI_31`` and its own
+        ``total_bytes / pseudo_channels`` of memory.
+    port_bits : int
+        Data width of one AXI slave port of the controller: 256 for an HBM pseudo-channel
+        (PG276), 512 for a DDR4 controller's ``C0_DDR4_S_AXI`` (PG150). 0: not recorded.
+    port_max_mhz : float
+        The fastest AXI clock the controller's ports take: 450 MHz for HBM (PG276; 256 bits
+        at 450 MHz = 14.4 GB/s, one pseudo-channel's peak), and for DDR4 the UI clock it
+        runs its AXI port from (300 MHz at 2400 MT/s, a quarter of the memory clock).
     """
     kind: str
     channels: int
@@ -150,10 +161,29 @@ class MemorySystem:
     board_interfaces: tuple[str, ...] = ()
     cattrip: str | None = None
     mig: object = None
+    pseudo_channels: int = 0
+    port_bits: int = 0
+    port_max_mhz: float = 0.0
 
     @property
     def total_bytes(self) -> int:
         return self.channels * self.bytes_per_channel
+
+    @property
+    def slave_ports(self) -> int:
+        """AXI slave ports of the memory system: pseudo-channels for HBM, else channels."""
+        return self.pseudo_channels if self.kind == HBM else self.channels
+
+    @property
+    def port_span_bytes(self) -> int:
+        """Memory behind one slave port (an HBM pseudo-channel, a DDR channel)."""
+        return self.total_bytes // self.slave_ports
+
+    @property
+    def hbm_8high(self) -> bool:
+        """Whether the HBM stacks are 8-high (8 GiB each, the XCU55C's): the HBM IP then
+        names its ports ``SAXI_00_8HI`` …; 4-high stacks (4 GiB, the XCU280's) ``SAXI_00`` …"""
+        return self.kind == HBM and self.bytes_per_channel >= 8 << 30
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,12 @@ from pathlib import Path
 
 from boards.card import DDR3, DDR4, HBM, SERIES7, CardPlatform
 from boards.mig7 import prj_text
+from dfvg_hw.axi4 import master_prefix
 from dfvg_hw.spec.regmap import register_space_bits
 
-__all__ = ["EngineInterface", "register_space_bits", "xdc_text", "tcl_flow", "write_flow",
-           "FlowFiles", "vivado_command", "run_flow", "TCL_NAME", "PROGRESS_PREFIX"]
+__all__ = ["EngineInterface", "MemoryLink", "HostPath", "memory_links", "host_path",
+           "register_space_bits", "xdc_text", "tcl_flow", "write_flow", "FlowFiles",
+           "vivado_command", "run_flow", "TCL_NAME", "PROGRESS_PREFIX"]
 
 #: Name of the flow script in the build tree.
 TCL_NAME = "build.tcl"
@@ -71,12 +73,22 @@ class EngineInterface:
     axil_addr_width : int
         Its address width: the register space (:func:`register_space_bits`).
     axi_prefix : str
-        Prefix of the AXI4 master ports (``m_axi_araddr`` …) into device memory.
+        Prefix of the AXI4 master ports (``m_axi_araddr`` …) into device memory of a
+        one-port engine; an engine with several ports names them
+        :func:`dfvg_hw.axi4.master_prefix` (``m00_axi_``, ``m01_axi_`` …), see
+        :attr:`axi_prefixes`.
     axi_data_width, axi_addr_width : int
-        Memory master data width (the preset's ``mem_port_bits``; 256 at the Alveo
-        presets: one HBM pseudo-channel beat; the SmartConnect converts for DDR4's 512) and address width (64, as the XDMA's).
+        Data width of each memory master (the preset's ``mem_port_bits``; the bridge in
+        front of the memory controller converts to its ports' width) and address width
+        (64, as the XDMA's).
     irq : str
         Level interrupt output (``IRQ_STATUS & IRQ_ENABLE ≠ 0``) to XDMA user IRQ 0.
+    mem_ports : int
+        Memory masters (``EngineConfig.mem_ports``): master ``p`` reads and writes only
+        channel ``p``, physical bytes ``[p·C, (p+1)·C)`` with ``C = mem_bytes / mem_ports``.
+    mem_clock_mhz : float
+        Clock of the memory controller's AXI ports (``EngineConfig.mem_clock_mhz``; 0: the
+        engine clock).
     """
     verilog_files: tuple[str, ...]
     clock_mhz: float
@@ -89,14 +101,17 @@ class EngineInterface:
     axi_data_width: int = 256
     axi_addr_width: int = 64
     irq: str = "irq"
+    mem_ports: int = 1
+    mem_clock_mhz: float = 0.0
 
     AXIL_DATA_WIDTH = 32
 
     @classmethod
     def for_config(cls, config, verilog_files, **changes) -> "EngineInterface":
-        """The interface of an engine built from ``config`` (an ``EngineConfig``): its clock
-        and its memory port's width."""
-        changes = {"axi_data_width": config.mem_port_bits, **changes}
+        """The interface of an engine built from ``config`` (an ``EngineConfig``): its clock,
+        its memory ports, their width and the memory side's clock."""
+        changes = {"axi_data_width": config.mem_port_bits, "mem_ports": config.mem_ports,
+                   "mem_clock_mhz": config.mem_clock_mhz, **changes}
         return cls(verilog_files=tuple(str(f) for f in verilog_files), clock_mhz=config.clock_mhz,
                    **changes)
 
@@ -107,14 +122,32 @@ class EngineInterface:
 
     @property
     def axi_bus(self) -> str:
-        return self.axi_prefix.rstrip("_")
+        """The first (on a one-port engine, the only) memory master's interface name."""
+        return self.axi_buses[0]
+
+    @property
+    def axi_prefixes(self) -> tuple[str, ...]:
+        """Port-name prefix of each memory master, master 0 first."""
+        if self.mem_ports == 1:
+            return (self.axi_prefix,)
+        return tuple(master_prefix(p, self.mem_ports) for p in range(self.mem_ports))
+
+    @property
+    def axi_buses(self) -> tuple[str, ...]:
+        """Interface name Vivado infers for each memory master (``m_axi``; ``m00_axi`` …)."""
+        return tuple(prefix.rstrip("_") for prefix in self.axi_prefixes)
+
+    @property
+    def memory_clock_mhz(self) -> float:
+        """The memory controller side's AXI clock: ``mem_clock_mhz``, or the engine's."""
+        return self.mem_clock_mhz or self.clock_mhz
 
     def ports(self) -> list[tuple[str, str, int]]:
         """Every port as (name, "in"/"out", width), clock and reset first.
 
         These names are what Vivado's interface inference needs to see the AXI buses.
         """
-        lite, full = self.axil_prefix, self.axi_prefix
+        lite = self.axil_prefix
         aw, dw = self.axil_addr_width, self.AXIL_DATA_WIDTH
         ports = [(self.clock, "in", 1), (self.reset, "in", 1)]
         # AXI4-Lite slave: the host's register reads and writes.
@@ -124,9 +157,9 @@ class EngineInterface:
             ("bresp", "out", 2), ("bvalid", "out", 1), ("bready", "in", 1),
             ("araddr", "in", aw), ("arprot", "in", 3), ("arvalid", "in", 1), ("arready", "out", 1),
             ("rdata", "out", dw), ("rresp", "out", 2), ("rvalid", "out", 1), ("rready", "in", 1)]]
-        # AXI4 master: bursts into device memory.
+        # AXI4 masters: bursts into device memory, one master per memory channel.
         aw, dw = self.axi_addr_width, self.axi_data_width
-        ports += [(full + n, d, w) for n, d, w in [
+        ports += [(full + n, d, w) for full in self.axi_prefixes for n, d, w in [
             ("awaddr", "out", aw), ("awlen", "out", 8), ("awsize", "out", 3), ("awburst", "out", 2),
             ("awvalid", "out", 1), ("awready", "in", 1),
             ("wdata", "out", dw), ("wstrb", "out", dw // 8), ("wlast", "out", 1),
@@ -203,6 +236,7 @@ def xdc_text(board: CardPlatform, interface: EngineInterface) -> str:
             "# CATTRIP is a static status output to the satellite controller: no timing.",
             f"set_false_path -to [get_ports {board.memory.cattrip}]",
         ]
+    lines += _memory_clock_notes(board, interface)
     lines += [
         "",
         "# The board clocks, the XDMA's axi_aclk and the engine clock are unrelated; the",
@@ -212,6 +246,30 @@ def xdc_text(board: CardPlatform, interface: EngineInterface) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _memory_clock_notes(board: CardPlatform, interface: EngineInterface) -> list[str]:
+    """What the clock groups below cover on a multi-port engine: the clocks Vivado derives
+    from the clock generators (no create_clock of their own, which would override them)."""
+    links = memory_links(board, interface)
+    if not links and not (board.memory.kind == HBM and _separate_memory_clock(interface)):
+        return []
+    fabric = board.fabric_clock or "the memory controller's UI clock"
+    lines = ["", f"# Memory clocks of the {interface.mem_ports}-port engine (derived by Vivado from the "
+             "clock generators):",
+             f"#   engine clock {interface.clock_mhz:g} MHz: {CLK_WIZ} from {fabric}, "
+             f"in the {fabric} group below;"]
+    if board.memory.kind == HBM:
+        lines += [f"#   HBM AXI clock {interface.memory_clock_mhz:g} MHz: "
+                  + (f"{HBM_CLK_WIZ} from {board.memory.refclks[0]}, in the {board.memory.refclks[0]} group;"
+                     if _separate_memory_clock(interface) else "the engine clock;"),
+                  "#   every engine-to-HBM crossing is inside a port's SmartConnect (its clock",
+                  "#   converter carries its own CDC constraints)."]
+    else:
+        lines += [f"#   DDR4 channel p's UI clock {board.memory.port_max_mhz:g} MHz: its controller's MMCM, from "
+                  "ddr4_c<p>_sysclk, in that clock's group;",
+                  "#   every engine-to-controller crossing is inside channel p's SmartConnect."]
+    return lines
 
 
 # ---------------------------------------------------------------------------------------
@@ -423,14 +481,200 @@ def _smartconnect(name: str, n_si: int, n_mi: int, clocks: list[str], reset: str
     return body
 
 
-def _hbm_port(index: int) -> str:
-    # HBM IP v1.0 names its AXI3 pseudo-channel slaves SAXI_00_8HI … SAXI_31_8HI.
-    return f"SAXI_{index:02d}_8HI"
+def _hbm_port(board: CardPlatform, index: int) -> str:
+    """The HBM IP's AXI3 slave port ``index``: ``SAXI_00_8HI`` … on 8-high stacks (XCU55C),
+    ``SAXI_00`` … on 4-high ones (XCU280)."""
+    return f"SAXI_{index:02d}" + ("_8HI" if board.memory.hbm_8high else "")
+
+
+def _hbm_segment(board: CardPlatform, port: int, channel: int) -> str:
+    """Address segment of pseudo-channel ``channel`` as seen through SAXI port ``port``
+    (the HBM IP gives each pseudo-channel a fixed segment ``HBM_MEMnn`` at ``nn`` times
+    its size, on every port that reaches it)."""
+    return f"{HBM_CELL}/{_hbm_port(board, port)}/HBM_MEM{channel:02d}"
+
+
+@dataclass(frozen=True)
+class MemoryLink:
+    """One engine memory master's own path into device memory (an engine with several
+    memory ports; a one-port engine keeps the flow's shared SmartConnect).
+
+    Attributes
+    ----------
+    master : int
+        The engine's memory master (``mem_ports`` of them).
+    bus : str
+        Its interface on the engine cell (``m00_axi`` …).
+    bridge : str
+        The 1:1 SmartConnect between the master and the controller port (2:1 where the
+        host path shares it): clock, width and AXI4-to-AXI3 conversion, and the address
+        decode that answers DECERR outside the channel.
+    slave : str
+        The controller's AXI slave interface the bridge drives (``hbm_0/SAXI_05_8HI``,
+        ``ddr4_c2/C0_DDR4_S_AXI``).
+    offset, size : int
+        The master's channel: physical bytes ``[offset, offset + size)``.
+    segments : tuple of (str, int, int)
+        (address segment, offset, range) mapped into the master's address space: its
+        channel, which is all it can reach.
+    excluded : tuple of (str, int, int)
+        Segments its slave port could reach but that are excluded from its address space
+        (the rest of HBM, through the HBM's global switch).
+    host_shared : bool
+        Whether the host path enters device memory through this link's bridge too.
+    """
+    master: int
+    bus: str
+    bridge: str
+    slave: str
+    offset: int
+    size: int
+    segments: tuple[tuple[str, int, int], ...]
+    excluded: tuple[tuple[str, int, int], ...] = ()
+    host_shared: bool = False
+
+
+@dataclass(frozen=True)
+class HostPath:
+    """How the XDMA's ``M_AXI`` (host DMA) reaches all of device memory on a multi-port
+    engine. It carries host transfers only (weights, programs, requests and results); while
+    the engine drafts it is idle, so a port it shares is the engine's alone then.
+
+    Attributes
+    ----------
+    bridge : str
+        The SmartConnect the XDMA's ``M_AXI`` enters.
+    slave_interface : str
+        That SmartConnect's slave interface the XDMA drives.
+    ports : tuple of str
+        The controller ports it reaches memory through.
+    segments : tuple of (str, int, int)
+        (address segment, offset, range): every byte of device memory, at its physical
+        address (= the file offset of ``/dev/xdma0_h2c_0`` and ``_c2h_0``).
+    """
+    bridge: str
+    slave_interface: str
+    ports: tuple[str, ...]
+    segments: tuple[tuple[str, int, int], ...]
+
+
+#: The SmartConnect that fans the host path out to the DDR4 channels' bridges, or gives it
+#: an HBM port of its own.
+HOST_SC = "host_sc"
+#: The HBM AXI clock's generator and reset (when it differs from the engine clock).
+HBM_CLK_WIZ, HBM_AXI_RESET = "hbm_clk_wiz", "hbm_axi_reset"
+
+
+def check_memory_ports(board: CardPlatform, interface: EngineInterface) -> None:
+    """Refuse an engine whose memory masters cannot each own a part of ``board``'s memory."""
+    n, mem = interface.mem_ports, board.memory
+    if n == 1:
+        return
+    if mem.kind == HBM:
+        if mem.pseudo_channels % n:
+            raise ValueError(f"board {board.name}: a {n}-port engine does not divide the HBM's "
+                             f"{mem.pseudo_channels} pseudo-channels; mem_ports must divide "
+                             f"{mem.pseudo_channels}")
+        if mem.port_max_mhz and interface.memory_clock_mhz > mem.port_max_mhz:
+            raise ValueError(f"board {board.name}: the HBM's AXI ports run at most "
+                             f"{mem.port_max_mhz:g} MHz, not {interface.memory_clock_mhz:g} "
+                             f"(mem_clock_mhz)")
+    elif mem.kind == DDR4:
+        if n != mem.channels:
+            raise ValueError(f"board {board.name}: a multi-port engine needs one master per "
+                             f"DDR4 channel (mem_ports = {mem.channels}), not {n}")
+    else:
+        raise ValueError(f"board {board.name}: one {mem.kind} controller takes a one-port "
+                         f"engine, not {n} ports")
+
+
+def memory_links(board: CardPlatform, interface: EngineInterface) -> list[MemoryLink]:
+    """Each memory master's path into ``board``'s memory, master 0 first (empty for a
+    one-port engine, which shares one SmartConnect with the host as before).
+
+    HBM: master ``p`` of ``n`` owns pseudo-channels ``[p·s, (p+1)·s)`` with ``s = 32 / n``
+    and enters the HBM at ``SAXI_{p·s}``, the port of its first pseudo-channel (for
+    ``n = 32``: master ``p`` on ``SAXI_p``, pseudo-channel ``p``, nothing else). DDR4:
+    master ``p`` on channel ``p``'s controller.
+    """
+    check_memory_ports(board, interface)
+    n, mem = interface.mem_ports, board.memory
+    if n == 1:
+        return []
+    size = mem.total_bytes // n
+    links = []
+    for p, bus in enumerate(interface.axi_buses):
+        bridge = f"mem_sc_{p:02d}"
+        if mem.kind == HBM:
+            span, pc = mem.pseudo_channels // n, mem.port_span_bytes
+            port = p * span
+            mine = range(p * span, (p + 1) * span)
+            links.append(MemoryLink(
+                p, bus, bridge, f"{HBM_CELL}/{_hbm_port(board, port)}", p * size, size,
+                tuple((_hbm_segment(board, port, k), k * pc, pc) for k in mine),
+                tuple((_hbm_segment(board, port, k), k * pc, pc)
+                      for k in range(mem.pseudo_channels) if k not in mine),
+                host_shared=(p == 0 and span == 1)))
+        else:
+            slave, _, segment = _memory_slaves(board)[p]
+            links.append(MemoryLink(p, bus, bridge, slave, p * size, size,
+                                    ((segment, p * size, size),)))
+    return links
+
+
+def host_path(board: CardPlatform, interface: EngineInterface) -> HostPath | None:
+    """Where the host's DMA enters device memory beside a multi-port engine (``None`` for a
+    one-port engine).
+
+    HBM with 32 masters: every port is an engine master's, so the host shares port 0 with
+    master 0 through that port's SmartConnect (2:1) and reaches every pseudo-channel
+    through the HBM's global switch. HBM with fewer masters: the host takes ``SAXI_01``, a
+    port no master uses, through a 1:1 SmartConnect of its own. DDR4: a 1:4 SmartConnect
+    feeds the second slave interface of each channel's 2:1 bridge.
+    """
+    links = memory_links(board, interface)
+    if not links:
+        return None
+    mem = board.memory
+    if mem.kind == HBM:
+        pc = mem.port_span_bytes
+        shared = links[0].host_shared
+        port = 0 if shared else 1
+        bridge, intf = (links[0].bridge, "S01_AXI") if shared else (HOST_SC, "S00_AXI")
+        return HostPath(bridge, intf, (f"{HBM_CELL}/{_hbm_port(board, port)}",),
+                        tuple((_hbm_segment(board, port, k), k * pc, pc)
+                              for k in range(mem.pseudo_channels)))
+    return HostPath(HOST_SC, "S00_AXI", tuple(link.slave for link in links),
+                    tuple(seg for link in links for seg in link.segments))
+
+
+def _separate_memory_clock(interface: EngineInterface) -> bool:
+    """Whether the memory side's AXI clock is a clock of its own (``mem_clock_mhz`` set and
+    not the engine's)."""
+    return bool(interface.mem_clock_mhz) and interface.mem_clock_mhz != interface.clock_mhz
+
+
+def _hbm_axi_clock(interface: EngineInterface) -> str:
+    return (f"[get_bd_pins {HBM_CLK_WIZ}/clk_out1]" if _separate_memory_clock(interface)
+            else _engine_clock())
+
+
+def _hbm_ports_used(board: CardPlatform, interface: EngineInterface) -> list[int]:
+    """The HBM's SAXI ports the flow drives: the engine's masters' and the host's."""
+    links = memory_links(board, interface)
+    if not links:
+        return [0, 1]            # one-port engine: port 0 the DMA, port 1 the engine
+    used = {int(link.slave.split("_")[2]) for link in links}
+    used |= {int(port.split("_")[2]) for port in host_path(board, interface).ports}
+    return sorted(used)
 
 
 def _step_hbm(tcl: _Tcl, board: CardPlatform, interface: EngineInterface) -> None:
     mem = board.memory
     refclk = mem.refclks[0]
+    links = memory_links(board, interface)
+    used = _hbm_ports_used(board, interface)
+    axi_mhz = interface.memory_clock_mhz
     config = {
         "USER_HBM_DENSITY": f"{mem.total_bytes >> 30}GB",
         "USER_HBM_STACK": str(mem.channels),
@@ -441,11 +685,22 @@ def _step_hbm(tcl: _Tcl, board: CardPlatform, interface: EngineInterface) -> Non
         "USER_APB_EN": "false",
         "USER_HBM_REF_CLK_0": f"{mem.refclk_mhz:g}",
         "USER_HBM_REF_CLK_1": f"{mem.refclk_mhz:g}",
-        "USER_AXI_CLK_FREQ": f"{interface.clock_mhz:g}",
-        # Port 0 carries the DMA, port 1 the engine; the rest stay off.
-        **{f"USER_SAXI_{i:02d}": "true" if i < 2 else "false" for i in range(32)},
+        "USER_AXI_CLK_FREQ": f"{axi_mhz:g}",
     }
-    engine_clock, engine_rstn = _engine_clock(), f"[get_bd_pins {ENGINE_RESET}/peripheral_aresetn]"
+    if links:
+        # Both stacks' AXI clocks, and the port whose clock each stack's logic is timed
+        # from (ports 0-15 belong to stack 0, 16-31 to stack 1).
+        config["USER_AXI_CLK1_FREQ"] = f"{axi_mhz:g}"
+        half = mem.pseudo_channels // 2
+        for stack, ports in enumerate(([p for p in used if p < half], [p for p in used if p >= half])):
+            if ports:
+                config[f"USER_CLK_SEL_LIST{stack}"] = f"AXI_{ports[0]:02d}_ACLK"
+        config["USER_APB_PCLK_0"] = config["USER_APB_PCLK_1"] = f"{mem.refclk_mhz:g}"
+    # Port 0 carries the DMA, port 1 the engine (one-port engine); or one port per engine
+    # master and the host's; the rest stay off.
+    config.update({f"USER_SAXI_{i:02d}": "true" if i in used else "false" for i in range(32)})
+    engine_rstn = f"[get_bd_pins {ENGINE_RESET}/peripheral_aresetn]"
+    axi_clock, axi_rstn = _hbm_axi_clock(interface), engine_rstn
     body = [
         "# HBM reference and APB clock: the board's 100 MHz clock through IBUFDS and BUFG.",
         "set ibuf [create_bd_cell -type ip -vlnv xilinx.com:ip:util_ds_buf hbm_refclk_ibuf]",
@@ -457,6 +712,28 @@ def _step_hbm(tcl: _Tcl, board: CardPlatform, interface: EngineInterface) -> Non
         "set_property CONFIG.C_EXT_RESET_HIGH {0} $rst",
         f"connect_bd_net [get_bd_pins hbm_refclk_bufg/BUFG_O] [get_bd_pins {MEM_RESET}/slowest_sync_clk]",
         f"connect_bd_net [get_bd_ports {board.pcie.perst}] [get_bd_pins {MEM_RESET}/ext_reset_in]",
+    ]
+    if _separate_memory_clock(interface):
+        axi_rstn = f"[get_bd_pins {HBM_AXI_RESET}/peripheral_aresetn]"
+        wiz = {"PRIM_SOURCE": "Global_buffer", "PRIM_IN_FREQ": f"{mem.refclk_mhz:.3f}",
+               "CLKOUT1_REQUESTED_OUT_FREQ": f"{axi_mhz:.3f}",
+               "USE_RESET": "false", "USE_LOCKED": "true"}
+        body += [
+            f"# The HBM's AXI clock ({axi_mhz:g} MHz: a 256-bit port then carries a whole",
+            "# pseudo-channel) from the HBM reference clock, asynchronous to the engine clock;",
+            "# each port's SmartConnect crosses between the two.",
+            f"set hwiz [create_bd_cell -type ip -vlnv xilinx.com:ip:clk_wiz {HBM_CLK_WIZ}]",
+            f"set_property -dict {_tcl_props(wiz)} $hwiz",
+            f"connect_bd_net [get_bd_pins hbm_refclk_bufg/BUFG_O] [get_bd_pins {HBM_CLK_WIZ}/clk_in1]",
+            "# The AXI ports' reset, synchronous to that clock: held while the PCIe link is down",
+            "# or the clock unlocked, like the engine's.",
+            f"set hrst [create_bd_cell -type ip -vlnv xilinx.com:ip:proc_sys_reset {HBM_AXI_RESET}]",
+            "set_property CONFIG.C_EXT_RESET_HIGH {0} $hrst",
+            f"connect_bd_net {axi_clock} [get_bd_pins {HBM_AXI_RESET}/slowest_sync_clk]",
+            f"connect_bd_net [get_bd_pins {XDMA}/axi_aresetn] [get_bd_pins {HBM_AXI_RESET}/ext_reset_in]",
+            f"connect_bd_net [get_bd_pins {HBM_CLK_WIZ}/locked] [get_bd_pins {HBM_AXI_RESET}/dcm_locked]",
+        ]
+    body += [
         f"set hbm [create_bd_cell -type ip -vlnv xilinx.com:ip:hbm {HBM_CELL}]",
         f"set_property -dict {_tcl_props(config)} $hbm",
     ]
@@ -464,9 +741,9 @@ def _step_hbm(tcl: _Tcl, board: CardPlatform, interface: EngineInterface) -> Non
         body += [f"connect_bd_net [get_bd_pins hbm_refclk_bufg/BUFG_O] [get_bd_pins {HBM_CELL}/HBM_REF_CLK_{stack}]",
                  f"connect_bd_net [get_bd_pins hbm_refclk_bufg/BUFG_O] [get_bd_pins {HBM_CELL}/APB_{stack}_PCLK]",
                  f"connect_bd_net [get_bd_pins {MEM_RESET}/peripheral_aresetn] [get_bd_pins {HBM_CELL}/APB_{stack}_PRESET_N]"]
-    for port in range(2):
-        body += [f"connect_bd_net {engine_clock} [get_bd_pins {HBM_CELL}/AXI_{port:02d}_ACLK]",
-                 f"connect_bd_net {engine_rstn} [get_bd_pins {HBM_CELL}/AXI_{port:02d}_ARESET_N]"]
+    for port in used:
+        body += [f"connect_bd_net {axi_clock} [get_bd_pins {HBM_CELL}/AXI_{port:02d}_ACLK]",
+                 f"connect_bd_net {axi_rstn} [get_bd_pins {HBM_CELL}/AXI_{port:02d}_ARESET_N]"]
     # Either stack overheating must reach the satellite controller.
     body += [
         "set trip [create_bd_cell -type ip -vlnv xilinx.com:ip:util_vector_logic hbm_cattrip_or]",
@@ -476,7 +753,11 @@ def _step_hbm(tcl: _Tcl, board: CardPlatform, interface: EngineInterface) -> Non
         f"connect_bd_net [get_bd_pins hbm_cattrip_or/Res] [get_bd_ports {mem.cattrip}]",
     ]
     gib = mem.total_bytes >> 30
-    tcl.step("dfvg_add_memory", f"HBM controller ({gib} GiB, {mem.channels} stacks)", body)
+    title = f"HBM controller ({gib} GiB, {mem.channels} stacks)"
+    if links:
+        title = (f"HBM controller ({gib} GiB, {mem.channels} stacks, {len(used)} of "
+                 f"{mem.pseudo_channels} ports at {axi_mhz:g} MHz)")
+    tcl.step("dfvg_add_memory", title, body)
 
 
 #: DDR4 IP input-clock periods by reference frequency: the IP offers a list of periods,
@@ -569,7 +850,7 @@ def _step_engine(tcl: _Tcl, interface: EngineInterface) -> None:
     tcl.step("dfvg_add_engine", f"engine ({interface.top}) as a module reference", [
         f"create_bd_cell -type module -reference {interface.top} {ENGINE}",
         "# Tell the block design which clock and reset the inferred AXI buses use.",
-        f"set_property -dict [list CONFIG.ASSOCIATED_BUSIF {{{interface.axil_bus}:{interface.axi_bus}}} "
+        f"set_property -dict [list CONFIG.ASSOCIATED_BUSIF {{{':'.join((interface.axil_bus, *interface.axi_buses))}}} "
         f"CONFIG.ASSOCIATED_RESET {{{interface.reset}}}] {pin}",
         f"set_property CONFIG.POLARITY ACTIVE_HIGH [get_bd_pins {ENGINE}/{interface.reset}]",
     ])
@@ -589,16 +870,24 @@ def _step_connect(tcl: _Tcl, board: CardPlatform, interface: EngineInterface) ->
         f"connect_bd_intf_net [get_bd_intf_pins {XDMA}/M_AXI_LITE] [get_bd_intf_pins reg_sc/S00_AXI]",
         f"connect_bd_intf_net [get_bd_intf_pins reg_sc/M00_AXI] [get_bd_intf_pins {ENGINE}/{interface.axil_bus}]",
     ]
+    links = memory_links(board, interface)
+    if links:
+        body += _connect_links(board, interface, links)
+        tcl.step("dfvg_connect", f"interface connections (register BAR, {len(links)} memory ports, "
+                 "host path, interrupt)", body)
+        return
     masters = [f"{XDMA}/M_AXI", f"{ENGINE}/{interface.axi_bus}"]
+    hbm_clock = [_hbm_axi_clock(interface)] if _separate_memory_clock(interface) else []
     if board.memory.kind == HBM:
         # One SmartConnect per HBM port: clock and AXI4-to-AXI3 conversion.
-        for port, (master, clocks) in enumerate(zip(masters, [[engine_clock, xdma_clock], [engine_clock]])):
+        for port, (master, clocks) in enumerate(zip(masters, [[engine_clock, xdma_clock, *hbm_clock],
+                                                              [engine_clock, *hbm_clock]])):
             sc = f"mem_sc_{port}"
             body += [f"# {master} to HBM port {port}.",
                      *_smartconnect(sc, 1, 1, clocks, engine_rstn),
                      f"connect_bd_intf_net [get_bd_intf_pins {master}] [get_bd_intf_pins {sc}/S00_AXI]",
                      f"connect_bd_intf_net [get_bd_intf_pins {sc}/M00_AXI] "
-                     f"[get_bd_intf_pins {HBM_CELL}/{_hbm_port(port)}]"]
+                     f"[get_bd_intf_pins {HBM_CELL}/{_hbm_port(board, port)}]"]
     else:
         slaves = _memory_slaves(board)
         ui_clocks = [clock for _, clock, _ in slaves]
@@ -612,19 +901,86 @@ def _step_connect(tcl: _Tcl, board: CardPlatform, interface: EngineInterface) ->
     tcl.step("dfvg_connect", "interface connections (register BAR, memory, interrupt)", body)
 
 
+def _connect_links(board: CardPlatform, interface: EngineInterface,
+                   links: list[MemoryLink]) -> list[str]:
+    """Each engine master through its own bridge to its own controller port, and the host
+    path beside them (a multi-port engine)."""
+    engine_clock, xdma_clock = _engine_clock(), f"[get_bd_pins {XDMA}/axi_aclk]"
+    engine_rstn = f"[get_bd_pins {ENGINE_RESET}/interconnect_aresetn]"
+    xdma_rstn = f"[get_bd_pins {XDMA}/axi_aresetn]"
+    host = host_path(board, interface)
+    mem = board.memory
+    body = []
+    if mem.kind == HBM:
+        mem_clock = _hbm_axi_clock(interface)
+        mem_clocks = [mem_clock] if _separate_memory_clock(interface) else []
+        body += [f"# Engine master p ({interface.axi_data_width} bits at {interface.clock_mhz:g} MHz) to HBM "
+                 f"port SAXI_p ({mem.port_bits} bits at {interface.memory_clock_mhz:g} MHz, AXI3)",
+                 "# through its own 1:1 SmartConnect: clock, width and AXI4-to-AXI3 (16-beat) conversion,",
+                 "# and an address decode that answers DECERR outside the master's channel. No",
+                 "# SmartConnect is shared between masters: each streams its pseudo-channel alone."]
+        if host.bridge == HOST_SC:
+            body += ["# The host DMA has an HBM port of its own, and reaches every pseudo-channel",
+                     "# through the HBM's global switch.",
+                     *_smartconnect(HOST_SC, 1, 1, [xdma_clock, *mem_clocks], xdma_rstn),
+                     f"connect_bd_intf_net [get_bd_intf_pins {XDMA}/M_AXI] [get_bd_intf_pins {HOST_SC}/S00_AXI]",
+                     f"connect_bd_intf_net [get_bd_intf_pins {HOST_SC}/M00_AXI] [get_bd_intf_pins {host.ports[0]}]"]
+        for link in links:
+            shared = link.host_shared
+            if shared:
+                body += [f"# {link.bridge} is 2:1: the host DMA (XDMA M_AXI) shares master {link.master}'s port; it",
+                         "# carries host transfers only, and is idle while the engine drafts."]
+            clocks = [engine_clock, *mem_clocks, *([xdma_clock] if shared else [])]
+            body += [*_smartconnect(link.bridge, 2 if shared else 1, 1, clocks, engine_rstn),
+                     f"connect_bd_intf_net [get_bd_intf_pins {ENGINE}/{link.bus}] "
+                     f"[get_bd_intf_pins {link.bridge}/S00_AXI]"]
+            if shared:
+                body.append(f"connect_bd_intf_net [get_bd_intf_pins {XDMA}/M_AXI] "
+                            f"[get_bd_intf_pins {link.bridge}/S01_AXI]")
+            body.append(f"connect_bd_intf_net [get_bd_intf_pins {link.bridge}/M00_AXI] "
+                        f"[get_bd_intf_pins {link.slave}]")
+        return body
+    # DDR4: one controller (one AXI slave) per channel. Engine master p and the host enter
+    # channel p's controller through a 2:1 SmartConnect; a 1:N SmartConnect fans the host out.
+    slaves = _memory_slaves(board)
+    body += [f"# Engine master p to DDR4 channel p's controller ({mem.port_bits} bits at its UI clock)",
+             "# through a 2:1 SmartConnect (clock crossing, and DECERR outside the channel); the",
+             "# host DMA reaches every channel through the second slave of each. The host path",
+             "# carries host transfers only, and is idle while the engine drafts.",
+             *_smartconnect(HOST_SC, 1, len(links), [xdma_clock], xdma_rstn),
+             f"connect_bd_intf_net [get_bd_intf_pins {XDMA}/M_AXI] [get_bd_intf_pins {HOST_SC}/S00_AXI]"]
+    for link, (_, ui_clock, _) in zip(links, slaves):
+        body += [*_smartconnect(link.bridge, 2, 1, [engine_clock, xdma_clock, ui_clock], engine_rstn),
+                 f"connect_bd_intf_net [get_bd_intf_pins {ENGINE}/{link.bus}] "
+                 f"[get_bd_intf_pins {link.bridge}/S00_AXI]",
+                 f"connect_bd_intf_net [get_bd_intf_pins {HOST_SC}/M{link.master:02d}_AXI] "
+                 f"[get_bd_intf_pins {link.bridge}/S01_AXI]",
+                 f"connect_bd_intf_net [get_bd_intf_pins {link.bridge}/M00_AXI] "
+                 f"[get_bd_intf_pins {link.slave}]"]
+    return body
+
+
 def _step_addresses(tcl: _Tcl, board: CardPlatform, interface: EngineInterface) -> None:
     reg_seg = f"[get_bd_addr_segs {ENGINE}/{interface.axil_bus}/reg0]"
     spaces = [f"[get_bd_addr_spaces {XDMA}/M_AXI]", f"[get_bd_addr_spaces {ENGINE}/{interface.axi_bus}]"]
     body = ["# The register file at offset 0 of the AXI-Lite BAR (/dev/xdma0_user).",
             f"assign_bd_address -target_address_space [get_bd_addr_spaces {XDMA}/M_AXI_LITE] "
-            f"-offset 0x00000000 -range {REGISTER_BAR_KIB}K {reg_seg}",
-            "# Device memory at the same addresses for the DMA (card address = file offset of",
-            "# /dev/xdma0_h2c_0 and _c2h_0) and for the engine: 0 up to its size."]
+            f"-offset 0x00000000 -range {REGISTER_BAR_KIB}K {reg_seg}"]
+    links = memory_links(board, interface)
+    if links:
+        body += ["# Device memory at its physical addresses (card address = file offset of",
+                 "# /dev/xdma0_h2c_0 and _c2h_0; the XDMA transport stripes the engine's logical",
+                 "# space onto them): all of it for the DMA, one channel for each engine master."]
+        body += _link_addresses(board, interface, links)
+        tcl.step("dfvg_assign_addresses", "address map", body)
+        return
+    body += ["# Device memory at the same addresses for the DMA (card address = file offset of",
+             "# /dev/xdma0_h2c_0 and _c2h_0) and for the engine: 0 up to its size."]
     if board.memory.kind == HBM:
         for space, port in zip(spaces, range(2)):
             # HBM segments have fixed offsets: HBM_MEM00 at 0, each pseudo-channel after it.
             body.append(f"assign_bd_address -target_address_space {space} "
-                        f"[get_bd_addr_segs {HBM_CELL}/{_hbm_port(port)}/HBM_MEM*]")
+                        f"[get_bd_addr_segs {HBM_CELL}/{_hbm_port(board, port)}/HBM_MEM*]")
     else:
         size = board.memory.bytes_per_channel
         for space in spaces:
@@ -632,6 +988,28 @@ def _step_addresses(tcl: _Tcl, board: CardPlatform, interface: EngineInterface) 
                 body.append(f"assign_bd_address -target_address_space {space} -offset 0x{i * size:X} "
                             f"-range {_range(size)} [get_bd_addr_segs {segment}]")
     tcl.step("dfvg_assign_addresses", "address map", body)
+
+
+def _link_addresses(board: CardPlatform, interface: EngineInterface,
+                    links: list[MemoryLink]) -> list[str]:
+    """The host sees all of memory; each engine master only its channel."""
+    host = host_path(board, interface)
+    body = []
+    space = f"[get_bd_addr_spaces {XDMA}/M_AXI]"
+    body += [f"assign_bd_address -target_address_space {space} -offset 0x{offset:X} "
+             f"-range {_range(size)} [get_bd_addr_segs {segment}]"
+             for segment, offset, size in host.segments]
+    for link in links:
+        space = f"[get_bd_addr_spaces {ENGINE}/{link.bus}]"
+        body.append(f"# Engine master {link.master} ({link.bus}): its channel, 0x{link.offset:X} + "
+                    f"{_size_text(link.size)}; an address outside it is a DECERR.")
+        body += [f"assign_bd_address -target_address_space {space} -offset 0x{offset:X} "
+                 f"-range {_range(size)} [get_bd_addr_segs {segment}]"
+                 for segment, offset, size in link.segments]
+        body += [f"exclude_bd_addr_seg -offset 0x{offset:X} -range {_range(size)} "
+                 f"-target_address_space {space} [get_bd_addr_segs {segment}]"
+                 for segment, offset, size in link.excluded]
+    return body
 
 
 def _step_finish_bd(tcl: _Tcl) -> None:
@@ -675,6 +1053,7 @@ def _step_implement(tcl: _Tcl, board: CardPlatform) -> None:
 def tcl_flow(board: CardPlatform, interface: EngineInterface, xdc_name: str | None = None) -> str:
     """The Vivado batch script that builds ``interface``'s engine for ``board``."""
     xdc_name = xdc_name or f"{board.name}.xdc"
+    check_memory_ports(board, interface)
     tcl = _Tcl()
     _step_project(tcl, board)
     _step_sources(tcl, board, interface, xdc_name)
