@@ -117,11 +117,10 @@ class KvSequencer(wiring.Component):
         D = c.head_dim
         kv = m.submodules.kv = KVBuffer(c)
         self.kv_buffer = kv                     # co-simulation reads the KV through it
-        WB, W = kv.word_bytes, kv.words
+        WB, W, B = kv.word_bytes, kv.words, kv.banks
         attn = m.submodules.attention = Attention(c)
         params = m.submodules.params = BlockReader(c, self.data_width, ATTN_PARAM_BYTES)
         window = m.submodules.window = VmemWindow(c, 2 * D)      # a WIDE output head
-        rows_of = m.submodules.kv_rows = Gearbox(WB, D)          # KV words → rows
         wiring.connect(m, params.read_cmd, wiring.flipped(self.read_cmd))
         wiring.connect(m, wiring.flipped(self.read_data), params.read_data)
         m.d.comb += [self.peek_addr.eq(window.peek_addr), window.peek_data.eq(self.peek_data),
@@ -156,17 +155,27 @@ class KvSequencer(wiring.Component):
         with m.If(self.clear):
             m.d.sync += clear_pending.eq(1)
 
-        # KV words → D-byte rows → the attention unit's K port, then its V port
-        m.d.comb += [rows_of.i.valid.eq(kv.rdata.valid), kv.rdata.ready.eq(rows_of.i.ready),
-                     rows_of.i.payload.data.as_value().eq(kv.rdata.payload.data.as_value()),
-                     rows_of.i.payload.last.eq(kv.rdata.payload.last),
-                     attn.k.payload.row.as_value().eq(rows_of.o.payload.data.as_value()),
-                     attn.k.payload.last.eq(rows_of.o.payload.last),
-                     attn.v.payload.as_value().eq(rows_of.o.payload.data.as_value())]
+        if B == 1:
+            # KV words → D-byte rows → the attention unit's K port, then its V port
+            rows_of = m.submodules.kv_rows = Gearbox(WB, D)
+            m.d.comb += [rows_of.i.valid.eq(kv.rdata.valid), kv.rdata.ready.eq(rows_of.i.ready),
+                         rows_of.i.payload.data.as_value().eq(kv.rdata.payload.data.as_value()),
+                         rows_of.i.payload.last.eq(kv.rdata.payload.last),
+                         attn.k.payload.row.as_value().eq(rows_of.o.payload.data.as_value()),
+                         attn.k.payload.last.eq(rows_of.o.payload.last),
+                         attn.v.payload.as_value().eq(rows_of.o.payload.data.as_value())]
+            rows_valid, rows_ready = rows_of.o.valid, rows_of.o.ready
+        else:
+            # banked: a beat is already a group of B rows (one per bank) with its keep mask
+            m.d.comb += [attn.k.payload.rows.eq(kv.rdata.payload.rows),
+                         attn.k.payload.keep.eq(kv.rdata.payload.keep),
+                         attn.k.payload.last.eq(kv.rdata.payload.last),
+                         attn.v.payload.eq(kv.rdata.payload.rows)]
+            rows_valid, rows_ready = kv.rdata.valid, kv.rdata.ready
         with m.If(v_phase):
-            m.d.comb += [attn.v.valid.eq(rows_of.o.valid), rows_of.o.ready.eq(attn.v.ready)]
+            m.d.comb += [attn.v.valid.eq(rows_valid), rows_ready.eq(attn.v.ready)]
         with m.Else():
-            m.d.comb += [attn.k.valid.eq(rows_of.o.valid), rows_of.o.ready.eq(attn.k.ready)]
+            m.d.comb += [attn.k.valid.eq(rows_valid), rows_ready.eq(attn.k.ready)]
             with m.If(attn.k.valid & attn.k.ready & attn.k.payload.last):
                 m.d.sync += v_phase.eq(1)
 

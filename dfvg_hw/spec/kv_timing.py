@@ -14,7 +14,7 @@ from math import gcd
 
 from dfvg_hw.spec import timing as tm
 
-__all__ = ["kv_groups", "kv_words", "bank_tree_levels", "attention_head_cycles"]
+__all__ = ["kv_groups", "kv_words", "bank_tree_levels", "row_packing", "attention_head_cycles"]
 
 
 def kv_groups(t: int, banks: int) -> int:
@@ -31,6 +31,13 @@ def kv_words(reduce: int, head_dim: int, banks: int) -> int:
 def bank_tree_levels(banks: int) -> int:
     """Registered levels of a reduction over the ``banks`` lanes (0 for one bank)."""
     return tm.ceil_log2(banks)
+
+
+def row_packing(banks: int) -> int:
+    """KvSequencer: registers between the KV buffer's ``rdata`` and the attention unit: the
+    gearbox that packs ``W`` words into a row with one bank; none with ``banks ≥ 2`` (a
+    beat is already ``banks`` whole rows)."""
+    return tm.GEARBOX_LATENCY if banks == 1 else 0
 
 
 def attention_head_cycles(head_dim: int, t: int, banks: int = 1) -> int:

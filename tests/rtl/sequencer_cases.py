@@ -4,7 +4,9 @@ Both run jobs of ``rows`` rows of ``n`` source elements (RMSNORM: int32 residual
 bytes; ACTMUL: an int8 gate and up pair, ``2n`` bytes) into int8 or, with ``WIDE``, int16
 results, with a parameter block at ``addr``; they are checked
 the same way against the functional model (:func:`sim.op_bench.compare_with_reference`).
-Each test file keeps its own parameter blocks and cases.
+Each test file keeps its own parameter blocks and cases. :func:`model_cycles` also times
+KVAPPEND and ATTN jobs (test_kv_sequencer), and :func:`mutant` builds a one-edit copy of
+an RTL module for the tests that show a check can fail.
 """
 
 from __future__ import annotations
@@ -80,13 +82,15 @@ def check_row_jobs(rng, sequencer_class, make_memory, jobs, data_width=128, conf
 
 
 def model_cycles(config, data_width: int, job: dict) -> int:
-    """The cycle model's count for a row job on the op bench: the instruction's cycles at
-    the job's device address on a ``data_width``-bit port, less the controller's
-    ``UNIT_OVERHEAD`` (the bench counts from the job's hand-over to ``done``)."""
+    """The cycle model's count for a job on the op bench: the instruction's cycles at
+    the job's device address (and KV position ``pos``, for KVAPPEND and ATTN) on a
+    ``data_width``-bit port, less the controller's ``UNIT_OVERHEAD`` (the bench counts
+    from the job's hand-over to ``done``)."""
     model = CycleModel(config.with_changes(mem_port_bits=data_width))
-    fields = ("flags", "rows", "dst", "src", "n", "addr")
-    ins = Instruction(job["opcode"], **{name: job[name] for name in fields})
-    return model.instruction(ins, addr=job["addr"])[0] - timing.UNIT_OVERHEAD
+    fields = ("flags", "rows", "dst", "src", "n", "k", "addr")
+    ins = Instruction(job["opcode"], **{name: job[name] for name in fields if name in job})
+    return model.instruction(ins, pos=job.get("pos", 0), addr=job.get("addr", 0))[0] \
+        - timing.UNIT_OVERHEAD
 
 
 def check_random_row_jobs(rng, sequencer_class, make_memory, opcode, blocks, count=24,
@@ -112,3 +116,17 @@ def check_wide_lanes(rng, sequencer_class, make_memory, opcode, blocks, timed=Fa
     errors = check_row_jobs(rng, sequencer_class, make_memory, jobs, data_width=256,
                             config=TINY.with_changes(lanes=64), timed=timed)
     assert errors == [0] * len(jobs)            # ErrorCode.OK
+
+
+def mutant(module, old: str, new: str, shared=("KVOp",)):
+    """A copy of ``module`` with one source edit (``old`` must occur exactly once); the
+    names in ``shared`` stay the original's (enums the test bench encodes with)."""
+    import importlib.util
+    import inspect
+    source = inspect.getsource(module)
+    assert source.count(old) == 1, old
+    spec = importlib.util.spec_from_loader(module.__name__ + "_mutant", loader=None)
+    copy = importlib.util.module_from_spec(spec)
+    exec(compile(source.replace(old, new), module.__file__, "exec"), copy.__dict__)
+    copy.__dict__.update({name: getattr(module, name) for name in shared})
+    return copy

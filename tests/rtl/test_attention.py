@@ -364,7 +364,7 @@ def test_banked_attention_mutation_is_caught(monkeypatch):
     """The banked check can fail: a group maximum that also takes the lanes past T (stale
     rows) gives other outputs."""
     import dfvg_hw.attention as attention_module
-    from tests.rtl.test_kv_buffer import mutant
+    from sequencer_cases import mutant
     cfg = BANKED[1]
     rng = np.random.default_rng(7)
     d = cfg.head_dim

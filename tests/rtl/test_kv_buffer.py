@@ -18,6 +18,7 @@ from dfvg_hw.kv_buffer import KVBuffer, KVOp
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
 from sim.testbench import run_simulation, stream_get, stream_put, watchdog
+from sequencer_cases import mutant
 
 TINY = get_preset("tiny")
 CONFIGS = {
@@ -346,20 +347,6 @@ def test_address_map_and_width():
 def test_lint_clean(name):
     clean, output = verilator_lint(to_verilog(KVBuffer(CONFIGS[name]), "kv_buffer"), "kv_buffer")
     assert clean, output
-
-
-def mutant(module, old: str, new: str, shared=("KVOp",)):
-    """A copy of ``module`` with one source edit (``old`` must occur exactly once); the
-    names in ``shared`` stay the original's (enums the test bench encodes with)."""
-    import importlib.util
-    import inspect
-    source = inspect.getsource(module)
-    assert source.count(old) == 1, old
-    spec = importlib.util.spec_from_loader(module.__name__ + "_mutant", loader=None)
-    copy = importlib.util.module_from_spec(spec)
-    exec(compile(source.replace(old, new), module.__file__, "exec"), copy.__dict__)
-    copy.__dict__.update({name: getattr(module, name) for name in shared})
-    return copy
 
 
 @pytest.mark.parametrize("old, new", [
