@@ -17,7 +17,9 @@ import xml.etree.ElementTree as ET
 from amaranth_boards.nitefury import LitefuryPlatform, NitefuryIIPlatform
 
 from boards import ALVEO_BOARDS, BOARDS, DEFAULT_BOARD, get_board
-from boards.vivado import MIG_PRJ_NAME, TCL_NAME, EngineInterface, write_flow
+from boards.vivado import (MIG_PRJ_NAME, TCL_NAME, EngineInterface, check_memory_ports, host_path,
+                           memory_links, write_flow)
+from dfvg_hw.axi4 import master_prefix
 from dfvg_hw.spec.config import get_preset
 
 #: Every Vivado command the flow may call, as stubs that log "name args…" one call a line.
@@ -31,7 +33,8 @@ proc stub_record {name arguments} {
 }
 foreach cmd {create_project set_property add_files update_compile_order create_bd_design
              create_bd_intf_port create_bd_port connect_bd_intf_net connect_bd_net
-             assign_bd_address validate_bd_design save_bd_design launch_runs wait_on_run} {
+             assign_bd_address exclude_bd_addr_seg validate_bd_design save_bd_design
+             launch_runs wait_on_run} {
     proc $cmd {args} [format {stub_record %s $args; return {}} $cmd]
 }
 foreach cmd {get_bd_intf_ports get_bd_ports get_bd_intf_pins get_bd_pins get_bd_addr_spaces
@@ -73,10 +76,12 @@ def _interface(board) -> EngineInterface:
     return EngineInterface.for_config(get_preset(board.preset), ["dfvg_engine.v"])
 
 
-def _run_flow(board, tmp_path: Path) -> tuple[list[str], str, Path]:
-    """Write the flow for ``board`` and run it under tclsh; returns (calls, stdout, build dir)."""
+def _run_flow(board, tmp_path: Path, interface: EngineInterface | None = None
+              ) -> tuple[list[str], str, Path]:
+    """Write the flow for ``board`` (and its preset's engine, or ``interface``) and run it
+    under tclsh; returns (calls, stdout, build dir)."""
     build = tmp_path / "build"
-    files = write_flow(build, board, _interface(board))
+    files = write_flow(build, board, interface or _interface(board))
     run_dir = tmp_path / "impl_1"
     run_dir.mkdir()
     (run_dir / "dfvg_bd_wrapper.bit").write_bytes(b"stub bitstream")
@@ -101,6 +106,7 @@ def _first(calls: list[str], command: str, *words: str, after: int = -1) -> int:
 @pytest.mark.parametrize("name", list(ALVEO_BOARDS))
 def test_tcl_flow_issues_the_block_design_in_order(name, tmp_path):
     board = get_board(name)
+    bus = _interface(board).axi_bus          # m_axi, or m00_axi on a multi-port preset
     calls, stdout, build = _run_flow(board, tmp_path)
 
     at = _first(calls, "create_project", f"-part {board.part}")
@@ -124,12 +130,12 @@ def test_tcl_flow_issues_the_block_design_in_order(name, tmp_path):
     # The interface connections, in any order, after the engine exists.
     at = max(_first(calls, "connect_bd_intf_net", "xdma_0/M_AXI_LITE", after=at),
              _first(calls, "connect_bd_intf_net", f"{engine}/s_axil", after=at),
-             _first(calls, "connect_bd_intf_net", f"{engine}/m_axi", after=at),
+             _first(calls, "connect_bd_intf_net", f"{engine}/{bus}", after=at),
              _first(calls, "connect_bd_intf_net", " xdma_0/M_AXI ", after=at),
              _first(calls, "connect_bd_net", f"{engine}/irq", "xdma_0/usr_irq_req", after=at))
     at = _first(calls, "assign_bd_address", "xdma_0/M_AXI_LITE", "-offset 0x00000000",
                 f"{engine}/s_axil/reg0", after=at)
-    for space in (" xdma_0/M_AXI ", f" {engine}/m_axi "):
+    for space in (" xdma_0/M_AXI ", f" {engine}/{bus} "):
         _first(calls, "assign_bd_address", space, after=at)
     at = _first(calls, "validate_bd_design", after=at)
     at = _first(calls, "make_wrapper", "-top", after=at)
@@ -147,6 +153,10 @@ def test_tcl_flow_issues_the_block_design_in_order(name, tmp_path):
 def test_tcl_flow_only_refers_to_objects_it_created(name, tmp_path):
     """Each pin, port or address space is looked up after its cell or port exists."""
     calls, _, _ = _run_flow(get_board(name), tmp_path)
+    _check_created_before_use(calls)
+
+
+def _check_created_before_use(calls: list[str]) -> None:
     cells, ports = set(), set()
     for call in calls:
         command, *args = call.split()
@@ -202,6 +212,18 @@ def test_board_records_part_preset_and_capacity(name):
     assert board.part.startswith(board.device) and board.part.endswith("-2L-e")
     assert board.memory.total_bytes == preset.mem_bytes
     assert board.capacity.dsp > 0 and board.capacity.uram > 0
+    # The controller ports the engine's masters land on (PG276, PG150).
+    if board.memory.kind == "HBM":
+        assert (board.memory.pseudo_channels, board.memory.port_bits, board.memory.port_max_mhz) == \
+            (32, 256, 450.0)
+        assert board.memory.hbm_8high == (name == "alveo-u55c")
+    else:
+        assert (board.memory.slave_ports, board.memory.port_bits, board.memory.port_max_mhz) == \
+            (4, 512, 300.0)
+    # The board's multi-port engine splits its memory into whole controller ports.
+    iface = _multi_port_interface(name)
+    check_memory_ports(board, iface)
+    assert {link.size for link in memory_links(board, iface)} == {board.memory.port_span_bytes}
     table = board.capacity.table({"LUT": 1000, "FF": 2000, "DSP": 64, "BRAM": 10, "URAM": 96})
     assert f"{board.capacity.dsp}" in table and "%" in table
 
@@ -231,6 +253,250 @@ def test_engine_ports_lint_and_match_the_block_design(tmp_path):
     for bus in set(re.findall(r"get_bd_intf_pins engine/(\w+)", tcl)):
         assert any(name.startswith(bus + "_") for name in declared), bus
     assert (tmp_path / TCL_NAME).exists()
+
+
+# -- Multi-port engines (issue #14) ------------------------------------------------------
+
+#: The multi-channel engines the card presets become (issue #14): 32 HBM masters of 512 bits
+#: at 300 MHz with a 450 MHz HBM AXI clock; four DDR4 masters on the U250. Applied with
+#: with_changes, so the tests hold whether or not the presets already carry them.
+MULTI_PORT = {
+    "alveo-u55c": dict(mem_ports=32, mem_port_bits=512, mem_clock_mhz=450.0, mem_achievable_gbps=421.0),
+    "alveo-u280": dict(mem_ports=32, mem_port_bits=512, mem_clock_mhz=450.0, mem_achievable_gbps=421.0),
+    "alveo-u250": dict(mem_ports=4, mem_port_bits=512, mem_clock_mhz=300.0),
+}
+
+
+def _multi_port_interface(name: str, **changes) -> EngineInterface:
+    config = get_preset(get_board(name).preset).with_changes(**{**MULTI_PORT[name], **changes})
+    return EngineInterface.for_config(config, ["dfvg_engine.v"])
+
+
+def _args(call: str) -> list[str]:
+    return call.split()[1:]
+
+
+def _smartconnects(calls: list[str]) -> dict[str, dict]:
+    """Every SmartConnect: its properties, clock nets, and interface connections."""
+    cells = {c.split()[-1]: {"props": "", "clocks": [], "si": {}, "mi": {}}
+             for c in calls if c.startswith("create_bd_cell") and "xilinx.com:ip:smartconnect" in c}
+    for call in calls:
+        words = _args(call)
+        if call.startswith("set_property -dict") and words[-1] in cells:
+            cells[words[-1]]["props"] = call
+        elif call.startswith("connect_bd_net") and len(words) == 2:
+            src, dst = words
+            cell, _, pin = dst.partition("/")
+            if cell in cells and pin.startswith("aclk"):
+                cells[cell]["clocks"].append(src)
+        elif call.startswith("connect_bd_intf_net") and len(words) == 2:
+            for here, there in (words, words[::-1]):
+                cell, _, pin = here.partition("/")
+                if cell in cells and pin.startswith("S"):
+                    cells[cell]["si"][pin] = there
+                elif cell in cells and pin.startswith("M"):
+                    cells[cell]["mi"][pin] = there
+    return cells
+
+
+@pytest.mark.parametrize("name", ["alveo-u55c", "alveo-u280"])
+def test_hbm_flow_gives_each_of_32_masters_its_own_port(name, tmp_path):
+    board = get_board(name)
+    iface = _multi_port_interface(name)
+    calls, stdout, _ = _run_flow(board, tmp_path, iface)
+    suffix = "_8HI" if name == "alveo-u55c" else ""          # 8-high stacks on the XCU55C
+    pc = board.memory.total_bytes // 32                      # 512 MiB or 256 MiB
+    assert iface.axi_buses == tuple(master_prefix(p, 32).rstrip("_") for p in range(32))
+
+    # Master p -> its own SmartConnect -> SAXI_p; 32 distinct bridges and ports, none of
+    # them carrying two engine masters, and only bridge 0 shared (2:1) with the host DMA.
+    scs = _smartconnects(calls)
+    engine_scs = {}
+    for sc, info in scs.items():
+        masters = [m for m in info["si"].values() if m.startswith("engine/m")]
+        assert len(masters) <= 1, f"{sc} funnels {masters}"
+        if masters:
+            engine_scs[masters[0]] = sc
+    ports = set()
+    for p, bus in enumerate(iface.axi_buses):
+        sc = engine_scs[f"engine/{bus}"]
+        info = scs[sc]
+        assert info["mi"] == {"M00_AXI": f"hbm_0/SAXI_{p:02d}{suffix}"}, (bus, info)
+        assert "CONFIG.NUM_MI 1" in info["props"]
+        ports.add(info["mi"]["M00_AXI"])
+        # Clock conversion 300 -> 450 MHz inside the bridge.
+        assert info["clocks"][:2] == ["engine_clk_wiz/clk_out1", "hbm_clk_wiz/clk_out1"], info
+        if p == 0:
+            assert info["si"] == {"S00_AXI": "engine/m00_axi", "S01_AXI": "xdma_0/M_AXI"}
+            assert "CONFIG.NUM_SI 2" in info["props"] and "xdma_0/axi_aclk" in info["clocks"]
+        else:
+            assert info["si"] == {"S00_AXI": f"engine/{bus}"} and "CONFIG.NUM_SI 1" in info["props"]
+    assert len(set(engine_scs.values())) == len(ports) == 32
+    assert not any(c.startswith("connect_bd_intf_net") and "engine/m" in c and "hbm_0/" in c for c in calls)
+
+    # Clocks: engine 300 MHz, HBM AXI 450 MHz from the HBM reference clock, on every port.
+    at = _first(calls, "create_bd_cell", "xilinx.com:ip:clk_wiz engine_clk_wiz")
+    _first(calls, "set_property", "CONFIG.CLKOUT1_REQUESTED_OUT_FREQ 300.000", after=at)
+    _first(calls, "create_bd_cell", "xilinx.com:ip:clk_wiz hbm_clk_wiz")
+    _first(calls, "set_property", "CONFIG.PRIM_IN_FREQ 100.000", "CONFIG.CLKOUT1_REQUESTED_OUT_FREQ 450.000")
+    _first(calls, "connect_bd_net", "hbm_refclk_bufg/BUFG_O", "hbm_clk_wiz/clk_in1")
+    hbm = calls[_first(calls, "set_property", "CONFIG.USER_HBM_DENSITY")]
+    assert f"CONFIG.USER_HBM_DENSITY {board.memory.total_bytes >> 30}GB" in hbm
+    for prop in ("USER_AXI_CLK_FREQ 450", "USER_AXI_CLK1_FREQ 450", "USER_SWITCH_ENABLE_00 TRUE",
+                 "USER_SWITCH_ENABLE_01 TRUE", "USER_CLK_SEL_LIST0 AXI_00_ACLK",
+                 "USER_CLK_SEL_LIST1 AXI_16_ACLK"):
+        assert f"CONFIG.{prop}" in hbm
+    for p in range(32):
+        assert f"CONFIG.USER_SAXI_{p:02d} true" in hbm
+        _first(calls, "connect_bd_net", "hbm_clk_wiz/clk_out1", f"hbm_0/AXI_{p:02d}_ACLK")
+        _first(calls, "connect_bd_net", "hbm_axi_reset/peripheral_aresetn", f"hbm_0/AXI_{p:02d}_ARESET_N")
+    _first(calls, "connect_bd_net", "hbm_clk_wiz/locked", "hbm_axi_reset/dcm_locked")
+
+    # Address map: master p sees exactly pseudo-channel p at p x 512 MiB (the rest excluded,
+    # so an access outside it is a DECERR); the host sees all 32 at their physical addresses.
+    size = f"{pc >> 20}M"
+    mapped = {}
+    for call in calls:
+        words = _args(call)
+        if call.startswith("assign_bd_address") and "-target_address_space" in words:
+            space = words[words.index("-target_address_space") + 1]
+            if space.startswith(("engine/m", "xdma_0/M_AXI")) and space != "xdma_0/M_AXI_LITE":
+                mapped.setdefault(space, []).append((int(words[words.index("-offset") + 1], 16),
+                                                     words[words.index("-range") + 1], words[-1]))
+    for p, bus in enumerate(iface.axi_buses):
+        assert mapped[f"engine/{bus}"] == [(p * pc, size, f"hbm_0/SAXI_{p:02d}{suffix}/HBM_MEM{p:02d}")]
+        excluded = [c for c in calls if c.startswith("exclude_bd_addr_seg") and f" engine/{bus} " in c]
+        assert len(excluded) == 31 and not any(f"/HBM_MEM{p:02d}" in c for c in excluded)
+    assert mapped["xdma_0/M_AXI"] == [(k * pc, size, f"hbm_0/SAXI_00{suffix}/HBM_MEM{k:02d}")
+                                      for k in range(32)]
+    assert 32 * pc == board.memory.total_bytes == get_preset(board.preset).mem_bytes
+    assert "32 of 32 ports at 450 MHz" in stdout and stdout.rstrip().endswith("dfvg: done")
+    _check_created_before_use(calls)
+
+
+def test_hbm_flow_constrains_the_new_clocks(tmp_path):
+    board = get_board("alveo-u55c")
+    files = write_flow(tmp_path, board, _multi_port_interface("alveo-u55c"))
+    xdc = files.xdc.read_text()
+    # The 450 MHz clock derives from hbm_refclk, the 300 MHz engine clock from sysclk3: two
+    # asynchronous groups, so the only crossings are the SmartConnects' clock converters.
+    for clock in ("hbm_refclk", "sysclk3", "pcie_refclk"):
+        assert (f"set_clock_groups -asynchronous -group [get_clocks -include_generated_clocks {clock}]"
+                in xdc)
+    assert "HBM AXI clock 450 MHz: hbm_clk_wiz from hbm_refclk" in xdc
+    assert "engine clock 300 MHz: engine_clk_wiz from sysclk3" in xdc
+    assert "create_clock -period 10.000 -name hbm_refclk [get_ports hbm_refclk_clk_p]" in xdc
+
+
+def test_u250_flow_puts_one_master_on_each_ddr4_channel(tmp_path):
+    board = get_board("alveo-u250")
+    iface = _multi_port_interface("alveo-u250")
+    calls, stdout, _ = _run_flow(board, tmp_path, iface)
+    assert sum("xilinx.com:ip:ddr4" in c for c in calls) == 4
+    for i in range(4):            # the channels' board pins and clocks, as before
+        _first(calls, "connect_bd_intf_net", f"ddr4_c{i}_sysclk", f"ddr4_c{i}/C0_SYS_CLK")
+        _first(calls, "set_property", f"CONFIG.C0_DDR4_BOARD_INTERFACE ddr4_sdram_c{i}",
+               "CONFIG.C0.DDR4_AxiDataWidth 512")
+    scs = _smartconnects(calls)
+    assert scs["host_sc"]["si"] == {"S00_AXI": "xdma_0/M_AXI"}
+    assert scs["host_sc"]["clocks"] == ["xdma_0/axi_aclk"] and "CONFIG.NUM_MI 4" in scs["host_sc"]["props"]
+    size = 16 << 30
+    for p in range(4):
+        sc = scs[f"mem_sc_{p:02d}"]
+        assert sc["si"] == {"S00_AXI": f"engine/m{p:02d}_axi", "S01_AXI": f"host_sc/M{p:02d}_AXI"}
+        assert sc["mi"] == {"M00_AXI": f"ddr4_c{p}/C0_DDR4_S_AXI"}
+        assert sc["clocks"] == ["engine_clk_wiz/clk_out1", "xdma_0/axi_aclk", f"ddr4_c{p}/c0_ddr4_ui_clk"]
+        segment = f"ddr4_c{p}/C0_DDR4_MEMORY_MAP/C0_DDR4_ADDRESS_BLOCK"
+        own = [c for c in calls if c.startswith("assign_bd_address") and f" engine/m{p:02d}_axi " in c]
+        assert own == [f"assign_bd_address -target_address_space engine/m{p:02d}_axi "
+                       f"-offset 0x{p * size:X} -range 16G {segment}"]
+        _first(calls, "assign_bd_address", " xdma_0/M_AXI ", f"-offset 0x{p * size:X}", segment)
+    # Only one SmartConnect per engine master, and none shared by two of them.
+    assert sorted(scs) == ["host_sc", "mem_sc_00", "mem_sc_01", "mem_sc_02", "mem_sc_03", "reg_sc"]
+    assert stdout.rstrip().endswith("dfvg: done")
+    _check_created_before_use(calls)
+
+
+def test_hbm_flow_with_fewer_masters_gives_the_host_its_own_port(tmp_path):
+    """4 masters of 8 pseudo-channels each: master p on SAXI_{8p}, the host on SAXI_01."""
+    board = get_board("alveo-u55c")
+    iface = _multi_port_interface("alveo-u55c", mem_ports=4)
+    links, host = memory_links(board, iface), host_path(board, iface)
+    pc = board.memory.total_bytes // 32
+    assert [link.slave for link in links] == [f"hbm_0/SAXI_{8 * p:02d}_8HI" for p in range(4)]
+    assert all(not link.host_shared for link in links)
+    for p, link in enumerate(links):
+        assert [seg for seg, _, _ in link.segments] == \
+            [f"hbm_0/SAXI_{8 * p:02d}_8HI/HBM_MEM{k:02d}" for k in range(8 * p, 8 * p + 8)]
+        assert (link.offset, link.size) == (p * 8 * pc, 8 * pc) and len(link.excluded) == 24
+    assert host.bridge == "host_sc" and host.ports == ("hbm_0/SAXI_01_8HI",) and len(host.segments) == 32
+    calls, _, _ = _run_flow(board, tmp_path, iface)
+    scs = _smartconnects(calls)
+    assert scs["host_sc"]["mi"] == {"M00_AXI": "hbm_0/SAXI_01_8HI"}
+    hbm = calls[_first(calls, "set_property", "CONFIG.USER_HBM_DENSITY")]
+    assert [p for p in range(32) if f"CONFIG.USER_SAXI_{p:02d} true" in hbm] == [0, 1, 8, 16, 24]
+
+
+def test_flow_refuses_masters_the_memory_cannot_split_between():
+    def iface(ports, **changes):
+        return EngineInterface(("dfvg_engine.v",), 300.0, mem_ports=ports, **changes)
+    with pytest.raises(ValueError, match="must divide 32"):
+        check_memory_ports(get_board("alveo-u55c"), iface(64))
+    with pytest.raises(ValueError, match="at most 450 MHz"):
+        check_memory_ports(get_board("alveo-u280"), iface(32, mem_clock_mhz=500.0))
+    with pytest.raises(ValueError, match="one master per DDR4 channel"):
+        check_memory_ports(get_board("alveo-u250"), iface(2))
+    with pytest.raises(ValueError, match="one-port engine"):
+        check_memory_ports(get_board("nitefury"), iface(2))
+
+
+@pytest.mark.parametrize("name", list(BOARDS))
+def test_one_port_flows_keep_their_shared_smartconnect(name, tmp_path):
+    """A one-port engine (the M.2 cards, tiny) generates the flow it always did: one master
+    m_axi, no per-port bridges, no second memory clock, the whole memory for the engine."""
+    board = get_board(name)
+    for iface in (EngineInterface.for_config(get_preset("tiny"), ["dfvg_engine.v"]),
+                  EngineInterface.for_config(get_preset(board.preset).with_changes(mem_ports=1),
+                                             ["dfvg_engine.v"])):
+        assert iface.axi_buses == ("m_axi",) and memory_links(board, iface) == []
+        text = write_flow(tmp_path, board, iface).tcl.read_text()
+        for word in ("mem_sc_00", "host_sc", "hbm_clk_wiz", "exclude_bd_addr_seg", "m00_axi"):
+            assert word not in text
+    assert "m_axi_awaddr" in [n for n, _, _ in iface.ports()]
+
+
+def test_engine_interface_lists_every_masters_ports():
+    iface = _multi_port_interface("alveo-u55c")
+    names = [name for name, _, _ in iface.ports()]
+    assert len(names) == len(set(names))
+    for p in range(32):
+        prefix = master_prefix(p, 32)
+        assert (prefix + "rdata", "in", 512) in iface.ports() and prefix + "arlen" in names
+    assert not any(name.startswith("m_axi_") for name in names)
+
+
+def test_multi_port_engine_top_matches_the_interface():
+    """The engine's top-level members equal EngineInterface.ports() at the 4-port test
+    preset (its signature only: no elaboration)."""
+    import gc
+    import warnings
+
+    from amaranth.hdl import Shape, UnusedElaboratable
+
+    from dfvg_hw.engine import DraftEngine
+
+    config = get_preset("tiny-hbm")
+    with warnings.catch_warnings():          # built for its signature, never elaborated
+        warnings.simplefilter("ignore", UnusedElaboratable)
+        members = dict(DraftEngine(config).signature.members)
+        gc.collect()
+    if master_prefix(0, config.mem_ports) + "araddr" not in members:
+        pytest.skip("the engine does not yet expose one AXI4 master per memory port (issue #14)")
+    iface = EngineInterface.for_config(config, ["dfvg_engine.v"])
+    declared = {(name, "out" if m.flow.name == "Out" else "in", Shape.cast(m.shape).width)
+                for name, m in members.items()}
+    wanted = {port for port in iface.ports() if port[0] not in (iface.clock, iface.reset)}
+    assert declared == wanted, declared ^ wanted
 
 
 # -- The Artix-7 M.2 cards --------------------------------------------------------------
