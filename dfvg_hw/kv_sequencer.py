@@ -44,6 +44,11 @@ T = 64). The KV buffer streams one word per cycle, so a head spends ``W`` cycles
 position on K and again on V where the attention unit could take a row per cycle (its
 own ``2·T + ceil(log2 D) + 45``); heads run one after the other. Clear: about
 ``kv_positions · (1 + kv_slots · (2·W + 3))`` (tiny: ~1.9k).
+
+**Banks.** With ``kv_banks = B ≥ 2`` a KV buffer beat is ``B`` whole rows (one per bank,
+``keep`` masking positions past ``pos``) and goes straight to the attention unit (no
+gearbox): ``G = ceil(T / B)`` beats per pass, ``W = 1`` (an APPEND is one K and one V
+row into bank ``pos mod B``). :mod:`sim.attention_timing` has the exact counts.
 """
 
 from __future__ import annotations
