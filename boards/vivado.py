@@ -10,6 +10,20 @@ Vivado block design::
                     └──M_AXI (DMA H2C/C2H)── SmartConnect ──┬── HBM / DDR4 / DDR3 ◄┘
                   usr_irq_req ◄── engine irq
 
+That is a one-port engine. An engine with several memory masters (``mem_ports``; issue #14)
+gets one path per master instead, to its own controller port and nothing else
+(:func:`memory_links`, :func:`host_path`)::
+
+    engine m00_axi ── mem_sc_00 (2:1) ── HBM SAXI_00 ─┐   512 bits @ engine clock in,
+    XDMA M_AXI ──────────┘                             │   256 bits @ 450 MHz AXI3 out;
+    engine m01_axi ── mem_sc_01 (1:1) ── HBM SAXI_01   │   master p's address space holds
+    …                                                  │   pseudo-channel p only (DECERR
+    engine m31_axi ── mem_sc_31 (1:1) ── HBM SAXI_31   │   elsewhere); the host reaches all
+                                                       └── 32 through the HBM's switch
+
+    XDMA M_AXI ── host_sc (1:4) ─┬─ mem_sc_00 (2:1) ◄── engine m00_axi ── DDR4 c0   (U250)
+                                 └─ …                                   … DDR4 c3
+
 One generator serves every card: the Alveo cards (UltraScale+ XDMA, Gen3 x16; HBM or
 DDR4) and the Artix-7 M.2 cards of :mod:`boards.nitefury` (7-series XDMA, Gen2 x4; one
 DDR3 behind MIG 7-series, whose pins go into a MIG project file written beside the XDC).
