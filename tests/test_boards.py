@@ -44,3 +44,24 @@ def test_engine_elaborates_at_the_m2_presets(name):
     config = get_preset(get_board(name).preset)
     fragment = Fragment.get(DraftEngine(config, config.mem_port_bits), None)
     assert fragment is not None
+
+
+@pytest.mark.parametrize("name", ["alveo-u55c", "alveo-u280", "alveo-u250", "nitefury", "litefury"])
+def test_board_preset_memory_ports_fit_the_memory_system(name):
+    """Each card's own preset can be built by its board flow: its memory masters divide
+    the controller ports, and (on a multi-port preset) each master moves at least what its
+    controller port does, so the bridge between them is not the bottleneck."""
+    from boards.vivado import check_memory_ports, memory_links
+
+    board = get_board(name)
+    preset = get_preset(board.preset)
+    iface = EngineInterface.for_config(preset, ["dfvg_engine.v"])
+    check_memory_ports(board, iface)
+    if preset.mem_ports > 1:
+        mem = board.memory
+        assert preset.mem_channel_bytes % mem.port_span_bytes == 0
+        assert [link.offset for link in memory_links(board, iface)] == \
+            [p * preset.mem_channel_bytes for p in range(preset.mem_ports)]
+        ports_per_master = mem.slave_ports // preset.mem_ports
+        assert preset.mem_port_bits * preset.clock_mhz >= \
+            ports_per_master * mem.port_bits * min(iface.memory_clock_mhz, mem.port_max_mhz)

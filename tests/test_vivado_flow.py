@@ -456,13 +456,22 @@ def test_one_port_flows_keep_their_shared_smartconnect(name, tmp_path):
     m_axi, no per-port bridges, no second memory clock, the whole memory for the engine."""
     board = get_board(name)
     for iface in (EngineInterface.for_config(get_preset("tiny"), ["dfvg_engine.v"]),
-                  EngineInterface.for_config(get_preset(board.preset).with_changes(mem_ports=1),
-                                             ["dfvg_engine.v"])):
+                  EngineInterface.for_config(get_preset(board.preset).with_changes(
+                      mem_ports=1, mem_clock_mhz=0.0), ["dfvg_engine.v"])):
         assert iface.axi_buses == ("m_axi",) and memory_links(board, iface) == []
         text = write_flow(tmp_path, board, iface).tcl.read_text()
         for word in ("mem_sc_00", "host_sc", "hbm_clk_wiz", "exclude_bd_addr_seg", "m00_axi"):
             assert word not in text
     assert "m_axi_awaddr" in [n for n, _, _ in iface.ports()]
+    if board.memory.kind == "HBM":
+        # A one-port engine with an HBM clock of its own: the same two ports, at 450 MHz.
+        iface = EngineInterface.for_config(get_preset(board.preset).with_changes(
+            mem_ports=1, mem_clock_mhz=450.0), ["dfvg_engine.v"])
+        calls, _, _ = _run_flow(board, tmp_path, iface)
+        _check_created_before_use(calls)
+        for port in (0, 1):
+            _first(calls, "connect_bd_net", "hbm_clk_wiz/clk_out1", f"hbm_0/AXI_{port:02d}_ACLK")
+            _first(calls, "connect_bd_net", "hbm_clk_wiz/clk_out1", f"mem_sc_{port}/aclk")
 
 
 def test_engine_interface_lists_every_masters_ports():
