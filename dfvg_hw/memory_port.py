@@ -7,7 +7,7 @@ program words and request descriptors to read, result buffers to write — as co
 Read engine::
 
     read_cmd ─► burst splitter ─► AR register ─► m_axi ar
-                      │ burst track (beats, last-of-command, tail bytes)
+                      │ burst track (beats, last-of-command, bytes kept of the last beat)
                       ▼
                   track FIFO (max_outstanding bursts) ─► R counter ─► read_data register
 
@@ -26,6 +26,15 @@ Rules the controller relies on:
   byte count: the final beat of a read has the bytes past ``length`` zeroed, the final beat
   of a write has them masked off with ``wstrb``. A misaligned ``addr`` is refused.
 * **Range.** A command with ``addr + length > config.mem_bytes`` is refused.
+* **Channels.** One port of a striped engine (``channels`` > 1, see
+  :class:`~dfvg_hw.striped_memory_port.StripedMemoryPort` and :mod:`dfvg_hw.spec.striping`)
+  takes the engine's *logical* commands: ``addr`` must be a multiple of the engine beat
+  (``channels · data_width/8`` bytes), a command of ``length`` bytes is ``ceil(length /
+  engine beat)`` beats on every channel, issued from physical ``channel · C + (addr /
+  engine beat) · data_width/8`` (``C`` = ``mem_bytes / channels``), and the bytes of the
+  final beat past ``length`` (possibly all of this channel's) are zeroed or masked. The
+  range rule is then the channel's own: every beat stays in ``[channel · C, (channel+1) ·
+  C)``. With one channel (the default) logical and physical addresses are the same.
 * **Refusal.** A refused command is accepted and dropped: nothing goes on the bus, a read
   streams no beats and a write consumes no data; ``error`` says why from the next cycle
   on. The controller must watch ``error`` rather than wait for data (``read_idle`` and
@@ -98,24 +107,26 @@ class MemoryPortError(data.StructLayout):
 
 class _BurstTrack(data.StructLayout):
     """What the data side needs to know of a burst the address side issued: ``len``
-    (beats − 1), ``ends_command`` and ``tail`` (valid bytes in the command's final beat,
-    0 = all)."""
+    (beats − 1), ``ends_command`` and ``keep`` (valid bytes in the command's final beat,
+    0 … bytes per beat; 0 only on a channel the command's tail does not reach)."""
 
-    def __init__(self, tail_bits: int):
+    def __init__(self, bytes_per_beat: int):
         super().__init__({"len": unsigned(8), "ends_command": unsigned(1),
-                          "tail": unsigned(tail_bits)})
+                          "keep": range(bytes_per_beat + 1)})
 
 
 class _Burst(data.StructLayout):
-    def __init__(self, addr_bits: int, tail_bits: int):
-        super().__init__({"addr": unsigned(addr_bits), "track": _BurstTrack(tail_bits)})
+    def __init__(self, addr_bits: int, bytes_per_beat: int):
+        super().__init__({"addr": unsigned(addr_bits), "track": _BurstTrack(bytes_per_beat)})
 
 
 class _BurstSplitter(wiring.Component):
     """Checks a command and cuts it into legal AXI4 bursts, one per cycle.
 
     A burst ends at the command's end, after 256 beats or at a 4 KiB boundary, whichever
-    comes first. Shared by the read and the write engine.
+    comes first. Shared by the read and the write engine. Commands are logical (engine
+    beats of ``channels · bytes_per_beat`` bytes); bursts are physical, in channel
+    ``channel`` (the identity with one channel).
 
     Members
     -------
@@ -128,15 +139,17 @@ class _BurstSplitter(wiring.Component):
         A command has bursts left to issue.
     """
 
-    def __init__(self, config: EngineConfig, bytes_per_beat: int):
+    def __init__(self, config: EngineConfig, bytes_per_beat: int, channel: int = 0,
+                 channels: int = 1):
         self.config = config
         self.bytes_per_beat = bytes_per_beat
+        self.channel, self.channels = channel, channels
         self.offset_bits = exact_log2(bytes_per_beat)
         # Wide enough for a 4 KiB page offset and for the address one past the memory.
         self.addr_bits = max(exact_log2(BOUNDARY_BYTES), config.mem_bytes.bit_length())
         super().__init__({
             "cmd": In(stream.Signature(MemoryCommand(config))),
-            "burst": Out(stream.Signature(_Burst(self.addr_bits, self.offset_bits))),
+            "burst": Out(stream.Signature(_Burst(self.addr_bits, bytes_per_beat))),
             "refused": Out(MemoryPortError()),
             "busy": Out(1),
         })
@@ -146,14 +159,31 @@ class _BurstSplitter(wiring.Component):
         bpb, ob = self.bytes_per_beat, self.offset_bits
         page_beats = BOUNDARY_BYTES // bpb
         max_beats = min(MAX_BURST_BEATS, page_beats)
+        # the engine beat: this port's beat and the other channels' beside it
+        engine_bytes = bpb * self.channels
+        eb = exact_log2(engine_bytes)
+        base = self.channel * (self.config.mem_bytes // self.channels)
 
         addr = Signal(self.addr_bits)
         beats_left = Signal(range(self.config.mem_bytes // bpb + 1))
-        tail = Signal(ob)
+        keep = Signal(range(bpb + 1))
 
         cmd = self.cmd.payload
-        misaligned = cmd.addr[:ob] != 0
+        misaligned = cmd.addr[:eb] != 0
+        # A logical command inside the memory is, beat for beat, inside every channel:
+        # this is the channel's own range check.
         out_of_range = cmd.addr + cmd.length > self.config.mem_bytes
+        # Valid bytes of this channel's part of the command's final engine beat.
+        tail = cmd.length[:eb]
+        low = self.channel * bpb                      # this channel's first byte in a beat
+        keep_value = Signal(range(bpb + 1))
+        if self.channels == 1:
+            m.d.comb += keep_value.eq(Mux(tail == 0, bpb, tail))
+        else:
+            clipped = Mux(tail >= low + bpb, bpb, tail - low) if low + bpb < engine_bytes \
+                else tail - low
+            m.d.comb += keep_value.eq(Mux(tail == 0, bpb,
+                                          clipped if low == 0 else Mux(tail <= low, 0, clipped)))
         m.d.comb += self.cmd.ready.eq(~self.busy)
         with m.If(self.cmd.valid & self.cmd.ready):
             m.d.comb += [self.refused.misaligned.eq(misaligned),
@@ -161,9 +191,9 @@ class _BurstSplitter(wiring.Component):
             with m.If(~misaligned & ~out_of_range & (cmd.length != 0)):
                 m.d.sync += [
                     self.busy.eq(1),
-                    addr.eq(cmd.addr),
-                    beats_left.eq((cmd.length + (bpb - 1)) >> ob),
-                    tail.eq(cmd.length[:ob]),
+                    addr.eq(base + ((cmd.addr >> eb) << ob)),
+                    beats_left.eq((cmd.length + (engine_bytes - 1)) >> eb),
+                    keep.eq(keep_value),
                 ]
 
         # Beats this burst may take: up to the 4 KiB page end, at most 256.
@@ -182,7 +212,7 @@ class _BurstSplitter(wiring.Component):
             out.addr.eq(addr),
             out.track.len.eq(beats - 1),
             out.track.ends_command.eq(ends_command),
-            out.track.tail.eq(tail),
+            out.track.keep.eq(keep),
         ]
         with m.If(self.burst.valid & self.burst.ready):
             m.d.sync += [addr.eq(addr + (beats << ob)), beats_left.eq(beats_left - beats)]
@@ -205,6 +235,9 @@ class MemoryPort(wiring.Component):
         Bursts in flight per direction (the depth of the burst-track FIFOs). Enough to
         cover the memory latency: a read streams at one beat per cycle when
         ``max_outstanding · burst beats ≥ latency + burst beats``.
+    channel, channels : int
+        This port is channel ``channel`` of ``channels`` of a striped engine (see the
+        module docstring's *Channels*); by default the only one, addressing all memory.
 
     Members
     -------
@@ -244,11 +277,18 @@ class MemoryPort(wiring.Component):
     WRITE_OVERHEAD = timing.MEM_WRITE_OVERHEAD
 
     def __init__(self, config: EngineConfig, *, data_width: int = 256,
-                 max_outstanding: int = timing.MEM_MAX_OUTSTANDING):
+                 max_outstanding: int = timing.MEM_MAX_OUTSTANDING, channel: int = 0,
+                 channels: int = 1):
         axi = AXI4Signature(data_width, 64)
+        if channels < 1 or channels & (channels - 1) or not 0 <= channel < channels:
+            raise ValueError(f"channel {channel} of {channels}: need a power-of-two number "
+                             f"of channels and 0 <= channel < channels")
         if config.mem_bytes % axi.bytes_per_beat:
             raise ValueError(f"mem_bytes = {config.mem_bytes} is not a multiple of the "
                              f"{axi.bytes_per_beat}-byte bus width")
+        if channels > 1 and config.mem_bytes % (channels * BOUNDARY_BYTES):
+            raise ValueError(f"mem_bytes = {config.mem_bytes} does not split into {channels} "
+                             f"channels of whole 4 KiB pages")
         if max_outstanding < 2:
             raise ValueError("max_outstanding must be at least 2 (one burst in flight would "
                              "stall the bus for the memory latency between bursts)")
@@ -256,6 +296,7 @@ class MemoryPort(wiring.Component):
         self.data_width = data_width
         self.bytes_per_beat = axi.bytes_per_beat
         self.max_outstanding = max_outstanding
+        self.channel, self.channels = channel, channels
         super().__init__({
             "read_cmd": In(stream.Signature(MemoryCommand(config))),
             "read_data": Out(stream.Signature(ReadBeat(data_width))),
@@ -296,31 +337,34 @@ class MemoryPort(wiring.Component):
             m.d.sync += valid.eq(0)
 
     def _beat_bytes(self, track, command_end):
-        """Byte enables of a beat and its byte count: all bytes, except below ``tail`` on
-        a command's final beat."""
-        trimmed = command_end & (track.tail != 0)
-        # A trimmed beat keeps bytes 0 … tail-1, where 1 ≤ tail < bytes_per_beat: byte 0
-        # always, the top byte never (written out, as comparisons with a constant result
-        # are what Verilator's CMPCONST warns about).
-        enables = Cat(Const(1), *[~trimmed | (track.tail > i)
-                                  for i in range(1, self.bytes_per_beat - 1)], ~trimmed)
-        count = Mux(trimmed, track.tail, self.bytes_per_beat)
+        """Byte enables of a beat and its byte count: all bytes, except those at and past
+        ``keep`` on a command's final beat."""
+        trimmed = command_end & (track.keep != self.bytes_per_beat)
+        # A trimmed beat keeps bytes 0 … keep-1, where keep < bytes_per_beat: the top byte
+        # never; byte 0 always on a lone port (keep ≥ 1 there), else unless keep = 0
+        # (written out, as comparisons with a constant result are what Verilator's
+        # CMPCONST warns about).
+        first = Const(1) if self.channels == 1 else ~trimmed | (track.keep != 0)
+        enables = Cat(first, *[~trimmed | (track.keep > i)
+                               for i in range(1, self.bytes_per_beat - 1)], ~trimmed)
+        count = Mux(trimmed, track.keep, self.bytes_per_beat)
         return enables, count
 
     def _track_fifo(self):
-        tail_bits = exact_log2(self.bytes_per_beat)
-        return SyncFIFOBuffered(width=_BurstTrack(tail_bits).size, depth=self.max_outstanding)
+        return SyncFIFOBuffered(width=_BurstTrack(self.bytes_per_beat).size,
+                                depth=self.max_outstanding)
 
     # -- engines ----------------------------------------------------------------------------
     def _read_engine(self, m, count_bytes):
         axi, out = self.axi, self.read_data
-        m.submodules.read_splitter = split = _BurstSplitter(self.config, self.bytes_per_beat)
+        m.submodules.read_splitter = split = _BurstSplitter(self.config, self.bytes_per_beat,
+                                                                  self.channel, self.channels)
         m.submodules.read_tracks = tracks = self._track_fifo()
         wiring.connect(m, wiring.flipped(self.read_cmd), split.cmd)
         self._address_channel(m, split.burst, axi.arvalid, axi.araddr, axi.arlen, axi.arsize,
                               axi.arburst, axi.arready, [tracks])
 
-        track = data.View(_BurstTrack(exact_log2(self.bytes_per_beat)), tracks.r_data)
+        track = data.View(_BurstTrack(self.bytes_per_beat), tracks.r_data)
         beat = Signal(8)
         burst_end = beat == track.len
         command_end = burst_end & track.ends_command
@@ -347,7 +391,8 @@ class MemoryPort(wiring.Component):
 
     def _write_engine(self, m, count_bytes):
         axi, inp = self.axi, self.write_data
-        m.submodules.write_splitter = split = _BurstSplitter(self.config, self.bytes_per_beat)
+        m.submodules.write_splitter = split = _BurstSplitter(self.config, self.bytes_per_beat,
+                                                                  self.channel, self.channels)
         m.submodules.write_tracks = w_tracks = self._track_fifo()
         m.submodules.response_tracks = b_tracks = self._track_fifo()
         wiring.connect(m, wiring.flipped(self.write_cmd), split.cmd)
@@ -356,8 +401,7 @@ class MemoryPort(wiring.Component):
 
         # W: data beats go through one register so the W channel holds its payload while
         # valid whatever the producer does, at one beat per cycle.
-        tail_bits = exact_log2(self.bytes_per_beat)
-        track = data.View(_BurstTrack(tail_bits), w_tracks.r_data)
+        track = data.View(_BurstTrack(self.bytes_per_beat), w_tracks.r_data)
         beat = Signal(8)
         burst_end = beat == track.len
         command_end = burst_end & track.ends_command
@@ -377,7 +421,7 @@ class MemoryPort(wiring.Component):
             m.d.sync += axi.wvalid.eq(0)
 
         # B: one response per burst, in order; the command is complete at its last burst's.
-        response = data.View(_BurstTrack(tail_bits), b_tracks.r_data)
+        response = data.View(_BurstTrack(self.bytes_per_beat), b_tracks.r_data)
         m.d.comb += axi.bready.eq(b_tracks.r_rdy)
         answered = axi.bvalid & axi.bready
         m.d.comb += b_tracks.r_en.eq(answered)

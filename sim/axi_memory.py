@@ -36,6 +36,15 @@ addresses — what :class:`dfvg_hw.memory_port.MemoryPort` issues.
 
 Responses: a burst that reaches past the end of the memory gets DECERR, one that touches an
 ``error_ranges`` interval SLVERR; such reads return zeros and such writes change nothing.
+
+Channels: behind a striped engine (``mem_ports`` > 1, :mod:`dfvg_hw.spec.striping`) there
+is one slave per port, each given the port's ``channel`` and the configuration's
+:class:`~dfvg_hw.spec.striping.Striping`. Its bus addresses are *physical*; it answers only
+for its own channel ``[channel · C, (channel+1) · C)`` (DECERR elsewhere, whatever the
+memory's size) and reads and writes each port beat at its logical address
+(``Striping.logical``) in the shared, logical :class:`DeviceMemory` the host fills. Each
+slave keeps its own latency and token bucket: the preset's per-port rate
+(``EngineConfig.port_beats_per_cycle``, :meth:`MemoryTiming.for_config`).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from dataclasses import dataclass, field, replace
 
 from dfvg_hw.axi4 import BOUNDARY_BYTES, Burst, MAX_BURST_BEATS, Resp
 from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.spec.striping import Striping
 from sim.memory import DeviceMemory
 
 __all__ = ["AXI4SlaveMemory", "MemoryTiming", "AXIProtocolError"]
@@ -91,14 +101,19 @@ class MemoryTiming:
 
     @classmethod
     def for_config(cls, config: EngineConfig, data_width: int | None = None, **changes) -> "MemoryTiming":
-        """The configured memory seen through one ``data_width``-bit port (default: the
-        configuration's ``mem_port_bits``) at the engine clock: latency = ``mem_latency_ns`` in cycles (both directions), bandwidth =
-        ``mem_bandwidth_gbps`` in beats per cycle, at most one (a single port cannot move
-        more than a beat a cycle, whatever the memory could)."""
-        bytes_per_beat = (data_width or config.mem_port_bits) // 8
+        """The configured memory seen through each ``data_width``-bit port (default: the
+        configuration's ``mem_port_bits``) at the engine clock: latency = ``mem_latency_ns``
+        in cycles (both directions), bandwidth = the port's share of the achievable
+        bandwidth in beats per cycle (``EngineConfig.port_beats_per_cycle`` at the
+        configured width), at most one (a port cannot move more than a beat a cycle,
+        whatever the memory could)."""
+        if data_width is None or data_width == config.mem_port_bits:
+            rate = config.port_beats_per_cycle
+        else:
+            share = config.achievable_bandwidth_gbps * 1e9 / config.mem_ports
+            rate = min(1.0, share / (config.clock_mhz * 1e6) / (data_width // 8))
         timing = cls(read_latency=config.mem_latency_cycles,
-                     write_latency=config.mem_latency_cycles,
-                     beats_per_cycle=min(1.0, config.mem_bytes_per_cycle / bytes_per_beat))
+                     write_latency=config.mem_latency_cycles, beats_per_cycle=rate)
         return replace(timing, **changes)
 
 
@@ -129,7 +144,8 @@ class AXI4SlaveMemory:
         for every :class:`dfvg_hw.axi4.AXI4Signature` member. The data width is read from
         ``wdata``.
     memory : DeviceMemory
-        Backing store; its ``size`` is the end of the address space (DECERR beyond).
+        Backing store; its ``size`` is the end of the address space (DECERR beyond; with
+        ``striping``, the end of this slave's channel).
     timing : MemoryTiming
     error_ranges : sequence of (start, end)
         Byte ranges ``[start, end)`` that answer SLVERR.
@@ -137,6 +153,12 @@ class AXI4SlaveMemory:
         Seed of the stall generator.
     prefix : str
         Prefix of the bus's member names (``"m_axi_"`` for a top level's flat ports).
+    striping : Striping, optional
+        The engine's striping; with it, this slave is channel ``channel``'s (see the module
+        docstring): physical bus addresses, its own channel only, beats mapped to logical
+        ``memory`` addresses. Without it (or with one port) bus addresses are ``memory``'s.
+    channel : int
+        The channel this slave answers for (with ``striping``).
 
     Members
     -------
@@ -158,7 +180,8 @@ class AXI4SlaveMemory:
                   "awready", "wready", "bvalid", "bresp")
 
     def __init__(self, bus, memory: DeviceMemory, timing: MemoryTiming = MemoryTiming(), *,
-                 error_ranges=(), seed: int = 0, prefix: str = ""):
+                 error_ranges=(), seed: int = 0, prefix: str = "",
+                 striping: Striping | None = None, channel: int = 0):
         self.signals = {name: getattr(bus, prefix + name)
                         for name in self._MASTER_OUT + self._SLAVE_OUT}
         self.memory = memory
@@ -166,6 +189,18 @@ class AXI4SlaveMemory:
         self.bytes_per_beat = len(self.signals["wdata"]) // 8
         self.size_code = self.bytes_per_beat.bit_length() - 1
         self.error_ranges = list(error_ranges)
+        if striping is not None and striping.ports > 1:
+            if striping.port_bytes != self.bytes_per_beat:
+                raise ValueError(f"a {self.bytes_per_beat}-byte bus behind a striping of "
+                                 f"{striping.port_bytes}-byte port beats")
+            if not 0 <= channel < striping.ports:
+                raise ValueError(f"channel {channel} of {striping.ports}")
+            self.striping = striping
+            self.channel_range = (channel * striping.channel_bytes,
+                                  (channel + 1) * striping.channel_bytes)
+        else:
+            self.striping = None
+            self.channel_range = (0, memory.size)
         self.read_bursts: list[tuple[int, int]] = []
         self.write_bursts: list[tuple[int, int]] = []
         self.read_beats = 0
@@ -207,7 +242,8 @@ class AXI4SlaveMemory:
         end = addr + beats * self.bytes_per_beat
         if addr // BOUNDARY_BYTES != (end - 1) // BOUNDARY_BYTES:
             self._fail(f"{channel} burst [0x{addr:x}, 0x{end:x}) crosses a 4 KiB boundary")
-        if end > self.memory.size:
+        first, past = self.channel_range
+        if addr < first or end > past:
             resp = Resp.DECERR
         elif any(addr < hi and lo < end for lo, hi in self.error_ranges):
             resp = Resp.SLVERR
@@ -219,16 +255,22 @@ class AXI4SlaveMemory:
         return self.timing.stall > 0 and self._random.random() < self.timing.stall
 
     # -- the data paths -------------------------------------------------------------------
+    def _beat_address(self, burst: _Burst) -> int:
+        """The memory address of the burst's next beat (a port beat is one contiguous run
+        of logical bytes)."""
+        addr = burst.addr + burst.done_beats * self.bytes_per_beat
+        return addr if self.striping is None else self.striping.logical(addr)
+
     def _read_beat(self, burst: _Burst) -> int:
         if burst.resp != Resp.OKAY:
             return 0
-        addr = burst.addr + burst.done_beats * self.bytes_per_beat
+        addr = self._beat_address(burst)
         return int.from_bytes(self.memory.view(addr, self.bytes_per_beat).tobytes(), "little")
 
     def _write_beat(self, burst: _Burst, wdata: int, wstrb: int):
         if burst.resp != Resp.OKAY or not wstrb:
             return
-        addr = burst.addr + burst.done_beats * self.bytes_per_beat
+        addr = self._beat_address(burst)
         beat = bytearray(self.memory.read(addr, self.bytes_per_beat))
         new = wdata.to_bytes(self.bytes_per_beat, "little")
         for i in range(self.bytes_per_beat):
