@@ -56,7 +56,8 @@ def build(board_name: str, preset: str | None = None, out: str | Path | None = N
     directory.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     log(f"elaborating the {config.name} engine for {board.name} ({board.part}) "
-        f"({width}-bit memory port); large presets take minutes")
+        f"({config.mem_ports} × {width}-bit memory port{'s' if config.mem_ports > 1 else ''}); "
+        f"large presets take minutes")
     from dfvg_hw.verilog import to_verilog
     verilog = directory / f"{TOP}.v"
     verilog.write_text(to_verilog(DraftEngine(config, width), TOP, for_fpga=True))

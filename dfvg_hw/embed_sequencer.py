@@ -9,11 +9,14 @@ Per job:
    controller lends this sequencer the memory port from its job cycle on.
 2. **Span.** VMEM's writer is given the destination, one row of ``4n`` bytes (int32, the
    residual stream) from line ``dst`` (``BAD_ADDRESS`` if it leaves VMEM).
-3. **Row.** ``4n`` bytes from ``addr + 4n·token``, cut into VMEM lines by a
-   :class:`~dfvg_hw.vmem.Gearbox` (emptied before each row: a row that ends inside a beat
-   leaves that beat's other lines behind) and written a line a cycle. The memory port
-   refuses a row address off the bus beat (``BAD_ADDRESS``), which is the functional
-   model's alignment check on ``addr + 4n·token``.
+3. **Row.** ``4n`` bytes from ``addr + token · S``, where ``S`` =
+   :func:`~dfvg_hw.spec.image.embed_row_stride` ``(n, B)`` is the row padded to whole
+   memory beats (``B`` = the bus beat, ``EngineConfig.mem_beat_bytes``: every row starts
+   on a beat whatever ``n``), cut into VMEM lines by a :class:`~dfvg_hw.vmem.Gearbox`
+   (emptied before each row: a row that ends inside a beat leaves that beat's other lines
+   behind) and written a line a cycle. The memory port refuses a row address off the bus
+   beat (``BAD_ADDRESS``: a table not on a beat), which is the functional model's
+   alignment check on ``addr + token · S``.
 
 ``rows`` is 1 (the controller refuses any other). ``token`` holds the token until the
 next job, for the controller to retire with.
@@ -24,6 +27,7 @@ from __future__ import annotations
 from amaranth import Module, ResetInserter, Signal
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
 
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.spec import numerics as nx
@@ -85,6 +89,9 @@ class EmbedSequencer(wiring.Component):
         job = Signal(OpJob())
         token, word = self.token, Signal(range(beat_words))
         row_bytes = job.n * (nx.RES_BITS // 8)          # an int32 row
+        # image.embed_row_stride: the row padded to whole beats
+        beat_bits = exact_log2(beat_bytes)
+        row_stride = ((row_bytes + (beat_bytes - 1)) >> beat_bits) << beat_bits
 
         def read(addr, length):
             m.d.comb += [self.read_cmd.valid.eq(1), self.read_cmd.payload.addr.eq(addr),
@@ -122,7 +129,7 @@ class EmbedSequencer(wiring.Component):
                 with m.If(self.vmem_wr_cmd.ready):
                     m.next = "READ"
             with m.State("READ"):
-                read(job.addr + token * row_bytes, row_bytes)
+                read(job.addr + token * row_stride, row_bytes)
                 with m.If(self.vmem_error):
                     finish(ErrorCode.BAD_ADDRESS)
                 with m.Elif(self.read_cmd.ready):

@@ -12,10 +12,14 @@ job hand-over and ``RETIRE`` (:data:`UNIT_OVERHEAD` in all). The ``"REQUEST"`` b
 the request's own work: the header and the token scan before the first instruction, and
 after ``HALT`` the result descriptor assembled on chip and written out.
 
-Memory symbols used below: ``L`` = ``mem_latency_cycles``, ``B`` = bytes per beat of the
-engine's port (``mem_port_bits / 8``), ``p`` = beats per cycle the memory delivers
-(``min(1, mem_bytes_per_cycle / B)``). A read command accepted in cycle ``c`` has its
-first beat in cycle ``c + READ_OVERHEAD + L``. Timing does not depend on data, only on
+Memory symbols used below: ``L`` = ``mem_latency_cycles``, ``B`` = bytes per engine beat
+(``mem_beat_bytes``: a beat of each of the ``mem_ports`` channels side by side), ``p`` =
+beats per cycle each channel's memory delivers (``port_beats_per_cycle``). The channels
+run in lockstep (:class:`~dfvg_hw.striped_memory_port.StripedMemoryPort`): the same
+bursts, the same latency and rate on each, so the memory path is one port of ``B`` bytes
+whose AXI 4 KiB pages are each channel's, i.e. logical pages of ``4096 · mem_ports``
+bytes. A read command accepted in cycle ``c`` has its first beat in cycle
+``c + READ_OVERHEAD + L``. Timing does not depend on data, only on
 instruction fields, addresses and the KV position. All figures it produces are
 *modelled*.
 """
@@ -69,6 +73,12 @@ class _Port:
     latency: int        #: L
     bus_bytes: int      #: B
     beats_per_cycle: float  #: p
+    page: int = PAGE    #: logical bytes of an AXI page: 4 KiB of each channel
+
+    @classmethod
+    def for_config(cls, config: EngineConfig) -> "_Port":
+        return cls(config.mem_latency_cycles, config.mem_beat_bytes,
+                   config.port_beats_per_cycle, PAGE * config.mem_ports)
 
     @property
     def lines_per_beat(self) -> int:
@@ -98,14 +108,15 @@ class _Port:
         return self.arrival(n_in - 1, first) + tm.LINE_ALIGNER_LATENCY
 
 
-def _bursts(addr: int, nbytes: int, bus_bytes: int) -> list[int]:
-    """Beats of each burst the memory port splits a read into (4 KiB pages, 256 beats); a
-    block that does not start on a beat is read from the beat it starts in."""
+def _bursts(addr: int, nbytes: int, bus_bytes: int, page: int = PAGE) -> list[int]:
+    """Beats of each burst the memory port splits a read into (``page``: 4 KiB of each
+    channel; 256 beats); a block that does not start on a beat is read from the beat it
+    starts in."""
     skip = addr % bus_bytes
     addr -= skip
     beats, out = ceil((skip + nbytes) / bus_bytes), []
     while beats:
-        b = min(beats, (PAGE - addr % PAGE) // bus_bytes, tm.AXI_MAX_BURST_BEATS)
+        b = min(beats, (page - addr % page) // bus_bytes, tm.AXI_MAX_BURST_BEATS)
         out.append(b)
         beats -= b
         addr += b * bus_bytes
@@ -186,7 +197,7 @@ class _ReadPath:
     """
 
     def __init__(self, port: _Port):
-        self.latency, self.bus_bytes = port.latency, port.bus_bytes
+        self.latency, self.bus_bytes, self.page = port.latency, port.bus_bytes, port.page
         self.bucket = _TokenBucket(port.beats_per_cycle)
         self.issued = -1                #: cycle the last burst was issued (command accepted at 0)
         self.pops: list[int] = []       #: per burst: the cycle its last beat entered read_data
@@ -202,7 +213,7 @@ class _ReadPath:
         skip = addr % self.bus_bytes
         n_out = ceil(nbytes / self.bus_bytes)
         j = 0                                           # input beats so far
-        for i, beats in enumerate(_bursts(addr, nbytes, self.bus_bytes)):
+        for i, beats in enumerate(_bursts(addr, nbytes, self.bus_bytes, self.page)):
             # accepting the command is the cycle before its first burst
             issue = self.issued + (2 if i == 0 else 1)
             if len(self.pops) >= tm.MEM_MAX_OUTSTANDING:    # the track FIFO is full
@@ -413,7 +424,7 @@ def _matmul_cycles(port: _Port, lanes: int, reduce: int, rows_per_pass: int, n: 
     The x load: VMEM's read latency, then one x slice a cycle (a VMEM line cut into
     ``16 / slice`` slices, the padding slices of a row's last line included) or, for
     slices wider than a line, one line a cycle. ``page_offset`` is the weight block's
-    address within its 4 KiB page, ``dst`` the destination line (RESADD only).
+    address within its page (``port.page``), ``dst`` the destination line (RESADD only).
     """
     npad, kpad = padded(n, lanes), padded(k, reduce)
     groups, k_tiles = npad // lanes, kpad // reduce
@@ -611,9 +622,7 @@ class CycleModel:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        bus = config.mem_port_bits // 8
-        self.port = _Port(config.mem_latency_cycles, bus,
-                          min(1.0, config.mem_bytes_per_cycle / bus))
+        self.port = _Port.for_config(config)
 
     def _read(self, beats: int) -> int:
         """A read state pair (command, data) of ``beats`` beats, consumed as they come."""
@@ -637,7 +646,7 @@ class CycleModel:
         if op == Op.MATMUL:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
             cycles = _matmul_cycles(port, c.lanes, c.reduce, c.rows, ins.n, ins.k, rows,
-                                    int(ins.mode), bool(ins.wide), addr % PAGE,
+                                    int(ins.mode), bool(ins.wide), addr % port.page,
                                     ins.dst if ins.mode == MatmulMode.RESADD else 0)
             return cycles, npad * kpad + 4 * npad
         if op == Op.RMSNORM:
@@ -660,7 +669,10 @@ class CycleModel:
 
     def _embed(self, n: int, token_from_request: bool) -> tuple[int, int]:
         """controller.py EMBED_*: read the token (one beat) if it comes from the request,
-        open the VMEM span, read the row and write it a line a cycle."""
+        open the VMEM span, read the row and write it a line a cycle. Rows start on a
+        beat (``embed_row_stride``), so the row's timing does not depend on the token (a
+        page boundary inside the row splits its burst, which costs nothing: the next
+        burst is issued long before its data is due)."""
         port = self.port
         row = RES_BYTES * n                         # an int32 row
         lines = ceil(row / LINE)

@@ -17,8 +17,8 @@ from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
 from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS,
                                       DraftedToken, DraftRequest, DraftResult, ErrorCode,
                                       watchdog_budget)
-from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded,
-                           unpack_qparams, untile_weights)
+from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES,
+                           embed_row_stride, padded, unpack_qparams, untile_weights)
 from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
 from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
 from sim.cycle_model import BEFORE_FINISH, ISSUE, UNIT_OVERHEAD, CycleCounts, CycleModel
@@ -231,8 +231,8 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.PROGRAM, f"rows={ins.rows} > engine rows {c.rows}")
         rows, wide_bytes = ins.rows, 2 if ins.wide else 1
         if op == Op.EMBED:
-            row = addr + st.token * 4 * ins.n
-            beat = c.mem_port_bits // 8
+            beat = c.mem_beat_bytes
+            row = addr + st.token * embed_row_stride(ins.n, beat)
             if row % beat:
                 raise EngineFault(ErrorCode.BAD_ADDRESS, f"EMBED row at 0x{row:x} is not aligned "
                                   f"to the {beat}-byte memory beat")
@@ -274,7 +274,8 @@ class FunctionalEngine:
         addr = block_address(ins, image_base, st.layer, st.lstride)
         rows = ins.rows
         if op == Op.EMBED:
-            row = self._dram(addr + st.token * 4 * ins.n, 4 * ins.n).view("<i4")
+            row = self._dram(addr + st.token * embed_row_stride(ins.n, self.config.mem_beat_bytes),
+                             4 * ins.n).view("<i4")
             self._vstore(ins.dst, row[None, :], np.int32)
         elif op == Op.RMSNORM:
             head = self._dram(addr, NORM_PARAM_BYTES).view("<u4")

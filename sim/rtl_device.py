@@ -3,9 +3,11 @@ simulator, behind the same transport operations as the ``sim`` device and a card
 
 * Register reads and writes are AXI4-Lite transactions on the engine's ``s_axil_*``
   ports (:mod:`sim.axi_lite_bus`), cycle by cycle.
-* Device memory is a :class:`~sim.memory.DeviceMemory` behind an AXI4 slave model
-  (:class:`~sim.axi_memory.AXI4SlaveMemory`) with the preset's latency and bandwidth;
-  the host's DMA reads and writes it directly, as XDMA does on a card.
+* Device memory is a :class:`~sim.memory.DeviceMemory` behind one AXI4 slave model
+  (:class:`~sim.axi_memory.AXI4SlaveMemory`) per memory channel, each with the preset's
+  latency and its share of the bandwidth; the host's DMA reads and writes it directly, as
+  XDMA does on a card. The memory is the engine's *logical* space: the slave of channel
+  ``p`` maps the physical addresses on its port to it (:mod:`dfvg_hw.spec.striping`).
 * ``wait_irq`` simulates until the engine raises ``irq`` or the wall-clock timeout runs
   out, so a hung engine is a device timeout, as on hardware.
 
@@ -23,7 +25,8 @@ import numpy as np
 from amaranth.sim import Simulator
 
 from dfvg_hw.spec.config import EngineConfig
-from dfvg_hw.engine import AXI_PREFIX, AXIL_PREFIX, DraftEngine
+from dfvg_hw.engine import AXIL_PREFIX, DraftEngine
+from dfvg_hw.spec.striping import Striping
 from sim.axi_lite_bus import axil_read, axil_write
 from sim.axi_memory import AXI4SlaveMemory, MemoryTiming
 from sim.memory import DeviceMemory
@@ -38,9 +41,10 @@ class RtlDevice:
     ----------
     config : EngineConfig
     data_width : int, optional
-        The engine's AXI4 data width (default: the configuration's ``mem_port_bits``).
+        The width of each of the engine's AXI4 masters (default: the configuration's
+        ``mem_port_bits``).
     timing : MemoryTiming, optional
-        Device-memory timing (default: the preset's latency and bandwidth).
+        Each channel's memory timing (default: the preset's latency and per-port rate).
 
     Members
     -------
@@ -57,9 +61,14 @@ class RtlDevice:
         self.config = config
         self.memory = DeviceMemory(config.mem_bytes)
         self.engine = DraftEngine(config, data_width)
-        self.slave = AXI4SlaveMemory(self.engine, self.memory,
-                                     timing or MemoryTiming.for_config(config, data_width),
-                                     prefix=AXI_PREFIX)
+        timing = timing or MemoryTiming.for_config(config, data_width)
+        striping = Striping(config.mem_ports, self.engine.data_width // 8,
+                            config.mem_bytes // config.mem_ports)
+        #: one slave memory per channel, channel p on the engine's master p
+        self.slaves = [AXI4SlaveMemory(self.engine, self.memory, timing, prefix=prefix,
+                                       striping=striping, channel=p)
+                       for p, prefix in enumerate(self.engine.axi_prefixes)]
+        self.slave = self.slaves[0]
         self._bus = SimpleNamespace(**{name: getattr(self.engine, AXIL_PREFIX + name)
                                        for name in self.engine.axil.members})
         self._queue: deque = deque()
@@ -67,7 +76,8 @@ class RtlDevice:
         self.sim_seconds = 0.0
         self._sim = Simulator(self.engine)
         self._sim.add_clock(1e-6 / config.clock_mhz)
-        self._sim.add_process(self.slave.process)
+        for slave in self.slaves:
+            self._sim.add_process(slave.process)
         self._sim.add_testbench(self._host, background=True)
 
     # -- the host side of the simulation ---------------------------------------------------
