@@ -89,10 +89,8 @@ class RtlDevice:
                 if kind == "read":
                     box.append(await axil_read(ctx, self._bus, *args))
                 elif kind == "kv":
-                    kv, = args
-                    width = kv.word_bytes
-                    box.append([b"".join(int(ctx.get(mem.data[i])).to_bytes(width, "little")
-                                         for i in range(kv.depth)) for mem in kv.memories])
+                    kv, = args      # in the model's order, whatever the banking
+                    box.append(kv.contents(lambda mem, i: ctx.get(mem.data[i])))
                 else:
                     await axil_write(ctx, self._bus, *args)
                     box.append(None)

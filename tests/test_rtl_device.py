@@ -15,6 +15,7 @@ from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.descriptors import DraftRequest, DraftResult, ErrorCode, result_bytes
 from dfvg_hw.spec.isa import assemble, to_bytes
 from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Control, Irq, MemoryMap, Reg, Status, op_cycles_offset
+from dfvg_hw.spec.config import get_preset
 from sim.device import SimDevice
 from sim.rtl_device import RtlDevice
 from sim.verilator_device import VerilatorDevice
@@ -174,6 +175,25 @@ def test_embed_row_ending_inside_a_beat():
     ref = run(SimDevice(wide_port), program, request)
     assert ref[0].status == ErrorCode.OK
     same(run(RtlDevice(wide_port), program, request), ref)
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
+def test_embed_rows_padded_to_the_engine_beat(device):
+    """At tiny-hbm (four 128-bit channels: a 64-byte engine beat) a 12-entry int32 row (48
+    bytes) is padded to 64 (``embed_row_stride``): token 5's row is at ``addr + 320``, not
+    ``addr + 240``, on both sides; the logits read it back, so the sampled token, its q and
+    the top-k depend on which row was read. The striped read path carries the token, the
+    row and the weights, and every OP_CYCLES counter equals the cycle model's."""
+    hbm = get_preset("tiny-hbm")
+    program = f"""
+        embed rows=1, dst=0, n=12, addr=0
+        matmul rows=1, dst=8, src=0, n=40, k=16, addr={LOGITS}, mode=logits, wide
+        sample n=40
+        halt"""
+    request = DraftRequest([5], start_pos=0, n_draft=1, topk=4, seq=41)
+    ref = run(SimDevice(hbm), program, request)
+    assert ref[0].status == ErrorCode.OK
+    same(run(DEVICES[device](hbm), program, request), ref)
 
 
 def test_start_without_a_program():
