@@ -55,6 +55,7 @@ SLOW_TESTS = {
     # engine; 50 prompts x 128 tokens; 20 000 samples).
     "test_rtl_driver.py::test_driver_on_the_rtl_engine_equals_the_sim_device",
     "test_rtl_driver.py::test_generate_runs_end_to_end_on_verilator",
+    "test_rtl_driver.py::test_multichannel_engine_equals_the_sim_device",
     "test_speculative.py::test_greedy_is_exact_on_the_demo_pair",
     "test_speculative.py::test_sampling_is_lossless",
 }

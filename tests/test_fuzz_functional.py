@@ -10,7 +10,7 @@ import pytest
 
 from dfvg_hw.spec.config import get_preset
 from dfvg_hw.spec.descriptors import DraftRequest, ErrorCode
-from dfvg_hw.spec.image import NORM_PARAM_BYTES
+from dfvg_hw.spec.image import NORM_PARAM_BYTES, embed_row_stride
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op, encode
 from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Control, Reg
 from sim.cycle_model import BEFORE_FINISH, ISSUE, CycleModel
@@ -92,11 +92,17 @@ def test_embed_row_must_be_beat_aligned(offset, code):
         assert r.error_pc == 0 and s.engine.counts.by_op["EMBED"] == 4
 
 
-def test_embed_alignment_counts_the_token():
-    """The row address includes TOKEN · 4n (int32 rows): token 3 with n = 2 is 24 bytes in."""
+def test_embed_rows_are_padded_to_the_beat():
+    """Row t is at addr + t · embed_row_stride(n, beat) (docs/isa.md §3.2): every row of a
+    beat-aligned table is aligned whatever n and the token, and a table off the beat
+    faults whatever the token."""
+    assert embed_row_stride(2, TINY.mem_beat_bytes) == TINY.mem_beat_bytes
     s = session(Instruction(Op.EMBED, rows=1, dst=0, n=2, addr=0x100))
-    assert s.run(DraftRequest([3], start_pos=0, n_draft=0)).status == ErrorCode.BAD_ADDRESS
-    assert s.run(DraftRequest([2], start_pos=0, n_draft=0)).status == ErrorCode.OK
+    for token in (0, 2, 3):
+        assert s.run(DraftRequest([token], start_pos=0, n_draft=0)).status == ErrorCode.OK
+    s = session(Instruction(Op.EMBED, rows=1, dst=0, n=2, addr=0x108))
+    for token in (0, 3):
+        assert s.run(DraftRequest([token], start_pos=0, n_draft=0)).status == ErrorCode.BAD_ADDRESS
 
 
 @pytest.mark.parametrize("k, code", [(TINY.head_dim, ErrorCode.OK),
