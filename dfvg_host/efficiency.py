@@ -85,11 +85,14 @@ def _report_fingerprint() -> str:
     """The sources that turn a compiled program into figures: a changed cycle model or
     report must not reuse cached figures."""
     import sim.attention_timing
+    import sim.elementwise_timing
+    import sim.matmul_timing
     import sim.cycle_model
     import sim.timing_common
     from dfvg_host import report
     h = hashlib.sha256()
-    for module in (sim.cycle_model, sim.attention_timing, sim.timing_common, report):
+    for module in (sim.cycle_model, sim.attention_timing, sim.timing_common, sim.matmul_timing,
+                   sim.elementwise_timing, report):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:8]
 

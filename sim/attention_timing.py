@@ -13,7 +13,7 @@ from dfvg_hw.spec import kv_timing as kvt
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
-from sim.timing_common import LINE, _window
+from sim.timing_common import LINE, _Port, _window
 
 __all__ = ["kvappend_cycles", "attn_cycles"]
 

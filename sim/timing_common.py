@@ -1,13 +1,24 @@
-"""Timing primitives the cycle model's parts share: VMEM lines and window accesses."""
+"""Timing primitives the cycle model's parts share: VMEM lines and window accesses, and the
+memory path (the memory port and the simulated memory behind it)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from math import ceil
+
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing as tm
-from dfvg_hw.spec.config import VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 
 __all__ = ["LINE"]
 
 LINE = VMEM_LINE_BYTES
+UNIT_OVERHEAD = tm.UNIT_OVERHEAD
+READ_OVERHEAD = tm.MEM_READ_OVERHEAD
+PAGE = tm.AXI_BOUNDARY_BYTES
+#: Bytes of a residual-stream element (int32): EMBED rows, RMSNORM sources, RESADD rows.
+RES_BYTES = nx.RES_BITS // 8
+NEVER = -10 ** 9     #: "long before": a time that constrains nothing
 
 
 def _lines(byte_addr: int, nbytes: int) -> int:
@@ -18,3 +29,94 @@ def _lines(byte_addr: int, nbytes: int) -> int:
 def _window(byte_addr: int, nbytes: int) -> int:
     """A gather or scatter through ``VmemWindow``: the request state, then lines + 2."""
     return _lines(byte_addr, nbytes) + tm.WINDOW_ACCESS
+
+
+# -- the memory path ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Port:
+    latency: int        #: L
+    bus_bytes: int      #: B
+    beats_per_cycle: float  #: p
+    page: int = PAGE    #: logical bytes of an AXI page: 4 KiB of each channel
+
+    @classmethod
+    def for_config(cls, config: EngineConfig) -> "_Port":
+        return cls(config.mem_latency_cycles, config.mem_beat_bytes,
+                   config.port_beats_per_cycle, PAGE * config.mem_ports)
+
+    @property
+    def lines_per_beat(self) -> int:
+        return self.bus_bytes // LINE
+
+    def beat_offset(self, i: int) -> int:
+        """Cycles from a read's first beat to its beat ``i`` (the memory's token bucket
+        full at the start, refilled ``p`` a cycle)."""
+        return ceil(i / self.beats_per_cycle - 1e-9)
+
+    def arrival(self, i: int, first: int) -> int:
+        """Cycle a LineAligner takes input line ``i`` of a read whose first beat is on the
+        port in cycle ``first`` (the beat-to-lines Gearbox adds a register and passes one
+        line a cycle)."""
+        lpb = self.lines_per_beat
+        return first + tm.GEARBOX_LATENCY + max(i, self.beat_offset(i // lpb) + i % lpb)
+
+    def emit(self, j: int, first: int, skip: int, length: int) -> int:
+        """Cycle the LineAligner of an UnalignedReader emits output line ``j`` of a read of
+        ``length`` bytes starting ``skip`` bytes into its first beat: it drops
+        ``skip // 16`` lines, holds one, and emits when the next line arrives (or one
+        cycle after the last)."""
+        d = skip // LINE
+        n_in = ceil((length + skip) / self.bus_bytes) * self.lines_per_beat
+        if d + j + 1 < n_in:
+            return self.arrival(d + j + 1, first)
+        return self.arrival(n_in - 1, first) + tm.LINE_ALIGNER_LATENCY
+
+
+def _bursts(addr: int, nbytes: int, bus_bytes: int, page: int = PAGE) -> list[int]:
+    """Beats of each burst the memory port splits a read into (``page``: 4 KiB of each
+    channel; 256 beats); a block that does not start on a beat is read from the beat it
+    starts in."""
+    skip = addr % bus_bytes
+    addr -= skip
+    beats, out = ceil((skip + nbytes) / bus_bytes), []
+    while beats:
+        b = min(beats, (page - addr % page) // bus_bytes, tm.AXI_MAX_BURST_BEATS)
+        out.append(b)
+        beats -= b
+        addr += b * bus_bytes
+    return out
+
+
+class _TokenBucket:
+    """The simulated memory's rate limit: ``p`` beats a cycle, at most one banked."""
+
+    def __init__(self, p: float):
+        self.p, self.last, self.tokens = p, -10 ** 9, 1.0
+
+    def offer(self, t: int) -> int:
+        """The first cycle ``>= t`` a beat can be offered; spends its token."""
+        if self.tokens + self.p * (t - self.last) < 1:
+            t = self.last + ceil((1 - self.tokens) / self.p - 1e-9)
+        self.tokens = min(1.0, self.tokens + self.p * (t - self.last)) - 1
+        self.last = t
+        return t
+
+
+class _LineSplitter:
+    """EMBED's beat-to-line gearbox: it takes a beat when the previous beat's last line
+    has left, and passes one line a cycle."""
+
+    def __init__(self, lines_per_beat: int):
+        self.split, self.taken = lines_per_beat, NEVER
+
+    def beat(self, i: int, t: int) -> int:
+        self.taken = max(t, self.taken + self.split)
+        return self.taken
+
+    def free(self, t: int) -> bool:
+        """Whether beats offered one a cycle from ``t`` are taken as they come."""
+        return self.split == 1 and t > self.taken
+
+    def skip(self, i: int, count: int, t: int):
+        """Beats ``i …`` taken one a cycle from ``t``."""
+        self.taken = t + count - 1

@@ -1,0 +1,174 @@
+"""Cycle model of RMSNORM, ACTMUL and ROPE (norm_sequencer.py, actmul_sequencer.py,
+rope_sequencer.py and their row writers).
+
+Part of :mod:`sim.cycle_model`, in a file of its own so that these units' timing can
+change apart from the others'. All figures are *modelled*.
+"""
+
+from __future__ import annotations
+
+from math import ceil
+
+from dfvg_hw.spec import timing as tm
+from dfvg_hw.spec.image import ACT_PARAM_BYTES, NORM_PARAM_BYTES
+from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, _Port, _window
+
+__all__ = ["_rmsnorm", "_actmul", "_rope"]
+
+
+def _writer_tail(row_bytes: int, beats_per_row: int, lanes: int, wide: bool) -> tuple[int, int]:
+    """(lines per result beat, lines of a row's last beat the RowWriter drops)."""
+    beat_bytes = lanes * (2 if wide else 1)
+    if beat_bytes <= LINE:
+        return 1, 0
+    s = beat_bytes // LINE
+    return s, beats_per_row * s - ceil(row_bytes / LINE)
+
+
+def _done_after(last_beat_out: int, s: int, dropped: int) -> int:
+    """The DONE cycle of a row job whose last result beat leaves its unit in
+    ``last_beat_out`` (RowWriteProgress: the rows count and VMEM's wr_done, registered)."""
+    last_line = last_beat_out + s
+    return max(last_line + 1, last_line - dropped + 2) + tm.ROW_JOB_DONE
+
+
+def _writer_last_take(in0: int, in_prev: int, in_last: int, beats: int, s: int) -> int:
+    """The cycle the RowWriter takes a row's last beat when it takes one every ``s``
+    cycles at most."""
+    if beats == 1:
+        return in0
+    return max(in_last, in_prev + s, in0 + (beats - 1) * s)
+
+
+def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
+    """norm_sequencer.py: read the parameter head; per row, pass 0 over x (the row's
+    shift) and pass 1 (sum of squares, then rsqrt) race the gamma read issued at the row's
+    start; pass 2 streams x and gamma through the scaler.
+
+    x is the int32 row, ``4n`` bytes cut into beats of ``4·lanes``; gamma ``2n`` bytes cut
+    into beats of ``2·lanes``: below 8 lanes gamma can have beats past x's last (padding,
+    emptied as the next row starts), so pass 2 ends with the gamma beat of x's last."""
+    L, B = port.latency, port.bus_bytes
+
+    def cutting(nbytes: int, beat_bytes: int):
+        """(lines, beats per line or None, lines per beat or None, beats) of a row."""
+        lines = ceil(nbytes / LINE)
+        if beat_bytes <= LINE:                     # beats cut from lines ...
+            return lines, LINE // beat_bytes, None, lines * (LINE // beat_bytes)
+        pack = beat_bytes // LINE                  # ... or packed from several lines
+        return lines, None, pack, ceil(lines / pack)
+
+    ell, cut, pack, beats = cutting(RES_BYTES * n, RES_BYTES * lanes)
+    g_ell, g_cut, g_pack, _ = cutting(2 * n, 2 * lanes)
+    stream = max(beats, ell)                       # cycles of one pass over x
+    turnaround = tm.rmsnorm_turnaround(lanes)
+    first = tm.PARAM_CMD + READ_OVERHEAD + L
+    skip = addr % B
+    head_out = port.emit(0, first, skip, NORM_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
+    head_lines = ceil((NORM_PARAM_BYTES + skip) / B) * port.lines_per_beat
+    gamma_cmd = max(head_out + tm.NORM_HEAD_TO_GAMMA,
+                    port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY)
+    if n == 0:                                     # CHECK goes to DONE: nothing to read
+        check = gamma_cmd - tm.NORM_HEAD_TO_GAMMA + 1
+        return UNIT_OVERHEAD + check + tm.ROW_JOB_DONE
+    gamma_skip = (addr + NORM_PARAM_BYTES) % B
+    s, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide)
+
+    g = gamma_cmd
+    for _ in range(rows):
+        gamma_first = g + tm.READER_CMD_REGISTER + READ_OVERHEAD + L
+        last0 = g + tm.NORM_PASS_START + stream - 1            # pass 0's last beat
+        pass2 = last0 + tm.NORM_PASS_START + stream            # PASS2_CMD
+        u = pass2 + turnaround - 1
+        gamma_line = lambda j: port.emit(j, gamma_first, gamma_skip, 2 * n) + tm.LINE_ALIGNER_LATENCY
+        if g_cut is not None:                      # the gamma beat of x's last beat
+            g_last = gamma_line((beats - 1) // g_cut) + 1 + (beats - 1) % g_cut
+        else:
+            g_last = gamma_line(g_ell - 1) + 1
+        if pack is None:
+            end, gap = max(u + beats - 1, gamma_line(0) + beats, g_last), 1
+        else:
+            g_first = (gamma_line(0) + 1 if g_pack is None
+                       else gamma_line(min(g_pack, g_ell) - 1) + 1)
+            tail = ell - pack if beats > 1 else 0
+            end = max(pass2 + 3 + ell, g_last, max(u, g_first) + tail)
+            gap = ell - pack * (beats - 1)
+        g = end + 1
+    last_out = end + tm.RMSNORM_LATENCY + (max(0, s - gap) if beats > 1 else 0)
+    return UNIT_OVERHEAD + _done_after(last_out, s, dropped)
+
+
+def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int):
+    """ACTMUL's row loop from the first ROW_ALIGN in cycle ``a``: (cycle the writer takes
+    the last beat, beats per row)."""
+    g_lines = ceil(n / LINE)
+    d = n // LINE                                  # lines the up-half aligner drops
+    r = max(1, LINE // lanes)                      # cycles per (gate, up) line pair
+    q = max(1, lanes // LINE)                      # lines per ActMul beat when packing
+    if lanes <= LINE:
+        beats, last_lines, spacing = r * g_lines, 1, 1
+    else:
+        beats = ceil(g_lines / q)
+        last_lines, spacing = g_lines - q * (beats - 1), q
+    m = beats - 1
+    w_last = None
+    for _ in range(rows):
+        f0 = a + tm.ACTMUL_ROW_START + d
+        f_last = f0 + r * (g_lines - 1)
+        if lanes <= LINE:
+            in0, in_prev, in_last = f0 + 1, f0 + beats - 1, f0 + beats
+        else:
+            in0 = f0 + min(q, g_lines)
+            in_prev, in_last = f_last + 1 - last_lines, f_last + 1
+        lat = tm.ACTMUL_LATENCY
+        w0 = in0 + lat if w_last is None else max(in0 + lat, w_last + s)
+        w_last = _writer_last_take(w0, in_prev + lat, in_last + lat, beats, s)
+        last_pair = f_last
+        if s > spacing:                            # the writer is the bottleneck
+            stall = tm.actmul_writer_lag(lanes)
+            bounds = []
+            if m >= stall:
+                bounds.append(w0 + (m - stall) * s)
+            pack = tm.ACTMUL_PACK_LAG.get(lanes)
+            if pack is not None and m >= pack:
+                bounds.append(w0 + s + (m - pack) * q)
+            if bounds:
+                last_pair = max(last_pair, max(bounds) + last_lines - 1)
+        a = last_pair + 1
+    return w_last, beats
+
+
+def _actmul(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
+    """actmul_sequencer.py: the parameter head and the SiLU table (256 entries, one a
+    cycle into the unit's LUT, every instruction), then per row the gate and up halves
+    read from VMEM in pairs through ActMul and the RowWriter."""
+    first = tm.PARAM_CMD + READ_OVERHEAD + port.latency
+    skip = addr % port.bus_bytes
+    head_out = port.emit(0, first, skip, ACT_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
+    first_table_line = max(head_out, port.emit(1, first, skip, ACT_PARAM_BYTES))
+    a = first_table_line + tm.ACTMUL_TABLE_START + tm.ACTMUL_LUT_DEPTH + tm.ACTMUL_TABLE_TO_ROWS
+    if n == 0:                # CHECK goes to DONE in WRITE_CMD's cycle, before ROW_ALIGN's a
+        return UNIT_OVERHEAD + a - 1
+    beat_bytes = lanes * (2 if wide else 1)
+    s = max(1, beat_bytes // LINE)
+    w_last, beats = _actmul_rows(a, rows, n, lanes, s)
+    _, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide)
+    if beat_bytes <= LINE and wide:
+        dropped = 2 * ceil(n / LINE) - ceil(2 * n / LINE)
+    return UNIT_OVERHEAD + _done_after(w_last, s, dropped)
+
+
+def _rope(port: _Port, n: int, k: int, rows: int, addr: int, pos: int) -> int:
+    """rope_sequencer.py: the table row of ``POS`` (whole beats), then head by head: gather
+    (lines + 3), rotate (Rope.LATENCY 3 + 2), scatter (lines + 3), next."""
+    if k == 0:
+        # An empty table row is done without a read (BlockReader: IDLE, then DONE at once)
+        # and SPANS finds nothing to rotate, whatever n.
+        return UNIT_OVERHEAD + tm.ROPE_SETUP_STATES + 1 + tm.ROPE_DONE
+    row_addr = addr + pos * 2 * k
+    beats = ceil((row_addr % port.bus_bytes + 2 * k) / port.bus_bytes)
+    spans = (tm.ROPE_SETUP_STATES + READ_OVERHEAD + port.latency + port.beat_offset(beats - 1)
+             + tm.BLOCK_READ_DONE)
+    per_head = tm.ROPE_LATENCY + tm.ROPE_HEAD_STATES
+    per_row = sum(_window(h * k, k) + per_head + _window(h * k, k) for h in range(n))
+    return UNIT_OVERHEAD + spans + rows * per_row + tm.ROPE_DONE

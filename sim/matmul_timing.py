@@ -1,0 +1,308 @@
+"""Cycle model of MATMUL (matmul_sequencer.py, the matrix unit and its write-back).
+
+Part of :mod:`sim.cycle_model`, in a file of its own so that the matrix path's timing can
+change apart from the other units'. All figures are *modelled*.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from math import ceil
+
+from dfvg_hw.spec import timing as tm
+from dfvg_hw.spec.image import padded
+from dfvg_hw.spec.isa import MatmulMode
+from sim.timing_common import NEVER, LINE, RES_BYTES, UNIT_OVERHEAD, _bursts, _Port, _TokenBucket
+
+__all__ = ["_matmul_cycles", "_ReadPath"]
+
+
+
+
+class _Stalls:
+    """The cycles in which a pipeline that advances as one (every stage or none) stands
+    still: disjoint intervals ``[start, end)``, added in time order."""
+
+    def __init__(self):
+        self.intervals: list[tuple[int, int]] = []
+
+    @property
+    def last_end(self) -> int:
+        """The end of the latest stall."""
+        return self.intervals[-1][1] if self.intervals else NEVER
+
+    def add(self, start: int, end: int):
+        if end > start:
+            self.intervals.append((start, end))
+
+    def moves(self, x: int) -> int:
+        """The first cycle ``>= x`` in which the pipeline advances."""
+        for start, end in reversed(self.intervals):
+            if end <= x:
+                break
+            if start <= x:
+                # stalls never touch: the item behind a stalled one reaches the stalled
+                # register a cycle after it leaves
+                return end
+        return x
+
+    def passes(self, x: int, stages: int) -> int:
+        """The cycle an item that enters the pipeline's first register in cycle ``x`` (it
+        is there from ``x + 1``) is in register ``stages`` (``stages`` advances later)."""
+        for _ in range(stages):
+            x = self.moves(x + 1)
+        return x + 1
+
+
+class _ReadPath:
+    """The MATMUL sequencer's reads, one after another: :class:`~dfvg_hw.memory_port.
+    MemoryPort` (command splitter, burst-track FIFO, ``read_data`` register) and the
+    sequencer's :class:`~dfvg_hw.matmul_sequencer.BeatAligner`.
+
+    The sequencer offers its next command as soon as the splitter is free: a command costs
+    a cycle to accept and one per burst issued, and a burst waits while
+    :data:`~dfvg_hw.spec.timing.MEM_MAX_OUTSTANDING` bursts await their last beat. Burst data is due ``L`` cycles
+    after its address (one cycle after its issue) and the memory offers ``p`` beats a
+    cycle; a beat enters ``read_data`` when that register is empty or being emptied.
+
+    A read at a byte address off the bus alignment is issued from the beat it starts in
+    (``skip`` bytes in) and the aligner re-cuts it: the read's first beat is held
+    (taken from ``read_data`` the cycle after it arrives, whatever the consumer does),
+    output beat ``i`` leaves with input beat ``i + 1``; when the read has no more input
+    beats than output beats, its last output beat is flushed from the held one the cycle
+    after the last input beat, and the aligner takes nothing in that cycle.
+    """
+
+    def __init__(self, port: _Port):
+        self.latency, self.bus_bytes, self.page = port.latency, port.bus_bytes, port.page
+        self.bucket = _TokenBucket(port.beats_per_cycle)
+        self.issued = -1                #: cycle the last burst was issued (command accepted at 0)
+        self.pops: list[int] = []       #: per burst: the cycle its last beat entered read_data
+        self.entered = NEVER            #: the last beat's cycle into read_data
+        self.left = NEVER               #: ... and out of it
+        self.aligner_free = NEVER       #: first cycle the aligner takes a beat after a flush
+
+    def read(self, addr: int, nbytes: int, consumer) -> int:
+        """Issue a read of ``nbytes`` at device byte ``addr`` and stream it to
+        ``consumer`` (:class:`_Accumulate` or :class:`_Words`), whose ``beat(i, t)``
+        returns the cycle it takes output beat ``i`` offered from cycle ``t``. Returns the
+        cycle it takes the last one."""
+        skip = addr % self.bus_bytes
+        n_out = ceil(nbytes / self.bus_bytes)
+        j = 0                                           # input beats so far
+        for i, beats in enumerate(_bursts(addr, nbytes, self.bus_bytes, self.page)):
+            # accepting the command is the cycle before its first burst
+            issue = self.issued + (2 if i == 0 else 1)
+            if len(self.pops) >= tm.MEM_MAX_OUTSTANDING:    # the track FIFO is full
+                issue = max(issue, self.pops[-tm.MEM_MAX_OUTSTANDING] + 1)
+            self.issued = issue
+            b = 0
+            while b < beats:
+                offered = self.bucket.offer(max(issue + 1 + self.latency, self.entered + 1))
+                self.entered = max(offered, self.left)
+                arrives = max(self.entered + 1, self.aligner_free)
+                if skip and j == 0:
+                    self.left = arrives                 # held by the aligner
+                else:
+                    self.left = taken = consumer.beat(j - (1 if skip else 0), arrives)
+                b, j = b + 1, j + 1
+                rest = beats - b
+                if (rest and self.left == arrives == self.entered + 1
+                        and self.bucket.p >= 1 and consumer.free(arrives + 1)):
+                    # nothing held this beat up and nothing will hold the rest of the burst
+                    # (its data is due, the memory keeps up: p = 1 leaves the bucket
+                    # unused): a beat a cycle, the loop's sums in closed form
+                    consumer.skip(j - (1 if skip else 0), rest, arrives + 1)
+                    self.entered += rest
+                    self.left = taken = arrives + rest
+                    b, j = beats, j + rest
+            self.pops.append(self.entered)
+        if skip and j == n_out:                         # the last output beat is flushed
+            taken = consumer.beat(n_out - 1, self.left + 1)
+            self.aligner_free = taken + 1
+        return taken
+
+
+class _Words:
+    """The requant-word register: a group's first word beat waits until the previous
+    group's words are used (``free_from``); the others are taken as they come."""
+
+    def __init__(self, free_from: int):
+        self.free_from = free_from
+
+    def beat(self, i: int, t: int) -> int:
+        return max(t, self.free_from) if i == 0 else t
+
+    def free(self, t: int) -> bool:
+        """Whether beats offered one a cycle from ``t`` are all taken as they come."""
+        return t >= self.free_from
+
+    @staticmethod
+    def skip(i: int, count: int, t: int):
+        """Beats ``i …`` taken one a cycle from ``t`` (nothing to record)."""
+
+
+class _Accumulate:
+    """The matrix unit's accumulate side and the :class:`~dfvg_hw.matmul_sequencer.
+    TilePacker` in front of it.
+
+    The packer takes a beat a cycle and holds a complete tile until the matrix unit takes
+    it (its next tile's first beat enters at that take at the earliest); the tile is
+    offered the cycle after its last beat. The matrix unit takes a tile in any cycle its
+    pipeline advances; a tile is :data:`~dfvg_hw.spec.timing.MATRIX_ACC_STAGES` advances from its take to the last
+    stage, where a group's last tile moves its sums into the write-back bank, or, while
+    the bank still holds the previous group, stops the whole pipeline until the cycle
+    after that group's last row has entered the requantisers.
+    """
+
+    def __init__(self, beats_per_tile: int):
+        self.beats_per_tile = beats_per_tile
+        self.stalls = _Stalls()
+        self.tile_taken = NEVER         #: cycle the matrix unit took the latest tile
+
+    def beat(self, i: int, t: int) -> int:
+        """The packer takes beat ``i`` of a group's tiles, offered in cycle ``t``."""
+        if i % self.beats_per_tile == 0:                # a new tile: the last one must be gone
+            t = max(t, self.tile_taken)
+        if i % self.beats_per_tile == self.beats_per_tile - 1:
+            self.tile_taken = self.stalls.moves(t + 1)
+        return t
+
+    def free(self, t: int) -> bool:
+        """Whether beats offered one a cycle from ``t`` are all taken as they come: the
+        latest tile is taken and the pipeline does not stop from ``t`` on (a stall
+        starts with a group's last tile, after its beats)."""
+        return self.tile_taken <= t and self.stalls.last_end <= t
+
+    def skip(self, i: int, count: int, t: int):
+        """Beats ``i … i + count − 1`` taken in cycles ``t …`` (see :meth:`free`)."""
+        last = (i + count) // self.beats_per_tile * self.beats_per_tile - 1   # last tile's end
+        if last >= i:
+            self.tile_taken = t + (last - i) + 1
+
+    def zero_tile(self) -> int:
+        """k = 0: the sequencer offers one zero tile per group from the stream's start."""
+        self.tile_taken = self.stalls.moves(max(0, self.tile_taken + 1))
+        return self.tile_taken
+
+    def bank(self, prev_done: int) -> int:
+        """The cycle the latest tile (a group's last) loads the write-back bank, the bank
+        being free from ``prev_done + 1`` (the previous group's last row entered the
+        requantisers in ``prev_done``)."""
+        at_last_stage = self.stalls.passes(self.tile_taken, tm.MATRIX_ACC_STAGES - 1)
+        load = max(at_last_stage, prev_done + 1)
+        self.stalls.add(at_last_stage, load)
+        return load
+
+
+class _WriteBack:
+    """The matrix unit's write-back and the sequencer's result path, row by row.
+
+    A row enters the requantisers once the group's sums are in the bank (the cycle after
+    the load), its requant words are in (the cycle after their last beat) and the row
+    before it has entered; the three requantiser stages and the row's entry stand still
+    while the row in the last stage waits for the output register. That register takes a
+    row when the previous one has been held for ``hold`` cycles: the result row's VMEM
+    lines are written one a cycle (INT8: ``max(1, N/16)``, RESADD: ``R = max(1, 4N/16)``)
+    or it goes to the logit buffer (1). A RESADD row also needs its residual: its ``R``
+    lines are peeked one a cycle from the cycle after the previous row's transfer and
+    arrive a cycle later, one line sooner when its first line is the previous row's last
+    (the line is already on the peek port).
+    """
+
+    def __init__(self, hold: int, residual_lines: int, line_of=None):
+        self.hold, self.residual_lines, self.line_of = hold, residual_lines, line_of
+        self.stalls = _Stalls()
+        self.entered = NEVER            #: the latest row's cycle into the requantisers
+        self.out = NEVER                #: ... and into the output register
+        self.peeked = None              #: VMEM line on the peek port after the latest residual
+
+    def group(self, g: int, bank: int, words_in: int, rows: int) -> int:
+        """Write back group ``g``: bank loaded in ``bank``, requant words complete in
+        ``words_in``. Returns the cycle its last row entered the requantisers."""
+        for r in range(rows):
+            self.entered = self.stalls.moves(max(bank + 1, words_in + 1, self.entered + 1))
+            at_end = self.stalls.passes(self.entered, tm.REQUANT_LATENCY - 1)
+            out = max(at_end, self.out + self.hold)
+            if self.line_of is not None:                # RESADD: the residual's lines
+                first = self.line_of(g, r)
+                out = max(out, self.out + 1 + self.residual_lines - (first == self.peeked))
+                self.peeked = first + self.residual_lines - 1
+            self.stalls.add(at_end, out)
+            self.out = out
+        return self.entered
+
+    def end(self) -> int:
+        """STREAM's last cycle: the last row's last line written."""
+        return self.out + self.hold
+
+
+def _matmul_stream(port: _Port, lanes: int, reduce: int, groups: int, k_tiles: int,
+                   pass_rows: int, hold: int, addr: int, q_addr: int, line_of) -> int:
+    """Cycles of the MATMUL sequencer's STREAM state for one row pass (matmul_sequencer.py),
+    counted from the state's first cycle (its first read command).
+
+    Reads, per group ``g``: its tiles (``lanes·k_tiles·reduce`` bytes from ``addr``, none
+    when ``k = 0``: a zero tile is offered instead) and then its requant words
+    (``4·lanes`` bytes from ``q_addr``), through :class:`_ReadPath`. Tile beats go through
+    :class:`_Accumulate`; the first requant beat of group ``g`` waits until group
+    ``g − 1``'s words are used (its last row entered the requantisers). A group is
+    written back (:class:`_WriteBack`) once its successor's last tile needs the bank.
+    ``hold`` is the cycles a result row holds the output register, ``line_of(g, r)`` the
+    first VMEM line of the residual of group ``g``'s row ``r`` (RESADD; otherwise None).
+    """
+    B = port.bus_bytes
+    reads = _ReadPath(port)
+    acc = _Accumulate(lanes * reduce // B)
+    wb = _WriteBack(hold, max(1, RES_BYTES * lanes // LINE), line_of)
+    tile_bytes, q_bytes = lanes * k_tiles * reduce, 4 * lanes
+    prev, prev_done = None, NEVER                       # the group awaiting write-back
+    for g in range(groups):
+        if k_tiles:
+            reads.read(addr + g * tile_bytes, tile_bytes, acc)
+        else:
+            acc.zero_tile()
+        if prev is not None:
+            prev_done = wb.group(g - 1, *prev, pass_rows)
+        bank = acc.bank(prev_done)
+        words_in = reads.read(q_addr + g * q_bytes, q_bytes, _Words(prev_done + 1))
+        prev = (bank, words_in)
+    wb.group(groups - 1, *prev, pass_rows)
+    return wb.end() + 1
+
+
+@lru_cache(maxsize=4096)
+def _matmul_cycles(port: _Port, lanes: int, reduce: int, rows_per_pass: int, n: int, k: int,
+                   rows: int, mode: int, wide: bool, page_offset: int, dst: int) -> int:
+    """Cycles of a MATMUL from the controller's FETCH to its RETIRE (matmul_sequencer.py):
+    :data:`UNIT_OVERHEAD`, RANGE and DONE, then per row pass PASS, X_CMD, the x load (none
+    when ``k = 0``), CHECK, STREAM (none when ``n = 0``: CHECK goes to DONE) and NEXT_PASS.
+
+    The x load: VMEM's read latency, then one x slice a cycle (a VMEM line cut into
+    ``16 / slice`` slices, the padding slices of a row's last line included) or, for
+    slices wider than a line, one line a cycle. ``page_offset`` is the weight block's
+    address within its page (``port.page``), ``dst`` the destination line (RESADD only).
+    """
+    npad, kpad = padded(n, lanes), padded(k, reduce)
+    groups, k_tiles = npad // lanes, kpad // reduce
+    per_pass = rows_per_pass // 2 if wide else rows_per_pass
+    slice_bytes = 2 * reduce if wide else reduce
+    slices_per_row = ceil(k * (2 if wide else 1) / LINE) * max(1, LINE // slice_bytes)
+    out_bytes = 1 if mode == MatmulMode.INT8 else RES_BYTES
+    row_stride = padded(n * out_bytes, LINE)
+    hold = 1 if mode == MatmulMode.LOGITS else max(1, lanes * out_bytes // LINE)
+    total = UNIT_OVERHEAD + tm.MATMUL_STATES
+    first = 0
+    while first < rows:
+        pass_rows = min(per_pass, rows - first)
+        x_load = tm.VMEM_READ_LATENCY + pass_rows * slices_per_row if k else 0
+        total += tm.MATMUL_PASS_STATES + x_load
+        if not groups:                              # nothing to compute: CHECK ends the MATMUL
+            break
+        def line_of(g, r, first=first):         # residual row of group g, row r: first line
+            return dst + ((first + r) * row_stride + g * RES_BYTES * lanes) // LINE
+        total += tm.MATMUL_NEXT_PASS + _matmul_stream(port, lanes, reduce, groups, k_tiles, pass_rows, hold,
+                                    page_offset, page_offset + npad * kpad,
+                                    line_of if mode == MatmulMode.RESADD else None)
+        first += pass_rows
+    return total
