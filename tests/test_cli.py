@@ -10,6 +10,8 @@ import pytest
 
 from conftest import make_tiny_llama
 
+from dfvg_hw.spec.config import get_preset
+
 
 CACHE = tempfile.mkdtemp(prefix="dfvg-cli-cache-")   # compiled drafts, shared by these tests
 
@@ -55,15 +57,23 @@ def test_model_that_does_not_fit_names_the_limit(tmp_path):
             "kv_slots = 4") in line
 
 
-def test_embedding_rows_must_fill_memory_beats(tmp_path):
-    """EMBED reads an int32 row at token·4·hidden: on a 256-bit port that must be beat-aligned."""
+def test_embedding_rows_of_any_width_are_padded_to_engine_beats(tmp_path):
+    """EMBED rows are padded to whole engine beats (docs/isa.md §3.2): a 36-wide draft (a
+    144-byte int32 row) compiles for alveo-u55c, whose engine beat is 32 channels x 64 bytes."""
     from transformers import LlamaConfig
+
+    from dfvg_hw.spec.image import ImageHeader, embed_row_stride
+
     LlamaConfig(hidden_size=36, head_dim=16, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=2, intermediate_size=64, vocab_size=256,
                 max_position_embeddings=128).save_pretrained(tmp_path / "m")
-    line = error_line(dfvg("compile", "--draft", tmp_path / "m", "--preset", "alveo-u55c", "-o",
-                           tmp_path / "o", "--random-weights"))
-    assert "hidden 36" in line and "32-byte memory beats" in line and "multiple of 8" in line
+    proc = dfvg("compile", "--draft", tmp_path / "m", "--preset", "alveo-u55c", "-o", tmp_path / "o",
+                "--random-weights")
+    assert proc.returncode == 0, proc.stderr
+    beat = get_preset("alveo-u55c").mem_beat_bytes
+    assert beat == 2048 and embed_row_stride(36, beat) == 2048
+    header = ImageHeader.unpack((tmp_path / "o" / "image.bin").read_bytes()[:256])
+    assert header.embed_addr % beat == 0 and header.rope_addr - header.embed_addr >= 256 * 2048
 
 
 @pytest.mark.parametrize("args, message", [

@@ -251,31 +251,41 @@ PRESETS: dict[str, EngineConfig] = {
             source="small enough to simulate the RTL in tests; 100 MHz and one 128-bit "
                    "100 MHz AXI port (1.6 GB/s) are nominal, not a board"),
         EngineConfig(
-            name="alveo-u55c", rows=8, lanes=64, reduce=32,
-            kv_slots=144, kv_positions=1024, head_dim=64,
+            name="alveo-u55c", rows=4, lanes=64, reduce=32,
+            kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
-            clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=300.0, mem_bytes=16 * GiB,
-            mem_port_bits=256,
-            source="Alveo U55C (XCU55C, DS978): 16 GB HBM2 at 460 GB/s, 9024 DSP, "
-                   "960 URAM (33.75 MB) — the KV buffer (18.9 MB) lives in URAM; "
-                   "300 MHz as in the DFVG paper"),
+            clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=16 * GiB,
+            mem_port_bits=512, mem_ports=32, mem_clock_mhz=450.0, mem_achievable_gbps=421.0,
+            source="Alveo U55C (XCU55C, DS978): 16 GB HBM2 in 32 pseudo-channels at 460 GB/s, "
+                   "9024 DSP, 960 URAM (33.75 MB). 421 GB/s achievable: AMD's HBM bandwidth "
+                   "example with 32 masters, each on its own pseudo-channel (measured on a U280, "
+                   "the same HBM). One 512-bit master a pseudo-channel at 300 MHz, bridged to its "
+                   "256-bit 450 MHz HBM port (docs/boards.md §2.1); 200 ns read latency: the "
+                   "~110-140 ns measured at the HBM plus an allowance for the bridge (not "
+                   "measured). Tile 4x64x32: one 2 KiB engine beat a cycle, 4 rows for trees. "
+                   "KV (18.9 MB) in URAM, 8 banks. 300 MHz as in the DFVG paper"),
         EngineConfig(
-            name="alveo-u280", rows=8, lanes=64, reduce=32,
-            kv_slots=144, kv_positions=1024, head_dim=64,
+            name="alveo-u280", rows=4, lanes=64, reduce=32,
+            kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
-            clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=300.0, mem_bytes=8 * GiB,
-            mem_port_bits=256,
-            source="Alveo U280 (XCU280, DS963): 8 GB HBM2 at 460 GB/s (plus 32 GB DDR4, "
-                   "unused), 9024 DSP, 960 URAM; 300 MHz"),
+            clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=8 * GiB,
+            mem_port_bits=512, mem_ports=32, mem_clock_mhz=450.0, mem_achievable_gbps=421.0,
+            source="Alveo U280 (XCU280, DS963): 8 GB HBM2 in 32 pseudo-channels at 460 GB/s "
+                   "(plus 32 GB DDR4, unused), 9024 DSP, 960 URAM. 421 GB/s achievable: AMD's HBM "
+                   "bandwidth example on this card (32 masters, one a pseudo-channel). Ports, "
+                   "latency, tile and KV as alveo-u55c; 300 MHz"),
         EngineConfig(
             name="alveo-u250", rows=8, lanes=32, reduce=32,
-            kv_slots=144, kv_positions=1024, head_dim=64,
+            kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=77.0, mem_latency_ns=250.0, mem_bytes=64 * GiB,
-            mem_port_bits=256,
+            mem_port_bits=512, mem_ports=4, mem_clock_mhz=300.0,
             source="Alveo U250 (XCU250, DS962): 64 GB DDR4 in 4 channels at 77 GB/s, "
-                   "12288 DSP, 1280 URAM; 300 MHz. DDR bandwidth makes the tile smaller "
-                   "(32 x 32) while staying memory-bound for chains"),
+                   "12288 DSP, 1280 URAM; one 512-bit master per DDR4 controller (its 300 MHz "
+                   "AXI clock). No vendor measurement of sustained bandwidth is used, so the "
+                   "achievable roofline is the theoretical one. 300 MHz. DDR bandwidth makes the "
+                   "tile smaller (32 x 32) while staying memory-bound for chains; KV in URAM, "
+                   "8 banks"),
         EngineConfig(
             name="nitefury", rows=2, lanes=16, reduce=8,
             kv_slots=24, kv_positions=256, head_dim=64,
