@@ -70,8 +70,13 @@ from dfvg_hw.sample_sequencer import SampleSequencer
 from dfvg_hw.program_flow import ProgramFlow
 from dfvg_hw.vmem import VectorMemory
 
-__all__ = ["Controller", "MemoryClientSignature"]
+__all__ = ["Controller", "MemoryClientSignature", "BEAT_BITS"]
 
+
+#: Engine beats (all memory channels side by side) the controller and its units take. A
+#: wider beat (the 32-channel Alveo presets' 16384 bits) needs the non-matrix units fed
+#: through a narrower path first (issue #14).
+BEAT_BITS = (128, 256, 512)
 
 class MemoryClientSignature(wiring.Signature):
     """The controller's side of the :class:`~dfvg_hw.memory_port.MemoryPort` (members named
@@ -133,7 +138,7 @@ class Controller(wiring.Component):
     """
 
     def __init__(self, config: EngineConfig, data_width: int = 128):
-        if data_width not in (128, 256, 512):
+        if data_width not in BEAT_BITS:
             raise ValueError(f"data_width must be 128, 256 or 512 bits, got {data_width}")
         self.config = config
         self.data_width = data_width

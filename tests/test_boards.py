@@ -65,3 +65,15 @@ def test_board_preset_memory_ports_fit_the_memory_system(name):
         ports_per_master = mem.slave_ports // preset.mem_ports
         assert preset.mem_port_bits * preset.clock_mhz >= \
             ports_per_master * mem.port_bits * min(iface.memory_clock_mhz, mem.port_max_mhz)
+
+
+def test_build_refuses_an_engine_beat_the_controller_cannot_take(tmp_path):
+    """The 32-channel U55C engine (a 16384-bit beat) is projected by the cycle model but its
+    RTL does not elaborate yet: the build says so before any slow work and names the
+    preset that builds."""
+    from dfvg_hw.build import build
+
+    with pytest.raises(ValueError, match=r"16384-bit engine beat.*--preset alveo-u55c-1ch"):
+        build("alveo", out=tmp_path / "b")
+    assert not any((tmp_path / "b").glob("*.v"))
+    assert get_preset("alveo-u55c-1ch").mem_ports * get_preset("alveo-u55c-1ch").mem_port_bits <= 512

@@ -265,6 +265,16 @@ PRESETS: dict[str, EngineConfig] = {
                    "measured). Tile 4x64x32: one 2 KiB engine beat a cycle, 4 rows for trees. "
                    "KV (18.9 MB) in URAM, 8 banks. 300 MHz as in the DFVG paper"),
         EngineConfig(
+            name="alveo-u55c-1ch", rows=4, lanes=64, reduce=32,
+            kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
+            vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
+            clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=16 * GiB,
+            mem_port_bits=256, mem_achievable_gbps=421.0,
+            source="alveo-u55c with one 256-bit memory channel at the engine clock (9.6 GB/s, "
+                   "within one pseudo-channel's 13.1): the engine whose RTL builds for the card "
+                   "today (the 32-channel preset's 16384-bit beat does not elaborate yet). "
+                   "Rooflines are the card's, as for alveo-u55c"),
+        EngineConfig(
             name="alveo-u280", rows=4, lanes=64, reduce=32,
             kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
