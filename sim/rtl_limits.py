@@ -3,7 +3,7 @@ asked twice.
 
 The RTL devices simulate the whole generated engine, and its cost grows with the matrix
 tile: the ``tiny`` tile (2×4×8, 64 multipliers) builds in Verilator in about a minute
-and runs a draft in seconds, while the ``alveo-u55c`` tile (8×64×32, 16,384 multipliers)
+and runs a draft in seconds, while the old ``alveo-u55c`` tile (8×64×32, 16,384 multipliers)
 took 150 s and 5 GB of memory to build before it simulated a single cycle. A user who
 names a card's preset on an RTL device most likely wants the ``sim`` device; one who
 really wants the RTL says so with ``?large=1`` in the URL.
@@ -27,6 +27,16 @@ class SimulationTooLarge(ValueError):
 def check_simulation_size(config: EngineConfig, scheme: str, *, large: bool = False) -> None:
     """A :class:`SimulationTooLarge` that says what to use instead, unless ``config``'s
     matrix tile is small enough to simulate or ``large`` asks for it anyway."""
+    from dfvg_hw.controller import BEAT_BITS
+
+    beat_bits = 8 * config.mem_beat_bytes
+    if beat_bits not in BEAT_BITS:
+        raise SimulationTooLarge(
+            f"{scheme}://{config.name}: the engine's {config.mem_ports} memory channels make a "
+            f"{beat_bits}-bit beat, and the RTL's controller takes at most 512 bits today; there is "
+            f"no RTL to simulate at this preset. Use sim://{config.name} (the bit-exact functional "
+            "model; time from the cycle model) or an RTL device at a preset with at most a 512-bit "
+            "beat (tiny, tiny-hbm, alveo-u55c-1ch?large=1)")
     multipliers = config.rows * config.lanes * config.reduce
     if large or multipliers <= MAX_SIMULATED_MULTIPLIERS:
         return
