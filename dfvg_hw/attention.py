@@ -440,7 +440,10 @@ class Attention(wiring.Component):
     With all streams ready, the output is valid ``cycles(T) = 2·G + ceil(log2 D) +
     2·ceil(log2 B) + 45`` edges after the edge that accepts ``q``
     (:func:`dfvg_hw.spec.kv_timing.attention_head_cycles`). The next head's ``q`` is
-    accepted as soon as the output is handed to the normaliser. Grouped-query attention
+    accepted the cycle after this head's ``E`` goes to the reciprocal (its numerators
+    move to hold registers on that edge), so the next K pass overlaps this head's
+    reciprocal and normaliser; the reciprocal takes the next ``E`` once its quotient has
+    gone to the normaliser. Grouped-query attention
     streams the same K/V for every query head of the group.
 
     Parameters
@@ -633,15 +636,20 @@ class Attention(wiring.Component):
             m.d.sync += phase.eq(_AttnPhase.DIV)
 
         # -- reciprocal and output --------------------------------------------------------------
+        # The head's numerators move to hold registers as the reciprocal takes E, so the
+        # next head's q is taken at once and its K pass overlaps this head's reciprocal and
+        # normaliser. The reciprocal takes a new E only once its previous quotient is in
+        # the normaliser, which frees the hold registers on the same edge.
+        num_hold = [Signal(signed(self.num_bits), name=f"num_hold{j}") for j in range(d)]
+        wide_hold = Signal()
         m.d.comb += [rc.i.valid.eq(phase == _AttnPhase.DIV), rc.i.payload.eq(e_sum)]
         with m.If(rc.i.valid & rc.i.ready):
-            m.d.sync += phase.eq(_AttnPhase.NORM)
+            m.d.sync += [phase.eq(_AttnPhase.IDLE), wide_hold.eq(wide)]
+            m.d.sync += [num_hold[j].eq(num[j]) for j in range(d)]
         m.d.comb += [nm.i.valid.eq(rc.o.valid), nm.i.payload.recip.eq(rc.o.payload),
-                     nm.i.payload.wide.eq(wide), rc.o.ready.eq(nm.i.ready)]
+                     nm.i.payload.wide.eq(wide_hold), rc.o.ready.eq(nm.i.ready)]
         for j in range(d):
-            m.d.comb += nm.i.payload.num[j].eq(num[j])
-        with m.If(nm.i.valid & nm.i.ready):
-            m.d.sync += phase.eq(_AttnPhase.IDLE)
+            m.d.comb += nm.i.payload.num[j].eq(num_hold[j])
         m.d.comb += [self.o.valid.eq(nm.o.valid), self.o.payload.eq(nm.o.payload),
                      nm.o.ready.eq(self.o.ready)]
         return m

@@ -29,7 +29,10 @@ the controller's reset); its ``G = kv_heads`` word 0, ``(layer + 1) · G > kv_sl
 gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add nothing to
 a score), stream slot ``layer · G + h // (n / G)``, positions ``0 … pos``, through the
 attention unit (K words packed into rows, then V rows), and scatter the ``k`` outputs
-(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``.
+(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap: QUERY hands ``q[h]``
+to the attention unit as soon as it has passed head ``h − 1`` to its reciprocal, then
+READ_KV starts head ``h``'s K/V stream, and while it runs the sequencer takes head
+``h − 1``'s output, scatters it and gathers ``q[h + 1]``.
 
 **Clear.** ``clear`` (the controller's soft reset; the functional model zeroes KV there)
 writes zeros over every entry: APPENDs of all-zero entries, position by position. It is
@@ -42,7 +45,8 @@ line-aligned heads (n = 2, k = 16: 33); ATTN about ``40 + n·(2·W·T + ceil(log
 including the parameter read (n = 4, k = 16: 293 at T = 1, 533 at T = 16, 1301 at
 T = 64). The KV buffer streams one word per cycle, so a head spends ``W`` cycles per
 position on K and again on V where the attention unit could take a row per cycle (its
-own ``2·T + ceil(log2 D) + 45``); heads run one after the other. Clear: about
+own ``2·T + ceil(log2 D) + 45``). Figures before overlapping heads (about 44 cycles
+a head less now on tiny): :mod:`sim.attention_timing` has the exact counts. Clear: about
 ``kv_positions · (1 + kv_slots · (2·W + 3))`` (tiny: ~1.9k).
 
 **Banks.** With ``kv_banks = B ≥ 2`` a KV buffer beat is ``B`` whole rows (one per bank,
@@ -137,6 +141,7 @@ class KvSequencer(wiring.Component):
         head_bytes = Signal(32)             # n·k: all heads of K, of V, of q
         out_head_bytes = Signal(range(2 * D + 1))   # k int8 or int16 outputs of one head
         head = Signal(16)
+        outs = Signal(16)                   # ATTN outputs scattered
         in_offset, out_offset = Signal(32), Signal(32)
         # ATTN parameters and the GQA mapping
         mult, shift, groups = Signal(16), Signal(6), Signal(32)
@@ -225,7 +230,8 @@ class KvSequencer(wiring.Component):
                 appending = job.opcode == Op.KVAPPEND
                 # KVAPPEND's slots layer · n … (layer + 1) · n − 1 (ATTN's wait for G)
                 slots_over = (job.n > c.kv_slots) | ((job.layer + 1) * job.n[:g_bits] > c.kv_slots)
-                m.d.sync += [head.eq(0), in_offset.eq(0), out_offset.eq(0), in_group.eq(0),
+                m.d.sync += [head.eq(0), outs.eq(0), in_offset.eq(0), out_offset.eq(0),
+                             in_group.eq(0),
                              kv_slot.eq(job.layer[:g_bits] * job.n[:g_bits]), kv_arg.eq(job.k)]
                 with m.If(~appending & (job.opcode != Op.ATTN)):
                     finish(ErrorCode.PROGRAM)
@@ -326,21 +332,30 @@ class KvSequencer(wiring.Component):
                     with m.Else():
                         m.next = "GATHER_K"
 
-            # -- ATTN, head by head ------------------------------------------------------------
+            # -- ATTN, heads overlapped ----------------------------------------------------------
+            # Head h's q is taken (QUERY) as soon as the attention unit has handed head
+            # h − 1 to its reciprocal; then head h − 1's output is scattered and q[h + 1]
+            # gathered while head h streams its K and V rows.
             with m.State("GATHER_Q"):
                 gather(in_offset, "GATHER_Q_WAIT")
             with m.State("GATHER_Q_WAIT"):
                 with m.If(window.done):
-                    m.next = "READ_KV"
-            with m.State("READ_KV"):
-                m.d.comb += kv_command(KVOp.READ, slot=kv_slot)
-                with m.If(kv.cmd.ready):
-                    m.d.sync += v_phase.eq(0)
                     m.next = "QUERY"
             with m.State("QUERY"):
                 m.d.comb += attn.q.valid.eq(1)
                 with m.If(attn.q.ready):
-                    m.next = "ATTEND"
+                    m.next = "READ_KV"
+            with m.State("READ_KV"):
+                m.d.comb += kv_command(KVOp.READ, slot=kv_slot)
+                with m.If(kv.cmd.ready):
+                    m.d.sync += [v_phase.eq(0), head.eq(head + 1),
+                                 in_offset.eq(in_offset + job.k), in_group.eq(in_group + 1)]
+                    with m.If(in_group + 1 == quotient):       # next KV head's group
+                        m.d.sync += [in_group.eq(0), kv_slot.eq(kv_slot + 1)]
+                    with m.If((head != 0) | (head + 1 == job.n)):
+                        m.next = "ATTEND"                       # head − 1's output (or the last)
+                    with m.Else():
+                        m.next = "GATHER_Q"
             with m.State("ATTEND"):
                 m.d.comb += attn.o.ready.eq(1)
                 with m.If(attn.o.valid):
@@ -353,13 +368,11 @@ class KvSequencer(wiring.Component):
                     m.next = "SCATTER_WAIT"
             with m.State("SCATTER_WAIT"):
                 with m.If(window.done):
-                    m.d.sync += [head.eq(head + 1), in_offset.eq(in_offset + job.k),
-                                 out_offset.eq(out_offset + out_head_bytes),
-                                 in_group.eq(in_group + 1)]
-                    with m.If(in_group + 1 == quotient):       # next KV head's group
-                        m.d.sync += [in_group.eq(0), kv_slot.eq(kv_slot + 1)]
-                    with m.If(head + 1 == job.n):
+                    m.d.sync += [out_offset.eq(out_offset + out_head_bytes), outs.eq(outs + 1)]
+                    with m.If(outs + 1 == job.n):
                         finish(ErrorCode.OK)
+                    with m.Elif(head == job.n):
+                        m.next = "ATTEND"                       # the last head's output
                     with m.Else():
                         m.next = "GATHER_Q"
 

@@ -39,13 +39,14 @@ def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
 
 def attn_cycles(port: _Port, config: EngineConfig, n: int, k: int, src: int, dst: int, pos: int,
           wide: bool, addr: int) -> int:
-    """kv_sequencer.py + attention.Attention, heads strictly one after another: per head
-    the K rows stream at one KV word a cycle (W·T) — with ``B = kv_banks ≥ 2`` a group of
-    B rows a cycle (``G = ceil(T / B)`` groups) — the scores go through the dot-product
+    """kv_sequencer.py + attention.Attention, heads overlapped (:func:`_overlapped_heads`):
+    per head the K rows stream at one KV word a cycle (W·T) — with ``B = kv_banks ≥ 2``
+    a group of B rows a cycle (``G = ceil(T / B)`` groups) — the scores go through the dot-product
     tree (and the B-lane max tree) and exp, the V rows stream again (the gearbox holds
     one row, so V cannot be fetched ahead), then the B-lane column sums, reciprocal and
     normaliser. Banked, the beats skip the gearbox (``row_packing``): a cycle less a
-    head. ``ATTN_HEAD_TAIL`` counts the one-bank gearbox among its hand-offs."""
+    head. ``ATTN_HEAD_TAIL`` counts the one-bank gearbox among its hand-offs.
+    ``per_head_kv`` is one head alone, q to its output taken."""
     w = _kv_words(config)
     t = pos + 1
     banks = config.kv_banks
@@ -58,7 +59,46 @@ def attn_cycles(port: _Port, config: EngineConfig, n: int, k: int, src: int, dst
     score_to_v = tm.ceil_log2(config.head_dim) + tm.ATTN_SCORE_TO_V + levels
     per_head_kv = (2 * w * g - w + max(score_to_v, w) + tm.ATTN_HEAD_TAIL + levels
                    + kvt.row_packing(banks) - kvt.row_packing(1))
-    heads = sum(_window(src * LINE + h * k, k) + per_head_kv + _window(dst * LINE + h * out_bytes, out_bytes)
-                for h in range(n))
+    gathers = [_window(src * LINE + h * k, k) for h in range(n)]
+    scatters = [_window(dst * LINE + h * out_bytes, out_bytes) for h in range(n)]
     return (UNIT_OVERHEAD + tm.ATTN_CHECK + params + tm.ATTN_GROUPS + tm.GQA_DIVIDE_STEPS
-            + tm.ATTN_END_STATES + heads)
+            + tm.ATTN_END_STATES + _overlapped_heads(n, per_head_kv, gathers, scatters))
+
+
+def _overlapped_heads(n: int, per_head_kv: int, gathers: list[int], scatters: list[int]) -> int:
+    """Cycles of ``n`` overlapped heads (kv_sequencer.py's ATTN loop), from the first
+    GATHER_Q to the end of the last scatter. Times are cycles; per head ``h``:
+
+    * ``query[h]``: the attention unit takes q[h], at the later of the sequencer reaching
+      QUERY and the unit handing head h − 1 to its reciprocal (``recip[h − 1] + 1``);
+    * ``recip[h]``: the reciprocal takes head h's ``E``: ``per_head_kv −
+      kvt.ATTN_RECIP_TO_OUT`` after q with a free reciprocal, else when the previous quotient leaves
+      (``recip[h − 1] + kvt.ATTN_RECIP_BUSY``);
+    * the output is valid ``kvt.ATTN_RECIP_TO_OUT`` after ``recip[h]``; the sequencer
+      takes head h − 1's output after head h's READ_KV (head 0: gathers q[1] first), then
+      scatters it and gathers q[h + 1].
+
+    A single head is the sequential ``gather + per_head_kv + 1 + scatter``.
+    """
+    if n == 0:
+        return 0
+    to_recip = per_head_kv - kvt.ATTN_RECIP_TO_OUT
+    recip_prev = None
+    t = gathers[0]                      # QUERY reached, head 0
+    out_time = []                       # the cycle each output is valid
+    seq = 0                             # the sequencer's next free cycle after a scatter
+    for h in range(n):
+        q = t if recip_prev is None else max(t, recip_prev + 1)
+        r = q + to_recip if recip_prev is None else max(q + to_recip,
+                                                        recip_prev + kvt.ATTN_RECIP_BUSY)
+        out_time.append(r + kvt.ATTN_RECIP_TO_OUT)
+        recip_prev = r
+        after_read = q + 2              # QUERY, READ_KV
+        if h == 0:
+            seq = after_read
+        else:                           # ATTEND head h − 1, scatter it
+            seq = max(after_read, out_time[h - 1]) + 1 + scatters[h - 1]
+        if h + 1 < n:
+            t = seq + gathers[h + 1]
+    end = max(seq, out_time[n - 1]) + 1 + scatters[n - 1]
+    return end

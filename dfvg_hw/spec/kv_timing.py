@@ -17,6 +17,14 @@ from dfvg_hw.spec import timing as tm
 __all__ = ["kv_groups", "kv_words", "bank_tree_levels", "row_packing", "attention_head_cycles"]
 
 
+#: Attention: from the reciprocal taking a head's ``E`` to its output valid on ``o``
+#: (the reciprocal, the normaliser).
+ATTN_RECIP_TO_OUT = tm.ATTN_RECIP_LATENCY + tm.NORMALIZER_LATENCY
+#: Attention: the reciprocal takes the next ``E`` this many cycles after the previous one
+#: (its latency; the normaliser takes the quotient on the cycle it is valid).
+ATTN_RECIP_BUSY = tm.ATTN_RECIP_LATENCY
+
+
 def kv_groups(t: int, banks: int) -> int:
     """Groups of ``banks`` positions that cover positions ``0 … t − 1`` (a READ beat each)."""
     return -(-t // banks)

@@ -362,7 +362,8 @@ def test_banked_attention_random(cfg):
 
 def test_banked_attention_mutation_is_caught(monkeypatch):
     """The banked check can fail: a group maximum that also takes the lanes past T (stale
-    rows) gives other outputs."""
+    rows) gives other outputs; so does a normaliser reading the accumulators instead of
+    the held numerators while the next head runs."""
     import dfvg_hw.attention as attention_module
     from sequencer_cases import mutant
     cfg = BANKED[1]
@@ -373,6 +374,12 @@ def test_banked_attention_mutation_is_caught(monkeypatch):
     want = [nx.attention(q, k, v, mult, shift, 8) for q, k, v, mult, shift, _ in heads]
     bad = mutant(attention_module, "[Mux(s_keep[b], bank_scores[b], lo) for b in range(1, B)]",
                  "[bank_scores[b] for b in range(1, B)]", shared=()).Attention(cfg)
+    got = simulate_attention(bad, heads, seed=1)
+    assert any((o != w).any() for o, w in zip(got, want))
+    # heads overlap: the normaliser must read the held numerators, not the accumulators
+    # that the next head has already cleared
+    bad = mutant(attention_module, "nm.i.payload.num[j].eq(num_hold[j])",
+                 "nm.i.payload.num[j].eq(num[j])", shared=()).Attention(cfg)
     got = simulate_attention(bad, heads, seed=1)
     assert any((o != w).any() for o, w in zip(got, want))
     got = simulate_attention(Attention(cfg), heads, seed=1)
