@@ -7,7 +7,7 @@ Per job:
 1. **Parameters.** The whole 528-byte block is read as one stream
    (:class:`~dfvg_hw.line_streams.UnalignedReader`, any byte address): its first line gives
    ``mult = word0 & 0xFFFF`` and ``shift = (word0 >> 16) & 0x3F``, the next 32 lines the
-   256 int16 table entries, written into ActMul's table one per cycle. A block past
+   256 int16 table entries, written into ActMul's table a line (8 entries) per cycle. A block past
    device memory is refused by the memory port (``BAD_ADDRESS``; the controller resets
    the sequencer before VMEM was touched).
 2. **Checks.** ``rows > config.rows`` (``PROGRAM``) first of all, as ``_unit`` does; the
@@ -102,7 +102,6 @@ class ActMulSequencer(wiring.Component):
         lanes = c.lanes
         reader = m.submodules.reader = UnalignedReader(c, self.data_width)
         act = m.submodules.act = ActMul(c)
-        table_cut = m.submodules.table_cut = Gearbox(L, 2)          # table lines → entries
         up_align = m.submodules.up_align = LineAligner()
         gate_cut = m.submodules.gate_cut = Gearbox(L, lanes)        # lines → lanes × int8
         up_cut = m.submodules.up_cut = Gearbox(L, lanes)
@@ -121,7 +120,7 @@ class ActMulSequencer(wiring.Component):
         out_bytes = Signal(17)                      # n, or 2n when wide
         gate_lines = lines_of(job.n)
         head = Signal(32)
-        table_index = Signal(range(ActMul.LUT_DEPTH + 1))
+        table_index = Signal(range(ActMul.LUT_WORDS + 1))
         row = Signal(8)
         row_line = Signal(16)                       # lines of the current row read so far
         pair = Signal(16)                           # up line (and gate line) to pair next
@@ -135,15 +134,15 @@ class ActMulSequencer(wiring.Component):
         progress = RowWriteProgress(m, writer, self.vmem_wr, self.vmem_wr_done,
                                     wide=wide, row_bytes=out_bytes)
 
-        # -- table: memory lines after the head, one entry per cycle -------------------------
+        # -- table: memory lines after the head, one line (a word of 8 entries) per cycle ----
+        table_line = Signal()                      # the reader's line is a table line
         m.d.comb += [
-            table_cut.i.valid.eq(reader.o.valid), table_cut.i.p.eq(reader.o.p),
-            reader.o.ready.eq(table_cut.i.ready),
-            table_cut.o.ready.eq(1),
-            act.lut_we.eq(table_cut.o.valid), act.lut_addr.eq(table_index[:8]),
-            act.lut_data.eq(table_cut.o.p.data.as_value()),
+            reader.o.ready.eq(1),
+            act.lut_we.eq(reader.o.valid & table_line),
+            act.lut_addr.eq(table_index[:len(act.lut_addr)]),
+            act.lut_data.eq(reader.o.p.data.as_value()),
         ]
-        with m.If(table_cut.o.valid):
+        with m.If(act.lut_we):
             m.d.sync += table_index.eq(table_index + 1)
 
         # -- rows: VMEM lines forked into the gate buffer and the up aligner ------------------
@@ -208,12 +207,12 @@ class ActMulSequencer(wiring.Component):
                     with m.If(reader.cmd.ready):
                         m.next = "HEAD"
             with m.State("HEAD"):
-                m.d.comb += [table_cut.i.valid.eq(0), reader.o.ready.eq(1)]
                 with m.If(reader.o.valid):
                     m.d.sync += head.eq(reader.o.p.data.as_value()[:32])
                     m.next = "TABLE"
             with m.State("TABLE"):
-                with m.If(table_index == ActMul.LUT_DEPTH):
+                m.d.comb += table_line.eq(1)
+                with m.If(table_index == ActMul.LUT_WORDS):
                     m.next = "CHECK"
             with m.State("CHECK"):
                 with m.If(job_spans_outside(c, job, in_bytes, out_bytes)):

@@ -225,9 +225,12 @@ class ActMul(wiring.Component):
     the gate up in a 256 × int16 table (one copy per lane with a synchronous read port:
     LUTRAM on an FPGA), stage 2 multiplies by ``up``, then a :class:`VectorRequantizer`.
 
-    The table is loaded through ``lut_we/lut_addr/lut_data`` (entry ``g + 128`` for the
-    int8 gate ``g``) from the layer's ACTMUL block; it must not be written while beats
-    are in flight (reads are not transparent to the write port).
+    The table is loaded through ``lut_we/lut_addr/lut_data`` a word of
+    :attr:`LUT_WRITE_ENTRIES` entries at a time (word ``w`` holds entries ``8w .. 8w+7``;
+    entry ``g + 128`` for the int8 gate ``g``), one 16-byte line of the layer's ACTMUL
+    block a cycle; it must not be written while beats are in flight (reads are not
+    transparent to the write port). Each lane's copy is read a word at a time and the
+    entry picked from it in stage 2, so the latency is unchanged.
 
     Parameters
     ----------
@@ -248,16 +251,18 @@ class ActMul(wiring.Component):
         int16 output, sampled with each accepted beat.
     lut_we : In(1)
         Table write enable.
-    lut_addr : In(unsigned(8))
-        Table write address (``g + 128``).
-    lut_data : In(signed(16))
-        Table write data.
+    lut_addr : In(unsigned(5))
+        Table word address (entries ``8·lut_addr .. 8·lut_addr + 7``).
+    lut_data : In(ArrayLayout(signed(16), 8))
+        Table word: its 8 entries, the lowest address first.
     o : Out(stream.Signature(ArrayLayout(signed(16), lanes)))
         The activations (int8 sign-extended unless wide).
     """
 
     LATENCY = timing.ACTMUL_LATENCY
     LUT_DEPTH = timing.ACTMUL_LUT_DEPTH
+    LUT_WRITE_ENTRIES = timing.ACTMUL_LUT_WRITE_ENTRIES
+    LUT_WORDS = timing.ACTMUL_LUT_WORDS
     ACC_BITS = 16 + nx.ACT_BITS  # |lut · up| ≤ 2^22
 
     def __init__(self, config: EngineConfig, init=None):
@@ -272,8 +277,8 @@ class ActMul(wiring.Component):
             "shift": In(unsigned(6)),
             "wide": In(1),
             "lut_we": In(1),
-            "lut_addr": In(unsigned(8)),
-            "lut_data": In(signed(16)),
+            "lut_addr": In(unsigned(timing.ceil_log2(self.LUT_WORDS))),
+            "lut_data": In(data.ArrayLayout(signed(16), self.LUT_WRITE_ENTRIES)),
             "o": Out(stream.Signature(data.ArrayLayout(signed(WIDE_BITS), self.lanes))),
         })
 
@@ -291,21 +296,29 @@ class ActMul(wiring.Component):
             m.d.sync += [v1.eq(self.i.valid), v2.eq(v1), up1.eq(self.i.payload.up),
                          mult1.eq(self.mult), shift1.eq(self.shift), wide1.eq(self.wide),
                          vr.i.payload.side.eq(wide1)]
+        e = self.LUT_WRITE_ENTRIES
+        sub_bits = timing.ceil_log2(e)
+        word = data.ArrayLayout(signed(16), e)
+        init = [[self.init[w * e + k] for k in range(e)] for w in range(self.LUT_WORDS)]
         for l in range(self.lanes):
             # one table copy per lane (a LUTRAM with one write and one read port each),
-            # all written together
-            lut = m.submodules[f"lut{l}"] = Memory(shape=signed(16), depth=self.LUT_DEPTH,
-                                                  init=self.init,
+            # all written together, a word of `e` entries at a time
+            lut = m.submodules[f"lut{l}"] = Memory(shape=word, depth=self.LUT_WORDS,
+                                                  init=init,
                                                   attrs={"ram_style": "distributed"})
             wp, rp = lut.write_port(), lut.read_port()
             m.d.comb += [wp.en.eq(self.lut_we), wp.addr.eq(self.lut_addr),
                          wp.data.eq(self.lut_data)]
             g = self.i.payload.gate[l]
-            # index g + 128: flip the sign bit of the two's-complement gate
-            m.d.comb += [rp.en.eq(adv), rp.addr.eq(Cat(g[:7], ~g[7]))]
+            # index g + 128: flip the sign bit of the two's-complement gate; the word is
+            # read in stage 1, its entry picked in stage 2 by the index's low bits
+            idx = Cat(g[:7], ~g[7])
+            sub1 = Signal(sub_bits, name=f"sub1_{l}")
+            m.d.comb += [rp.en.eq(adv), rp.addr.eq(idx[sub_bits:])]
             r = vr.i.payload.r[l]
             with m.If(adv):
-                m.d.sync += [r.acc.eq(rp.data * up1[l]), r.mult.eq(mult1), r.shift.eq(shift1)]
+                m.d.sync += [sub1.eq(idx[:sub_bits]),
+                             r.acc.eq(rp.data[sub1] * up1[l]), r.mult.eq(mult1), r.shift.eq(shift1)]
         m.d.comb += [self.o.payload[l].eq(narrow_unless_wide(vr.o.payload.y[l], vr.o.payload.side))
                      for l in range(self.lanes)]
         m.d.comb += [self.o.valid.eq(vr.o.valid), vr.o.ready.eq(self.o.ready)]

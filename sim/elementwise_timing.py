@@ -139,14 +139,17 @@ def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int):
 
 
 def _actmul(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
-    """actmul_sequencer.py: the parameter head and the SiLU table (256 entries, one a
-    cycle into the unit's LUT, every instruction), then per row the gate and up halves
+    """actmul_sequencer.py: the parameter head and the SiLU table (256 entries, a line of
+    8 a cycle into the unit's LUT, every instruction), then per row the gate and up halves
     read from VMEM in pairs through ActMul and the RowWriter."""
     first = tm.PARAM_CMD + READ_OVERHEAD + port.latency
     skip = addr % port.bus_bytes
     head_out = port.emit(0, first, skip, ACT_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
-    first_table_line = max(head_out, port.emit(1, first, skip, ACT_PARAM_BYTES))
-    a = first_table_line + tm.ACTMUL_TABLE_START + tm.ACTMUL_LUT_DEPTH + tm.ACTMUL_TABLE_TO_ROWS
+    # the table's 32 lines, one a cycle as the reader emits them (after the head's)
+    last_table_line = max(head_out + tm.ACTMUL_LUT_WORDS,
+                          port.emit(tm.ACTMUL_LUT_WORDS, first, skip, ACT_PARAM_BYTES)
+                          + tm.ACTMUL_TABLE_WRITE)
+    a = last_table_line + 1 + tm.ACTMUL_TABLE_TO_ROWS
     if n == 0:                # CHECK goes to DONE in WRITE_CMD's cycle, before ROW_ALIGN's a
         return UNIT_OVERHEAD + a - 1
     beat_bytes = lanes * (2 if wide else 1)

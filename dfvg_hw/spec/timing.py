@@ -75,8 +75,13 @@ REQUANT_LATENCY = 3
 VECTOR_REQUANT_LATENCY = REQUANT_LATENCY
 #: ActMul: the gate's table read and the ``· up`` product, then the VectorRequantizer.
 ACTMUL_LATENCY = 2 + VECTOR_REQUANT_LATENCY
-#: ActMul: SiLU table entries, loaded one a cycle at every ACTMUL.
+#: ActMul: SiLU table entries, loaded at every ACTMUL.
 ACTMUL_LUT_DEPTH = 256
+#: ActMul: table entries written together (one 16-byte VMEM-line-wide word of int16s), so
+#: the table loads in ``ACTMUL_LUT_DEPTH / ACTMUL_LUT_WRITE_ENTRIES`` writes, a line a cycle.
+ACTMUL_LUT_WRITE_ENTRIES = 8
+#: ActMul: the table's writes (words of :data:`ACTMUL_LUT_WRITE_ENTRIES` entries).
+ACTMUL_LUT_WORDS = ACTMUL_LUT_DEPTH // ACTMUL_LUT_WRITE_ENTRIES
 #: Rsqrt: the LUT index, the ROM read, the interpolation and the output register.
 RSQRT_LATENCY = 4
 #: RMSNorm: the register after the ``x >> p`` barrel shifter that cuts an int32 residual to
@@ -213,10 +218,10 @@ NORM_HEAD_TO_GAMMA = 3
 #: latency and the line-to-beat Gearbox: from GAMMA_CMD to a row's first pass-0 beat, and
 #: from a pass's last beat to the next pass's first (RMSNORM_SHIFT_TURNAROUND hides in it).
 NORM_PASS_START = 1 + VMEM_READ_LATENCY + GEARBOX_LATENCY
-#: ActMulSequencer: from the first table line out of the reader to the first entry written
-#: (the line-to-entries Gearbox, the table port).
-ACTMUL_TABLE_START = GEARBOX_LATENCY + 1
-#: ActMulSequencer: after the last table entry, TABLE's index check, CHECK, WRITE_CMD.
+#: ActMulSequencer: the reader's LineAligner emitting a table line to the cycle ActMul's
+#: table takes it (a line, 8 entries, a cycle: no Gearbox in between).
+ACTMUL_TABLE_WRITE = LINE_ALIGNER_LATENCY
+#: ActMulSequencer: after the last table word, TABLE's index check, CHECK, WRITE_CMD.
 ACTMUL_TABLE_TO_ROWS = 3
 #: ActMulSequencer: ROW_ALIGN, ROW_CMD, VMEM's read latency and the up-half LineAligner
 #: before a row's first (gate, up) pair (plus the lines the aligner drops).

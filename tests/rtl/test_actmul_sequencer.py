@@ -106,3 +106,15 @@ def test_cycle_model_refuses_an_underived_writer_stall():
     CycleModel(TINY.with_changes(lanes=64, mem_port_bits=256)).instruction(ins)
     with pytest.raises(ConfigError, match=r"lanes = 128.*\[16, 32, 64\]"):
         CycleModel(TINY.with_changes(lanes=128, mem_port_bits=256)).instruction(ins)
+
+
+def test_cycles_equal_the_model():
+    """The table loads a line (8 entries) a cycle: every job's cycles, n = 0 included and
+    on 128- and 512-bit buses and at 64 lanes, are the cycle model's."""
+    rng = np.random.default_rng(15)
+    jobs = [_actmul(1, 16, 10, 40), _actmul(2, 20, 60, 60, addr=0x2003, wide=True),
+            _actmul(2, 0, 10, 10, addr=0x3008), _actmul(1, 5, 170, 190, addr=0x400D)]
+    for data_width in (128, 512):
+        assert check_row_jobs(rng, ActMulSequencer, _memory, jobs, data_width,
+                              timed=True) == [ErrorCode.OK] * len(jobs)
+    check_wide_lanes(rng, ActMulSequencer, _memory, Op.ACTMUL, list(BLOCKS), timed=True)

@@ -75,11 +75,15 @@ def silu(g):
 
 
 def load_lut(dut, lut):
+    """Write ``lut`` a word of ``LUT_WRITE_ENTRIES`` entries a cycle (as the sequencer
+    does, a 16-byte line a cycle)."""
+    e = ActMul.LUT_WRITE_ENTRIES
+
     async def setup(ctx):
         ctx.set(dut.lut_we, 1)
-        for j, v in enumerate(lut):
-            ctx.set(dut.lut_addr, j)
-            ctx.set(dut.lut_data, int(v))
+        for w in range(ActMul.LUT_WORDS):
+            ctx.set(dut.lut_addr, w)
+            ctx.set(dut.lut_data, [int(v) for v in lut[w * e:(w + 1) * e]])
             await ctx.tick()
         ctx.set(dut.lut_we, 0)
     return setup
