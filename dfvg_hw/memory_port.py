@@ -74,7 +74,7 @@ from dfvg_hw.axi4 import AXI4Signature, BOUNDARY_BYTES, Burst, MAX_BURST_BEATS, 
 from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 
-__all__ = ["MemoryPort", "MemoryCommand", "ReadBeat", "MemoryPortError"]
+__all__ = ["MemoryPort", "MemoryCommand", "ReadBeat", "MemoryPortError", "port_members"]
 
 #: width of the byte and cycle counters (the engine's 64-bit LO/HI registers)
 COUNTER_BITS = 64
@@ -221,6 +221,26 @@ class _BurstSplitter(wiring.Component):
         return m
 
 
+def port_members(config: EngineConfig, data_width: int) -> dict[str, wiring.Member]:
+    """The controller-side members of a memory port of ``data_width``-bit beats (all but
+    its AXI master), shared by :class:`MemoryPort` and the striped port."""
+    return {
+        "read_cmd": In(stream.Signature(MemoryCommand(config))),
+        "read_data": Out(stream.Signature(ReadBeat(data_width))),
+        "write_cmd": In(stream.Signature(MemoryCommand(config))),
+        "write_data": In(stream.Signature(unsigned(data_width))),
+        "write_done": Out(1),
+        "read_idle": Out(1),
+        "write_idle": Out(1),
+        "error": Out(MemoryPortError()),
+        "clear_error": In(1),
+        "read_bytes": Out(COUNTER_BITS),
+        "write_bytes": Out(COUNTER_BITS),
+        "busy_cycles": Out(COUNTER_BITS),
+        "clear_counters": In(1),
+    }
+
+
 class MemoryPort(wiring.Component):
     """The engine's AXI4 master: a read DMA engine and a write DMA engine (see the module
     docstring for the rules commands follow).
@@ -297,22 +317,7 @@ class MemoryPort(wiring.Component):
         self.bytes_per_beat = axi.bytes_per_beat
         self.max_outstanding = max_outstanding
         self.channel, self.channels = channel, channels
-        super().__init__({
-            "read_cmd": In(stream.Signature(MemoryCommand(config))),
-            "read_data": Out(stream.Signature(ReadBeat(data_width))),
-            "write_cmd": In(stream.Signature(MemoryCommand(config))),
-            "write_data": In(stream.Signature(unsigned(data_width))),
-            "write_done": Out(1),
-            "read_idle": Out(1),
-            "write_idle": Out(1),
-            "error": Out(MemoryPortError()),
-            "clear_error": In(1),
-            "read_bytes": Out(COUNTER_BITS),
-            "write_bytes": Out(COUNTER_BITS),
-            "busy_cycles": Out(COUNTER_BITS),
-            "clear_counters": In(1),
-            "axi": Out(axi),
-        })
+        super().__init__({**port_members(config, data_width), "axi": Out(axi)})
 
     # -- shared pieces ----------------------------------------------------------------------
     def _address_channel(self, m, burst, valid, addr, length, size, burst_type, ready, fifos):

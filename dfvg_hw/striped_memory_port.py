@@ -38,12 +38,12 @@ in order. With one port the component is the :class:`MemoryPort` itself, wired t
 
 from __future__ import annotations
 
-from amaranth import Cat, Module, Signal, unsigned
-from amaranth.lib import stream, wiring
-from amaranth.lib.wiring import In, Out
+from amaranth import Cat, Module, Signal
+from amaranth.lib import wiring
+from amaranth.lib.wiring import Out
 
 from dfvg_hw.axi4 import AXI4Signature
-from dfvg_hw.memory_port import COUNTER_BITS, MemoryCommand, MemoryPort, MemoryPortError, ReadBeat
+from dfvg_hw.memory_port import MemoryPort, port_members
 from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 
@@ -103,22 +103,8 @@ class StripedMemoryPort(wiring.Component):
         #: the channels' ports, port ``p`` on channel ``p``
         self.channels = [MemoryPort(config, data_width=port_width, max_outstanding=max_outstanding,
                                     channel=p, channels=ports) for p in range(ports)]
-        super().__init__({
-            "read_cmd": In(stream.Signature(MemoryCommand(config))),
-            "read_data": Out(stream.Signature(ReadBeat(self.data_width))),
-            "write_cmd": In(stream.Signature(MemoryCommand(config))),
-            "write_data": In(stream.Signature(unsigned(self.data_width))),
-            "write_done": Out(1),
-            "read_idle": Out(1),
-            "write_idle": Out(1),
-            "error": Out(MemoryPortError()),
-            "clear_error": In(1),
-            "read_bytes": Out(COUNTER_BITS),
-            "write_bytes": Out(COUNTER_BITS),
-            "busy_cycles": Out(COUNTER_BITS),
-            "clear_counters": In(1),
-            "axi": Out(AXI4Signature(port_width, 64)).array(ports),
-        })
+        super().__init__({**port_members(config, self.data_width),
+                          "axi": Out(AXI4Signature(port_width, 64)).array(ports)})
 
     def elaborate(self, platform):
         m = Module()

@@ -442,8 +442,11 @@ def test_memory_model_rejects_protocol_violations(violation, message):
 
 # -- structure ------------------------------------------------------------------------------
 def test_timing_from_config():
-    t = MemoryTiming.for_config(get_preset("alveo-u55c"), 256)
-    assert (t.read_latency, t.write_latency, t.beats_per_cycle) == (90, 90, 1.0)
+    u55c = get_preset("alveo-u55c")          # 200 ns at 300 MHz; 421 GB/s over 32 x 64 B ports
+    t = MemoryTiming.for_config(u55c)
+    assert (t.read_latency, t.write_latency) == (60, 60)
+    assert t.beats_per_cycle == pytest.approx(421e9 / 32 / (64 * 300e6))
+    assert MemoryTiming.for_config(u55c, 256).beats_per_cycle == 1.0     # 32 B a cycle is within a share
     slow = TINY.with_changes(mem_bandwidth_gbps=0.4)
     assert MemoryTiming.for_config(slow, 64).beats_per_cycle == 0.5
     with pytest.raises(ValueError, match="beats_per_cycle"):
