@@ -29,7 +29,15 @@ with ``rows ≠ 1`` or ``n > vocab_max`` (``PROGRAM``), the destination span out
   aligned run around its bytes and :class:`BeatAligner` shifts the beats back (one more
   beat per read when the address is not aligned; none when it is).
 * *Requant words* ``4N`` bytes per group: whole beats, or, when ``4N`` is less than a
-  beat, part of one (the aligner puts them at byte 0).
+  beat, part of one (the aligner puts them at byte 0). When ``4N`` is less than a beat
+  (and divides it), the block is bus-aligned (the compiler aligns blocks to beats) and
+  ``k > 0``, the words of ``G = B/4N`` groups share a beat: group ``g``'s words are read
+  only for ``g`` a multiple of ``G``, as one aligned beat of ``min(G, groups − g)·4N``
+  bytes after its tiles, and kept in a beat-wide register that serves the next ``G − 1``
+  groups (a group's words are shown to the matrix unit as soon as the previous group's
+  are used). At the Alveo U55C preset (``4N`` = 256 B, 2 KiB beats) that is one requant
+  beat per 8 groups instead of one per group, and no per-group BeatAligner flush (a
+  group's words at ``256·g`` bytes were off the beat for 7 groups in 8).
 * *Write-back*: a group's result row is ``N`` bytes (INT8) or ``4N`` (RESADD: the int32
   residual). Up to a line it is one masked write inside a line; beyond, it starts a line
   and takes ``W = N·eb/16`` line writes, one per cycle, the lanes past ``n`` masked off.
@@ -405,6 +413,30 @@ class MatmulSequencer(wiring.Component):
             cmd_group, cmd_q = Signal(16), Signal()
             data_q, data_beats, data_group = Signal(), Signal(32), Signal(16)
             out_group = Signal(16)
+            # Requant words of G = B/4N groups share a beat (4N < B): on a beat-aligned
+            # block (the compiler's) with k > 0 one read of the beat serves them all, made
+            # with the first group's tiles; otherwise one read per group.
+            G = beat_bytes // (4 * N) if 4 * N < beat_bytes and beat_bytes % (4 * N) == 0 else 1
+            if G > 1:
+                batched = (job.addr[:offset_bits] == 0) & ~k_zero
+
+                def needs_q(g):
+                    return ~batched | (g[:exact_log2(G)] == 0)
+
+                def q_groups(g):        # groups whose words a read for group g brings
+                    left = n_groups - g
+                    return Mux(batched, Mux(left < G, left, G), 1)
+            else:
+                batched = 0
+
+                def needs_q(g):
+                    return 1
+
+                def q_groups(g):
+                    return 1
+            # mx.q shows the words of group q_group while q_group < q_end (q_end: one past
+            # the last group whose words are in qbuf); a read's beats enter at q_group == q_end
+            q_group, q_end = Signal(16), Signal(16)
             with m.State("STREAM"):
                 tile_beats = N * k_tiles * K // beat_bytes
                 q_beats = max(1, 4 * N // beat_bytes)
@@ -419,11 +451,15 @@ class MatmulSequencer(wiring.Component):
                     m.d.comb += [
                         self.read_cmd.valid.eq(1),
                         self.read_cmd.payload.addr.eq(cmd_addr & ~(beat_bytes - 1)),
-                        self.read_cmd.payload.length.eq(cmd_offset + Mux(is_q, 4 * N, N * k_tiles * K)),
+                        self.read_cmd.payload.length.eq(
+                            cmd_offset + Mux(is_q, 4 * N * q_groups(cmd_group), N * k_tiles * K)),
                     ]
                     with m.If(self.read_cmd.ready):
-                        m.d.sync += cmd_q.eq(~is_q)
                         with m.If(is_q):
+                            m.d.sync += [cmd_q.eq(0), cmd_group.eq(cmd_group + 1)]
+                        with m.Elif(needs_q(cmd_group)):
+                            m.d.sync += cmd_q.eq(1)
+                        with m.Else():          # its words come with an earlier group's
                             m.d.sync += cmd_group.eq(cmd_group + 1)
                 # data: aligned beats to the tile packer or the requant-word register. The
                 # tiles of every group share the block's offset (a group's tiles are whole
@@ -434,15 +470,19 @@ class MatmulSequencer(wiring.Component):
                              align.final.eq(data_beats + 1 == Mux(in_q, q_beats, tile_beats))]
                 wiring.connect(m, wiring.flipped(self.read_data), align.i)
                 beat = align.o
-                qbuf = Signal(32 * N)
-                q_full = Signal()
+                qbuf = Signal(max(32 * N, DW))
+                q_full = q_group != q_end
                 m.d.comb += tiles.i.p.eq(beat.p)
                 with m.If(~in_q):
                     m.d.comb += [tiles.i.valid.eq(beat.valid), beat.ready.eq(tiles.i.ready)]
                     with m.If(beat.valid & tiles.i.ready):
                         m.d.sync += data_beats.eq(data_beats + 1)
                         with m.If(data_beats + 1 == tile_beats):
-                            m.d.sync += [data_beats.eq(0), data_q.eq(1)]
+                            m.d.sync += data_beats.eq(0)
+                            with m.If(needs_q(data_group)):
+                                m.d.sync += data_q.eq(1)
+                            with m.Else():
+                                m.d.sync += data_group.eq(data_group + 1)
                 with m.Else():
                     m.d.comb += beat.ready.eq(~q_full)
                     with m.If(beat.valid & ~q_full):
@@ -450,16 +490,22 @@ class MatmulSequencer(wiring.Component):
                             m.d.sync += qbuf.word_select(data_beats[:exact_log2(q_beats)],
                                                          DW).eq(beat.p)
                         else:
-                            m.d.sync += qbuf.eq(beat.p[:32 * N])
+                            m.d.sync += qbuf.eq(beat.p)
                         m.d.sync += data_beats.eq(data_beats + 1)
                         with m.If(data_beats + 1 == q_beats):
-                            m.d.sync += [data_beats.eq(0), data_q.eq(0), q_full.eq(1),
+                            m.d.sync += [data_beats.eq(0), data_q.eq(0),
+                                         q_end.eq(data_group + q_groups(data_group)),
                                          data_group.eq(data_group + 1)]
-                m.d.comb += [mx.q.valid.eq(q_full), mx.q.payload.words.as_value().eq(qbuf),
+                if G > 1:
+                    words = Mux(batched, qbuf.word_select(q_group[:exact_log2(G)], 32 * N),
+                                qbuf[:32 * N])
+                else:
+                    words = qbuf[:32 * N]
+                m.d.comb += [mx.q.valid.eq(q_full), mx.q.payload.words.as_value().eq(words),
                              mx.q.payload.mode.eq(mode), mx.q.payload.wide.eq(wide),
                              mx.q.payload.rows.eq(pass_rows)]
                 with m.If(mx.q.valid & mx.q.ready):
-                    m.d.sync += q_full.eq(0)
+                    m.d.sync += q_group.eq(q_group + 1)
                 # tiles meet x-buffer entries: the read port shows entry `x_at`
                 kt, x_at, zero_tiles = Signal(16), Signal(16), Signal(16)
                 take = mx.w.valid & mx.w.ready
@@ -555,6 +601,7 @@ class MatmulSequencer(wiring.Component):
                     m.d.sync += out_group.eq(out_group + 1)
                     with m.If(out_group + 1 == n_groups):
                         m.d.sync += [out_group.eq(0), cmd_group.eq(0), cmd_q.eq(0), kt.eq(0),
+                                     q_group.eq(0), q_end.eq(0),
                                      res_group.eq(0), res_row.eq(0), data_group.eq(0),
                                      zero_tiles.eq(0), first.eq(first + pass_rows),
                                      *restart_residuals]

@@ -237,6 +237,15 @@ class _WriteBack:
         return self.out + self.hold
 
 
+def _q_batch(bus_bytes: int, lanes: int, addr: int, k_tiles: int) -> int:
+    """Groups whose requant words one read brings: ``B / 4N`` when a group's words are
+    less than a beat (and divide it), the block is beat-aligned and ``k > 0``; else 1."""
+    q_bytes = 4 * lanes
+    if q_bytes < bus_bytes and bus_bytes % q_bytes == 0 and addr % bus_bytes == 0 and k_tiles:
+        return bus_bytes // q_bytes
+    return 1
+
+
 def _matmul_stream(port: _Port, lanes: int, reduce: int, groups: int, k_tiles: int,
                    pass_rows: int, hold: int, addr: int, q_addr: int, line_of) -> int:
     """Cycles of the MATMUL sequencer's STREAM state for one row pass (matmul_sequencer.py),
@@ -244,7 +253,10 @@ def _matmul_stream(port: _Port, lanes: int, reduce: int, groups: int, k_tiles: i
 
     Reads, per group ``g``: its tiles (``lanes·k_tiles·reduce`` bytes from ``addr``, none
     when ``k = 0``: a zero tile is offered instead) and then its requant words
-    (``4·lanes`` bytes from ``q_addr``), through :class:`_ReadPath`. Tile beats go through
+    (``4·lanes`` bytes from ``q_addr``), through :class:`_ReadPath`; when a beat holds
+    the words of several groups (:func:`_q_batch`) only every ``batch``-th group reads,
+    one beat of its batch's words, and the other groups' words are in the register from
+    the cycle after the previous group's were used. Tile beats go through
     :class:`_Accumulate`; the first requant beat of group ``g`` waits until group
     ``g − 1``'s words are used (its last row entered the requantisers). A group is
     written back (:class:`_WriteBack`) once its successor's last tile needs the bank.
@@ -256,6 +268,7 @@ def _matmul_stream(port: _Port, lanes: int, reduce: int, groups: int, k_tiles: i
     acc = _Accumulate(lanes * reduce // B)
     wb = _WriteBack(hold, max(1, RES_BYTES * lanes // LINE), line_of)
     tile_bytes, q_bytes = lanes * k_tiles * reduce, 4 * lanes
+    batch = _q_batch(B, lanes, addr, k_tiles)
     prev, prev_done = None, NEVER                       # the group awaiting write-back
     for g in range(groups):
         if k_tiles:
@@ -265,7 +278,11 @@ def _matmul_stream(port: _Port, lanes: int, reduce: int, groups: int, k_tiles: i
         if prev is not None:
             prev_done = wb.group(g - 1, *prev, pass_rows)
         bank = acc.bank(prev_done)
-        words_in = reads.read(q_addr + g * q_bytes, q_bytes, _Words(prev_done + 1))
+        if g % batch == 0:
+            words_in = reads.read(q_addr + g * q_bytes, q_bytes * min(batch, groups - g),
+                                  _Words(prev_done + 1))
+        else:                   # in the register since group g - 1's words were used
+            words_in = prev_done
         prev = (bank, words_in)
     wb.group(groups - 1, *prev, pass_rows)
     return wb.end() + 1

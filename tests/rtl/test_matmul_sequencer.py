@@ -243,6 +243,11 @@ def test_slow_memory():
 #: weights: the matrix unit waits for the bank, the packer holds a tile, and consecutive
 #: RESADD rows share a residual line. ``slow``: 0.2 beats a cycle, so a misaligned
 #: requant read's flushed beat decides when its group is written back; k = 0 too.
+#: ``fractional``: 4 lanes × reduce 16 (a tile is a beat) on a 512-bit bus at 0.6875 beats
+#: a cycle (the alveo-u55c rate's shape: a fraction over 1/2) and 30 cycles of latency:
+#: one beat holds four groups' requant words, read once per four groups on a beat-aligned
+#: block (full and partial batches, one group and 25; RESADD of two rows, so a batch's
+#: later groups wait for the word register), and per group when the block is off the beat.
 CORNERS = {
     "far": (TINY.with_changes(mem_latency_ns=1000.0), 128, [
         (LOGITS, 1, 100, 40, 0x1f73, True), (RESADD, 2, 64, 70, 0x1fb6, False),
@@ -256,6 +261,11 @@ CORNERS = {
     "slow": (TINY.with_changes(mem_latency_ns=300.0, mem_bandwidth_gbps=0.64), 256, [
         (RESADD, 1, 16, 40, 0x1000, False), (RESADD, 2, 33, 3, 0x1fb0, False),
         (RESADD, 2, 1, 70, 0x1023, False), (RESADD, 2, 100, 0, 0x1000, False)]),
+    "fractional": (TINY.with_changes(reduce=16, mem_latency_ns=300.0, mem_bandwidth_gbps=4.4),
+                   512, [
+        (INT8, 1, 40, 40, 0x1000, False), (LOGITS, 1, 100, 8, 0x1400, False),
+        (RESADD, 2, 33, 17, 0x1000, False), (INT8, 2, 40, 5, 0x1000, True),
+        (INT8, 1, 3, 8, 0x1000, False), (RESADD, 1, 40, 40, 0x1010, False)]),
 }
 
 
