@@ -14,9 +14,12 @@ Per job:
    and no port waiting. ``rows > config.rows`` (``PROGRAM``) is checked first of all,
    as ``_unit`` does.
 3. **Rows.** The destination is one write span (``rows`` rows); each source row
-   (``4n`` bytes: the int32 residual) is then read from VMEM three times, as three
-   one-row spans: pass 0 (the row's shift ``p``), pass 1 (Σx'²) and pass 2, in which
-   every x beat meets the gamma beat of the same lanes. **Gamma is re-read from device
+   (``4n`` bytes: the int32 residual) is read from VMEM as a one-row span for pass 0
+   (the row's shift ``p``), its x beats kept in the **row buffer**
+   (``timing.NORM_ROW_BUFFER_BYTES``, 16 KiB: rows up to 4096 elements); pass 1 (Σx'²)
+   and pass 2 (every x beat meets the gamma beat of the same lanes) replay the buffer a
+   beat a cycle instead of reading VMEM's 16-byte lines again. A row longer than the
+   buffer is read from VMEM three times, as three one-row spans. **Gamma is re-read from device
    memory for every row** (issued as the row starts, so its latency hides behind passes
    0 and 1): no on-chip gamma buffer, which would have to hold ``vmem_bytes / 2`` bytes
    for the longest legal row; the cost is ``2n`` more bytes of device-memory traffic per
@@ -29,11 +32,13 @@ Parameter blocks may sit at any byte address (:class:`~dfvg_hw.line_streams.Unal
 compiled images align them to 16 bytes, but a 256-bit bus needs 32, and gamma itself
 is at ``addr + 40``.
 
-A row of ``n`` elements takes about ``3·max(ℓ, b)`` cycles of beats (``ℓ = ceil(4n/16)``
-VMEM lines, ``b = ℓ·max(1, 4/lanes)`` beats, or ``ceil(ℓ·4/lanes)`` from 8 lanes on)
-plus three VMEM read latencies (``NORM_PASS_START`` each), the shift's
-``RMSNORM_SHIFT_TURNAROUND`` hidden behind the second one, and
-:meth:`~dfvg_hw.rmsnorm.RMSNorm.turnaround`; results are written as they come
+A row of ``n`` elements that fits the buffer takes about ``max(ℓ, b) + 2b`` cycles of
+beats (``ℓ = ceil(4n/16)`` VMEM lines, ``b = ℓ·max(1, 4/lanes)`` beats, or
+``ceil(ℓ·4/lanes)`` from 8 lanes on; pass 2 can be paced by gamma's lines, ``2·lanes/16``
+a beat, and the writer's) plus one VMEM read latency (``NORM_PASS_START``), the shift's
+``RMSNORM_SHIFT_TURNAROUND`` and :meth:`~dfvg_hw.rmsnorm.RMSNorm.turnaround`; a longer
+row ``3·max(ℓ, b)`` plus three VMEM read latencies, the shift's turnaround hidden behind
+the second one, and the rsqrt's turnaround; results are written as they come
 (:func:`sim.cycle_model._rmsnorm` has it to the cycle). ``src == dst`` is exact: an output line is written only after the
 input lines it overlays were read for the last time (the output row is never longer
 than the input row, and starts no later). A destination overlapping the source
@@ -44,8 +49,10 @@ from __future__ import annotations
 
 from amaranth import Cat, Module, Mux, ResetInserter, Signal, unsigned
 from amaranth.lib import wiring
+from amaranth.lib.memory import Memory
 
 from dfvg_hw.spec import numerics as nx
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import NORM_PARAM_BYTES
@@ -93,6 +100,8 @@ class NormSequencer(wiring.Component):
 
     def __init__(self, config: EngineConfig, data_width: int):
         self.config, self.data_width = config, data_width
+        #: x beats the row buffer holds (timing.norm_row_buffer_beats)
+        self.buffer_beats = timing.norm_row_buffer_beats(config.lanes)
         super().__init__(OpSequencerSignature(config, data_width))
 
     def elaborate(self, platform):
@@ -106,6 +115,16 @@ class NormSequencer(wiring.Component):
         flush_gamma = Signal()              # a row's surplus gamma beats (below 8 lanes) go
         m.submodules.gamma_cut = ResetInserter({"sync": flush_gamma})(gamma_cut)
         writer = m.submodules.writer = RowWriter(c)
+        depth = self.buffer_beats
+        # the row buffer: pass 0's x beats, replayed a beat a cycle for passes 1 and 2 of a
+        # row that fits (a longer row reads VMEM three times)
+        x_buffer = m.submodules.x_buffer = Memory(shape=unsigned(32 * lanes), depth=depth, init=[])
+        buf_wr, buf_rd = x_buffer.write_port(), x_buffer.read_port()
+        written = Signal(range(depth + 1))          # pass-0 beats of the row in the buffer
+        last_at = Signal(range(depth))              # the row's last beat
+        fetch = Signal(range(depth + 1))            # the beat read next
+        shown, shown_last = Signal(), Signal()      # buf_rd.data holds a beat (the last)
+        replaying = Signal()
 
         wiring.connect(m, reader.read_cmd, wiring.flipped(self.read_cmd))
         wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
@@ -132,11 +151,28 @@ class NormSequencer(wiring.Component):
             gamma_cut.i.p.last.eq(reader.o.p.last), reader.o.ready.eq(gamma_cut.i.ready),
         ]
         m.d.comb += [writer.i.p.y[j].eq(norm.o.p.y[j]) for j in range(lanes)]
-        x_bytes, g_bytes = x_cut.o.p.data.as_value(), gamma_cut.o.p.data.as_value()
+        x_bytes = Mux(replaying, buf_rd.data, x_cut.o.p.data.as_value())
+        g_bytes = gamma_cut.o.p.data.as_value()
         for j in range(lanes):
             m.d.comb += [norm.i.p.x[j].eq(x_bytes.word_select(j, 32)),
                          norm.i.p.gamma[j].eq(g_bytes.word_select(j, 16))]
-        m.d.comb += norm.i.p.last.eq(x_cut.o.p.last)
+        m.d.comb += norm.i.p.last.eq(Mux(replaying, shown_last, x_cut.o.p.last))
+
+        # pass 0 fills the buffer; a replay reads it a beat a cycle, one beat ahead
+        pass0_take = Signal()
+        m.d.comb += [buf_wr.en.eq(pass0_take & (written < depth)), buf_wr.addr.eq(written),
+                     buf_wr.data.eq(x_cut.o.p.data.as_value())]
+        with m.If(pass0_take & (written < depth)):
+            m.d.sync += written.eq(written + 1)
+        replay_take = Signal()
+        replay_adv = replaying & (~shown | replay_take)
+        m.d.comb += [buf_rd.en.eq(replay_adv), buf_rd.addr.eq(fetch)]
+        with m.If(replay_adv):
+            m.d.sync += [shown.eq(fetch <= last_at), shown_last.eq(fetch == last_at),
+                         fetch.eq(fetch + 1)]
+
+        def start_replay():
+            return [fetch.eq(0), shown.eq(0), shown_last.eq(0)]
         progress = RowWriteProgress(m, writer, self.vmem_wr, self.vmem_wr_done,
                                     wide=wide, row_bytes=out_bytes)
 
@@ -191,12 +227,31 @@ class NormSequencer(wiring.Component):
                     m.next = "PASS0_CMD"
             with m.State("PASS0_CMD"):
                 m.d.comb += request_source_row()
+                m.d.sync += written.eq(0)
                 with m.If(self.vmem_rd_cmd.ready):
                     m.next = "PASS0"
             with m.State("PASS0"):                       # the row's shift: gamma is not looked at
-                m.d.comb += [norm.i.valid.eq(x_cut.o.valid), x_cut.o.ready.eq(norm.i.ready)]
-                with m.If(x_cut.o.valid & norm.i.ready & x_cut.o.p.last):
-                    m.next = "PASS1_CMD"
+                m.d.comb += [norm.i.valid.eq(x_cut.o.valid), x_cut.o.ready.eq(norm.i.ready),
+                             pass0_take.eq(x_cut.o.valid & norm.i.ready)]
+                with m.If(pass0_take & x_cut.o.p.last):
+                    with m.If(written < depth):          # the whole row is in the buffer
+                        m.d.sync += [last_at.eq(written), *start_replay()]
+                        m.next = "PASS1_REPLAY"
+                    with m.Else():
+                        m.next = "PASS1_CMD"
+            with m.State("PASS1_REPLAY"):                # Σx² from the buffer
+                m.d.comb += [replaying.eq(1), norm.i.valid.eq(shown),
+                             replay_take.eq(shown & norm.i.ready)]
+                with m.If(replay_take & shown_last):
+                    m.d.sync += start_replay()
+                    m.next = "PASS2_REPLAY"
+            with m.State("PASS2_REPLAY"):                # x beats from the buffer meet gamma
+                both = shown & gamma_cut.o.valid
+                m.d.comb += [replaying.eq(1), norm.i.valid.eq(both),
+                             replay_take.eq(both & norm.i.ready),
+                             gamma_cut.o.ready.eq(replay_take)]
+                with m.If(replay_take & shown_last):
+                    progress.end_row(m, row, job.rows, next_row_state="GAMMA_CMD")
             with m.State("PASS1_CMD"):
                 m.d.comb += request_source_row()
                 with m.If(self.vmem_rd_cmd.ready):

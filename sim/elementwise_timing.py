@@ -43,7 +43,9 @@ def _writer_last_take(in0: int, in_prev: int, in_last: int, beats: int, s: int) 
 def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
     """norm_sequencer.py: read the parameter head; per row, pass 0 over x (the row's
     shift) and pass 1 (sum of squares, then rsqrt) race the gamma read issued at the row's
-    start; pass 2 streams x and gamma through the scaler.
+    start; pass 2 streams x and gamma through the scaler. A row of at most
+    ``tm.norm_row_buffer_beats(lanes)`` x beats is read from VMEM once: passes 1 and 2
+    replay the row buffer a beat a cycle (:func:`_norm_replay_pass2`).
 
     x is the int32 row, ``4n`` bytes cut into beats of ``4·lanes``; gamma ``2n`` bytes cut
     into beats of ``2·lanes``: below 8 lanes gamma can have beats past x's last (padding,
@@ -74,17 +76,24 @@ def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) 
     gamma_skip = (addr + NORM_PARAM_BYTES) % B
     s, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide)
 
+    buffered = beats <= tm.norm_row_buffer_beats(lanes)
     g = gamma_cmd
     for _ in range(rows):
         gamma_first = g + tm.READER_CMD_REGISTER + READ_OVERHEAD + L
         last0 = g + tm.NORM_PASS_START + stream - 1            # pass 0's last beat
-        pass2 = last0 + tm.NORM_PASS_START + stream            # PASS2_CMD
-        u = pass2 + turnaround - 1
         gamma_line = lambda j: port.emit(j, gamma_first, gamma_skip, 2 * n) + tm.LINE_ALIGNER_LATENCY
         if g_cut is not None:                      # the gamma beat of x's last beat
             g_last = gamma_line((beats - 1) // g_cut) + 1 + (beats - 1) % g_cut
         else:
             g_last = gamma_line(g_ell - 1) + 1
+        if buffered:                               # passes 1 and 2 replay the row buffer
+            last1 = last0 + tm.RMSNORM_SHIFT_TURNAROUND + beats - 1
+            u = last1 + turnaround
+            end, gap = _norm_replay_pass2(u, beats, gamma_line, g_cut, g_pack, g_ell)
+            g = end + 1
+            continue
+        pass2 = last0 + tm.NORM_PASS_START + stream            # PASS2_CMD
+        u = pass2 + turnaround - 1
         if pack is None:
             end, gap = max(u + beats - 1, gamma_line(0) + beats, g_last), 1
         else:
@@ -96,6 +105,30 @@ def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) 
         g = end + 1
     last_out = end + tm.RMSNORM_LATENCY + (max(0, s - gap) if beats > 1 else 0)
     return UNIT_OVERHEAD + _done_after(last_out, s, dropped)
+
+
+def _norm_replay_pass2(u, beats, gamma_line, g_cut, g_pack, g_ell):
+    """RMSNORM pass 2 from the row buffer: x beats one a cycle from ``u`` (the first
+    cycle the scaler takes one), each meeting its gamma beat. Gamma lines wait in the
+    reader until the gamma Gearbox takes them: a packing Gearbox (``g_pack`` lines a
+    beat) takes the first line of beat ``k`` no earlier than beat ``k − 1`` leaves, then a
+    line a cycle. Returns (cycle of the last take, cycles between the last two takes)."""
+    t_prev = t = None
+    line_at = None                                 # the cycle the previous line was taken
+    for k in range(beats):
+        if g_cut is not None:                      # gamma beats cut from lines
+            gk = gamma_line(k // g_cut) + 1 + k % g_cut
+        else:                                      # or packed from g_pack lines
+            for j in range(g_pack * k, min(g_pack * (k + 1), g_ell)):
+                a = gamma_line(j)
+                if line_at is not None:
+                    a = max(a, line_at + 1)
+                if j == g_pack * k and t is not None:
+                    a = max(a, t)
+                line_at = a
+            gk = line_at + 1
+        t_prev, t = t, max(u + k, gk, -1 if t is None else t + 1)
+    return t, (t - t_prev if beats > 1 else 1)
 
 
 def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int):

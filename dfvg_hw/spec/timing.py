@@ -218,6 +218,16 @@ NORM_HEAD_TO_GAMMA = 3
 #: latency and the line-to-beat Gearbox: from GAMMA_CMD to a row's first pass-0 beat, and
 #: from a pass's last beat to the next pass's first (RMSNORM_SHIFT_TURNAROUND hides in it).
 NORM_PASS_START = 1 + VMEM_READ_LATENCY + GEARBOX_LATENCY
+#: NormSequencer: bytes of its row buffer (pass 0's int32 x beats, replayed a beat a cycle
+#: for passes 1 and 2 of a row that fits; a longer row reads VMEM three times).
+NORM_ROW_BUFFER_BYTES = 16384
+
+
+def norm_row_buffer_beats(lanes: int) -> int:
+    """The NormSequencer row buffer's depth in x beats of ``4·lanes`` bytes."""
+    return max(1, NORM_ROW_BUFFER_BYTES // (4 * lanes))
+
+
 #: ActMulSequencer: the reader's LineAligner emitting a table line to the cycle ActMul's
 #: table takes it (a line, 8 entries, a cycle: no Gearbox in between).
 ACTMUL_TABLE_WRITE = LINE_ALIGNER_LATENCY

@@ -99,3 +99,31 @@ def test_wide_lanes():
 def test_lint():
     ok, log = verilator_lint(to_verilog(NormSequencer(TINY, 128), "norm_sequencer"), "norm_sequencer")
     assert ok, log
+
+
+#: rows of many 64-lane beats (gamma's Gearbox and the writer pace pass 2), in place too
+LONG_ROWS = [_norm(1, 200, 0, 60, wide=True), _norm(2, 130, 90, 160, addr=BLOCKS[1]),
+             _norm(1, 300, 0, 80, addr=BLOCKS[2], wide=True),
+             _norm(2, 77, 0, 200, addr=BLOCKS[3], wide=True), _norm(1, 256, 100, 100)]
+
+
+def test_row_buffer_replays_long_rows():
+    """Rows that fit the row buffer are read from VMEM once (passes 1 and 2 replay the
+    buffer a beat a cycle): results and cycles (the cycle model's) at 64 lanes."""
+    config = TINY.with_changes(lanes=64)
+    from dfvg_hw.spec import timing
+    assert all(job["n"] <= 64 * timing.norm_row_buffer_beats(64) for job in LONG_ROWS)
+    assert _check(np.random.default_rng(6), LONG_ROWS, 256, config) == [ErrorCode.OK] * 5
+
+
+def test_rows_longer_than_the_buffer_read_vmem_three_times(monkeypatch):
+    """With a 64-byte row buffer (one 64-lane beat, four 4-lane beats) most rows do not
+    fit and take three VMEM passes; the ones that do still replay: every job's cycles are
+    the cycle model's, which must tell the two apart."""
+    from dfvg_hw.spec import timing
+    monkeypatch.setattr(timing, "NORM_ROW_BUFFER_BYTES", 64)
+    rng = np.random.default_rng(7)
+    jobs = [_norm(1, 16, 10, 40), _norm(2, 20, 60, 60, addr=BLOCKS[1], wide=True),
+            _norm(1, 4, 3, 5, addr=BLOCKS[3], wide=True)]
+    assert _check(rng, jobs) == [ErrorCode.OK] * 3
+    assert _check(rng, jobs + LONG_ROWS[:2], 256, TINY.with_changes(lanes=64)) == [ErrorCode.OK] * 5
