@@ -19,10 +19,10 @@ row through the :class:`~dfvg_hw.rope.Rope` pair rotator, in VMEM (docs/isa.md �
 Limit: ``k ≤ head_dim`` (one Rope beat per head; every head the compiler emits, since ATTN
 needs it). A larger even ``k`` faults PROGRAM where the model would rotate it.
 
-Cycles (measured on ``tiny``, 128-bit bus, table read included): about
-``20 + 13·rows·n`` when a head spans one VMEM line, two more per extra line (rows = 1,
-n = 4, k = 16: 72; rows = 2: 124; n = 8, k = 8: 124). Heads run one at a time: gather,
-one Rope beat (3 cycles), scatter.
+Heads overlap: head ``h + 1`` is gathered while the Rope rotates head ``h``, which is
+scattered once head ``h + 1`` has entered the Rope; a head costs its gather, ROTATE and
+its scatter (``2·(lines + 3) + 1``), and only a job's lone head waits out the Rope's
+latency. ``sim.elementwise_timing._rope`` has it to the cycle.
 """
 
 from __future__ import annotations
@@ -96,6 +96,11 @@ class RopeSequencer(wiring.Component):
         offset = Signal(32)                 # byte offset of the current head
         half = Signal(range(D // 2 + 1))    # k / 2: where b starts in a head
         rotated = Signal(8 * D)
+        have = Signal()                     # `rotated` holds the Rope's latest head
+        pending = Signal()                  # a head has entered the Rope, not yet scattered
+        issued_offset = Signal(32)          # byte offset of the head last sent into the Rope
+        scatter_offset = Signal(32)         # ... and of the head to scatter next
+        issued_last = Signal()              # the head last sent in is the job's last
 
         # the Rope beat of the gathered head: a = x[0 … k/2), b = x[k/2 … k), the table row
         x = window.data
@@ -112,7 +117,7 @@ class RopeSequencer(wiring.Component):
             m.d.sync += self.error.eq(code)
             m.next = "DONE"
 
-        with m.FSM(name="rope"):
+        with m.FSM(name="rope") as fsm:
             with m.State("IDLE"):
                 m.d.comb += self.job.ready.eq(1)
                 with m.If(self.job.valid):
@@ -142,13 +147,18 @@ class RopeSequencer(wiring.Component):
                 with m.If(table.done):
                     m.next = "SPANS"
             with m.State("SPANS"):
-                m.d.sync += [row.eq(0), head.eq(0), row_start.eq(0), offset.eq(0)]
+                m.d.sync += [row.eq(0), head.eq(0), row_start.eq(0), offset.eq(0),
+                             pending.eq(0), have.eq(0)]
                 with m.If(job_spans_outside(c, job, row_bytes, row_bytes)):
                     finish(ErrorCode.BAD_ADDRESS)
                 with m.Elif(row_bytes == 0):      # n = 0 or k = 0: nothing to rotate
                     finish(ErrorCode.OK)
                 with m.Else():
                     m.next = "GATHER"
+            # Heads overlap: head h+1 is gathered while the Rope rotates head h, and head h
+            # is scattered after head h+1 has entered the Rope (the window's register then
+            # holds nothing still needed). `rotated` takes the Rope's output whenever it is
+            # free (not while a scatter of it is being requested).
             with m.State("GATHER"):
                 m.d.comb += window_request(window, job.src * L + offset, job.k)
                 with m.If(window.cmd.ready):
@@ -159,28 +169,51 @@ class RopeSequencer(wiring.Component):
             with m.State("ROTATE"):
                 m.d.comb += rope.i.valid.eq(1)
                 with m.If(rope.i.ready):
-                    m.next = "ROTATED"
-            with m.State("ROTATED"):
-                m.d.comb += rope.o.ready.eq(1)
-                with m.If(rope.o.valid):
-                    m.d.sync += rotated.eq(a_out | (b_out << (half << 3)))
-                    m.next = "SCATTER"
-            with m.State("SCATTER"):
-                m.d.comb += window_request(window, job.dst * L + offset, job.k, data=rotated)
+                    m.d.sync += [head.eq(head + 1), offset.eq(offset + job.k),
+                                 issued_offset.eq(offset), scatter_offset.eq(issued_offset),
+                                 pending.eq(1)]
+                    last_head = (head + 1 == job.n) & (row + 1 == job.rows)
+                    with m.If(head + 1 == job.n):
+                        m.d.sync += [head.eq(0), row.eq(row + 1),
+                                     row_start.eq(row_start + stride),
+                                     offset.eq(row_start + stride)]
+                    m.d.sync += issued_last.eq(last_head)
+                    with m.If(pending):              # the head before: scatter it now
+                        m.next = "SCATTER"
+                    with m.Elif(last_head):          # the only head: wait for its rotation
+                        m.d.sync += scatter_offset.eq(offset)
+                        m.next = "SCATTER_LAST"
+                    with m.Else():
+                        m.next = "GATHER"
+            with m.State("SCATTER"):                 # the head before the one in the Rope
+                m.d.comb += window_request(window, job.dst * L + scatter_offset, job.k,
+                                           data=rotated)
                 with m.If(window.cmd.ready):
+                    m.d.sync += have.eq(0)
                     m.next = "SCATTER_WAIT"
             with m.State("SCATTER_WAIT"):
                 with m.If(window.done):
-                    m.next = "NEXT"
-            with m.State("NEXT"):
-                m.d.sync += [head.eq(head + 1), offset.eq(offset + job.k)]
-                m.next = "GATHER"
-                with m.If(head + 1 == job.n):
-                    m.d.sync += [head.eq(0), row.eq(row + 1), row_start.eq(row_start + stride),
-                                 offset.eq(row_start + stride)]
-                    with m.If(row + 1 == job.rows):
-                        finish(ErrorCode.OK)
+                    m.d.sync += scatter_offset.eq(issued_offset)
+                    with m.If(issued_last):
+                        m.next = "SCATTER_LAST"
+                    with m.Else():
+                        m.next = "GATHER"
+            with m.State("SCATTER_LAST"):            # the last head, once rotated
+                with m.If(have):
+                    m.d.comb += window_request(window, job.dst * L + scatter_offset, job.k,
+                                               data=rotated)
+                    with m.If(window.cmd.ready):
+                        m.d.sync += have.eq(0)
+                        m.next = "SCATTER_LAST_WAIT"
+            with m.State("SCATTER_LAST_WAIT"):
+                with m.If(window.done):
+                    finish(ErrorCode.OK)
             with m.State("DONE"):
                 m.d.comb += self.done.eq(1)
                 m.next = "IDLE"
+        # the Rope's output into `rotated`, except while a scatter of `rotated` is requested
+        m.d.comb += rope.o.ready.eq(~fsm.ongoing("SCATTER")
+                                    & ~(fsm.ongoing("SCATTER_LAST") & have))
+        with m.If(rope.o.valid & rope.o.ready):
+            m.d.sync += [rotated.eq(a_out | (b_out << (half << 3))), have.eq(1)]
         return m

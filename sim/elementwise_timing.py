@@ -195,8 +195,9 @@ def _actmul(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -
 
 
 def _rope(port: _Port, n: int, k: int, rows: int, addr: int, pos: int) -> int:
-    """rope_sequencer.py: the table row of ``POS`` (whole beats), then head by head: gather
-    (lines + 3), rotate (Rope.LATENCY 3 + 2), scatter (lines + 3), next."""
+    """rope_sequencer.py: the table row of ``POS`` (whole beats), then per head its gather
+    (lines + 3), ROTATE (1) and the previous head's scatter (lines + 3): the Rope's
+    latency hides behind the next gather, except for a job's only head."""
     if k == 0:
         # An empty table row is done without a read (BlockReader: IDLE, then DONE at once)
         # and SPANS finds nothing to rotate, whatever n.
@@ -205,6 +206,8 @@ def _rope(port: _Port, n: int, k: int, rows: int, addr: int, pos: int) -> int:
     beats = ceil((row_addr % port.bus_bytes + 2 * k) / port.bus_bytes)
     spans = (tm.ROPE_SETUP_STATES + READ_OVERHEAD + port.latency + port.beat_offset(beats - 1)
              + tm.BLOCK_READ_DONE)
-    per_head = tm.ROPE_LATENCY + tm.ROPE_HEAD_STATES
-    per_row = sum(_window(h * k, k) + per_head + _window(h * k, k) for h in range(n))
-    return UNIT_OVERHEAD + spans + rows * per_row + tm.ROPE_DONE
+    # heads overlap: head h+1's gather hides head h's rotation, so a head costs its
+    # gather, ROTATE and its scatter; only a lone head waits for the Rope
+    per_row = sum(_window(h * k, k) + tm.ROPE_HEAD_STATES + _window(h * k, k) for h in range(n))
+    lone = tm.ROPE_LATENCY if rows * n == 1 else 0
+    return UNIT_OVERHEAD + spans + rows * per_row + lone + tm.ROPE_DONE

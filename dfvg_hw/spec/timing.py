@@ -238,8 +238,9 @@ ACTMUL_TABLE_TO_ROWS = 3
 ACTMUL_ROW_START = 1 + 1 + VMEM_READ_LATENCY + LINE_ALIGNER_LATENCY
 #: RopeSequencer: CHECK, TABLE, SPANS around the table row's read.
 ROPE_SETUP_STATES = 3
-#: RopeSequencer per head besides the Rope unit and the two window accesses: ROTATE, NEXT.
-ROPE_HEAD_STATES = 2
+#: RopeSequencer per head besides the two window accesses: ROTATE (the Rope's latency hides
+#: behind the next head's gather; a job's only head waits for it).
+ROPE_HEAD_STATES = 1
 #: RopeSequencer: DONE.
 ROPE_DONE = 1
 #: KvSequencer, KVAPPEND: CHECK, SET_POS, DONE.

@@ -112,3 +112,20 @@ def test_lint_clean():
     clean, output = verilator_lint(to_verilog(RopeSequencer(TINY, 128), "rope_sequencer"),
                                    "rope_sequencer")
     assert clean, output
+
+
+def test_cycles_equal_the_model():
+    """Heads overlap (the next gather hides the Rope's latency): every job's cycles are
+    the cycle model's, for a lone head, one row, several rows, heads over line ends, and
+    on a 128- and 512-bit bus."""
+    from sequencer_cases import model_cycles
+    jobs = [_rope(1, 1, 16, 0, 0, 5), _rope(1, 4, 16, 10, 10, 7), _rope(2, 3, 10, 7, 7, 63),
+            _rope(2, 1, 16, 20, 150, 9), _rope(1, 8, 6, 3, 3, 60)]
+    for data_width in (128, 512):
+        rng = np.random.default_rng(32)
+        vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
+        cycles = []
+        _, errors = run_jobs(TINY, RopeSequencer(TINY, data_width), vmem, _memory(rng), jobs,
+                             data_width=data_width, cycles=cycles)
+        assert errors == [OK] * len(jobs)
+        assert cycles == [model_cycles(TINY, data_width, job) for job in jobs]
