@@ -20,8 +20,10 @@ Per job:
    and pass 2 (every x beat meets the gamma beat of the same lanes) replay the buffer a
    beat a cycle instead of reading VMEM's 16-byte lines again. A row longer than the
    buffer is read from VMEM three times, as three one-row spans. **Gamma is re-read from device
-   memory for every row** (issued as the row starts, so its latency hides behind passes
-   0 and 1): no on-chip gamma buffer, which would have to hold ``vmem_bytes / 2`` bytes
+   memory for every row** (requested as the row starts and issued as soon as the reader
+   has emptied its previous read's beats, without holding up pass 0, so its latency
+   hides behind passes 0 and 1; at a 2 KiB engine beat the head's beat alone is 128
+   lines): no on-chip gamma buffer, which would have to hold ``vmem_bytes / 2`` bytes
    for the longest legal row; the cost is ``2n`` more bytes of device-memory traffic per
    extra row (the cycle model counts gamma once). Gamma is ``2n`` bytes cut into beats of
    ``2·lanes`` bytes, x ``4n`` bytes cut into beats of ``4·lanes``: below 8 lanes a row's
@@ -171,6 +173,16 @@ class NormSequencer(wiring.Component):
             m.d.sync += [shown.eq(fetch <= last_at), shown_last.eq(fetch == last_at),
                          fetch.eq(fetch + 1)]
 
+        # a row's gamma read is requested as the row starts and issued as soon as the reader
+        # takes it (it may still be emptying the head's or the last gamma's beat): pass 0
+        # does not wait for it
+        gamma_wanted = Signal()
+        with m.If(gamma_wanted):
+            m.d.comb += [*read_request(reader, gamma_addr, gamma_bytes, lines_of(gamma_bytes)),
+                         flush_gamma.eq(reader.cmd.ready)]
+            with m.If(reader.cmd.ready):
+                m.d.sync += gamma_wanted.eq(0)
+
         def start_replay():
             return [fetch.eq(0), shown.eq(0), shown_last.eq(0)]
         progress = RowWriteProgress(m, writer, self.vmem_wr, self.vmem_wr_done,
@@ -219,11 +231,7 @@ class NormSequencer(wiring.Component):
             with m.State("WRITE_CMD"):
                 m.d.comb += span_request(self.vmem_wr_cmd, job.dst, job.rows, out_bytes)
                 with m.If(self.vmem_wr_cmd.ready):
-                    m.next = "GAMMA_CMD"
-            with m.State("GAMMA_CMD"):
-                m.d.comb += [*read_request(reader, gamma_addr, gamma_bytes, lines_of(gamma_bytes)),
-                             flush_gamma.eq(1)]
-                with m.If(reader.cmd.ready):
+                    m.d.sync += gamma_wanted.eq(1)
                     m.next = "PASS0_CMD"
             with m.State("PASS0_CMD"):
                 m.d.comb += request_source_row()
@@ -251,7 +259,8 @@ class NormSequencer(wiring.Component):
                              replay_take.eq(both & norm.i.ready),
                              gamma_cut.o.ready.eq(replay_take)]
                 with m.If(replay_take & shown_last):
-                    progress.end_row(m, row, job.rows, next_row_state="GAMMA_CMD")
+                    progress.end_row(m, row, job.rows, next_row_state="PASS0_CMD")
+                    m.d.sync += gamma_wanted.eq(row + 1 != job.rows)
             with m.State("PASS1_CMD"):
                 m.d.comb += request_source_row()
                 with m.If(self.vmem_rd_cmd.ready):
@@ -270,6 +279,7 @@ class NormSequencer(wiring.Component):
                 m.d.comb += [norm.i.valid.eq(both), x_cut.o.ready.eq(take),
                              gamma_cut.o.ready.eq(take)]
                 with m.If(take & x_cut.o.p.last):
-                    progress.end_row(m, row, job.rows, next_row_state="GAMMA_CMD")
+                    progress.end_row(m, row, job.rows, next_row_state="PASS0_CMD")
+                    m.d.sync += gamma_wanted.eq(row + 1 != job.rows)
             progress.add_finish_states(m, job.rows, self.done)
         return m

@@ -42,8 +42,8 @@ def _writer_last_take(in0: int, in_prev: int, in_last: int, beats: int, s: int) 
 
 def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
     """norm_sequencer.py: read the parameter head; per row, pass 0 over x (the row's
-    shift) and pass 1 (sum of squares, then rsqrt) race the gamma read issued at the row's
-    start; pass 2 streams x and gamma through the scaler. A row of at most
+    shift) and pass 1 (sum of squares, then rsqrt) race the gamma read, requested at the
+    row's start and issued once the reader has emptied its previous read; pass 2 streams x and gamma through the scaler. A row of at most
     ``tm.norm_row_buffer_beats(lanes)`` x beats is read from VMEM once: passes 1 and 2
     replay the row buffer a beat a cycle (:func:`_norm_replay_pass2`).
 
@@ -77,9 +77,15 @@ def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) 
     s, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide)
 
     buffered = beats <= tm.norm_row_buffer_beats(lanes)
-    g = gamma_cmd
+    # PASS0_CMD follows WRITE_CMD; the row's gamma read is issued once the reader has
+    # emptied the previous read's beats (the head's, or the last row's gamma), meanwhile
+    g = head_out + tm.NORM_HEAD_TO_GAMMA - 1                   # the cycle before PASS0_CMD
+    reader_free = port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY
+    g_lines_in = ceil((2 * n + gamma_skip) / B) * port.lines_per_beat
     for _ in range(rows):
-        gamma_first = g + tm.READER_CMD_REGISTER + READ_OVERHEAD + L
+        gamma_at = max(g + 1, reader_free)                     # the read's command taken
+        gamma_first = gamma_at + tm.READER_CMD_REGISTER + READ_OVERHEAD + L
+        reader_free = port.arrival(g_lines_in - 1, gamma_first) + tm.LINE_ALIGNER_LATENCY
         last0 = g + tm.NORM_PASS_START + stream - 1            # pass 0's last beat
         gamma_line = lambda j: port.emit(j, gamma_first, gamma_skip, 2 * n) + tm.LINE_ALIGNER_LATENCY
         if g_cut is not None:                      # the gamma beat of x's last beat
@@ -90,7 +96,7 @@ def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) 
             last1 = last0 + tm.RMSNORM_SHIFT_TURNAROUND + beats - 1
             u = last1 + turnaround
             end, gap = _norm_replay_pass2(u, beats, gamma_line, g_cut, g_pack, g_ell)
-            g = end + 1
+            g = end
             continue
         pass2 = last0 + tm.NORM_PASS_START + stream            # PASS2_CMD
         u = pass2 + turnaround - 1
@@ -102,7 +108,7 @@ def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) 
             tail = ell - pack if beats > 1 else 0
             end = max(pass2 + 3 + ell, g_last, max(u, g_first) + tail)
             gap = ell - pack * (beats - 1)
-        g = end + 1
+        g = end
     last_out = end + tm.RMSNORM_LATENCY + (max(0, s - gap) if beats > 1 else 0)
     return UNIT_OVERHEAD + _done_after(last_out, s, dropped)
 

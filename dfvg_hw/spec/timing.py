@@ -212,10 +212,12 @@ PARAM_CMD = 1 + READER_CMD_REGISTER
 #: VMEM's ``wr_done`` (RowWriteProgress).
 ROW_JOB_DONE = 1
 
-#: NormSequencer: CHECK, WRITE_CMD and GAMMA_CMD after the head line.
+#: NormSequencer: CHECK, WRITE_CMD, then PASS0_CMD after the head line (a row's gamma read
+#: is issued beside pass 0, once the reader is free).
 NORM_HEAD_TO_GAMMA = 3
 #: NormSequencer: a pass's command state (PASS0_CMD, PASS1_CMD, PASS2_CMD), VMEM's read
-#: latency and the line-to-beat Gearbox: from GAMMA_CMD to a row's first pass-0 beat, and
+#: latency and the line-to-beat Gearbox: from the cycle before PASS0_CMD to a row's first
+#: pass-0 beat, and
 #: from a pass's last beat to the next pass's first (RMSNORM_SHIFT_TURNAROUND hides in it).
 NORM_PASS_START = 1 + VMEM_READ_LATENCY + GEARBOX_LATENCY
 #: NormSequencer: bytes of its row buffer (pass 0's int32 x beats, replayed a beat a cycle
