@@ -61,6 +61,12 @@ from sim.memory import DeviceMemory
 __all__ = ["AXI4SlaveMemory", "MemoryTiming", "AXIProtocolError"]
 
 
+#: Read beats of credit a channel banks while a read streams (one while it is idle): the
+#: first beat of a read comes when it is due, beat ``i`` ``ceil(i/p)`` cycles later, and a
+#: reader that stalls finds up to this many beats' worth of credit when it resumes.
+READ_CREDIT = 2.0
+
+
 class AXIProtocolError(AssertionError):
     """The master broke an AXI4 rule (or asked for something the model does not do)."""
 
@@ -211,6 +217,7 @@ class AXI4SlaveMemory:
         self._writes: deque[_Burst] = deque()     # accepted, data not complete
         self._responses: deque[_Burst] = deque()  # data complete, B not yet transferred
         self._read_tokens = self._write_tokens = 1.0
+        self._read_demand = False    # last cycle, a read beat was offered or due (READ_CREDIT)
         self._held = {ch: _Held(ch) for ch in ("ar", "aw", "w")}
         self._rvalid = self._bvalid = False     # a valid offered last cycle, not yet taken
 
@@ -337,7 +344,11 @@ class AXI4SlaveMemory:
         ready stays up; otherwise a beat or response is offered when it is due, the
         bandwidth allows and no random stall hits."""
         s, t, now = self.signals, self.timing, self.cycle
-        self._read_tokens = min(1.0, self._read_tokens + t.beats_per_cycle)
+        # Read credit: up to one beat banked while nothing is due, READ_CREDIT beats while a
+        # read streams, so a stream keeps its fractional rate (1.0 would round every beat's
+        # leftover away: 1/ceil(1/p) beats a cycle instead of p).
+        cap = READ_CREDIT if self._read_demand else 1.0
+        self._read_tokens = min(cap, self._read_tokens + t.beats_per_cycle)
         self._write_tokens = min(1.0, self._write_tokens + t.beats_per_cycle)
 
         ctx.set(s["arready"], len(self._reads) < t.max_outstanding and not self._stalled())
@@ -355,6 +366,7 @@ class AXI4SlaveMemory:
             ctx.set(s["rresp"], burst.resp)
             ctx.set(s["rlast"], burst.done_beats == burst.beats - 1)
         ctx.set(s["rvalid"], rvalid)
+        self._read_demand = rvalid or bool(self._reads and self._reads[0].due <= now)
 
         # W is taken only for a burst whose address has arrived (AXI lets a slave wait).
         ctx.set(s["wready"], bool(self._writes) and self._write_tokens >= 1 and not self._stalled())

@@ -98,7 +98,8 @@ class _ReadPath:
             self.issued = issue
             b = 0
             while b < beats:
-                offered = self.bucket.offer(max(issue + 1 + self.latency, self.entered + 1))
+                due = issue + 1 + self.latency
+                offered = self.bucket.offer(max(due, self.entered + 1), due, self.entered)
                 self.entered = max(offered, self.left)
                 arrives = max(self.entered + 1, self.aligner_free)
                 if skip and j == 0:

@@ -88,18 +88,35 @@ def _bursts(addr: int, nbytes: int, bus_bytes: int, page: int = PAGE) -> list[in
 
 
 class _TokenBucket:
-    """The simulated memory's rate limit: ``p`` beats a cycle, at most one banked."""
+    """The simulated memory's read rate limit (:mod:`sim.axi_memory`): ``p`` beats a
+    cycle; the credit is capped at one beat after a cycle in which no read beat was
+    offered or due, and at ``READ_CREDIT`` beats after one in which one was."""
 
     def __init__(self, p: float):
-        self.p, self.last, self.tokens = p, -10 ** 9, 1.0
+        self.p, self.last, self.tokens = p, NEVER, 1.0
 
-    def offer(self, t: int) -> int:
-        """The first cycle ``>= t`` a beat can be offered; spends its token."""
-        if self.tokens + self.p * (t - self.last) < 1:
-            t = self.last + ceil((1 - self.tokens) / self.p - 1e-9)
-        self.tokens = min(1.0, self.tokens + self.p * (t - self.last)) - 1
-        self.last = t
-        return t
+    def offer(self, t: int, due: int, held_until: int) -> int:
+        """The first cycle ``>= t`` the memory offers the next beat, whose burst is due
+        in cycle ``due`` (``t >= due``), the previous beat having been offered in
+        ``self.last`` and taken in ``held_until``; spends the beat's credit."""
+        from sim.axi_memory import READ_CREDIT
+
+        p, tokens, c = self.p, self.tokens, self.last
+
+        def refill(to: int, cap: float):
+            nonlocal tokens, c
+            if to > c:
+                tokens = min(cap, tokens + p * (to - c)) if c > NEVER else min(cap, 1.0)
+                c = to
+
+        refill(held_until + 1, READ_CREDIT)     # the previous beat was on the bus till taken
+        refill(due, 1.0)                        # nothing due: one beat banked at most
+        start = max(t, c)
+        if tokens < 1:
+            start = max(start, c + ceil((1 - tokens) / p - 1e-9))
+        refill(start, READ_CREDIT)
+        self.tokens, self.last = tokens - 1, start
+        return start
 
 
 class _LineSplitter:

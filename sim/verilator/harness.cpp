@@ -49,6 +49,9 @@ constexpr int kBeatBytes = kDataBits / 8;
 #define DFVG_SIGNALS(X) X(arvalid) X(arready) X(araddr) X(arlen) X(rvalid) X(rready) \
     X(rdata) X(rresp) X(rlast) X(awvalid) X(awready) X(awaddr) X(awlen) X(wvalid) \
     X(wready) X(wdata) X(wstrb) X(wlast) X(bvalid) X(bready) X(bresp)
+// sim/axi_memory.py READ_CREDIT: read beats of credit banked while a read streams.
+static const double kReadCredit = 2.0;
+
 struct Signals {
 #define DFVG_FIELD(name) std::remove_reference_t<decltype(Vdfvg_engine::DFVG_PORT0(name))> *name;
     DFVG_SIGNALS(DFVG_FIELD)
@@ -70,6 +73,7 @@ struct Slave {
     std::deque<Burst> reads, writes, responses;
     bool rvalid_held = false, bvalid_held = false;   // offered last cycle, not yet taken
     double read_tokens = 1.0, write_tokens = 1.0;
+    bool read_demand = false;   // last cycle a read beat was offered or due (READ_CREDIT)
     // what this cycle's edge transfers (sampled before it)
     bool ar = false, aw = false, r = false, w = false, b = false;
 };
@@ -123,7 +127,7 @@ struct Harness {
     void drive() {
         for (Slave &m : slaves) {
             Signals &s = m.s;
-            m.read_tokens = std::min(1.0, m.read_tokens + beats_per_cycle);
+            m.read_tokens = std::min(m.read_demand ? kReadCredit : 1.0, m.read_tokens + beats_per_cycle);
             m.write_tokens = std::min(1.0, m.write_tokens + beats_per_cycle);
             *s.arready = m.reads.size() < 16;
             *s.awready = m.writes.size() + m.responses.size() < 16;
@@ -144,6 +148,7 @@ struct Harness {
                 *s.rlast = b.done == b.beats - 1;
             }
             *s.rvalid = rvalid;
+            m.read_demand = rvalid || (!m.reads.empty() && m.reads.front().due <= cycle);
             *s.wready = !m.writes.empty() && m.write_tokens >= 1.0;
             bool bvalid = m.bvalid_held || (!m.responses.empty() && m.responses.front().due <= cycle);
             if (bvalid) *s.bresp = m.responses.front().error ? 3 : 0;
