@@ -41,7 +41,7 @@ a beat, and the writer's) plus one VMEM read latency (``NORM_PASS_START``), the 
 ``RMSNORM_SHIFT_TURNAROUND`` and :meth:`~dfvg_hw.rmsnorm.RMSNorm.turnaround`; a longer
 row ``3·max(ℓ, b)`` plus three VMEM read latencies, the shift's turnaround hidden behind
 the second one, and the rsqrt's turnaround; results are written as they come
-(:func:`sim.cycle_model._rmsnorm` has it to the cycle). ``src == dst`` is exact: an output line is written only after the
+(:func:`sim.elementwise_timing.rmsnorm_cycles` has it to the cycle). ``src == dst`` is exact: an output line is written only after the
 input lines it overlays were read for the last time (the output row is never longer
 than the input row, and starts no later). A destination overlapping the source
 otherwise is not supported (the functional model reads all rows first).

@@ -22,7 +22,7 @@ needs it). A larger even ``k`` faults PROGRAM where the model would rotate it.
 Heads overlap: head ``h + 1`` is gathered while the Rope rotates head ``h``, which is
 scattered once head ``h + 1`` has entered the Rope; a head costs its gather, ROTATE and
 its scatter (``2·(lines + 3) + 1``), and only a job's lone head waits out the Rope's
-latency. ``sim.elementwise_timing._rope`` has it to the cycle.
+latency. ``sim.elementwise_timing.rope_cycles`` has it to the cycle.
 """
 
 from __future__ import annotations

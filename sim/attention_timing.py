@@ -13,7 +13,7 @@ from dfvg_hw.spec import kv_timing as kvt
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
-from sim.timing_common import LINE, _Port, _window
+from sim.timing_common import LINE, PortTiming, window_cycles
 
 __all__ = ["kvappend_cycles", "attn_cycles"]
 
@@ -32,12 +32,12 @@ def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
     one bank that holds ``POS``)."""
     w = _kv_words(config)
     base = src * LINE
-    heads = sum(_window(base + h * k, k) + _window(base + n * k + h * k, k)
+    heads = sum(window_cycles(base + h * k, k) + window_cycles(base + n * k + h * k, k)
                 + tm.KVAPPEND_HEAD_STATES + 2 * w for h in range(n))
     return UNIT_OVERHEAD + tm.KVAPPEND_STATES + heads
 
 
-def attn_cycles(port: _Port, config: EngineConfig, n: int, k: int, src: int, dst: int, pos: int,
+def attn_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src: int, dst: int, pos: int,
           wide: bool, addr: int) -> int:
     """kv_sequencer.py + attention.Attention, heads overlapped (:func:`_overlapped_heads`):
     per head the K rows stream at one KV word a cycle (W·T) — with ``B = kv_banks ≥ 2``
@@ -59,8 +59,8 @@ def attn_cycles(port: _Port, config: EngineConfig, n: int, k: int, src: int, dst
     score_to_v = tm.ceil_log2(config.head_dim) + tm.ATTN_SCORE_TO_V + levels
     per_head_kv = (2 * w * g - w + max(score_to_v, w) + tm.ATTN_HEAD_TAIL + levels
                    + kvt.row_packing(banks) - kvt.row_packing(1))
-    gathers = [_window(src * LINE + h * k, k) for h in range(n)]
-    scatters = [_window(dst * LINE + h * out_bytes, out_bytes) for h in range(n)]
+    gathers = [window_cycles(src * LINE + h * k, k) for h in range(n)]
+    scatters = [window_cycles(dst * LINE + h * out_bytes, out_bytes) for h in range(n)]
     return (UNIT_OVERHEAD + tm.ATTN_CHECK + params + tm.ATTN_GROUPS + tm.GQA_DIVIDE_STEPS
             + tm.ATTN_END_STATES + _overlapped_heads(n, per_head_kv, gathers, scatters))
 

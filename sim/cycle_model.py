@@ -35,9 +35,9 @@ from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, 
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
 from sim.attention_timing import attn_cycles, kvappend_cycles
-from sim.elementwise_timing import _actmul, _rmsnorm, _rope
-from sim.matmul_timing import _matmul_cycles, _ReadPath
-from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, _LineSplitter, _Port
+from sim.elementwise_timing import actmul_cycles, rmsnorm_cycles, rope_cycles
+from sim.matmul_timing import matmul_cycles, ReadPath
+from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, LineSplitter, PortTiming
 
 __all__ = ["CycleModel", "CycleCounts", "estimate_request", "BEFORE_FINISH", "ISSUE", "UNIT_OVERHEAD"]
 
@@ -75,7 +75,7 @@ class CycleModel:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.port = _Port.for_config(config)
+        self.port = PortTiming.for_config(config)
 
     def _read(self, beats: int) -> int:
         """A read state pair (command, data) of ``beats`` beats, consumed as they come."""
@@ -98,22 +98,22 @@ class CycleModel:
         rows = max(ins.rows, 1)
         if op == Op.MATMUL:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
-            cycles = _matmul_cycles(port, c.lanes, c.reduce, c.rows, ins.n, ins.k, rows,
+            cycles = matmul_cycles(port, c.lanes, c.reduce, c.rows, ins.n, ins.k, rows,
                                     int(ins.mode), bool(ins.wide), addr % port.page,
                                     ins.dst if ins.mode == MatmulMode.RESADD else 0)
             return cycles, npad * kpad + 4 * npad
         if op == Op.RMSNORM:
-            return (_rmsnorm(port, c.lanes, ins.n, rows, bool(ins.wide), addr),
+            return (rmsnorm_cycles(port, c.lanes, ins.n, rows, bool(ins.wide), addr),
                     NORM_PARAM_BYTES + rows * 2 * ins.n)
         if op == Op.ROPE:
-            return _rope(port, ins.n, ins.k, rows, addr, pos), 2 * ins.k
+            return rope_cycles(port, ins.n, ins.k, rows, addr, pos), 2 * ins.k
         if op == Op.KVAPPEND:
             return kvappend_cycles(c, ins.n, ins.k, ins.src), 0
         if op == Op.ATTN:
             return (attn_cycles(port, c, ins.n, ins.k, ins.src, ins.dst, pos, bool(ins.wide), addr),
                     ATTN_PARAM_BYTES)
         if op == Op.ACTMUL:
-            return _actmul(port, c.lanes, ins.n, rows, bool(ins.wide), addr), ACT_PARAM_BYTES
+            return actmul_cycles(port, c.lanes, ins.n, rows, bool(ins.wide), addr), ACT_PARAM_BYTES
         if op == Op.EMBED:
             return self._embed(ins.n, token_from_request)
         if op == Op.SAMPLE:
@@ -137,8 +137,8 @@ class CycleModel:
         elif port.beats_per_cycle >= 1:
             data = READ_OVERHEAD + port.latency + tm.GEARBOX_LATENCY + lines
         else:
-            splitter = _LineSplitter(port.lines_per_beat)
-            last_beat = _ReadPath(port).read(0, row, splitter)
+            splitter = LineSplitter(port.lines_per_beat)
+            last_beat = ReadPath(port).read(0, row, splitter)
             data = last_beat + tm.GEARBOX_LATENCY + (lines - 1) % port.lines_per_beat + 1
         nbytes = row + (port.bus_bytes if token_from_request else 0)
         # FETCH + DECODE, the token, EMBED_CMD, EMBED_READ, the row, RETIRE

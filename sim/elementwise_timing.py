@@ -11,9 +11,9 @@ from math import ceil
 
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, NORM_PARAM_BYTES
-from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, _Port, _window
+from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, PortTiming, window_cycles
 
-__all__ = ["_rmsnorm", "_actmul", "_rope"]
+__all__ = ["rmsnorm_cycles", "actmul_cycles", "rope_cycles"]
 
 
 def _writer_tail(row_bytes: int, beats_per_row: int, lanes: int, wide: bool) -> tuple[int, int]:
@@ -40,7 +40,7 @@ def _writer_last_take(in0: int, in_prev: int, in_last: int, beats: int, s: int) 
     return max(in_last, in_prev + s, in0 + (beats - 1) * s)
 
 
-def _rmsnorm(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
+def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
     """norm_sequencer.py: read the parameter head; per row, pass 0 over x (the row's
     shift) and pass 1 (sum of squares, then rsqrt) race the gamma read, requested at the
     row's start and issued once the reader has emptied its previous read; pass 2 streams x and gamma through the scaler. A row of at most
@@ -177,7 +177,7 @@ def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int):
     return w_last, beats
 
 
-def _actmul(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
+def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
     """actmul_sequencer.py: the parameter head and the SiLU table (256 entries, a line of
     8 a cycle into the unit's LUT, every instruction), then per row the gate and up halves
     read from VMEM in pairs through ActMul and the RowWriter."""
@@ -200,7 +200,7 @@ def _actmul(port: _Port, lanes: int, n: int, rows: int, wide: bool, addr: int) -
     return UNIT_OVERHEAD + _done_after(w_last, s, dropped)
 
 
-def _rope(port: _Port, n: int, k: int, rows: int, addr: int, pos: int) -> int:
+def rope_cycles(port: PortTiming, n: int, k: int, rows: int, addr: int, pos: int) -> int:
     """rope_sequencer.py: the table row of ``POS`` (whole beats), then per head its gather
     (lines + 3), ROTATE (1) and the previous head's scatter (lines + 3): the Rope's
     latency hides behind the next gather, except for a job's only head."""
@@ -214,6 +214,6 @@ def _rope(port: _Port, n: int, k: int, rows: int, addr: int, pos: int) -> int:
              + tm.BLOCK_READ_DONE)
     # heads overlap: head h+1's gather hides head h's rotation, so a head costs its
     # gather, ROTATE and its scatter; only a lone head waits for the Rope
-    per_row = sum(_window(h * k, k) + tm.ROPE_HEAD_STATES + _window(h * k, k) for h in range(n))
+    per_row = sum(window_cycles(h * k, k) + tm.ROPE_HEAD_STATES + window_cycles(h * k, k) for h in range(n))
     lone = tm.ROPE_LATENCY if rows * n == 1 else 0
     return UNIT_OVERHEAD + spans + rows * per_row + lone + tm.ROPE_DONE

@@ -12,9 +12,9 @@ from math import ceil
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.image import padded
 from dfvg_hw.spec.isa import MatmulMode
-from sim.timing_common import NEVER, LINE, RES_BYTES, UNIT_OVERHEAD, _bursts, _Port, _TokenBucket
+from sim.timing_common import NEVER, LINE, RES_BYTES, UNIT_OVERHEAD, axi_bursts, PortTiming, ReadCredit
 
-__all__ = ["_matmul_cycles", "_ReadPath"]
+__all__ = ["matmul_cycles", "ReadPath"]
 
 
 
@@ -54,7 +54,7 @@ class _Stalls:
         return x + 1
 
 
-class _ReadPath:
+class ReadPath:
     """The MATMUL sequencer's reads, one after another: :class:`~dfvg_hw.memory_port.
     MemoryPort` (command splitter, burst-track FIFO, ``read_data`` register) and the
     sequencer's :class:`~dfvg_hw.matmul_sequencer.BeatAligner`.
@@ -73,9 +73,9 @@ class _ReadPath:
     after the last input beat, and the aligner takes nothing in that cycle.
     """
 
-    def __init__(self, port: _Port):
+    def __init__(self, port: PortTiming):
         self.latency, self.bus_bytes, self.page = port.latency, port.bus_bytes, port.page
-        self.bucket = _TokenBucket(port.beats_per_cycle)
+        self.bucket = ReadCredit(port.beats_per_cycle)
         self.issued = -1                #: cycle the last burst was issued (command accepted at 0)
         self.pops: list[int] = []       #: per burst: the cycle its last beat entered read_data
         self.entered = NEVER            #: the last beat's cycle into read_data
@@ -90,7 +90,7 @@ class _ReadPath:
         skip = addr % self.bus_bytes
         n_out = ceil(nbytes / self.bus_bytes)
         j = 0                                           # input beats so far
-        for i, beats in enumerate(_bursts(addr, nbytes, self.bus_bytes, self.page)):
+        for i, beats in enumerate(axi_bursts(addr, nbytes, self.bus_bytes, self.page)):
             # accepting the command is the cycle before its first burst
             issue = self.issued + (2 if i == 0 else 1)
             if len(self.pops) >= tm.MEM_MAX_OUTSTANDING:    # the track FIFO is full
@@ -247,14 +247,14 @@ def _q_batch(bus_bytes: int, lanes: int, addr: int, k_tiles: int) -> int:
     return 1
 
 
-def _matmul_stream(port: _Port, lanes: int, reduce: int, groups: int, k_tiles: int,
+def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_tiles: int,
                    pass_rows: int, hold: int, addr: int, q_addr: int, line_of) -> int:
     """Cycles of the MATMUL sequencer's STREAM state for one row pass (matmul_sequencer.py),
     counted from the state's first cycle (its first read command).
 
     Reads, per group ``g``: its tiles (``lanes·k_tiles·reduce`` bytes from ``addr``, none
     when ``k = 0``: a zero tile is offered instead) and then its requant words
-    (``4·lanes`` bytes from ``q_addr``), through :class:`_ReadPath`; when a beat holds
+    (``4·lanes`` bytes from ``q_addr``), through :class:`ReadPath`; when a beat holds
     the words of several groups (:func:`_q_batch`) only every ``batch``-th group reads,
     one beat of its batch's words, and the other groups' words are in the register from
     the cycle after the previous group's were used. Tile beats go through
@@ -265,7 +265,7 @@ def _matmul_stream(port: _Port, lanes: int, reduce: int, groups: int, k_tiles: i
     first VMEM line of the residual of group ``g``'s row ``r`` (RESADD; otherwise None).
     """
     B = port.bus_bytes
-    reads = _ReadPath(port)
+    reads = ReadPath(port)
     acc = _Accumulate(lanes * reduce // B)
     wb = _WriteBack(hold, max(1, RES_BYTES * lanes // LINE), line_of)
     tile_bytes, q_bytes = lanes * k_tiles * reduce, 4 * lanes
@@ -290,7 +290,7 @@ def _matmul_stream(port: _Port, lanes: int, reduce: int, groups: int, k_tiles: i
 
 
 @lru_cache(maxsize=4096)
-def _matmul_cycles(port: _Port, lanes: int, reduce: int, rows_per_pass: int, n: int, k: int,
+def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int, n: int, k: int,
                    rows: int, mode: int, wide: bool, page_offset: int, dst: int) -> int:
     """Cycles of a MATMUL from the controller's FETCH to its RETIRE (matmul_sequencer.py):
     :data:`UNIT_OVERHEAD`, RANGE and DONE, then per row pass PASS, X_CMD, the x load (none

@@ -10,7 +10,8 @@ from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 
-__all__ = ["LINE"]
+__all__ = ["LINE", "NEVER", "UNIT_OVERHEAD", "READ_OVERHEAD", "PAGE", "RES_BYTES", "window_cycles", "PortTiming",
+           "axi_bursts", "ReadCredit", "LineSplitter"]
 
 LINE = VMEM_LINE_BYTES
 UNIT_OVERHEAD = tm.UNIT_OVERHEAD
@@ -26,21 +27,21 @@ def _lines(byte_addr: int, nbytes: int) -> int:
     return (byte_addr % LINE + nbytes + LINE - 1) // LINE if nbytes else 0
 
 
-def _window(byte_addr: int, nbytes: int) -> int:
+def window_cycles(byte_addr: int, nbytes: int) -> int:
     """A gather or scatter through ``VmemWindow``: the request state, then lines + 2."""
     return _lines(byte_addr, nbytes) + tm.WINDOW_ACCESS
 
 
 # -- the memory path ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Port:
+class PortTiming:
     latency: int        #: L
     bus_bytes: int      #: B
     beats_per_cycle: float  #: p
     page: int = PAGE    #: logical bytes of an AXI page: 4 KiB of each channel
 
     @classmethod
-    def for_config(cls, config: EngineConfig) -> "_Port":
+    def for_config(cls, config: EngineConfig) -> "PortTiming":
         return cls(config.mem_latency_cycles, config.mem_beat_bytes,
                    config.port_beats_per_cycle, PAGE * config.mem_ports)
 
@@ -72,7 +73,7 @@ class _Port:
         return self.arrival(n_in - 1, first) + tm.LINE_ALIGNER_LATENCY
 
 
-def _bursts(addr: int, nbytes: int, bus_bytes: int, page: int = PAGE) -> list[int]:
+def axi_bursts(addr: int, nbytes: int, bus_bytes: int, page: int = PAGE) -> list[int]:
     """Beats of each burst the memory port splits a read into (``page``: 4 KiB of each
     channel; 256 beats); a block that does not start on a beat is read from the beat it
     starts in."""
@@ -87,7 +88,7 @@ def _bursts(addr: int, nbytes: int, bus_bytes: int, page: int = PAGE) -> list[in
     return out
 
 
-class _TokenBucket:
+class ReadCredit:
     """The simulated memory's read rate limit (:mod:`sim.axi_memory`): ``p`` beats a
     cycle; the credit is capped at one beat after a cycle in which no read beat was
     offered or due, and at ``READ_CREDIT`` beats after one in which one was."""
@@ -119,7 +120,7 @@ class _TokenBucket:
         return start
 
 
-class _LineSplitter:
+class LineSplitter:
     """EMBED's beat-to-line gearbox: it takes a beat when the previous beat's last line
     has left, and passes one line a cycle."""
 

@@ -507,15 +507,15 @@ def test_flat_ports_match_the_block_design():
 @pytest.mark.parametrize("p", [0.685, 0.75, 0.4])
 def test_a_stream_keeps_the_memory_rate(p):
     """The simulated memory's read credit (sim.axi_memory.READ_CREDIT, mirrored by the cycle
-    model's _TokenBucket, which the MATMUL timing tests hold to the RTL): a stream taken as
+    model's ReadCredit, which the MATMUL timing tests hold to the RTL): a stream taken as
     it comes gets beat i ceil(i/p) cycles after its first, i.e. the rate p itself. A credit
     capped at one beat rounded every leftover away and gave 1/ceil(1/p) (0.5 at the U55C's
     0.685)."""
     from math import ceil
 
-    from sim.timing_common import _TokenBucket
+    from sim.timing_common import ReadCredit
 
-    bucket, due, offered = _TokenBucket(p), 100, []
+    bucket, due, offered = ReadCredit(p), 100, []
     for i in range(1000):
         t = due if not offered else offered[-1] + 1
         offered.append(bucket.offer(t, due, offered[-1] if offered else -10 ** 9))
