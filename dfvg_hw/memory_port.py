@@ -52,10 +52,10 @@ Rules the controller relies on:
   accepted (L: the memory's AR-to-R latency), then one beat per cycle while neither the
   memory nor the consumer stalls; a write's beats go out one per cycle from
   ``WRITE_OVERHEAD`` edges after the command while the data and the memory keep up.
-* **Bandwidth.** One port moves at most ``data_width/8`` bytes a cycle: 32 B at 256 bits,
-  9.6 GB/s at 300 MHz — far below the Alveo presets' ``mem_bandwidth_gbps`` (460 GB/s of
-  HBM is 1533 B/cycle at 300 MHz, which the cycle model's ``stream()`` assumes). Reaching
-  it takes many ports (HBM has 32 pseudo-channels of 256 bits).
+* **Bandwidth.** One port moves at most ``data_width/8`` bytes a cycle: 64 B at 512 bits,
+  19.2 GB/s at 300 MHz, more than one HBM pseudo-channel's ~13 GB/s. The card's bandwidth
+  takes one port per channel: :class:`~dfvg_hw.striped_memory_port.StripedMemoryPort`
+  drives ``mem_ports`` of them in lockstep.
 * **Errors.** An error response (``rresp``/``bresp`` ≠ OKAY) sets ``error.response``; the
   data still flows (AXI returns every beat of a failed read), so streams stay framed.
   Flags are sticky until ``clear_error``. ``rlast`` is not used: the port counts each
