@@ -93,10 +93,8 @@ class StripedDma:
             self._write(addr, data)
             return
         lo, hi = self._split(addr, len(data))
-        for start, end in ((addr, lo), (hi, addr + len(data))):
-            for _, phys, off in self._pieces(start, end - start):
-                run = min(end - start - off, self.striping.port_bytes - phys % self.striping.port_bytes)
-                self._write(phys, data[start - addr + off:start - addr + off + run])
+        for at, phys, run in self._edge_runs(addr, len(data), lo, hi):
+            self._write(phys, data[at:at + run])
         if hi > lo:
             for _, phys, run in self.striping.to_channels(lo, np.frombuffer(data[lo - addr:hi - addr], np.uint8)):
                 self._write(phys, run.tobytes())
@@ -106,10 +104,8 @@ class StripedDma:
             return self._read(addr, nbytes)
         out = bytearray(nbytes)
         lo, hi = self._split(addr, nbytes)
-        for start, end in ((addr, lo), (hi, addr + nbytes)):
-            for _, phys, off in self._pieces(start, end - start):
-                run = min(end - start - off, self.striping.port_bytes - phys % self.striping.port_bytes)
-                out[start - addr + off:start - addr + off + run] = self._read(phys, run)
+        for at, phys, run in self._edge_runs(addr, nbytes, lo, hi):
+            out[at:at + run] = self._read(phys, run)
         if hi > lo:
             per_port = (hi - lo) // self.striping.ports
             first = (lo // self.striping.beat_bytes) * self.striping.port_bytes
@@ -118,8 +114,16 @@ class StripedDma:
             out[lo - addr:hi - addr] = self.striping.from_channels(lo, runs).tobytes()
         return bytes(out)
 
-    def _pieces(self, start: int, nbytes: int):
-        return self.striping.pieces(start, nbytes) if nbytes > 0 else []
+    def _edge_runs(self, addr: int, nbytes: int, lo: int, hi: int):
+        """``(offset in the transfer, physical address, bytes)`` of each port-beat piece
+        of the partial beats before ``lo`` and after ``hi``."""
+        for start, end in ((addr, lo), (hi, addr + nbytes)):
+            if end <= start:
+                continue
+            pieces = self.striping.pieces(start, end - start)
+            for i, (_, phys, off) in enumerate(pieces):
+                run = (pieces[i + 1][2] if i + 1 < len(pieces) else end - start) - off
+                yield start - addr + off, phys, run
 
 
 class XdmaTransport:

@@ -113,11 +113,7 @@ class MemoryTiming:
         bandwidth in beats per cycle (``EngineConfig.port_beats_per_cycle`` at the
         configured width), at most one (a port cannot move more than a beat a cycle,
         whatever the memory could)."""
-        if data_width is None or data_width == config.mem_port_bits:
-            rate = config.port_beats_per_cycle
-        else:
-            share = config.achievable_bandwidth_gbps * 1e9 / config.mem_ports
-            rate = min(1.0, share / (config.clock_mhz * 1e6) / (data_width // 8))
+        rate = config.beats_per_cycle((data_width or config.mem_port_bits) // 8)
         timing = cls(read_latency=config.mem_latency_cycles,
                      write_latency=config.mem_latency_cycles, beats_per_cycle=rate)
         return replace(timing, **changes)

@@ -9,6 +9,7 @@ from math import ceil
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from sim.axi_memory import READ_CREDIT
 
 __all__ = ["LINE", "NEVER", "UNIT_OVERHEAD", "READ_OVERHEAD", "PAGE", "RES_BYTES", "window_cycles", "PortTiming",
            "axi_bursts", "ReadCredit", "LineSplitter"]
@@ -100,8 +101,6 @@ class ReadCredit:
         """The first cycle ``>= t`` the memory offers the next beat, whose burst is due
         in cycle ``due`` (``t >= due``), the previous beat having been offered in
         ``self.last`` and taken in ``held_until``; spends the beat's credit."""
-        from sim.axi_memory import READ_CREDIT
-
         p, tokens, c = self.p, self.tokens, self.last
 
         def refill(to: int, cap: float):

@@ -151,8 +151,12 @@ class EngineConfig:
         """Beats a cycle one port's memory delivers: its share of the achievable
         bandwidth, at most one (a port moves at most a beat a cycle). The simulated
         memories rate-limit each port to this, and the cycle model uses it."""
+        return self.beats_per_cycle(self.port_bytes)
+
+    def beats_per_cycle(self, beat_bytes: int) -> float:
+        """:attr:`port_beats_per_cycle` for a port of ``beat_bytes`` bytes a beat."""
         share = self.achievable_bandwidth_gbps * 1e9 / self.mem_ports
-        return min(1.0, share / (self.port_bytes * self.clock_mhz * 1e6))
+        return min(1.0, share / (beat_bytes * self.clock_mhz * 1e6))
 
     @property
     def engine_bytes_per_cycle(self) -> float:
