@@ -35,7 +35,8 @@ Unit instructions: ``SAMPLE`` and ``NOP`` here; ``EMBED`` through
 :class:`~dfvg_hw.matmul_sequencer.MatmulSequencer` (every preset geometry; for one it
 does not support, see ``MatmulSequencer.supports``, a MATMUL stops the request with
 ``PROGRAM``); ``RMSNORM``, ``ROPE``, ``KVAPPEND``/``ATTN`` and ``ACTMUL`` through the
-sequencers of :func:`unit_sequencers`. All of them share the
+sequencers of :func:`unit_sequencers` (the KV sequencer also takes the request header's
+``kv_slot_base``, the first KV slot of the request's sequence). All of them share the
 :class:`~dfvg_hw.op_port.OpSequencerSignature` (the MATMUL sequencer adds the logit
 buffer's write side, the EMBED sequencer the TOKEN register's inputs).
 
@@ -229,6 +230,9 @@ class Controller(wiring.Component):
                      embed.token_is_drafted.eq(seq.token_is_drafted),
                      embed.drafted_token.eq(seq.drafted_token),
                      embed.token_addr.eq(front.base + 4 * REQUEST_HEADER_WORDS + 4 * seq.in_idx)]
+        if kv is not None:
+            # the request's sequence's first KV slot (the header holds until the next START)
+            m.d.comb += kv.slot_base.eq(header.kv_slot_base)
         # the result's fields, as the controller knows them at the end of a request
         m.d.comb += [writer.seq.eq(header.seq), writer.status.eq(code),
                      writer.end_pos.eq(Mux(started, seq.pos, header.start_pos)),

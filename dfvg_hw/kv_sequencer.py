@@ -8,26 +8,29 @@ Every job first sets the buffer's position register to the job's ``pos`` (ROLLBA
 since the controller's POS register is the one source of truth.
 
 **Slots.** The buffer holds ``kv_slots`` (layer, KV head) pairs; KV head ``h`` of layer
-``layer`` is slot ``layer · G + h``, where ``G`` is the job's own KV-head count: KVAPPEND's
-``n``, ATTN's ``G`` word. A job whose slots ``layer · G … (layer + 1) · G − 1`` do not all
-exist faults PROGRAM; ``(layer + 1) · G`` is a small multiply (``G ≤ kv_slots`` first).
+``layer`` is slot ``base + layer · G + h``, where ``G`` is the job's own KV-head count:
+KVAPPEND's ``n``, ATTN's ``G`` word, and ``base`` the request's ``kv_slot_base`` (the
+``slot_base`` input, taken with the job), the first slot of the request's sequence. A job
+whose slots ``base + layer · G … base + (layer + 1) · G − 1`` do not all exist faults
+PROGRAM; ``(layer + 1) · G`` is a small multiply (``G ≤ kv_slots`` first) and ``base`` is
+added to it (and, once the check passes, its low bits to ``layer · G`` for the slot).
 
 **KVAPPEND** (``rows = 1``; ``n`` KV heads of ``k`` int8 for K, then the same for V, in one
-VMEM row at ``src``). Checks in the model's order: ``rows ≠ 1``; ``(layer + 1) · n >
+VMEM row at ``src``). Checks in the model's order: ``rows ≠ 1``; ``base + (layer + 1) · n >
 kv_slots`` or ``k > head_dim`` (PROGRAM); ``pos ≥ kv_positions`` (KV_OVERFLOW); the
 ``2·n·k``-byte row outside VMEM (BAD_ADDRESS). Then per head ``h`` the K bytes at
 ``h·k`` and the V bytes at ``n·k + h·k`` are gathered and appended at slot
-``layer · n + h``, position ``pos``; bytes ``k … head_dim − 1`` of the entry keep their
-contents.
+``base + layer · n + h``, position ``pos``; bytes ``k … head_dim − 1`` of the entry keep
+their contents.
 
 **ATTN** (``rows = 1``; ``n`` query heads of ``k`` int8 at ``src``). Checks: ``rows ≠ 1``;
 ``k > head_dim`` (PROGRAM); ``pos ≥ kv_positions`` (KV_OVERFLOW); the 16-byte parameter
 block at ``addr`` (past device memory: the memory port refuses it, BAD_ADDRESS through
-the controller's reset); its ``G = kv_heads`` word 0, ``(layer + 1) · G > kv_slots`` or
+the controller's reset); its ``G = kv_heads`` word 0, ``base + (layer + 1) · G > kv_slots`` or
 ``G`` not dividing ``n`` (PROGRAM; ``n / G`` by a 16-step divider); ``q`` or the output
 (``n·k`` bytes, ``2·n·k`` with WIDE) outside VMEM (BAD_ADDRESS). Then per head ``h``:
 gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add nothing to
-a score), stream slot ``layer · G + h // (n / G)``, positions ``0 … pos``, through the
+a score), stream slot ``base + layer · G + h // (n / G)``, positions ``0 … pos``, through the
 attention unit (K words packed into rows, then V rows), and scatter the ``k`` outputs
 (int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap: QUERY hands ``q[h]``
 to the attention unit as soon as it has passed head ``h − 1`` to its reciprocal, then
@@ -112,12 +115,16 @@ class KvSequencer(wiring.Component):
         served before the next job is taken.
     clearing : Out(1)
         A clear is pending or running; the job port is not ready meanwhile.
+    slot_base : In(16)
+        The request's ``kv_slot_base`` (its header's word 10): the first KV slot of the
+        request's sequence, added to every job's slots. Taken with the job; 0 where left
+        undriven, the slot mapping without it.
     """
 
     def __init__(self, config: EngineConfig, data_width: int):
         self.config, self.data_width = config, data_width
         members = dict(OpSequencerSignature(config, data_width).members)
-        members.update({"clear": In(1), "clearing": Out(1)})
+        members.update({"clear": In(1), "clearing": Out(1), "slot_base": In(16)})
         super().__init__(wiring.Signature(members))
 
     def elaborate(self, platform):
@@ -137,6 +144,7 @@ class KvSequencer(wiring.Component):
                      self.poke_data.eq(window.poke_data)]
 
         job = Signal(OpJob())
+        base = Signal(16)                   # the job's slot_base
         wide = Signal()
         head_bytes = Signal(32)             # n·k: all heads of K, of V, of q
         out_head_bytes = Signal(range(2 * D + 1))   # k int8 or int16 outputs of one head
@@ -222,17 +230,20 @@ class KvSequencer(wiring.Component):
                 with m.Elif(self.job.valid):
                     p = self.job.payload
                     wide_job = flags_view(p.flags).wide
-                    m.d.sync += [job.eq(p), wide.eq(wide_job), head_bytes.eq(p.n * p.k),
+                    m.d.sync += [job.eq(p), base.eq(self.slot_base), wide.eq(wide_job),
+                                 head_bytes.eq(p.n * p.k),
                                  out_head_bytes.eq(Mux(wide_job, 2 * p.k, p.k)),
                                  self.error.eq(ErrorCode.OK)]
                     m.next = "CHECK"
             with m.State("CHECK"):
                 appending = job.opcode == Op.KVAPPEND
-                # KVAPPEND's slots layer · n … (layer + 1) · n − 1 (ATTN's wait for G)
-                slots_over = (job.n > c.kv_slots) | ((job.layer + 1) * job.n[:g_bits] > c.kv_slots)
+                # KVAPPEND's slots base + layer · n … base + (layer + 1) · n − 1 (ATTN's
+                # wait for G); the slot is right whenever the check passes (base ≤ kv_slots)
+                slots_over = (job.n > c.kv_slots) | (base + (job.layer + 1) * job.n[:g_bits]
+                                                     > c.kv_slots)
                 m.d.sync += [head.eq(0), outs.eq(0), in_offset.eq(0), out_offset.eq(0),
-                             in_group.eq(0),
-                             kv_slot.eq(job.layer[:g_bits] * job.n[:g_bits]), kv_arg.eq(job.k)]
+                             in_group.eq(0), kv_arg.eq(job.k),
+                             kv_slot.eq(base[:g_bits] + job.layer[:g_bits] * job.n[:g_bits])]
                 with m.If(~appending & (job.opcode != Op.ATTN)):
                     finish(ErrorCode.PROGRAM)
                 with m.Elif(job.rows != 1):
@@ -264,10 +275,10 @@ class KvSequencer(wiring.Component):
                     m.next = "GROUPS"
             with m.State("GROUPS"):
                 with m.If((groups == 0) | (groups > c.kv_slots)
-                          | ((job.layer + 1) * groups[:g_bits] > c.kv_slots)):
+                          | (base + (job.layer + 1) * groups[:g_bits] > c.kv_slots)):
                     finish(ErrorCode.PROGRAM)
                 with m.Else():
-                    m.d.sync += kv_slot.eq(job.layer[:g_bits] * groups[:g_bits])
+                    m.d.sync += kv_slot.eq(base[:g_bits] + job.layer[:g_bits] * groups[:g_bits])
                     m.next = "DIVIDE"
             with m.State("DIVIDE"):             # n / G, one quotient bit per cycle
                 partial = Cat(dividend[-1], remainder)

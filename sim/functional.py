@@ -47,7 +47,11 @@ class FunctionalEngine:
         Device memory holding images, programs and descriptors.
     kv_k, kv_v : numpy.ndarray
         The on-chip KV buffers, int8 ``[kv_slots, kv_positions, head_dim]``; layer ``l``'s
-        KV head ``h`` is slot ``l · G + h`` for the instruction's KV-head count ``G``.
+        KV head ``h`` is slot ``kv_slot_base + l · G + h`` for the instruction's KV-head
+        count ``G``.
+    kv_slot_base : int
+        The first KV slot of the running request's sequence (its header's
+        ``kv_slot_base``; 0 outside a request).
     vmem : numpy.ndarray
         The activation scratchpad, ``vmem_bytes`` bytes.
     logits : numpy.ndarray or None
@@ -63,6 +67,7 @@ class FunctionalEngine:
         shape = (config.kv_slots, config.kv_positions, config.head_dim)
         self.kv_k = np.zeros(shape, dtype=np.int8)
         self.kv_v = np.zeros(shape, dtype=np.int8)
+        self.kv_slot_base = 0
         self.vmem = np.zeros(config.vmem_bytes, dtype=np.uint8)
         self.imem: list[int] = []
         self._decoded: list = []
@@ -106,6 +111,7 @@ class FunctionalEngine:
         self.counts = CycleCounts()
         self.last_fault = None
         self.logits = None          # a SAMPLE must follow this request's own LOGITS matmul
+        self.kv_slot_base = 0
         header = dict(seq=0, start_pos=0, topk=1)
         drafted: list[DraftedToken] = []
         seq = None
@@ -119,6 +125,7 @@ class FunctionalEngine:
             # (the token scan only after a header that passes its checks)
             self.counts.add("REQUEST", *self.cycle_model.request_header())
             tokens = self._read_request_tokens(header, request_addr)
+            self.kv_slot_base = header["kv_slot_base"]
             seq = ProgramFlow(tokens, header["start_pos"], header["n_draft"])
             budget = watchdog if watchdog is not None else \
                 watchdog_budget(len(tokens), header["n_draft"], max(len(self.imem), 1))
@@ -338,7 +345,7 @@ class FunctionalEngine:
             self.logits = nx.requant(acc[0], mult, shift, nx.LOGIT_BITS).astype(np.int16)
 
     def _attention(self, ins: Instruction, st: ProgramFlow, addr: int) -> None:
-        self._check_kv(ins, st.layer, 0)        # k only: the KV-head count is in the block
+        self._check_kv(ins, st.layer, None)     # k only: the KV-head count is in the block
         self._check_pos(st.pos)
         head = self._dram(addr, ATTN_PARAM_BYTES).view("<u4")
         mult, shift, kv_heads = int(head[0]) & 0xFFFF, (int(head[0]) >> 16) & 0x3F, int(head[1])
@@ -411,15 +418,19 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.KV_OVERFLOW, f"position {pos} ≥ KV capacity "
                               f"{self.config.kv_positions}")
 
-    def _check_kv(self, ins: Instruction, layer: int, kv_heads: int) -> int:
-        """The first KV slot of ``layer`` with ``kv_heads`` KV heads, ``layer · kv_heads``
-        (docs/isa.md §1.4); PROGRAM when its slots or ``k`` lie beyond the KV buffer."""
-        c = self.config
-        if (layer + 1) * kv_heads > c.kv_slots or ins.k > c.head_dim:
+    def _check_kv(self, ins: Instruction, layer: int, kv_heads: int | None) -> int:
+        """The first KV slot of ``layer`` with ``kv_heads`` KV heads, ``kv_slot_base +
+        layer · kv_heads`` (docs/isa.md §1.4); PROGRAM when its slots (``kv_slot_base +
+        (layer + 1) · kv_heads > kv_slots``) or ``k`` lie beyond the KV buffer.
+        ``kv_heads=None`` checks ``k`` only (ATTN before it reads its KV-head count)."""
+        c, base = self.config, self.kv_slot_base
+        over = kv_heads is not None and base + (layer + 1) * kv_heads > c.kv_slots
+        if over or ins.k > c.head_dim:
+            at = f" from slot {base}" if base else ""
             raise EngineFault(ErrorCode.PROGRAM, f"{ins.opcode.name} at layer {layer} with "
-                              f"{kv_heads} KV heads × {ins.k} exceeds the KV buffer "
+                              f"{kv_heads or 0} KV heads × {ins.k}{at} exceeds the KV buffer "
                               f"({c.kv_slots} slots × head_dim {c.head_dim})")
-        return layer * kv_heads
+        return base + layer * (kv_heads or 0)
 
     def _invalidate(self, addr: int, nbytes: int) -> None:
         for key in [key for key, v in self._weights.items()

@@ -28,14 +28,15 @@ MAX_DRAFT = 64
 RESULT_CHECK_SALT = 0xDF76C0DE
 
 #: (name, word, lsb, width) of every request-header field, in bit order (a field may span
-#: words: ``seed`` is words 7-8, ``reserved`` words 10-15). :class:`DraftRequest`'s
+#: words: ``seed`` is words 7-8, ``reserved`` word 10's bits 16-31 and words 11-15;
+#: ``kv_slot_base`` is the first KV slot of the request's sequence). :class:`DraftRequest`'s
 #: pack/unpack, the functional model's checks and the RTL's ``RequestHeader`` layout
 #: (``dfvg_hw.layouts``) derive from it. Word 1 is :data:`REQUEST_FLAG_FIELDS`.
 REQUEST_FIELDS: tuple[tuple[str, int, int, int], ...] = (
     ("seq", 0, 0, 32), ("flags", 1, 0, 32), ("start_pos", 2, 0, 32), ("n_in", 3, 0, 32),
     ("n_draft", 4, 0, 32), ("topk", 5, 0, 32), ("t_mult", 6, 0, 16), ("t_shift", 6, 16, 16),
-    ("seed", 7, 0, 64), ("counter", 9, 0, 32),
-    ("reserved", 10, 0, 32 * (REQUEST_HEADER_WORDS - 10)),
+    ("seed", 7, 0, 64), ("counter", 9, 0, 32), ("kv_slot_base", 10, 0, 16),
+    ("reserved", 10, 16, 16 + 32 * (REQUEST_HEADER_WORDS - 11)),
 )
 #: (name, lsb, width) of the request's ``flags`` word; ``reserved`` must be zero.
 REQUEST_FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (("sample", 0, 1), ("reserved", 1, 31))
@@ -126,13 +127,18 @@ class DraftRequest:
     """One draft request: feed ``tokens`` from ``start_pos``, then draft ``n_draft``.
 
     Word layout (:data:`REQUEST_FIELDS`): 0 seq, 1 flags, 2 start_pos, 3 n_in, 4 n_draft,
-    5 topk, 6 t_mult | t_shift << 16, 7 seed_lo, 8 seed_hi, 9 counter, 10-15 zero,
-    16.. one token id per word.
+    5 topk, 6 t_mult | t_shift << 16, 7 seed_lo, 8 seed_hi, 9 counter, 10 kv_slot_base
+    (bits 0-15; bits 16-31 zero), 11-15 zero, 16.. one token id per word.
 
     ``start_pos`` is the committed KV length: setting it below the engine's current
     length is the O(1) rollback. The engine appends KV for every input and for every
     drafted token but the last, so after a request the KV length is
     ``start_pos + n_in + max(n_draft - 1, 0)``.
+
+    ``kv_slot_base`` is the first KV slot of the request's sequence: KV head ``h`` of
+    layer ``LAYER`` is slot ``kv_slot_base + LAYER·G + h`` (docs/isa.md §1.4), so several
+    sequences can keep their KV in one engine, each in its own slot range (0: the
+    whole buffer from slot 0, as before the field existed).
     """
     tokens: list[int]
     start_pos: int
@@ -144,13 +150,15 @@ class DraftRequest:
     seed: int = 0
     counter: int = 0
     seq: int = 0
+    kv_slot_base: int = 0
 
     def pack(self) -> bytes:
         words = pack_fields(REQUEST_FIELDS, REQUEST_HEADER_WORDS, dict(
             seq=self.seq, flags=int(RequestFlag.SAMPLE) if self.sample else 0,
             start_pos=self.start_pos, n_in=len(self.tokens), n_draft=self.n_draft,
             topk=self.topk, t_mult=self.t_mult & 0xFFFF, t_shift=self.t_shift,
-            seed=self.seed & (2 ** 64 - 1), counter=self.counter & 0xFFFFFFFF))
+            seed=self.seed & (2 ** 64 - 1), counter=self.counter & 0xFFFFFFFF,
+            kv_slot_base=self.kv_slot_base))
         words += [int(t) for t in self.tokens]
         return struct.pack(f"<{len(words)}I", *words)
 

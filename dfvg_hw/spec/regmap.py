@@ -23,7 +23,8 @@ ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
 #: Engine version: major (ISA / descriptor / image format) << 16 | minor. Minor 1: KV
 #: capacity in slots (P_KV_SLOTS replaces P_KV_LAYERS and P_KV_HEADS). Minor 2: striped
 #: memory channels and KV banks (P_MEM_PORTS … P_KV_BANKS), EMBED rows padded to engine beats.
-ENGINE_VERSION = (IMAGE_VERSION << 16) | 2
+#: Minor 3: the request's ``kv_slot_base`` (word 10), several sequences' KV in one engine.
+ENGINE_VERSION = (IMAGE_VERSION << 16) | 3
 
 
 class Reg(enum.IntEnum):
