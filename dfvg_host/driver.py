@@ -15,11 +15,21 @@ top-k summing to exactly 2^24) and a result that breaks it raises
 :class:`MalformedResult`. :meth:`DraftDevice.reset` brings a failed device back: soft
 reset, identity check, image and program reloaded. Deciding when to reset and what to
 replay is the caller's (:class:`~dfvg_host.speculative.SpeculativeDecoder`).
+
+Sequences: one engine holds the KV of :attr:`DraftDevice.max_sequences` sequences at once
+(``kv_slots // (layers · KV heads)``), sequence ``i`` in KV slots ``i · slots_per_sequence``
+onwards (the request's ``kv_slot_base``, docs/isa.md §1.4). :meth:`DraftDevice.select_sequence`
+makes one current; ``kv_length``, ``committed``, :meth:`~DraftDevice.rollback` and
+:meth:`~DraftDevice.draft` act on the current one, so a server can interleave requests of
+many sequences on one engine. A caller that never selects one uses sequence 0, the
+whole engine as before. The engine's KV position register is shared, but every request
+names its own ``start_pos``, so interleaving needs no save or restore.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import time
 from dataclasses import dataclass
 
@@ -142,15 +152,26 @@ class DraftDevice:
     retries : int
         Extra tries of a failed access before :class:`DeviceLinkError`.
     resets : int
-        Times :meth:`reset` was called.
+        Times :meth:`reset` was called. A reset empties every sequence's KV: a caller
+        that keeps sequences compares this count to know they were lost.
     compiled : CompiledDraft
     clock_hz : float
         The engine clock, read from its parameter register.
+    slots_per_sequence : int
+        KV slots one sequence takes: the compiled draft's layers × KV heads.
+    max_sequences : int
+        Sequences whose KV the engine holds at once: ``kv_slots // slots_per_sequence``
+        (``kv_slots`` of the engine the draft was compiled for, which :meth:`check_engine`
+        holds the device to), at least 1.
+    current_sequence : int
+        The sequence that ``kv_length``, ``committed``, :meth:`rollback` and :meth:`draft`
+        act on (:meth:`select_sequence`); 0 at first.
     kv_length : int
-        KV entries the engine holds for the current sequence (after the last request).
+        KV entries the engine holds for the current sequence (after its last request).
     committed : int
-        KV entries the host has accepted; the next request starts here. Setting it below
-        ``kv_length`` (``rollback``) is O(1): nothing moves on the device.
+        KV entries the host has accepted for the current sequence; its next request
+        starts here. Setting it below ``kv_length`` (``rollback``) is O(1): nothing moves
+        on the device.
     """
 
     ABORT_GRACE_S = 1.0   #: how long a timed-out request may take to stop after ABORT
@@ -166,13 +187,58 @@ class DraftDevice:
         self.compiled = compiled
         self.timeout_s = timeout_s
         self.topk_max = compiled.manifest["engine"]["topk_max"]
+        shape = compiled.shape
+        self.slots_per_sequence = max(shape.layers * shape.kv_heads, 1)
+        self.max_sequences = max(compiled.manifest["engine"]["kv_slots"] // self.slots_per_sequence, 1)
         self._seq = 0
         self._buf = 0
-        self.kv_length = 0
-        self.committed = 0
+        self._current = 0
+        self._kv_lengths = [0] * self.max_sequences
+        self._committed = [0] * self.max_sequences
         self.clock_hz = 0.0
         self.check_engine()
         self.load()
+
+    # -- sequences -----------------------------------------------------------------------
+    @property
+    def current_sequence(self) -> int:
+        return self._current
+
+    def select_sequence(self, index: int) -> None:
+        """Make sequence ``index`` (``0 ≤ index < max_sequences``) the one that
+        ``kv_length``, ``committed``, :meth:`rollback` and :meth:`draft` act on; each
+        sequence keeps its own KV in its own slots, so selecting one costs nothing on the
+        device. Raises ``ValueError`` for an index outside the range."""
+        try:
+            number = None if isinstance(index, bool) else operator.index(index)
+        except TypeError:
+            number = None
+        if number is None or not 0 <= number < self.max_sequences:
+            raise ValueError(f"sequence {index!r} does not exist: this engine holds "
+                             f"{self.max_sequences} sequence(s) of {self.slots_per_sequence} KV "
+                             f"slots (0..{self.max_sequences - 1})")
+        self._current = number
+
+    @property
+    def kv_length(self) -> int:
+        return self._kv_lengths[self._current]
+
+    @kv_length.setter
+    def kv_length(self, value: int) -> None:
+        self._kv_lengths[self._current] = value
+
+    @property
+    def committed(self) -> int:
+        return self._committed[self._current]
+
+    @committed.setter
+    def committed(self, value: int) -> None:
+        self._committed[self._current] = value
+
+    def _forget_sequences(self) -> None:
+        """Every sequence's KV is gone (a soft reset empties the engine's KV)."""
+        self._kv_lengths = [0] * self.max_sequences
+        self._committed = [0] * self.max_sequences
 
     @property
     def retries(self) -> int:
@@ -238,7 +304,7 @@ class DraftDevice:
             # ERROR = 0 with the program not loaded: the command never arrived.
             code = self._error_code(t.read32(Reg.ERROR), "after LOAD_PROGRAM") or ErrorCode.PROGRAM
             raise DeviceFault(code, 0, [])
-        self.kv_length = self.committed = 0
+        self._forget_sequences()
 
     @_link_errors
     def reset(self) -> None:
@@ -246,12 +312,13 @@ class DraftDevice:
         running), check the engine's identity and parameters again, DMA the image and the
         program again and load the program.
 
-        The engine's KV is lost: ``kv_length = committed = 0``, so the caller feeds every
-        committed token again. Raises what :meth:`check_engine` and :meth:`load` raise
-        when the device does not come back.
+        The engine's KV is lost, every sequence's: ``kv_length = committed = 0`` for all
+        of them (the current sequence stays selected), so the caller feeds every committed
+        token again; :attr:`resets` counts up. Raises what :meth:`check_engine` and
+        :meth:`load` raise when the device does not come back.
         """
         self.resets += 1
-        self.kv_length = self.committed = 0
+        self._forget_sequences()
         self.io.write32(Reg.CONTROL, Control.SOFT_RESET)
         self.check_engine()
         self.load()
@@ -266,7 +333,8 @@ class DraftDevice:
 
     # -- drafting ------------------------------------------------------------------------
     def rollback(self, length: int) -> None:
-        """Commit the first ``length`` KV entries and discard the rest (O(1))."""
+        """Commit the first ``length`` KV entries of the current sequence and discard the
+        rest (O(1))."""
         if not 0 <= length <= self.kv_length:
             raise ValueError(f"cannot commit {length} KV entries: the engine holds {self.kv_length}")
         self.committed = length
@@ -276,7 +344,9 @@ class DraftDevice:
     @_link_errors
     def draft(self, tokens: list[int], n_draft: int, *, sample: bool = False,
               temperature: float = 1.0, topk: int = 1, seed: int = 0, counter: int = 0) -> DraftOutput:
-        """Feed ``tokens`` after the committed KV and draft ``n_draft`` tokens in one request.
+        """Feed ``tokens`` after the current sequence's committed KV and draft ``n_draft``
+        tokens in one request (its ``kv_slot_base`` is ``current_sequence ·
+        slots_per_sequence``).
 
         Raises :class:`ContextFull` or ``ValueError`` (checked on the host, nothing sent),
         or, with the committed KV unchanged: :class:`DeviceTimeout`,
@@ -301,7 +371,8 @@ class DraftDevice:
         self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
         request = DraftRequest(tokens=list(tokens), start_pos=self.committed, n_draft=n_draft,
                                topk=min(max(topk, 1), self.topk_max), sample=sample,
-                               t_mult=t_mult, t_shift=t_shift, seed=seed, counter=counter, seq=self._seq)
+                               t_mult=t_mult, t_shift=t_shift, seed=seed, counter=counter, seq=self._seq,
+                               kv_slot_base=self._current * self.slots_per_sequence)
         buf = self._buf
         self._buf ^= 1
         t = self.io
