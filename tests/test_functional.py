@@ -196,3 +196,78 @@ def test_request_checks(session, tiny_engine):
     r = eng.run(image_base=0x10_0000, request_addr=tiny_engine.mem_bytes - 8, result_addr=RESULT_ADDR)
     assert r.status == ErrorCode.BAD_ADDRESS
 
+
+
+# -- several sequences in one engine: the request's kv_slot_base (docs/isa.md §1.4) --------
+
+@pytest.fixture(scope="module")
+def two_sequences(tmp_path_factory, tiny_engine):
+    """A draft of 2 layers × 1 KV head (2 KV slots), compiled for tiny (4 slots): two
+    sequences fit, in slots 0-1 and 2-3."""
+    from dfvg_host.fixtures import make_tiny_llama
+    model = make_tiny_llama(tmp_path_factory.mktemp("two-sequences"), layers=2, heads=2,
+                            kv_heads=1, seed=5)
+    return compile_draft(model, tiny_engine)
+
+
+def _script(seed):
+    """A sequence's requests: a prompt with drafts, a rollback into the drafts, a sampled
+    request, a rollback into the prompt (start_pos, tokens, n_draft, sampled)."""
+    p = prompt(7, seed=seed)
+    return [(0, p, 4, False), (len(p) + 1, [11 + seed], 3, True), (3, p[3:5], 2, False),
+            (5, [42], 5, True)]
+
+
+def _request(step, base):
+    start, tokens, n_draft, sampled = step
+    tm, ts = host_temperature(0.8)
+    return DraftRequest(tokens=tokens, start_pos=start, n_draft=n_draft, topk=3, sample=sampled,
+                        t_mult=tm if sampled else 0, t_shift=ts if sampled else 0, seed=7,
+                        counter=start, kv_slot_base=base)
+
+
+def test_interleaved_sequences_equal_each_alone(tiny_engine, two_sequences):
+    """Sequence A in slots 0-1, B in slots 2-3, their requests interleaved on one engine
+    (the KV position register shared, each request naming its start_pos): every result
+    equals that of the sequence run alone from slot 0, and each sequence's KV is in its
+    own slots, bit for bit what it is alone."""
+    c = two_sequences
+    alone = {}
+    for name, seed in (("A", 1), ("B", 2)):
+        s = FunctionalSession(tiny_engine, c.image, c.program)
+        alone[name] = ([s.run(_request(step, 0)) for step in _script(seed)],
+                       s.engine.kv_k.copy(), s.engine.kv_v.copy())
+    s = FunctionalSession(tiny_engine, c.image, c.program)
+    got = {"A": [], "B": []}
+    for a, b in zip(_script(1), _script(2)):
+        got["B"].append(s.run(_request(b, 2)))
+        got["A"].append(s.run(_request(a, 0)))
+    for name, slots in (("A", slice(0, 2)), ("B", slice(2, 4))):
+        results, kv_k, kv_v = alone[name]
+        assert [r.status for r in got[name]] == [ErrorCode.OK] * 4
+        for mine, theirs in zip(got[name], results):
+            assert (mine.tokens, mine.end_pos, mine.n_forward, mine.cycles) == \
+                (theirs.tokens, theirs.end_pos, theirs.n_forward, theirs.cycles)
+        np.testing.assert_array_equal(s.engine.kv_k[slots], kv_k[:2])
+        np.testing.assert_array_equal(s.engine.kv_v[slots], kv_v[:2])
+        assert kv_k[:2].any() and not kv_k[2:].any()
+    assert drafted(got["A"][0]) != drafted(got["B"][0])
+
+
+@pytest.mark.parametrize("base, status, written", [
+    (2, ErrorCode.OK, [2, 3]),          # the last two slots exactly
+    (3, ErrorCode.PROGRAM, [3]),        # layer 0 fits (slot 3), layer 1 would be slot 4
+    (4, ErrorCode.PROGRAM, []),         # layer 0 already past the buffer
+    (0xFFFF, ErrorCode.PROGRAM, []),
+])
+def test_slot_base_at_the_boundary(tiny_engine, two_sequences, base, status, written):
+    """kv_slot_base + (LAYER + 1)·G > kv_slots faults PROGRAM at that layer's KVAPPEND,
+    before it writes: only the layers before it have their KV."""
+    c = two_sequences
+    s = FunctionalSession(tiny_engine, c.image, c.program)
+    r = s.run(DraftRequest(tokens=prompt(3), start_pos=0, n_draft=2, kv_slot_base=base))
+    assert r.status == status
+    if status:
+        assert "exceeds the KV buffer" in str(s.engine.last_fault)
+        assert f"from slot {base}" in str(s.engine.last_fault) and not r.tokens
+    assert [slot for slot in range(4) if s.engine.kv_k[slot].any()] == written
