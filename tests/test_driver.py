@@ -3,6 +3,7 @@
 (The driver's recovery tools — the result contract, the ERROR register check, retries and
 reset — are tested in test_fault_injection.py, with the faults they answer.)"""
 
+import numpy as np
 import pytest
 
 from dfvg_hw.spec.config import get_preset
@@ -173,3 +174,94 @@ def test_start_without_program_is_a_device_fault(tiny_engine, tiny_compiled):
         dev.draft(PROMPT, 2)
     assert info.value.code == ErrorCode.PROGRAM and "no program is loaded" in str(info.value)
 
+
+
+# -- several sequences on one engine -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_sequence_draft(tmp_path_factory, tiny_engine):
+    """2 layers × 1 KV head: 2 KV slots a sequence, so tiny's 4 slots hold 2 sequences."""
+    from dfvg_host.compiler import compile_draft
+    from dfvg_host.fixtures import make_tiny_llama
+    model = make_tiny_llama(tmp_path_factory.mktemp("two-sequences"), layers=2, heads=2,
+                            kv_heads=1, seed=5)
+    return compile_draft(model, tiny_engine)
+
+
+def sequence_script(prompt, n=4):
+    """One sequence's driver calls: a prompt, a rollback into its drafts, a sampled
+    request, a rollback into the prompt, a greedy request."""
+    return [("draft", (prompt, n), {}), ("rollback", (len(prompt) + 1,), {}),
+            ("draft", ([11, 12], n), dict(sample=True, temperature=0.7, topk=3, seed=11, counter=5)),
+            ("rollback", (3,), {}), ("draft", (prompt[3:5], n), {})]
+
+
+def play(dev, step):
+    kind, args, kwargs = step
+    if kind == "rollback":
+        dev.rollback(*args)
+        return ("rollback", dev.kv_length, dev.committed)
+    out = dev.draft(*args, **kwargs)
+    return ("draft", out.tokens, out.end_pos, out.n_forward, out.cycles, dev.kv_length, dev.committed)
+
+
+SCRIPTS = [sequence_script(PROMPT), sequence_script([9, 250, 31, 8, 150])]
+
+
+def test_interleaved_sequences_draft_as_each_alone(tiny_engine, two_sequence_draft):
+    """Two sequences' calls interleaved on one device (select_sequence before each) see
+    exactly what each sees alone on a device of its own, and each one's KV sits in its
+    own slots (sequence i from slot i · slots_per_sequence)."""
+    alone, kv_alone = [], []
+    for script in SCRIPTS:
+        device = SimDevice(tiny_engine)
+        dev = DraftDevice(device, two_sequence_draft)
+        alone.append([play(dev, step) for step in script])
+        kv_alone.append(device.engine.kv_k.copy())
+    device = SimDevice(tiny_engine)
+    dev = DraftDevice(device, two_sequence_draft)
+    assert (dev.slots_per_sequence, dev.max_sequences, dev.current_sequence) == (2, 2, 0)
+    got = [[], []]
+    for steps in zip(*SCRIPTS):
+        for index in (1, 0):
+            dev.select_sequence(index)
+            got[index].append(play(dev, steps[index]))
+    assert got == alone
+    assert alone[0][0][1] != alone[1][0][1]
+    for index in (0, 1):
+        np.testing.assert_array_equal(device.engine.kv_k[2 * index:2 * index + 2], kv_alone[index][:2])
+        dev.select_sequence(index)
+        assert (dev.kv_length, dev.committed) == alone[index][-1][-2:]
+
+
+def test_select_sequence_checks_its_index(tiny_compiled, two_sequence_draft):
+    dev = DraftDevice.open("sim://tiny", two_sequence_draft)
+    for bad in (-1, 2, "1", True, 0.0, None):
+        with pytest.raises(ValueError, match=r"holds 2 sequence\(s\) of 2 KV slots \(0..1\)"):
+            dev.select_sequence(bad)
+    dev.select_sequence(np.int64(1))
+    assert dev.current_sequence == 1 and type(dev.current_sequence) is int
+    whole = DraftDevice.open("sim://tiny", tiny_compiled)      # 2 × 2 slots: the whole engine
+    assert (whole.slots_per_sequence, whole.max_sequences) == (4, 1)
+    with pytest.raises(ValueError, match="0..0"):
+        whole.select_sequence(1)
+
+
+def test_reset_forgets_every_sequence(tiny_engine, two_sequence_draft):
+    """reset() empties the engine's KV: every sequence's kv_length and committed go to 0,
+    the current sequence stays selected, resets counts it; drafting afterwards is as on
+    a fresh device."""
+    dev = DraftDevice(SimDevice(tiny_engine), two_sequence_draft)
+    for index in (0, 1):
+        dev.select_sequence(index)
+        first = dev.draft(PROMPT, 3)
+    assert dev.kv_length == dev.committed == len(PROMPT) + 2
+    dev.reset()
+    assert dev.resets == 1 and dev.current_sequence == 1
+    for index in (0, 1):
+        dev.select_sequence(index)
+        assert dev.kv_length == dev.committed == 0
+        with pytest.raises(ValueError, match="engine holds 0"):
+            dev.rollback(1)
+    dev.select_sequence(1)
+    assert dev.draft(PROMPT, 3).tokens == first.tokens
