@@ -68,14 +68,32 @@ def check_causal_lm(config, path: Path, role: str = "--target") -> None:
                               "(a ...ForCausalLM or ...LMHeadModel)")
 
 
-def load_causal_lm(path: Path, dtype, role: str = "model"):
+def load_causal_lm(path: Path, dtype, role: str = "model", *, device_map=None, max_memory=None,
+                   offload_folder=None, tp_plan=None):
     """``AutoModelForCausalLM.from_pretrained`` on a local directory; a damaged checkpoint
     (truncated or corrupt weights, a config that does not match them) is a
-    :class:`CheckpointError` rather than the loader's traceback."""
+    :class:`CheckpointError` rather than the loader's traceback.
+
+    ``device_map``, ``max_memory`` and ``offload_folder`` go to accelerate's placement (a
+    layer split over devices, offloading to cpu or disk); ``tp_plan`` (``"auto"`` or a
+    plan) shards the model over the ranks of an initialised ``torch.distributed`` process
+    group, through transformers' ``DistributedConfig``. With either, a failure may also be
+    the placement's, and the message says so."""
     from transformers import AutoModelForCausalLM
+    placement = {k: v for k, v in (("device_map", device_map), ("max_memory", max_memory),
+                                   ("offload_folder", offload_folder)) if v is not None}
+    if tp_plan is not None:
+        from transformers.distributed import DistributedConfig
+        placement["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **placement)
     except Exception as exc:             # noqa: BLE001 - safetensors, torch and transformers errors
+        if placement:
+            how = ", ".join(f"{k}={v!r}" for k, v in (("device_map", device_map), ("max_memory", max_memory),
+                                                      ("tp_plan", tp_plan)) if v is not None)
+            raise CheckpointError(f"cannot load the {role} in {path} with {how} ({type(exc).__name__}: "
+                                  f"{first_line(exc)}); check the placement options, or re-export the "
+                                  "checkpoint if it is damaged") from None
         raise CheckpointError(f"cannot load the {role} weights in {path} ({type(exc).__name__}: "
                               f"{first_line(exc)}); the checkpoint is damaged or incomplete — "
                               "re-export or copy it again") from None

@@ -1,13 +1,20 @@
-"""The target-side verifier: one forward pass per round over the pending token + drafts."""
+"""The target-side verifier: one forward pass per round over the pending token + drafts.
+
+Also what the verifiers share: loading a target on one device, split over devices by
+accelerate (``device_map``) or sharded over ``torchrun`` ranks (``tp_plan``), and a
+timed forward pass.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import torch
 
-__all__ = ["Verifier", "pick_device", "parse_dtype"]
+__all__ = ["Verifier", "pick_device", "parse_dtype", "check_placement", "load_target",
+           "input_device", "is_placed", "timed_forward"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -47,6 +54,72 @@ def parse_dtype(name: str | None) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}") from None
 
 
+def check_placement(device: str | None, device_map, tp_plan) -> None:
+    """A ``ValueError`` for placement options that cannot go together, before any load:
+    ``device`` with ``device_map`` or ``tp_plan``, both of those, or ``tp_plan`` in a
+    process that ``torchrun`` did not start."""
+    if device and (device_map is not None or tp_plan is not None):
+        raise ValueError(f"give a device ({device!r}) or a device_map / tp_plan, not both: a device "
+                         "map or a tensor-parallel plan places the target itself")
+    if device_map is not None and tp_plan is not None:
+        raise ValueError("give device_map or tp_plan, not both: transformers shards a tensor-parallel "
+                         "target over the ranks itself")
+    if tp_plan is not None and not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                                    or "WORLD_SIZE" in os.environ):
+        raise ValueError("tp_plan needs torch.distributed: run under torchrun (e.g. torchrun "
+                         "--nproc-per-node 2 -m dfvg_host.tensor_parallel --target DIR)")
+
+
+def load_target(path: str | Path, *, device: str | None = None, dtype: str | None = None,
+                device_map=None, max_memory=None, offload_folder=None,
+                tp_plan=None) -> tuple[torch.nn.Module, torch.device | None]:
+    """The checked and loaded target model, and the device to put it on (``None`` when
+    ``device_map`` or ``tp_plan`` placed it). Errors say what to fix: a ``ValueError`` for
+    options, a :class:`~dfvg_host.checkpoints.CheckpointError` for the directory."""
+    from dfvg_host.checkpoints import check_causal_lm, load_causal_lm, load_checkpoint_config
+
+    check_placement(device, device_map, tp_plan)
+    placed = device_map is not None or tp_plan is not None
+    dev = None if placed else pick_device(device)
+    torch_dtype = parse_dtype(dtype)
+    check_causal_lm(load_checkpoint_config(Path(path), "--target"), path)
+    model = load_causal_lm(Path(path), torch_dtype, "target", device_map=device_map, max_memory=max_memory,
+                           offload_folder=offload_folder, tp_plan=tp_plan)
+    return model, dev
+
+
+def is_placed(model) -> bool:
+    """Whether accelerate dispatched ``model`` over devices (or offloaded it) or transformers
+    sharded it for tensor parallelism: such a model must not be moved with ``.to``."""
+    return bool(getattr(model, "hf_device_map", None)) or bool(getattr(model, "tp_size", None))
+
+
+def input_device(model) -> torch.device:
+    """Where ``model``'s input ids go: the main device of an accelerate device map (its first
+    device that is neither cpu nor disk, as ``accelerate.dispatch_model`` picks it), else the
+    device of its parameters (a tensor-parallel rank's own device)."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    for where in device_map.values():
+        if where not in ("cpu", "disk", "meta"):
+            return torch.device(f"cuda:{where}" if isinstance(where, int) else where)
+    if device_map:
+        return torch.device("cpu")
+    return next(model.parameters()).device
+
+
+def timed_forward(model, **inputs) -> tuple[torch.Tensor, float]:
+    """``model(**inputs)`` without gradients: its float32 logits on the cpu and the wall time,
+    synchronised with the logits' cuda device (the last stage of a device map, whose work
+    waits for every earlier one)."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        logits = model(**inputs).logits.float()
+    if logits.device.type == "cuda":
+        torch.cuda.synchronize(logits.device)
+    seconds = time.perf_counter() - t0
+    return logits.cpu(), seconds
+
+
 class Verifier:
     """Any ``AutoModelForCausalLM`` target, holding the KV cache of the committed prefix.
 
@@ -68,8 +141,12 @@ class Verifier:
         from transformers import DynamicCache
 
         self._cache_cls = DynamicCache
-        self.device = device or next(model.parameters()).device
-        self.model = model.to(self.device).eval()
+        if is_placed(model):             # split by a device map or sharded: it stays where it is
+            self.device = input_device(model)
+            self.model = model.eval()
+        else:
+            self.device = device or next(model.parameters()).device
+            self.model = model.to(self.device).eval()
         self.seconds = 0.0
         self.forwards = 0
         self.cache = None
@@ -77,29 +154,27 @@ class Verifier:
         self.length = 0          # tokens in the cache
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, device: str | None = None,
-                        dtype: str | None = None) -> "Verifier":
-        from dfvg_host.checkpoints import check_causal_lm, load_causal_lm, load_checkpoint_config
-
-        dev = pick_device(device)
-        check_causal_lm(load_checkpoint_config(Path(path), "--target"), path)
-        return cls(load_causal_lm(Path(path), parse_dtype(dtype), "target"), dev)
+    def from_pretrained(cls, path: str | Path, *, device: str | None = None, dtype: str | None = None,
+                        device_map=None, max_memory=None, offload_folder=None,
+                        tp_plan=None) -> "Verifier":
+        """Load a local target directory (see :func:`load_target`): on ``device`` (default
+        cuda if present, else cpu), or placed by accelerate's ``device_map`` (``"auto"`` or a
+        dict, with ``max_memory`` and ``offload_folder``), or sharded over ``torchrun`` ranks
+        with ``tp_plan="auto"``."""
+        return cls(*load_target(path, device=device, dtype=dtype, device_map=device_map, max_memory=max_memory,
+                                offload_folder=offload_folder, tp_plan=tp_plan))
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = self.model(torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True)
-        logits = out.logits[0].float()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds += time.perf_counter() - t0
+        logits, seconds = timed_forward(self.model, input_ids=torch.tensor([ids], device=self.device),
+                                        cache=self.cache, use_cache=True)
+        self.seconds += seconds
         self.forwards += 1
         self.length += len(ids)
-        return logits.cpu()
+        return logits[0]
 
     def prefill(self, prompt: list[int]) -> None:
         """Start a sequence: cache all prompt tokens but the last, which becomes pending."""
