@@ -204,3 +204,61 @@ def test_multichannel_engine_equals_the_sim_device(url, hbm_compiled):
     if kv is not None:
         for rtl_half, model_half in zip(kv, kv_expected):
             np.testing.assert_array_equal(rtl_half, model_half)
+
+
+@pytest.fixture(scope="module")
+def two_sequence_draft(tmp_path_factory, tiny_engine):
+    """2 layers × 1 KV head: 2 KV slots a sequence, so tiny's 4 slots hold 2 sequences."""
+    from dfvg_host.compiler import compile_draft
+    from dfvg_host.fixtures import make_tiny_llama
+    model = make_tiny_llama(tmp_path_factory.mktemp("two-sequences"), layers=2, heads=2,
+                            kv_heads=1, seed=5)
+    return compile_draft(model, tiny_engine)
+
+
+def interleaved(device, compiled, scripts):
+    """Run each sequence's ``steps`` through one driver, interleaved step by step (the
+    last sequence first); return what each saw, and the engine's KV at the end."""
+    dev = DraftDevice(device, compiled, timeout_s=600)
+    seen = [[] for _ in scripts]
+    for steps in zip(*scripts):
+        for index in reversed(range(len(scripts))):
+            dev.select_sequence(index)
+            kind, args, kwargs = steps[index]
+            if kind == "rollback":
+                dev.rollback(*args)
+                seen[index].append(("rollback", dev.kv_length, dev.committed))
+            else:
+                out = dev.draft(*args, **kwargs)
+                seen[index].append(("draft", out.tokens, out.end_pos, out.n_forward,
+                                    dev.kv_length, out.cycles))
+    kv = device.kv_contents() if isinstance(device, RtlDevice) else \
+        (device.engine.kv_k.copy(), device.engine.kv_v.copy()) if isinstance(device, SimDevice) else None
+    device.close()
+    return seen, kv
+
+
+@pytest.mark.parametrize("device", ["rtl+verilator", pytest.param("rtl", marks=pytest.mark.slow)])
+def test_interleaved_sequences_on_the_rtl_engine(device, tiny_engine, two_sequence_draft):
+    """Two sequences (KV slots 0-1 and 2-3) interleaved on the RTL engine draft exactly
+    what each drafts alone on the sim device, cycles included; the Amaranth engine's KV is
+    the functional model's, every slot (a request that ignored kv_slot_base would put
+    sequence 1 over sequence 0)."""
+    if device == "rtl+verilator":
+        scripts = [[("draft", (PROMPT, 4), {}), ("rollback", (len(PROMPT) + 1,), {}),
+                    ("draft", ([11, 12], 4), SAMPLED)],
+                   [("draft", ([9, 250, 31, 8], 4), SAMPLED), ("rollback", (2,), {}),
+                    ("draft", ([77], 4), {})]]
+    else:                           # Amaranth's simulator: 7 forwards in all
+        scripts = [[("draft", (PROMPT[:3], 1), {}), ("draft", ([11], 1), SAMPLED)],
+                   [("draft", ([9, 250], 1), SAMPLED), ("draft", ([77], 1), {})]]
+    alone = [interleaved(SimDevice(tiny_engine), two_sequence_draft, [s])[0][0] for s in scripts]
+    expected, kv_expected = interleaved(SimDevice(tiny_engine), two_sequence_draft, scripts)
+    assert expected == alone and alone[0][0][1] != alone[1][0][1]
+    make = VerilatorDevice if device == "rtl+verilator" else RtlDevice
+    got, kv = interleaved(make(tiny_engine), two_sequence_draft, scripts)
+    assert got == alone
+    if kv is not None:
+        for rtl_half, model_half in zip(kv, kv_expected):
+            np.testing.assert_array_equal(rtl_half, model_half)
+        assert all(kv_expected[0][slot].any() for slot in range(4))
