@@ -72,6 +72,31 @@ class ClearOnNop(wiring.Component):
         return m
 
 
+class SlotBaseInAddr(wiring.Component):
+    """Test adapter: each job's ``slot_base`` (the request's ``kv_slot_base``, which the
+    controller drives beside the job) from bits 48-63 of its ``addr``, so run_jobs can
+    give every job its own; the sequencer sees ``addr`` bits 0-47."""
+
+    def __init__(self, sequencer: KvSequencer):
+        self.sequencer = sequencer
+        super().__init__(OpSequencerSignature(TINY, 128))
+
+    def elaborate(self, platform):
+        m = Module()
+        seq = m.submodules.sequencer = self.sequencer
+        for name, member in self.signature.members.items():
+            if name != "job":
+                inner, outer = getattr(seq, name), getattr(self, name)
+                if member.is_port:
+                    m.d.comb += (outer.eq(inner) if member.flow == wiring.Out else inner.eq(outer))
+                else:
+                    wiring.connect(m, wiring.flipped(outer), inner)
+        m.d.comb += [seq.job.payload.eq(self.job.payload), seq.job.payload.addr.eq(self.job.payload.addr[:48]),
+                     seq.slot_base.eq(self.job.payload.addr[48:]),
+                     seq.job.valid.eq(self.job.valid), self.job.ready.eq(seq.job.ready)]
+        return m
+
+
 def _memory(rng) -> DeviceMemory:
     memory = DeviceMemory(TINY.mem_bytes)
     for addr, groups in ((GQA2, 2), (MHA1, 1), (GQA2_ODD, 2), (G0, 0), (G3, 3), (G5, 5),
@@ -90,8 +115,15 @@ def _run(rng, jobs, memory, *, clear_adapter=False, config=TINY, data_width=128,
     vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
     sequencer = KvSequencer(config, data_width)
     cycles = []
-    after, errors = run_jobs(config, ClearOnNop(sequencer) if clear_adapter else sequencer,
-                             vmem, memory, jobs, data_width=data_width, cycles=cycles)
+    bases = [job.get("slot_base", 0) for job in jobs]
+    jobs = [{name: value for name, value in job.items() if name != "slot_base"} for job in jobs]
+    if any(bases):                              # each job's kv_slot_base in addr bits 48-63
+        dut = SlotBaseInAddr(sequencer)
+        rtl_jobs = [job | {"addr": job.get("addr", 0) | base << 48} for job, base in zip(jobs, bases)]
+    else:
+        dut, rtl_jobs = ClearOnNop(sequencer) if clear_adapter else sequencer, jobs
+    after, errors = run_jobs(config, dut, vmem, memory, rtl_jobs, data_width=data_width,
+                             cycles=cycles)
     if timed:
         timed_jobs = [(job, got) for job, got, e in zip(jobs, cycles, errors)
                       if e == OK and job["opcode"] != Op.NOP]
@@ -101,7 +133,8 @@ def _run(rng, jobs, memory, *, clear_adapter=False, config=TINY, data_width=128,
     engine = FunctionalEngine(config, memory)
     engine.vmem[:] = vmem
     expected = []
-    for job in jobs:
+    for job, base in zip(jobs, bases):
+        engine.kv_slot_base = base
         if job["opcode"] == Op.NOP:             # the adapter's soft reset of KV
             engine.kv_k.fill(0)
             engine.kv_v.fill(0)
@@ -116,13 +149,14 @@ def _run(rng, jobs, memory, *, clear_adapter=False, config=TINY, data_width=128,
     return errors
 
 
-def _append(n, k, src, pos, layer=0, rows=1):
-    return dict(opcode=Op.KVAPPEND, rows=rows, n=n, k=k, src=src, pos=pos, layer=layer)
+def _append(n, k, src, pos, layer=0, rows=1, base=0):
+    return dict(opcode=Op.KVAPPEND, rows=rows, n=n, k=k, src=src, pos=pos, layer=layer,
+                slot_base=base)
 
 
-def _attn(n, k, src, dst, pos, addr, layer=0, wide=False, rows=1):
+def _attn(n, k, src, dst, pos, addr, layer=0, wide=False, rows=1, base=0):
     return dict(opcode=Op.ATTN, flags=Flag.WIDE if wide else 0, rows=rows, n=n, k=k, src=src,
-                dst=dst, pos=pos, layer=layer, addr=addr)
+                dst=dst, pos=pos, layer=layer, addr=addr, slot_base=base)
 
 
 def _outputs(jobs, errors) -> int:
@@ -245,3 +279,35 @@ def test_lint_clean(name):
     seq = KvSequencer(BANKED.get(name, TINY), 128)
     clean, output = verilator_lint(to_verilog(seq, "kv_sequencer"), "kv_sequencer")
     assert clean, output
+
+
+def test_slot_base_sequences_and_their_boundary():
+    """kv_slot_base (the request's first KV slot, docs/isa.md §1.4): two sequences of
+    1 layer × 2 KV heads and one of 2 layers × 1, at bases 0, 2 and 1, appends and ATTN
+    interleaved position by position, each reading back only its own slots (the ATTN
+    outputs differ wherever a base were ignored); then the boundary: base + (layer +
+    1)·G = kv_slots exactly is OK, one slot more is PROGRAM for KVAPPEND (n = 0 included)
+    and for ATTN, before the position and the spans; a 16-bit base far past the buffer."""
+    rng = np.random.default_rng(15)
+    jobs = []
+    for pos in range(6):
+        for base in (2, 0):
+            jobs.append(_append(2, 16, int(rng.integers(0, 200)), pos, base=base))
+        for base, (n, addr) in ((0, (4, GQA2)), (2, (2, GQA2_ODD)), (2, (4, GQA2)), (0, (2, MHA1))):
+            jobs.append(_attn(n, 16, int(rng.integers(0, 120)), int(rng.integers(120, 240)), pos,
+                              addr, wide=bool(rng.random() < 0.5), base=base))
+    ok = len(jobs)
+    last = TINY.vmem_bytes // L - 1
+    jobs += [_append(1, 16, 8, 6, layer=1, base=2), _attn(2, 16, 8, 60, 6, MHA1, layer=1, base=2),
+             _append(1, 16, 8, 6, layer=0, base=3), _attn(2, 16, 8, 70, 6, MHA1, layer=0, base=3),
+             _attn(4, 16, 8, 80, 6, GQA2, layer=0, base=2), _append(0, 16, 8, 3, layer=9, base=4),
+             # one slot too many: PROGRAM (KVAPPEND's before KV_OVERFLOW), before the spans
+             _append(2, 16, last, 99, base=3), _append(1, 16, 8, 6, layer=1, base=3),
+             _append(0, 16, 8, 3, base=5), _attn(2, 16, last, 8, 6, GQA2, base=3),
+             _attn(2, 16, 8, 60, 6, MHA1, layer=3, base=1), _append(1, 16, 8, 6, base=0xFFFF),
+             _attn(2, 16, 8, 60, 6, MHA1, base=0xFFFF),
+             # KV_OVERFLOW still comes first for ATTN (its slots wait for G)
+             _attn(2, 16, 8, 60, 64, GQA2, base=3)]
+    errors = _run(rng, jobs, _memory(rng))
+    assert errors == [OK] * (ok + 6) + [PROGRAM] * 7 + [KV_OVERFLOW]
+    assert _outputs(jobs, errors) >= 1000
