@@ -144,6 +144,21 @@ CASES.update({
                             ErrorCode.BAD_ADDRESS),
 })
 
+#: two layers of one KV head, their entries appended at slot kv_slot_base + LAYER
+#: (docs/isa.md §1.4): the last two slots exactly, one past them (PROGRAM at layer 1, the
+#: KVAPPEND's pc), and a base whose layer 0 is already past the buffer
+KV_LAYERS = """
+    embed rows=1, dst=0, n=16, addr=0
+    loop n=2, addr=0
+    kvappend rows=1, src=0, n=1, k=16
+    endloop
+    halt"""
+CASES.update({
+    f"kv_slot_base_{base}": (KV_LAYERS, DraftRequest([3, 9], start_pos=4, n_draft=0, seq=40 + base,
+                                                     kv_slot_base=base), status)
+    for base, status in ((TINY.kv_slots - 2, ErrorCode.OK), (TINY.kv_slots - 1, ErrorCode.PROGRAM),
+                         (TINY.kv_slots, ErrorCode.PROGRAM))})
+
 
 DEVICES = {"rtl": RtlDevice, "rtl+verilator": VerilatorDevice}
 
