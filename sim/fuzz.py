@@ -10,7 +10,8 @@ hang. ``tests/test_fuzz_functional.py`` runs a seeded sample on the ``sim`` devi
 ``scripts/fuzz_functional.py`` longer runs of both.
 
 A case is a program, a random image, a random request (sometimes with out-of-range
-header fields) and the device addresses. Programs come in two kinds, half each:
+header fields; its ``kv_slot_base`` mostly 0, often one that fits the program's KV
+slots, sometimes one slot past them or any 16-bit value) and the device addresses. Programs come in two kinds, half each:
 
 * **random**: random 128-bit words mixed with random *legal* instructions of every
   opcode, fields drawn around the engine's limits (most stop at their first unit
@@ -181,6 +182,7 @@ def random_request(rng, c: EngineConfig) -> tuple[bytes, int]:
                   topk=int(rng.integers(1, c.topk_max + 1)), t_mult=int(rng.integers(1, 1 << 16)),
                   t_shift=int(rng.integers(0, 24)), seed_lo=int(rng.integers(0, 1 << 32)),
                   seed_hi=int(rng.integers(0, 1 << 32)), counter=int(rng.integers(0, 1 << 32)))
+    fields["kv_slot_base"] = _slot_base(rng, c, 1)
     tokens = [int(rng.integers(0, c.vocab_max)) for _ in range(n_in)]
     if rng.random() < 0.1:                      # a header field out of range
         name, width = [(n, w) for n, _, _, w in REQUEST_FIELDS][int(rng.integers(0, len(REQUEST_FIELDS)))]
@@ -194,6 +196,21 @@ def random_request(rng, c: EngineConfig) -> tuple[bytes, int]:
     if rng.random() < 0.03:                     # a reserved word not 0
         words[-1] = 1
     return struct.pack(f"<{len(words) + len(tokens)}I", *words, *tokens), min(fields["n_draft"], MAX_DRAFT)
+
+
+def _slot_base(rng, c: EngineConfig, need: int) -> int:
+    """A request's ``kv_slot_base`` for a program whose layers take ``need`` KV slots:
+    mostly 0, often one that fits (up to ``kv_slots − need``, the last slots exactly
+    included), sometimes one slot past that (PROGRAM at the last layer's KVAPPEND or
+    ATTN), now and then any 16-bit value."""
+    u, fits = rng.random(), max(c.kv_slots - need, 0)
+    if u < 0.5:
+        return 0
+    if u < 0.8:
+        return int(rng.integers(0, fits + 1))
+    if u < 0.9:
+        return fits + 1
+    return int(rng.integers(0, 1 << 16))
 
 
 def random_case(rng, c: EngineConfig, forward_p: float = 0.5) -> FuzzCase:
@@ -397,7 +414,8 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
                   n_in=n_in, n_draft=n_draft, topk=int(rng.integers(1, c.topk_max + 1)),
                   t_mult=int(rng.integers(1, 1 << 16)), t_shift=int(rng.integers(0, 24)),
                   seed_lo=int(rng.integers(0, 1 << 32)), seed_hi=int(rng.integers(0, 1 << 32)),
-                  counter=int(rng.integers(0, 1 << 32)))
+                  counter=int(rng.integers(0, 1 << 32)),
+                  kv_slot_base=_slot_base(rng, c, max(layers, 1) * g))
     tokens = [int(rng.integers(0, 8)) if rng.random() < 0.8 else int(rng.integers(0, c.vocab_max))
               for _ in range(n_in)]
     request = pack_fields(REQUEST_FIELDS, REQUEST_HEADER_WORDS, header)

@@ -295,3 +295,19 @@ BA, PR = ErrorCode.BAD_ADDRESS, ErrorCode.PROGRAM
 ])
 def test_compare(rtl, ref, same):
     assert (compare(ROPE_THEN_HALT, rtl, ref) is None) == same
+
+
+def test_forward_cases_draw_kv_slot_bases_that_fit_and_that_fault():
+    """The model-shaped cases' kv_slot_base (docs/isa.md §1.4): some nonzero bases run
+    to the end, some one slot past the program's slots fault PROGRAM (the RTL sample of
+    tests/rtl/test_fuzz_rtl.py compares both to the RTL)."""
+    from sim.fuzz import random_forward_case
+    rng = np.random.default_rng(3)
+    ends = {}
+    for _ in range(120):
+        case = random_forward_case(rng, TINY, mutations=0)
+        base = DraftRequest.unpack_header(case.request)["kv_slot_base"]
+        if base:
+            outcome = run_case(TINY, case, time_limit_s=30.0)
+            ends.setdefault(outcome.error.name, set()).add(base)
+    assert len(ends.get("OK", ())) >= 2 and ends.get("PROGRAM")
