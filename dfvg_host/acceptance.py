@@ -22,7 +22,7 @@ from dfvg_hw.spec.descriptors import DraftedToken
 from dfvg_hw.spec.numerics import PROB_BITS
 
 __all__ = ["SamplingParams", "target_distribution", "draft_distribution", "accept_greedy",
-           "accept_rejection", "Verdict"]
+           "accept_rejection", "verify_round", "Verdict"]
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,15 @@ class SamplingParams:
     """How tokens are chosen. ``temperature == 0`` is greedy.
 
     ``top_k == 0`` keeps the whole vocabulary for the target; the draft engine then
-    samples from its largest top-k (``topk_max``), which stays lossless.
+    samples from its largest top-k (``topk_max``), which stays lossless. ``top_p < 1``
+    keeps the target's nucleus (the most likely tokens whose probabilities reach
+    ``top_p``). Both shape the *target's* distribution, which rejection sampling
+    reproduces exactly whatever the draft proposed, so they are honoured exactly.
     """
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
+    top_p: float = 1.0
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         return self
 
 
@@ -61,12 +67,22 @@ class Verdict:
 
 
 def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Row-wise target probabilities (float64) after temperature and top-k."""
+    """Row-wise target probabilities (float64) after temperature, top-k, then top-p."""
     z = logits.to(torch.float64) / params.temperature
     if params.top_k and params.top_k < z.shape[-1]:
         kth = torch.topk(z, params.top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
-    return torch.softmax(z, dim=-1)
+    p = torch.softmax(z, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = torch.sort(p, dim=-1, descending=True)
+        # A token stays when the mass before it is still short of top_p: the smallest
+        # prefix that reaches top_p, and always the most likely token.
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep_sorted = before < params.top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        p = p * keep
+        p = p / p.sum(dim=-1, keepdim=True)
+    return p
 
 
 def draft_distribution(token: DraftedToken, vocab: int) -> torch.Tensor:
@@ -110,3 +126,14 @@ def accept_rejection(p: torch.Tensor, drafts: list[int], q: list[torch.Tensor],
         dist = residual / total if total > 0 else p[i]
         return Verdict(i, int(torch.multinomial(dist, 1, generator=generator)))
     return Verdict(len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+
+
+def verify_round(logits: torch.Tensor, drafts: list[int], q_tokens: list[DraftedToken],
+                 params: SamplingParams, generator: torch.Generator) -> Verdict:
+    """One round's verdict: greedy when ``params`` is greedy, else rejection sampling of
+    the target's distribution against the engine's reported ``q`` (``q_tokens``)."""
+    if params.greedy:
+        return accept_greedy(logits, drafts)
+    p = target_distribution(logits, params)
+    q = [draft_distribution(t, p.shape[-1]) for t in q_tokens]
+    return accept_rejection(p, drafts, q, generator)

@@ -42,14 +42,13 @@ from typing import Callable
 import torch
 
 from dfvg_hw.spec.regmap import MemoryMap
-from dfvg_host.acceptance import (SamplingParams, Verdict, accept_greedy, accept_rejection,
-                                  draft_distribution, target_distribution)
+from dfvg_host.acceptance import SamplingParams, Verdict, verify_round
 from dfvg_host.driver import (ContextFull, DeviceFault, DeviceLinkError, DeviceTimeout, DraftDevice,
                               DraftDeviceError, DraftOutput, EngineMismatch, MalformedResult)
 from dfvg_host.metrics import SpecDecodeMetrics
 from dfvg_host.verifier import Verifier
 
-__all__ = ["SpeculativeDecoder", "GenerationOutput", "STOP_REASONS", "fault_kind"]
+__all__ = ["SpeculativeDecoder", "GenerationOutput", "DraftCursor", "STOP_REASONS", "fault_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +105,47 @@ class GenerationOutput:
 
 
 @dataclass
-class _DraftState:
-    """Tokens the draft engine has not consumed yet, and the RNG counter."""
+class DraftCursor:
+    """Where one sequence stands on the draft engine: the tokens it has not consumed yet
+    and the RNG counter of its next draft (the engine's RNG is counter based).
+
+    Members
+    -------
+    inputs : list of int
+        Committed tokens the engine holds no KV for yet; the next request feeds them.
+    counter : int
+    """
     inputs: list[int] = field(default_factory=list)
     counter: int = 0
+
+    def propose(self, device: DraftDevice, n: int, sampling: SamplingParams,
+                metrics: SpecDecodeMetrics, *,
+                max_input_tokens: int = MemoryMap.MAX_INPUT_TOKENS) -> DraftOutput:
+        """Feed :attr:`inputs` and draft ``n`` tokens; inputs longer than
+        ``max_input_tokens`` (a replay after a reset feeds the whole sequence) go first in
+        requests that draft nothing."""
+        limit = max_input_tokens
+        while len(self.inputs) > limit:
+            head = device.draft(self.inputs[:limit], 0)
+            metrics.device_cycles += head.cycles
+            self.inputs = self.inputs[limit:]
+        greedy = sampling.greedy
+        out = device.draft(self.inputs, n, sample=not greedy,
+                           temperature=1.0 if greedy else sampling.temperature,
+                           topk=1 if greedy else (sampling.top_k or device.topk_max),
+                           seed=sampling.seed, counter=self.counter)
+        self.counter += n
+        return out
+
+    def advance(self, device: DraftDevice, n: int, drafts: list[int], verdict: Verdict) -> None:
+        """After a round that drafted ``n`` tokens (0: none), keep the KV of what the
+        target accepted and queue what the engine has not seen."""
+        if n > 0:
+            # The engine holds KV for its inputs and all drafts but the last.
+            device.rollback(device.kv_length - (n - 1) + min(verdict.accepted, n - 1))
+            self.inputs = ([drafts[-1]] if verdict.accepted == n else []) + [verdict.next_token]
+        else:
+            self.inputs = self.inputs + [verdict.next_token]
 
 
 @dataclass
@@ -168,19 +204,6 @@ class SpeculativeDecoder:
         self._generator = torch.Generator().manual_seed(sampling.seed ^ 0x5EED)
 
     # -- the draft side ------------------------------------------------------------------
-    def _propose(self, state: _DraftState, n: int, m: SpecDecodeMetrics) -> DraftOutput:
-        s = self.sampling
-        while len(state.inputs) > self.max_input_tokens:
-            head = self.draft.draft(state.inputs[:self.max_input_tokens], 0)
-            m.device_cycles += head.cycles
-            state.inputs = state.inputs[self.max_input_tokens:]
-        out = self.draft.draft(state.inputs, n, sample=not s.greedy,
-                               temperature=s.temperature if not s.greedy else 1.0,
-                               topk=(s.top_k or self.draft.topk_max) if not s.greedy else 1,
-                               seed=s.seed, counter=state.counter)
-        state.counter += n
-        return out
-
     def _fault(self, run: _Run, exc: DraftDeviceError, what: str) -> None:
         run.metrics.record_fault(fault_kind(exc))
         run.faults.append(f"{what}: {exc}")
@@ -193,7 +216,7 @@ class SpeculativeDecoder:
             log.warning("the draft device is given up for this generation: %s; generation goes on "
                         "with the target alone (plain decoding, same output)", reason)
 
-    def _recover(self, run: _Run, state: _DraftState, seq: list[int], cause: str) -> bool:
+    def _recover(self, run: _Run, state: DraftCursor, seq: list[int], cause: str) -> bool:
         """Reset the device and point ``state`` at the whole committed sequence, within
         the generation's budget; False (and the device given up) when it is spent."""
         while run.recoveries < self.max_recoveries:
@@ -212,7 +235,7 @@ class SpeculativeDecoder:
                            "allowed per generation)")
         return False
 
-    def _draft_or_give_up(self, run: _Run, state: _DraftState, seq: list[int],
+    def _draft_or_give_up(self, run: _Run, state: DraftCursor, seq: list[int],
                           n: int) -> DraftOutput | None:
         """Draft ``n`` tokens after ``seq``, recovering from device faults; None when the
         device was given up."""
@@ -224,7 +247,8 @@ class SpeculativeDecoder:
             return None
         while True:
             try:
-                return self._propose(state, n, run.metrics)
+                return state.propose(self.draft, n, self.sampling, run.metrics,
+                                     max_input_tokens=self.max_input_tokens)
             except DraftDeviceError as exc:
                 self._fault(run, exc, "draft request")
                 if isinstance(exc, ContextFull) or (isinstance(exc, DeviceFault) and exc.request_caused):
@@ -234,15 +258,7 @@ class SpeculativeDecoder:
                 if not self._recover(run, state, seq, str(exc)):
                     return None
 
-    # -- the target side -----------------------------------------------------------------
-    def _verify(self, drafts: list[int], q_tokens) -> Verdict:
-        logits = self.verifier.score(drafts)
-        if self.sampling.greedy:
-            return accept_greedy(logits, drafts)
-        p = target_distribution(logits, self.sampling)
-        q = [draft_distribution(t, p.shape[-1]) for t in q_tokens]
-        return accept_rejection(p, drafts, q, self._generator)
-
+    # -- a generation --------------------------------------------------------------------
     def generate(self, prompt: list[int], max_new_tokens: int,
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` after ``prompt``; ``on_tokens`` streams each round.
@@ -268,7 +284,7 @@ class SpeculativeDecoder:
         run = _Run(m)
         out: list[int] = []
         seq = list(prompt)                     # the committed sequence: prompt + out
-        state = _DraftState(inputs=list(prompt))
+        state = DraftCursor(inputs=list(prompt))
         stop, message, error = "max_new_tokens", "", None
         sim_s = 0.0
         use_device = True
@@ -310,7 +326,8 @@ class SpeculativeDecoder:
             if d is not None:
                 m.device_cycles += d.cycles
             try:
-                verdict = self._verify(drafts, q_tokens)
+                verdict = verify_round(self.verifier.score(drafts), drafts, q_tokens, self.sampling,
+                                       self._generator)
                 self.verifier.commit(verdict.accepted, len(drafts), verdict.next_token)
             except Exception as exc:         # noqa: BLE001 - returned, not lost
                 stop, message, error = "verifier_error", _verifier_message(exc, len(out)), exc
@@ -321,13 +338,7 @@ class SpeculativeDecoder:
                                   "round ended there with a token from the target")
             new = drafts[:verdict.accepted] + [verdict.next_token]
             if use_device:
-                if n > 0:
-                    # The engine holds KV for its inputs and all drafts but the last.
-                    kept = self.draft.kv_length - (n - 1) + min(verdict.accepted, n - 1)
-                    self.draft.rollback(kept)
-                    state.inputs = ([drafts[-1]] if verdict.accepted == n else []) + [verdict.next_token]
-                else:
-                    state.inputs = state.inputs + [verdict.next_token]
+                state.advance(self.draft, n, drafts, verdict)
             m.record_round(n, verdict.accepted, len(new))
             if self.eos_token_id is not None and self.eos_token_id in new:
                 new = new[:new.index(self.eos_token_id) + 1]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import dfvg_host.speculative as speculative
+import dfvg_host.acceptance as acceptance
 from conftest import make_tiny_llama
 from dfvg_hw.spec.config import get_preset
 from dfvg_host.acceptance import SamplingParams, target_distribution
@@ -88,7 +88,7 @@ def test_sampling_is_lossless(small_vocab_pair):
 def test_wrong_q_is_detected(small_vocab_pair, monkeypatch):
     draft, target = small_vocab_pair
     uniform = lambda token, vocab: torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)
-    monkeypatch.setattr(speculative, "draft_distribution", uniform)
+    monkeypatch.setattr(acceptance, "draft_distribution", uniform)
     decoder = make_decoder(draft, target, PARAMS)
     n = 1500
     counts = sample_first_two(decoder, PROMPT, n, PARAMS)
