@@ -288,6 +288,45 @@ def cmd_generate(args) -> int:
     return _report_generation_end(result)
 
 
+def cmd_serve(args) -> int:
+    """An OpenAI-compatible HTTP server over speculative decoding (or the target alone)."""
+    from dfvg_host.checkpoints import check_tokenizer_pair
+    from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
+    from dfvg_host.serving.server import open_served_model, serve_forever
+
+    _check_verifier_options(args)
+    target_dir, target_config = _target(args)
+    chat_template = _read_text_file(Path(args.chat_template), "--chat-template") \
+        if args.chat_template else None
+    target_vocab = target_config.get_text_config().vocab_size
+    if args.target_only:
+        tok = check_tokenizer_pair(target_dir, target_vocab, target_vocab, None)
+        draft_note = "none: target only"
+    else:
+        transport, engine = _open_device(args.device)
+        source = _resolve_draft(args.draft, engine)
+        tok = check_tokenizer_pair(target_dir, target_vocab, source.vocab, source.tokenizer_dir)
+        compiled = _compile_source(source, engine, args.calibration, print, target=target_dir,
+                                   demo=args.draft is None)
+        draft_note = f"{source.model_dir} on {args.device}"
+    try:
+        device = None if args.target_only else DraftDevice(
+            transport, compiled, timeout_s=args.timeout, cycle_source=cycle_source(args.device))
+        served = open_served_model(target_dir, device, tokenizer=tok, name=args.served_model_name,
+                                   gamma=args.gamma, max_num_seqs=args.max_num_seqs,
+                                   max_waiting=args.max_waiting, chat_template=chat_template,
+                                   verifier_device=args.verifier_device, dtype=args.dtype,
+                                   device_map=args.device_map)
+    except (ValueError, DraftDeviceError) as exc:
+        raise CliError(str(exc)) from None
+    s = served.scheduler
+    print(f"dfvg serve: model {served.name!r} | target {target_dir} | draft {draft_note} | gamma "
+          f"{s.gamma} | {s.capacity} sequences at once (+{s.max_waiting} waiting) | context "
+          f"{s.context_limit} | http://{args.host}:{args.port}/v1", flush=True)
+    serve_forever(served, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
 @contextlib.contextmanager
 def _decoder_log_silenced():
     """The decoder logs a device given up as it happens, mid-stream; the CLI says it once,
@@ -580,6 +619,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print token ids and metrics as one JSON object")
     g.set_defaults(func=cmd_generate)
 
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/completions, "
+                       "/v1/chat/completions, /v1/models, /health, /metrics")
+    v.add_argument("--target", help="target model directory (default: the shipped demo target)")
+    v.add_argument("--draft", help="draft model directory or `dfvg compile` output "
+                   "(default: the shipped demo draft)")
+    v.add_argument("--device", default="sim://alveo-u55c", help="draft device URL (default sim://alveo-u55c)")
+    v.add_argument("--target-only", action="store_true",
+                   help="serve the target alone (no draft device): the baseline, same batching")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    v.add_argument("--served-model-name", help="the model name clients send (default: the target "
+                   "directory's name)")
+    v.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    v.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded at once (at most "
+                   "what the engine's KV slots hold; default 16)")
+    v.add_argument("--max-waiting", type=int, help="requests queued beyond those; more get 429 "
+                   "(default: as many as --max-num-seqs)")
+    v.add_argument("--chat-template", metavar="FILE", help="Jinja chat template, when the tokenizer "
+                   "has none or to override it")
+    v.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16, float16")
+    v.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
+    v.add_argument("--device-map", help="split the target over devices with accelerate, e.g. auto "
+                   "(overrides --verifier-device)")
+    v.add_argument("--calibration", help="calibration text when --draft needs compiling")
+    v.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
+    v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    v.set_defaults(func=cmd_serve)
+
     d = sub.add_parser("draft", help="greedy drafting alone on the device, checked against the float draft")
     d.add_argument("--draft", help="draft model directory or compile output (default: the demo draft)")
     d.add_argument("--device", default="sim://alveo-u55c")
@@ -650,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "gamma", "context", "positions", "segment"):
+    for name in ("max_new_tokens", "gamma", "context", "positions", "segment", "max_num_seqs"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if getattr(args, "gamma", 1) > MAX_DRAFT:
@@ -659,6 +727,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--temperature and --top-k must be >= 0")
     if getattr(args, "timeout", 1.0) <= 0:
         parser.error("--timeout must be positive")
+    if not 0 <= getattr(args, "port", 0) <= 65535:
+        parser.error(f"--port {args.port}: a TCP port is 0..65535")
+    if (getattr(args, "max_waiting", None) or 0) < 0:
+        parser.error("--max-waiting must be >= 0")
     try:
         return args.func(args)
     except (CliError, CompileError, CompiledDraftError, CheckpointError, ConfigError, OSError) as exc:
