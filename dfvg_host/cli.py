@@ -316,7 +316,8 @@ def cmd_serve(args) -> int:
                                    gamma=args.gamma, max_num_seqs=args.max_num_seqs,
                                    max_waiting=args.max_waiting, chat_template=chat_template,
                                    verifier_device=args.verifier_device, dtype=args.dtype,
-                                   device_map=args.device_map)
+                                   device_map=args.device_map,
+                                   tp_plan="auto" if args.tensor_parallel else None)
     except (ValueError, DraftDeviceError) as exc:
         raise CliError(str(exc)) from None
     s = served.scheduler
@@ -325,6 +326,59 @@ def cmd_serve(args) -> int:
           f"{s.context_limit} | http://{args.host}:{args.port}/v1", flush=True)
     serve_forever(served, args.host, args.port, log_level=args.log_level)
     return 0
+
+
+def cmd_bench_serve(args) -> int:
+    """The server under load: DFVG against target-only serving with the same batching."""
+    from dfvg_host.bench import DEFAULT_PROMPT_SET, BenchError, load_prompt_set
+    from dfvg_host.checkpoints import check_tokenizer_pair
+    from dfvg_host.driver import DraftDevice, cycle_source
+    from dfvg_host.serving.load import format_table, mismatches, run_levels
+    from dfvg_host.serving.server import open_served_model
+
+    _check_verifier_options(args)
+    levels = _parse_counts(args.concurrency, "--concurrency")
+    target_dir, target_config = _target(args)
+    try:
+        prompts = [p.text for p in load_prompt_set(args.prompts or DEFAULT_PROMPT_SET)]
+    except BenchError as exc:
+        raise CliError(str(exc)) from None
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    transport, engine = _open_device(args.device)
+    source = _resolve_draft(args.draft, engine)
+    tok = check_tokenizer_pair(target_dir, target_config.get_text_config().vocab_size, source.vocab,
+                               source.tokenizer_dir)
+    compiled = _compile_source(source, engine, args.calibration, print, target=target_dir,
+                               demo=args.draft is None)
+    most = max(levels)
+    common = dict(tokenizer=tok, gamma=args.gamma, max_num_seqs=most, max_waiting=most,
+                  verifier_device=args.verifier_device, dtype=args.dtype)
+    servers = {"target-only": open_served_model(target_dir, None, **common),
+               "dfvg": open_served_model(target_dir, DraftDevice(transport, compiled,
+                                                                 cycle_source=cycle_source(args.device)),
+                                         **common)}
+    print(f"bench-serve: target {target_dir} | draft {source.model_dir} on {args.device} | gamma "
+          f"{args.gamma} | {args.max_tokens} tokens per request, greedy | concurrency {levels}")
+    results = run_levels(servers, prompts, levels, args.max_tokens)
+    bad = mismatches(results)
+    if args.json:
+        print(json.dumps({"levels": [r.to_dict() for r in results], "greedy_mismatches": bad}, indent=2))
+    else:
+        print(format_table(results))
+        print(f"greedy outputs, DFVG vs target-only: {'IDENTICAL' if not bad else 'DIFFER at ' + ', '.join(bad)}")
+    return 1 if bad else 0
+
+
+def _parse_counts(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise CliError(f"{option} {text!r}: give positive integers separated by commas, e.g. 1,4,16")
+    return values
 
 
 @contextlib.contextmanager
@@ -484,14 +538,7 @@ def _parse_gammas(text: str) -> tuple[int, ...]:
 
 
 def _parse_contexts(text: str) -> list[int]:
-    try:
-        contexts = [int(c) for c in text.split(",")]
-    except ValueError:
-        raise CliError(f"--contexts {text!r}: give positive integers separated by commas, "
-                       "e.g. 256,1024") from None
-    if not contexts or min(contexts) < 1:
-        raise CliError(f"--contexts {text!r}: each context must be at least 1")
-    return contexts
+    return _parse_counts(text, "--contexts")
 
 
 def cmd_bench(args) -> int:
@@ -642,11 +689,30 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
     v.add_argument("--device-map", help="split the target over devices with accelerate, e.g. auto "
                    "(overrides --verifier-device)")
+    v.add_argument("--tensor-parallel", action="store_true",
+                   help="shard the target with transformers' tensor-parallel plan over the processes "
+                        "of torchrun (torchrun --nproc-per-node N -m dfvg_host.cli serve ...)")
     v.add_argument("--calibration", help="calibration text when --draft needs compiling")
     v.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     v.set_defaults(func=cmd_serve)
+
+    l = sub.add_parser("bench-serve", help="load-test the server: DFVG against target-only serving, "
+                       "tokens/s and p50/p99 latency per concurrency level")
+    l.add_argument("--target", help="target model directory (default: the shipped demo target)")
+    l.add_argument("--draft", help="draft model directory or `dfvg compile` output (default: the demo draft)")
+    l.add_argument("--device", default="sim://alveo-u55c", help="draft device URL (default sim://alveo-u55c)")
+    l.add_argument("--prompts", help="prompt set JSON (default benchmarks/prompts/multitask.json)")
+    l.add_argument("--concurrency", default="1,4,16", help="concurrency levels (default 1,4,16)")
+    l.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    l.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    l.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16, float16")
+    l.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
+    l.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
+    l.add_argument("--calibration", help="calibration text when --draft needs compiling")
+    l.add_argument("--json", action="store_true", help="print the results as JSON")
+    l.set_defaults(func=cmd_bench_serve)
 
     d = sub.add_parser("draft", help="greedy drafting alone on the device, checked against the float draft")
     d.add_argument("--draft", help="draft model directory or compile output (default: the demo draft)")
@@ -718,7 +784,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "gamma", "context", "positions", "segment", "max_num_seqs"):
+    for name in ("max_new_tokens", "gamma", "context", "positions", "segment", "max_num_seqs",
+                 "max_tokens"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if getattr(args, "gamma", 1) > MAX_DRAFT:

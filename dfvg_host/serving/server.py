@@ -23,13 +23,14 @@ __all__ = ["open_served_model", "BackgroundServer", "serve_forever"]
 def open_served_model(target_dir: Path, device, *, tokenizer, name: str | None = None,
                       gamma: int = 4, max_num_seqs: int = 16, max_waiting: int | None = None,
                       chat_template: str | None = None, verifier_device: str | None = None,
-                      dtype: str | None = None, device_map: str | None = None) -> ServedModel:
+                      dtype: str | None = None, device_map: str | None = None,
+                      tp_plan: str | None = None) -> ServedModel:
     """A started scheduler over the target in ``target_dir`` and the draft ``device`` (a
     :class:`~dfvg_host.driver.DraftDevice`; None: target-only serving)."""
     from dfvg_host.batch_verifier import BatchVerifier
 
     verifier = BatchVerifier.from_pretrained(target_dir, device=verifier_device, dtype=dtype,
-                                             device_map=device_map)
+                                             device_map=device_map, tp_plan=tp_plan)
     scheduler = Scheduler(verifier, device, gamma=gamma, max_num_seqs=max_num_seqs,
                           max_waiting=max_waiting, eos_token_id=tokenizer.eos_token_id).start()
     return ServedModel(name or Path(target_dir).name, scheduler, tokenizer, chat_template)
