@@ -292,10 +292,35 @@ def cmd_serve(args) -> int:
     """An OpenAI-compatible HTTP server over speculative decoding (or the target alone)."""
     from dfvg_host.checkpoints import check_tokenizer_pair
     from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
+    from dfvg_host.serving import distributed
     from dfvg_host.serving.server import open_served_model, serve_forever
 
     _check_verifier_options(args)
+    if args.tensor_parallel:
+        from dfvg_host.verifier import check_placement
+        if not distributed.under_torchrun():
+            raise CliError("--tensor-parallel shards the target over the processes of torchrun: run "
+                           "torchrun --nproc-per-node N -m dfvg_host.cli serve --tensor-parallel ...")
+        try:
+            check_placement(args.verifier_device, args.device_map, "auto")
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     target_dir, target_config = _target(args)
+    if args.tensor_parallel and distributed.rank() != 0:
+        # A follower: its shard of the target runs the calls rank 0 broadcasts; rank 0 alone
+        # opens the draft device and serves.
+        from dfvg_host.batch_verifier import BatchVerifier
+        try:
+            verifier = BatchVerifier.from_pretrained(target_dir, dtype=args.dtype, tp_plan="auto")
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        print(f"rank {distributed.rank()} following rank 0", flush=True)
+        try:
+            distributed.follow(verifier)
+        except distributed.LeaderLost as exc:
+            print(f"dfvg: error: {exc}; exiting", file=sys.stderr)
+            return 1
+        return 0
     chat_template = _read_text_file(Path(args.chat_template), "--chat-template") \
         if args.chat_template else None
     target_vocab = target_config.get_text_config().vocab_size
