@@ -172,7 +172,7 @@ def test_32_concurrent_greedy_streams_equal_target_only(server, target, tokenize
 def test_disconnect_cancels_the_sequence(server):
     scheduler = server.served.scheduler
     before = scheduler.finished["cancelled"]
-    body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 400, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 900, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
@@ -218,22 +218,24 @@ def test_chat_refuses_bad_messages(server):
 
 
 def test_full_server_answers_429_with_retry_after(demo_pair, demo_compiled, tokenizer):
+    from dfvg_host.acceptance import SamplingParams
     with start_server(demo_pair, demo_compiled, tokenizer, max_num_seqs=1, max_waiting=0) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 300, "temperature": 0, "stream": True}
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-            assert next(line for line in r.iter_lines() if line.startswith("data:"))
-            busy = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False})
-            assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
-            assert busy.json()["error"]["type"] == "rate_limit_error"
-            with pytest.raises(openai.RateLimitError):
-                client.completions.create(model=MODEL, prompt="x", max_tokens=2)
-        # The stream's sequence is cancelled when its client leaves; then there is room again.
-        for _ in range(400):
-            if srv.served.scheduler.running == 0:
-                break
-            asyncio.run(asyncio.sleep(0.05))
+        scheduler = srv.served.scheduler
+        # The one place taken by a long sequence (submitted directly: a stream's sequence
+        # could finish before the next request arrives).
+        long = scheduler.submit(tokenizer("import os\n")["input_ids"], 900, SamplingParams(),
+                                lambda *event: None)
+        busy = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+        assert busy.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert long.finish_reason is None, "the long sequence ended before the test could use it"
+        long.cancel()
+        assert long.done.wait(60) and long.finish_reason == "cancelled"
         assert client.completions.create(model=MODEL, prompt="x = 1", max_tokens=2, temperature=0).choices
+        assert 'dfvg:requests_rejected_total{model_name="demo"} 2.0' in httpx.get(srv.url + "/metrics").text
 
 
 def test_chat_without_a_template_says_what_to_pass(tokenizer):
