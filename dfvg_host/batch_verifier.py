@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dfvg_host.verifier import input_device, is_placed, load_target, timed_forward
+from dfvg_host.verifier import load_target, place, timed_forward
 
 __all__ = ["BatchVerifier"]
 
@@ -70,12 +70,7 @@ class BatchVerifier:
         from transformers import DynamicCache
 
         self._cache_cls = DynamicCache
-        if is_placed(model):             # split by a device map or sharded: it stays where it is
-            self.device = input_device(model)
-            self.model = model.eval()
-        else:
-            self.device = device or next(model.parameters()).device
-            self.model = model.to(self.device).eval()
+        self.model, self.device = place(model, device)
         refuse_unbatchable(self.model, DynamicCache)
         self.seconds = 0.0
         self.forwards = 0

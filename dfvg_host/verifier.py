@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Verifier", "pick_device", "parse_dtype", "check_placement", "load_target",
+__all__ = ["Verifier", "pick_device", "parse_dtype", "check_placement", "load_target", "place",
            "input_device", "is_placed", "timed_forward"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -107,6 +107,15 @@ def input_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def place(model, device: torch.device | None = None) -> tuple[object, torch.device]:
+    """``(model in eval mode, where its input ids go)``: a placed model (:func:`is_placed`)
+    stays where it is; any other moves to ``device`` (default: where its parameters are)."""
+    if is_placed(model):
+        return model.eval(), input_device(model)
+    device = device or next(model.parameters()).device
+    return model.to(device).eval(), device
+
+
 def timed_forward(model, **inputs) -> tuple[torch.Tensor, float]:
     """``model(**inputs)`` without gradients: its float32 logits on the cpu and the wall time,
     synchronised with the logits' cuda device (the last stage of a device map, whose work
@@ -141,12 +150,7 @@ class Verifier:
         from transformers import DynamicCache
 
         self._cache_cls = DynamicCache
-        if is_placed(model):             # split by a device map or sharded: it stays where it is
-            self.device = input_device(model)
-            self.model = model.eval()
-        else:
-            self.device = device or next(model.parameters()).device
-            self.model = model.to(self.device).eval()
+        self.model, self.device = place(model, device)
         self.seconds = 0.0
         self.forwards = 0
         self.cache = None
