@@ -16,6 +16,14 @@ top-k summing to exactly 2^24) and a result that breaks it raises
 reset, identity check, image and program reloaded. Deciding when to reset and what to
 replay is the caller's (:class:`~dfvg_host.speculative.SpeculativeDecoder`).
 
+Asynchronous use: :meth:`DraftDevice.submit` writes a request into the next ping-pong
+buffer, starts it and returns a :class:`PendingDraft` without waiting;
+:meth:`DraftDevice.collect` waits for its interrupt and reads and checks its result.
+:meth:`~DraftDevice.draft` is the two in a row. One request is in flight at a time (the
+engine runs one at a time; the two buffers let the host write the next request while
+one runs), so the host can verify round n on the target while the engine drafts round
+n + 1 (:class:`~dfvg_host.pipelined.PipelinedDecoder`).
+
 Sequences: one engine holds the KV of :attr:`DraftDevice.max_sequences` sequences at once
 (``kv_slots // (layers · KV heads)``), sequence ``i`` in KV slots ``i · slots_per_sequence``
 onwards (the request's ``kv_slot_base``, docs/isa.md §1.4). :meth:`DraftDevice.select_sequence`
@@ -42,7 +50,7 @@ from dfvg_host.compiler import CompiledDraft
 from dfvg_host.transport import (LinkedTransport, RetryingTransport, Transport, TransportError,
                                  open_transport)
 
-__all__ = ["DraftDevice", "DraftOutput", "CYCLE_SOURCES", "cycle_source", "DraftDeviceError", "DeviceTimeout", "DeviceFault",
+__all__ = ["DraftDevice", "DraftOutput", "PendingDraft", "CYCLE_SOURCES", "cycle_source", "DraftDeviceError", "DeviceTimeout", "DeviceFault",
            "EngineMismatch", "MalformedResult", "ContextFull", "DeviceLinkError"]
 
 
@@ -139,6 +147,29 @@ class DraftOutput:
         return [t.token for t in self.tokens]
 
 
+@dataclass(eq=False)
+class PendingDraft:
+    """A draft request submitted and not collected yet (:meth:`DraftDevice.submit`).
+
+    Members
+    -------
+    request : DraftRequest
+        The descriptor written into the request buffer.
+    buffer : int
+        The ping-pong buffer (0 or 1) it was written into; its result comes back in the
+        result buffer of the same index.
+    sequence : int
+        The sequence it drafts for (``kv_length`` and ``committed`` of that one change on
+        :meth:`DraftDevice.collect`).
+    resets : int
+        :attr:`DraftDevice.resets` when it was submitted (a reset loses it).
+    """
+    request: DraftRequest
+    buffer: int
+    sequence: int
+    resets: int
+
+
 class DraftDevice:
     """A draft engine with a compiled draft loaded.
 
@@ -195,6 +226,7 @@ class DraftDevice:
         self._current = 0
         self._kv_lengths = [0] * self.max_sequences
         self._committed = [0] * self.max_sequences
+        self._pending: PendingDraft | None = None
         self.clock_hz = 0.0
         self.check_engine()
         self.load()
@@ -239,6 +271,7 @@ class DraftDevice:
         """Every sequence's KV is gone (a soft reset empties the engine's KV)."""
         self._kv_lengths = [0] * self.max_sequences
         self._committed = [0] * self.max_sequences
+        self._pending = None
 
     @property
     def retries(self) -> int:
@@ -335,18 +368,20 @@ class DraftDevice:
     def rollback(self, length: int) -> None:
         """Commit the first ``length`` KV entries of the current sequence and discard the
         rest (O(1))."""
+        if self._pending is not None and self._pending.sequence == self._current:
+            raise RuntimeError("cannot roll back while a draft request of this sequence is in "
+                               "flight: collect() it first")
         if not 0 <= length <= self.kv_length:
             raise ValueError(f"cannot commit {length} KV entries: the engine holds {self.kv_length}")
         self.committed = length
 
     commit = rollback
 
-    @_link_errors
     def draft(self, tokens: list[int], n_draft: int, *, sample: bool = False,
               temperature: float = 1.0, topk: int = 1, seed: int = 0, counter: int = 0) -> DraftOutput:
         """Feed ``tokens`` after the current sequence's committed KV and draft ``n_draft``
         tokens in one request (its ``kv_slot_base`` is ``current_sequence ·
-        slots_per_sequence``).
+        slots_per_sequence``): :meth:`submit` then :meth:`collect`.
 
         Raises :class:`ContextFull` or ``ValueError`` (checked on the host, nothing sent),
         or, with the committed KV unchanged: :class:`DeviceTimeout`,
@@ -355,6 +390,36 @@ class DraftDevice:
         :class:`DeviceLinkError`. After any of the last four the device should be
         :meth:`reset` before it is trusted again.
         """
+        return self.collect(self.submit(tokens, n_draft, sample=sample, temperature=temperature,
+                                        topk=topk, seed=seed, counter=counter))
+
+    @property
+    def pending(self) -> "PendingDraft | None":
+        """The request submitted and not collected yet, or None."""
+        return self._pending
+
+    @_link_errors
+    def submit(self, tokens: list[int], n_draft: int, *, sample: bool = False,
+               temperature: float = 1.0, topk: int = 1, seed: int = 0,
+               counter: int = 0) -> "PendingDraft":
+        """Start a draft request and return without waiting for it: check it on the host,
+        write its descriptor into the next ping-pong request buffer, write ``START``.
+        :meth:`collect` waits for it and reads its result. Arguments as :meth:`draft`.
+
+        At most one request is in flight: the engine runs one request at a time, and the
+        two ping-pong buffers let the host write the next request (and read the last
+        result) while one runs, not queue several. A second :meth:`submit`, a
+        :meth:`draft` or a :meth:`rollback` of the sequence in flight before
+        :meth:`collect` raises ``RuntimeError``. The committed KV is unchanged until
+        :meth:`collect` succeeds.
+
+        Raises :class:`ContextFull` or ``ValueError`` (nothing sent), or
+        :class:`DeviceLinkError` (the descriptor or ``START`` did not get through; reset
+        the device).
+        """
+        if self._pending is not None:
+            raise RuntimeError("a draft request is already in flight: collect() it before "
+                               "submitting another (the engine runs one request at a time)")
         limit = self.compiled.context_limit
         need = self.committed + len(tokens) + max(n_draft - 1, 0)
         if need > limit:
@@ -379,10 +444,32 @@ class DraftDevice:
         t.dma_write(MemoryMap.REQUEST[buf], request.pack())
         t.write32(Reg.IRQ_STATUS, Irq.DONE)
         t.write32(Reg.CONTROL, Control.START | (Control.BUF if buf else 0))
+        self._pending = PendingDraft(request, buf, self._current, self.resets)
+        return self._pending
+
+    @_link_errors
+    def collect(self, pending: "PendingDraft") -> DraftOutput:
+        """Wait for the interrupt of ``pending`` (what :meth:`submit` returned), read its
+        result, check it against the descriptor contract, and commit its KV
+        (``kv_length = committed = end_pos`` of the request's sequence). Raises what
+        :meth:`draft` raises, with the committed KV unchanged, and ``RuntimeError`` for a
+        request that is not the one in flight (collected already, or lost to a
+        :meth:`reset`). Either way the request is no longer in flight afterwards."""
+        if pending is not self._pending or pending.resets != self.resets:
+            raise RuntimeError("this draft request is not in flight (collected already, or the "
+                               "device was reset since it was submitted)")
+        try:
+            return self._collect(pending)
+        finally:
+            self._pending = None
+
+    def _collect(self, pending: "PendingDraft") -> DraftOutput:
+        request, buf, n_draft, index = pending.request, pending.buffer, pending.request.n_draft, pending.sequence
+        t = self.io
         try:
             self._wait()
         except DeviceTimeout as exc:
-            raise DeviceTimeout(str(exc), self._aborted_tokens(buf, n_draft)) from None
+            raise DeviceTimeout(str(exc), self._aborted_tokens(buf, n_draft, index)) from None
         t.write32(Reg.IRQ_STATUS, Irq.DONE)
         error = self._error_code(t.read32(Reg.ERROR), "after the request")
         try:
@@ -392,7 +479,7 @@ class DraftDevice:
                 raise DeviceFault(error, t.read32(Reg.ERROR_PC), []) from None
             raise
         if result.status != ErrorCode.OK:
-            self.kv_length = result.end_pos
+            self._kv_lengths[index] = result.end_pos
             # Drafted tokens stay in the exception; the committed KV is unchanged.
             raise DeviceFault(result.status, result.error_pc, result.tokens)
         if error:
@@ -402,7 +489,7 @@ class DraftDevice:
             raise MalformedResult(f"the engine drafted {len(result.tokens)} tokens for a request of "
                                   f"{n_draft} without an error status; the device is misbehaving")
         self._check_records(result, request, buf)
-        self.kv_length = self.committed = result.end_pos
+        self._kv_lengths[index] = self._committed[index] = result.end_pos
         return DraftOutput(result.tokens, result.cycles, result.end_pos, result.n_forward)
 
     def _check_records(self, result: DraftResult, request: DraftRequest, buf: int) -> None:
@@ -461,7 +548,7 @@ class DraftDevice:
                                     f"(STATUS=0x{status:x}); it was aborted. Check the device, or "
                                     "raise the timeout for slow simulators")
 
-    def _aborted_tokens(self, buf: int, n_draft: int) -> list[DraftedToken]:
+    def _aborted_tokens(self, buf: int, n_draft: int, index: int) -> list[DraftedToken]:
         """After an ABORT: the tokens of the result the engine writes when the abort lands
         (it stops before its next instruction), or none if it does not within
         :attr:`ABORT_GRACE_S`."""
@@ -473,7 +560,7 @@ class DraftDevice:
             result = self._read_result(buf, n_draft)
         except MalformedResult:
             return []
-        self.kv_length = result.end_pos
+        self._kv_lengths[index] = result.end_pos
         return result.tokens
 
     def _read_result(self, buf: int, n_draft: int) -> DraftResult:
