@@ -56,6 +56,10 @@ def reference(target):
                                 pad_token_id=2)[0, len(p):].tolist() for p in PROMPTS]
 
 
+def compile_draft_for(compiled, engine):
+    return compile_draft(compiled.manifest["model_dir"], engine)
+
+
 def run_all(scheduler: Scheduler, prompts=PROMPTS, sampling=SamplingParams(), new=NEW):
     """Submit every prompt at once and wait; the streamed tokens of each, and the sequences."""
     streamed = {i: [] for i in range(len(prompts))}
@@ -99,6 +103,24 @@ def test_interleaved_sequences_equal_target_only(compiled, engine, target, refer
     # 6 sequences, 4 at a time: rounds were shared, so there were fewer forwards than rounds
     assert scheduler.verifier.forwards < m.rounds
     assert scheduler.finished["length"] + scheduler.finished["stop"] == len(PROMPTS)
+
+
+def test_more_sequences_than_slots_reprefill_and_stay_exact(compiled, engine, target, reference):
+    two_slots = dataclasses.replace(engine, name="tiny-2seq", kv_slots=8)
+    scheduler, _ = make_scheduler(compile_draft_for(compiled, two_slots), two_slots, target, max_num_seqs=4)
+    try:
+        assert scheduler.device.max_sequences == 2 and scheduler.capacity == 4
+        streamed, seqs = run_all(scheduler)
+    finally:
+        scheduler.stop()
+    assert streamed == reference
+    # Sequences 3 and 4 decoded with the target alone until slots freed, then re-fed the engine.
+    assert scheduler.reprefills > 0 and scheduler.reprefill_tokens > scheduler.reprefills
+    assert all(seq.metrics.drafted_tokens > 0 for seq in seqs)
+    # The draft is the target's own int8 copy: with its KV right, most drafts are accepted
+    # (an engine re-fed only part of the sequence drafts from the wrong context).
+    print("acceptance per sequence:", [round(seq.metrics.acceptance_rate, 2) for seq in seqs])
+    assert min(seq.metrics.acceptance_rate for seq in seqs) >= 0.5
 
 
 def test_target_only_scheduler_equals_target_only(compiled, engine, target, reference):

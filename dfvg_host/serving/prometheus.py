@@ -87,6 +87,10 @@ class _SchedulerCollector:
             faults.add_metric([self._model, kind], count)
         yield faults
         yield self._counter("dfvg:device_resets", "Draft-device resets.", m.device_resets)
+        yield self._counter("dfvg:kv_reprefills", "Sequences that got KV slots after decoding "
+                            "without (the engine's slots were all taken).", s.reprefills)
+        yield self._counter("dfvg:kv_reprefill_tokens", "Committed tokens fed to the engine again by "
+                            "those re-prefills.", s.reprefill_tokens)
 
 
 class ServerMetrics:

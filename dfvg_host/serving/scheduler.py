@@ -11,9 +11,15 @@ A round, for every running sequence at once::
 
 Sequences join between rounds (their prompt prefilled on the target, fed to the engine
 by their first draft request) and leave when done or cancelled, freeing their slots. At
-most ``capacity`` sequences run (bounded by the engine's KV slots as well); up to
-``max_waiting`` more wait; beyond that :meth:`Scheduler.submit` raises
-:class:`Overloaded` (the server's 429).
+most ``capacity`` sequences run; up to ``max_waiting`` more wait; beyond that
+:meth:`Scheduler.submit` raises :class:`Overloaded` (the server's 429).
+
+When more sequences run than the engine's KV slots hold (``DraftDevice.max_sequences``),
+the first ones in keep a slot until they end; the others decode with the target alone
+(one token per round, in the same batched forward) until a slot frees, and then re-feed
+their whole committed sequence to the engine: a re-prefill, whose engine cycles are
+counted like any other (:attr:`Scheduler.reprefills`, :attr:`Scheduler.reprefill_tokens`).
+A slot never changes hands while its sequence runs, so nothing thrashes.
 
 Each sequence decodes exactly as alone: greedy output is the target's greedy decoding,
 sampled output follows the target's distribution, with a rejection-sampling generator and
@@ -91,7 +97,8 @@ class Sequence:
     metrics : SpecDecodeMetrics
         This sequence's rounds, drafts and acceptances.
     slot : int or None
-        The engine sequence (KV slots) it holds while running.
+        The engine sequence (KV slots) it holds, if any: a running sequence without one
+        decodes with the target alone until one frees.
     """
     id: int
     prompt: list[int]
@@ -153,8 +160,8 @@ class Scheduler:
         None: target-only serving (no drafts), with the same batching.
     gamma : int
     capacity : int
-        Sequences decoded at once: ``max_num_seqs``, at most the engine's
-        ``max_sequences`` (its KV slots).
+        Sequences decoded at once (``max_num_seqs``); those beyond the engine's
+        ``max_sequences`` (its KV slots) wait for a slot to draft.
     max_waiting : int
     context_limit : int
         Most positions a sequence may reach (prompt + max_tokens): the draft's context
@@ -163,6 +170,9 @@ class Scheduler:
         Every round of every sequence, and the engine's cycles, faults and resets.
     finished : collections.Counter
         Sequences ended, by finish reason.
+    reprefills, reprefill_tokens : int
+        Sequences that got a slot after decoding without one, and the committed tokens
+        they fed the engine again.
     projection_offset : float
         Simulator wall − modelled engine and PCIe seconds, summed over every device call
         so far (what a sequence's projected latency subtracts).
@@ -176,7 +186,7 @@ class Scheduler:
         self.verifier = verifier
         self.device = device
         self.gamma = gamma if device is not None else 0
-        self.capacity = min(max_num_seqs, device.max_sequences) if device is not None else max_num_seqs
+        self.capacity = max_num_seqs
         self.max_waiting = self.capacity if max_waiting is None else max_waiting
         self.eos_token_id = eos_token_id
         self.max_recoveries = max_recoveries
@@ -190,10 +200,12 @@ class Scheduler:
         self.finished: collections.Counter = collections.Counter()
         self.projection_offset = 0.0
         self.device_given_up = ""
+        self.reprefills = 0
+        self.reprefill_tokens = 0
         self._ids = itertools.count(1)
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
-        self._free_slots = list(range(self.capacity))
+        self._free_slots = list(range(device.max_sequences)) if device is not None else []
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -281,10 +293,9 @@ class Scheduler:
     def _admit(self) -> None:
         while True:
             with self._lock:
-                if not self._waiting or not self._free_slots:
+                if not self._waiting or len(self._running) >= self.capacity:
                     return
                 seq = self._waiting.popleft()
-                seq.slot = self._free_slots.pop(0)
             if seq.cancel_requested:
                 self._finish(seq, seq.cancel_reason)
                 continue
@@ -294,10 +305,26 @@ class Scheduler:
                 self._finish(seq, "error", f"the target failed on the prompt: {exc}")
                 continue
             seq.cursor = DraftCursor(inputs=list(seq.prompt))
-            if self.device is not None:
-                self.device.select_sequence(seq.slot)
-                self.device.rollback(0)
             self._running.append(seq)
+
+    def _give_slots(self) -> None:
+        """Free slots to the running sequences without one, first in first served; one that
+        has generated tokens already re-feeds them all (a re-prefill)."""
+        if self.device is None or self.device_given_up:
+            return
+        for seq in self._running:
+            if not self._free_slots:
+                return
+            if seq.slot is not None:
+                continue
+            seq.slot = self._free_slots.pop(0)
+            self.device.select_sequence(seq.slot)
+            self.device.rollback(0)
+            if seq.tokens:
+                self.reprefills += 1
+                self.reprefill_tokens += len(seq.committed)
+            # The RNG counter goes on: a draw is never made twice with one counter.
+            seq.cursor = DraftCursor(inputs=list(seq.committed), counter=seq.cursor.counter)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._running if s.cancel_requested]:
@@ -313,15 +340,14 @@ class Scheduler:
             if seq.id in self.verifier:
                 self.verifier.remove(seq.id)
         if seq.slot is not None:
-            with self._lock:
-                self._free_slots.append(seq.slot)
+            self._free_slots.append(seq.slot)
             seq.slot = None
         self.finished[reason] += 1
         seq.done.set()
         seq.on_event(seq, [], reason)
 
     def _draft_count(self, seq: Sequence) -> int:
-        if self.device is None or not seq.use_device or self.device_given_up:
+        if self.device is None or not seq.use_device or self.device_given_up or seq.slot is None:
             return 0
         remaining = seq.max_tokens - len(seq.tokens)
         room = self.context_limit - (self.device.committed + len(seq.cursor.inputs)) + 1
@@ -380,6 +406,7 @@ class Scheduler:
 
     def step(self) -> None:
         """One round over every running sequence."""
+        self._give_slots()
         plan = []
         for seq in self._running:
             n = self._draft_count(seq)
@@ -411,7 +438,7 @@ class Scheduler:
             new = new[:new.index(self.eos_token_id) + 1]
             finish = "stop"
         new = new[:seq.max_tokens - len(seq.tokens)]
-        if self.device is not None and not self.device_given_up:
+        if self.device is not None and not self.device_given_up and seq.slot is not None:
             if kv_lost:
                 seq.cursor.inputs = seq.committed + new
             else:
