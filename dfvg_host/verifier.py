@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["Verifier", "pick_device", "parse_dtype", "check_placement", "load_target", "place",
-           "input_device", "is_placed", "timed_forward"]
+           "input_device", "is_placed", "timed_forward", "compact_cache"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -129,6 +129,23 @@ def timed_forward(model, **inputs) -> tuple[torch.Tensor, float]:
     return logits.cpu(), seconds
 
 
+def compact_cache(cache, keep: torch.Tensor) -> None:
+    """Keep only the sequence positions ``keep`` (ascending indices) of every layer of a
+    transformers ``DynamicCache``, in place. Sliding-window, static, quantised and
+    linear-attention layers keep state this cannot rewrite: a ``NotImplementedError``."""
+    from transformers.cache_utils import DynamicLayer
+
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise NotImplementedError(f"compacting a {type(layer).__name__} cache layer is not "
+                                      "supported; token trees need a plain DynamicCache")
+        if not layer.is_initialized:
+            continue
+        index = keep.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, index)
+        layer.values = layer.values.index_select(-2, index)
+
+
 class Verifier:
     """Any ``AutoModelForCausalLM`` target, holding the KV cache of the committed prefix.
 
@@ -156,6 +173,7 @@ class Verifier:
         self.cache = None
         self.pending: int | None = None
         self.length = 0          # tokens in the cache
+        self._tree = None        # (start, tree) of the last score_tree, until commit_path
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | None = None, dtype: str | None = None,
@@ -186,6 +204,7 @@ class Verifier:
             raise ValueError("the prompt must contain at least one token")
         self.cache = self._cache_cls(config=self.model.config)
         self.length = 0
+        self._tree = None
         if len(prompt) > 1:
             self._forward(prompt[:-1])
         self.pending = prompt[-1]
@@ -201,3 +220,66 @@ class Verifier:
             self.cache.crop(-drop)
             self.length -= drop
         self.pending = next_token
+
+    # -- token trees (dfvg_host.tree) ----------------------------------------------------
+    def score_tree(self, tree) -> torch.Tensor:
+        """Target logits ``[1 + len(tree), V]`` after the pending token and after each node
+        of ``tree`` (a :class:`~dfvg_host.tree.DraftTree`), in one forward pass.
+
+        The pass feeds ``[pending] + tree.tokens`` with explicit position ids (the pending
+        token at the cache length, a node at that plus its depth) and a 4-D additive mask
+        ``[1, 1, 1 + n, cache + 1 + n]``: every row sees the whole cache and the pending
+        token, a node also its ancestors and itself. transformers' masking returns a 4-D
+        mask as given (``masking_utils._preprocess_mask_arguments``), and both its sdpa and
+        eager attention add a float mask to the scores, so the mask is 0 where a token may
+        attend and the dtype's minimum elsewhere. Row ``1 + i`` equals the last logits of
+        the chain ``[pending] + tree.path_tokens(i)``. The cache then holds every node;
+        :meth:`commit_path` keeps the accepted ones.
+        """
+        n = len(tree)
+        start = self.length
+        local = tree.attention_mask()
+        allowed = torch.ones(n + 1, start + n + 1, dtype=torch.bool)
+        allowed[:, start:] = local
+        dtype = next(self.model.parameters()).dtype
+        if not dtype.is_floating_point:
+            dtype = torch.float32
+        bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        ids = torch.tensor([[self.pending] + tree.tokens], device=self.device)
+        logits, seconds = timed_forward(self.model, input_ids=ids,
+                                        attention_mask=bias[None, None].to(self.device),
+                                        position_ids=tree.position_ids(start)[None].to(self.device),
+                                        cache=self.cache, use_cache=True)
+        self.seconds += seconds
+        self.forwards += 1
+        self.length += n + 1
+        self._tree = (start, tree)
+        return logits[0]
+
+    def commit_path(self, path_nodes: list[int], next_token: int) -> None:
+        """After :meth:`score_tree`: keep the pending token and the nodes of ``path_nodes``
+        (a root-to-node path of the scored tree, possibly empty) in the cache, in that
+        order, and drop every other node's entries; ``next_token`` pends. The cache is then
+        what a chain that decoded that path would hold (up to float rounding), so the
+        next round (:meth:`score` or :meth:`score_tree`) continues as after a chain."""
+        tree_state = getattr(self, "_tree", None)
+        if tree_state is None:
+            raise RuntimeError("commit_path follows score_tree; no tree was scored since the "
+                               "last commit")
+        start, tree = tree_state
+        path_nodes = [int(i) for i in path_nodes]
+        if not tree.is_path(path_nodes):
+            raise ValueError(f"{path_nodes} is not a root-to-node path of the scored tree "
+                             f"(parents {tree.parents})")
+        keep_from = start + 1      # the cache up to and including the pending token stays
+        if path_nodes != list(range(len(path_nodes))):
+            keep = torch.tensor(list(range(keep_from)) + [keep_from + i for i in path_nodes],
+                                dtype=torch.long)
+            compact_cache(self.cache, keep)
+        else:                      # nodes 0..k-1 already follow the pending token
+            drop = len(tree) - len(path_nodes)
+            if drop:
+                self.cache.crop(-drop)
+        self.length = keep_from + len(path_nodes)
+        self.pending = next_token
+        self._tree = None
