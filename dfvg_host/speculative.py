@@ -46,6 +46,7 @@ from dfvg_host.acceptance import SamplingParams, Verdict, verify_round
 from dfvg_host.driver import (ContextFull, DeviceFault, DeviceLinkError, DeviceTimeout, DraftDevice,
                               DraftDeviceError, DraftOutput, EngineMismatch, MalformedResult)
 from dfvg_host.metrics import SpecDecodeMetrics
+from dfvg_host.timeline import Timeline
 from dfvg_host.verifier import Verifier
 
 __all__ = ["SpeculativeDecoder", "GenerationOutput", "DraftCursor", "STOP_REASONS", "fault_kind"]
@@ -93,6 +94,8 @@ class GenerationOutput:
         Every draft-device failure met in this generation, recovered or not, in order.
     error : Exception or None
         The verifier's exception, with ``"verifier_error"``.
+    timeline : Timeline or None
+        The generation's spans on the projected clock (:mod:`dfvg_host.timeline`).
     """
     tokens: list[int]
     stop_reason: str
@@ -102,6 +105,7 @@ class GenerationOutput:
     fallback_reason: str = ""
     faults: list[str] = field(default_factory=list)
     error: Exception | None = None
+    timeline: Timeline | None = None
 
 
 @dataclass
@@ -118,6 +122,14 @@ class DraftCursor:
     inputs: list[int] = field(default_factory=list)
     counter: int = 0
 
+    @staticmethod
+    def request_options(device: DraftDevice, sampling: SamplingParams) -> dict:
+        """The sampling options of a draft request (``sample``, ``temperature``, ``topk``,
+        ``seed``) for ``sampling``."""
+        greedy = sampling.greedy
+        return dict(sample=not greedy, temperature=1.0 if greedy else sampling.temperature,
+                    topk=1 if greedy else (sampling.top_k or device.topk_max), seed=sampling.seed)
+
     def propose(self, device: DraftDevice, n: int, sampling: SamplingParams,
                 metrics: SpecDecodeMetrics, *,
                 max_input_tokens: int = MemoryMap.MAX_INPUT_TOKENS) -> DraftOutput:
@@ -129,20 +141,21 @@ class DraftCursor:
             head = device.draft(self.inputs[:limit], 0)
             metrics.device_cycles += head.cycles
             self.inputs = self.inputs[limit:]
-        greedy = sampling.greedy
-        out = device.draft(self.inputs, n, sample=not greedy,
-                           temperature=1.0 if greedy else sampling.temperature,
-                           topk=1 if greedy else (sampling.top_k or device.topk_max),
-                           seed=sampling.seed, counter=self.counter)
+        out = device.draft(self.inputs, n, counter=self.counter,
+                           **self.request_options(device, sampling))
         self.counter += n
         return out
 
-    def advance(self, device: DraftDevice, n: int, drafts: list[int], verdict: Verdict) -> None:
+    def advance(self, device: DraftDevice, n: int, drafts: list[int], verdict: Verdict, *,
+                end: int | None = None) -> None:
         """After a round that drafted ``n`` tokens (0: none), keep the KV of what the
-        target accepted and queue what the engine has not seen."""
+        target accepted and queue what the engine has not seen. ``end`` is the engine's
+        KV length right after the round's drafts (default ``kv_length``: nothing ran
+        since)."""
         if n > 0:
             # The engine holds KV for its inputs and all drafts but the last.
-            device.rollback(device.kv_length - (n - 1) + min(verdict.accepted, n - 1))
+            end = device.kv_length if end is None else end
+            device.rollback(end - (n - 1) + min(verdict.accepted, n - 1))
             self.inputs = ([drafts[-1]] if verdict.accepted == n else []) + [verdict.next_token]
         else:
             self.inputs = self.inputs + [verdict.next_token]
@@ -150,11 +163,19 @@ class DraftCursor:
 
 @dataclass
 class _Run:
-    """One generation's account of device faults."""
+    """One generation's account: its metrics, the device faults, the timeline, and the
+    counters' values when it began."""
     metrics: SpecDecodeMetrics
     faults: list[str] = field(default_factory=list)
     recoveries: int = 0
     fallback_reason: str = ""
+    timeline: Timeline = field(default_factory=Timeline)
+    t_start: float = 0.0
+    link0: object = None
+    retries0: int = 0
+    verifier_s0: float = 0.0
+    forwards0: int = 0
+    sim_s: float = 0.0
 
 
 class SpeculativeDecoder:
@@ -258,6 +279,158 @@ class SpeculativeDecoder:
                 if not self._recover(run, state, seq, str(exc)):
                     return None
 
+    # -- the parts of a generation, shared with PipelinedDecoder ------------------------
+    #: The schedule this decoder's metrics and timeline report.
+    schedule = "serial"
+
+    def _begin(self, prompt: list[int]) -> _Run:
+        """Check the prompt, start the metrics, timeline and the counters' snapshots."""
+        t_start = time.perf_counter()
+        m = SpecDecodeMetrics(gamma=self.gamma, device_clock_hz=self.draft.clock_hz,
+                              device_cycle_source=getattr(self.draft, "cycle_source",
+                                                          "measured: engine counters"),
+                              prefill_tokens=len(prompt), schedule=self.schedule)
+        run = _Run(m, timeline=Timeline(self.schedule), t_start=t_start,
+                   link0=self.draft.transport.stats.snapshot(),
+                   retries0=self.draft.transport_retries, verifier_s0=self.verifier.seconds,
+                   forwards0=self.verifier.forwards)
+        limit = self.draft.compiled.context_limit
+        if not prompt:
+            raise ValueError("the prompt must contain at least one token")
+        if len(prompt) >= limit:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the draft's context limit is "
+                             f"{limit}. Shorten the prompt or use a preset with more kv_positions")
+        return run
+
+    def _open(self, run: _Run, prompt: list[int], state: DraftCursor,
+              max_new_tokens: int) -> tuple[bool, tuple[str, str, Exception | None] | None]:
+        """Prefill the target and ready the device: (use the device, the stop triple of a
+        verifier error or None)."""
+        v0 = self.verifier.seconds
+        try:
+            self.verifier.prefill(prompt)
+        except Exception as exc:             # noqa: BLE001 - returned, not lost
+            return True, ("verifier_error", _verifier_message(exc, 0), exc)
+        finally:
+            run.timeline.then("target", "prefill", self.verifier.seconds - v0, "measured",
+                              tokens=len(prompt))
+        use_device = True
+        if max_new_tokens > 0:
+            def ready():
+                if self._device_suspect:
+                    return self._recover(run, state, list(prompt), "the device was given up in "
+                                         "the last generation and does not come back")
+                if self.draft.pending is not None:      # left in flight by a verifier error
+                    self._settle_pending(run)
+                self.draft.rollback(0)
+                return True
+            use_device = self._device_step(run, "reset" if self._device_suspect else "rollback", ready)
+        return use_device, None
+
+    def _settle_pending(self, run: _Run) -> None:
+        """Collect a request left in flight; a failure marks the device suspect."""
+        try:
+            self.draft.collect(self.draft.pending)
+        except DraftDeviceError as exc:
+            self._fault(run, exc, "a request left in flight")
+            self._device_suspect = True
+
+    def _device_step(self, run: _Run, name: str, fn, *, start: float | None = None, **args):
+        """Run ``fn`` (draft-device work), timing its wall as the simulator's; add its
+        modelled PCIe and engine time to the timeline, one after the other from ``start``
+        (default: ``now``, and ``now`` moves past them). Returns what ``fn`` returns."""
+        m = run.metrics
+        link_s0, cycles0 = self.draft.transport.stats.seconds, m.device_cycles
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            run.sim_s += time.perf_counter() - t0
+            pcie = self.draft.transport.stats.seconds - link_s0
+            engine = (m.device_cycles - cycles0) / m.device_clock_hz if m.device_clock_hz else 0.0
+            at = run.timeline.now if start is None else start
+            run.timeline.add("pcie", name, at, pcie, "modelled", **args)
+            run.timeline.add("engine", name, at + pcie, engine, "modelled", **args)
+            if start is None:
+                run.timeline.now = at + pcie + engine
+
+    def _draft_counted(self, run: _Run, state: DraftCursor, seq: list[int], n: int) -> DraftOutput | None:
+        d = self._draft_or_give_up(run, state, seq, n)
+        if d is not None:
+            run.metrics.device_cycles += d.cycles
+        return d
+
+    def _verify(self, run: _Run, drafts: list[int], q_tokens, *, start: float | None = None,
+                round_no: int = 0) -> tuple[Verdict, float]:
+        """Score ``drafts`` on the target, judge them and commit the target's KV: (the
+        verdict, the measured seconds). Its span starts at ``start`` (default ``now``,
+        and ``now`` moves past it). Raises what the target raises."""
+        v0 = self.verifier.seconds
+        try:
+            verdict = verify_round(self.verifier.score(drafts), drafts, q_tokens, self.sampling,
+                                   self._generator)
+            self.verifier.commit(verdict.accepted, len(drafts), verdict.next_token)
+        finally:
+            seconds = self.verifier.seconds - v0
+            at = run.timeline.now if start is None else start
+            run.timeline.add("target", f"verify round {round_no}", at, seconds, "measured",
+                             round=round_no, drafts=len(drafts))
+            if start is None:
+                run.timeline.now = at + seconds
+        if verdict.invalid_q:
+            run.metrics.record_fault("malformed")
+            run.faults.append(f"verification: draft {verdict.accepted} has q(token) = 0; the "
+                              "round ended there with a token from the target")
+        return verdict, seconds
+
+    def _emit(self, run: _Run, out: list[int], seq: list[int], n: int, drafts: list[int],
+              verdict: Verdict, remaining: int, use_device: bool,
+              on_tokens: Callable[[list[int]], None] | None) -> bool:
+        """Append the round's tokens to ``out`` and ``seq`` and count them; True at EOS."""
+        m = run.metrics
+        new = drafts[:verdict.accepted] + [verdict.next_token]
+        m.record_round(n, verdict.accepted, len(new))
+        eos = self.eos_token_id is not None and self.eos_token_id in new
+        if eos:
+            new = new[:new.index(self.eos_token_id) + 1]
+        new = new[:remaining]
+        out += new
+        seq += new
+        if not use_device:
+            m.fallback_rounds += 1
+            m.fallback_tokens += len(new)
+        if on_tokens:
+            on_tokens(new)
+        return eos
+
+    def _host_span(self, run: _Run, t_round: float, sim0: float, verifier0: float, round_no: int) -> None:
+        """The round's measured host time (its wall less target and simulator) on the timeline."""
+        wall = time.perf_counter() - t_round
+        host = wall - (self.verifier.seconds - verifier0) - (run.sim_s - sim0)
+        run.timeline.then("host", f"host round {round_no}", host, "measured", round=round_no)
+
+    def _room(self, state: DraftCursor) -> int:
+        """Drafts the engine's context has room for after ``state``'s inputs."""
+        return self.draft.compiled.context_limit - (self.draft.committed + len(state.inputs)) + 1
+
+    def _finish(self, run: _Run, out: list[int], stop: str, message: str,
+                error: Exception | None) -> GenerationOutput:
+        m = run.metrics
+        m.emitted_tokens = len(out)
+        m.verifier_seconds = self.verifier.seconds - run.verifier_s0
+        m.target_forward_passes = self.verifier.forwards - run.forwards0
+        link = self.draft.transport.stats.since(run.link0)
+        m.pcie_bytes, m.pcie_transfers, m.pcie_seconds = link.bytes, link.dma_transfers, link.seconds
+        m.transport_retries = self.draft.transport_retries - run.retries0
+        m.simulator_seconds = run.sim_s
+        m.host_seconds = max(0.0, time.perf_counter() - run.t_start - m.verifier_seconds - run.sim_s)
+        # Host work outside the rounds (setup, the end of the last round).
+        timed = sum(s.duration for s in run.timeline.spans if s.lane == "host")
+        run.timeline.then("host", "host outside rounds", m.host_seconds - timed, "measured")
+        return GenerationOutput(out, stop, m, message, degraded=bool(run.fallback_reason),
+                                fallback_reason=run.fallback_reason, faults=run.faults, error=error,
+                                timeline=run.timeline)
+
     # -- a generation --------------------------------------------------------------------
     def generate(self, prompt: list[int], max_new_tokens: int,
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationOutput:
@@ -267,45 +440,22 @@ class SpeculativeDecoder:
         context; everything else the device or the target does ends up in the returned
         :class:`GenerationOutput` with the tokens generated so far (module docstring).
         """
-        t_start = time.perf_counter()
-        m = SpecDecodeMetrics(gamma=self.gamma, device_clock_hz=self.draft.clock_hz,
-                              device_cycle_source=getattr(self.draft, "cycle_source",
-                                                          "measured: engine counters"),
-                              prefill_tokens=len(prompt))
-        link0 = self.draft.transport.stats.snapshot()
-        retries0 = self.draft.transport_retries
-        verifier_s0, forwards0 = self.verifier.seconds, self.verifier.forwards
+        run = self._begin(prompt)
         limit = self.draft.compiled.context_limit
-        if not prompt:
-            raise ValueError("the prompt must contain at least one token")
-        if len(prompt) >= limit:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; the draft's context limit is "
-                             f"{limit}. Shorten the prompt or use a preset with more kv_positions")
-        run = _Run(m)
         out: list[int] = []
         seq = list(prompt)                     # the committed sequence: prompt + out
         state = DraftCursor(inputs=list(prompt))
         stop, message, error = "max_new_tokens", "", None
-        sim_s = 0.0
-        use_device = True
-        try:
-            self.verifier.prefill(prompt)
-        except Exception as exc:             # noqa: BLE001 - returned, not lost
-            stop, message, error = "verifier_error", _verifier_message(exc, 0), exc
-            max_new_tokens = 0
-        if max_new_tokens > 0:
-            t0 = time.perf_counter()
-            if self._device_suspect:
-                use_device = self._recover(run, state, seq, "the device was given up in the last "
-                                           "generation and does not come back")
-            else:
-                self.draft.rollback(0)
-            sim_s += time.perf_counter() - t0
+        use_device, failed = self._open(run, prompt, state, max_new_tokens)
+        if failed:
+            (stop, message, error), max_new_tokens = failed, 0
         while len(out) < max_new_tokens:
+            t_round, sim0, verifier0 = time.perf_counter(), run.sim_s, self.verifier.seconds
+            round_no = run.metrics.rounds + 1
             remaining = max_new_tokens - len(out)
             n = 0
             if use_device:
-                room = limit - (self.draft.committed + len(state.inputs)) + 1
+                room = self._room(state)
                 if room < 1:
                     stop = "context_limit"
                     message = (f"stopped at the draft engine's context limit of {limit} positions; "
@@ -314,55 +464,28 @@ class SpeculativeDecoder:
                 n = min(self.gamma, remaining - 1, room)
             d = None
             if n > 0:
-                t0 = time.perf_counter()
-                d = self._draft_or_give_up(run, state, seq, n)
-                sim_s += time.perf_counter() - t0
+                d = self._device_step(run, f"draft round {round_no}",
+                                      lambda: self._draft_counted(run, state, seq, n),
+                                      round=round_no, drafts=n)
                 if d is None:
                     use_device, n = False, 0
             if not use_device and not self.fallback:
                 stop, message = "device_error", run.fallback_reason
                 break
             drafts, q_tokens = (d.ids, d.tokens) if d is not None else ([], [])
-            if d is not None:
-                m.device_cycles += d.cycles
             try:
-                verdict = verify_round(self.verifier.score(drafts), drafts, q_tokens, self.sampling,
-                                       self._generator)
-                self.verifier.commit(verdict.accepted, len(drafts), verdict.next_token)
+                verdict, _ = self._verify(run, drafts, q_tokens, round_no=round_no)
             except Exception as exc:         # noqa: BLE001 - returned, not lost
                 stop, message, error = "verifier_error", _verifier_message(exc, len(out)), exc
                 break
-            if verdict.invalid_q:
-                m.record_fault("malformed")
-                run.faults.append(f"verification: draft {verdict.accepted} has q(token) = 0; the "
-                                  "round ended there with a token from the target")
-            new = drafts[:verdict.accepted] + [verdict.next_token]
             if use_device:
                 state.advance(self.draft, n, drafts, verdict)
-            m.record_round(n, verdict.accepted, len(new))
-            if self.eos_token_id is not None and self.eos_token_id in new:
-                new = new[:new.index(self.eos_token_id) + 1]
+            eos = self._emit(run, out, seq, n, drafts, verdict, remaining, use_device, on_tokens)
+            self._host_span(run, t_round, sim0, verifier0, round_no)
+            if eos:
                 stop = "eos"
-            new = new[:remaining]
-            out += new
-            seq += new
-            if not use_device:
-                m.fallback_rounds += 1
-                m.fallback_tokens += len(new)
-            if on_tokens:
-                on_tokens(new)
-            if stop == "eos":
                 break
-        m.emitted_tokens = len(out)
-        m.verifier_seconds = self.verifier.seconds - verifier_s0
-        m.target_forward_passes = self.verifier.forwards - forwards0
-        link = self.draft.transport.stats.since(link0)
-        m.pcie_bytes, m.pcie_transfers, m.pcie_seconds = link.bytes, link.dma_transfers, link.seconds
-        m.transport_retries = self.draft.transport_retries - retries0
-        m.simulator_seconds = sim_s
-        m.host_seconds = max(0.0, time.perf_counter() - t_start - m.verifier_seconds - sim_s)
-        return GenerationOutput(out, stop, m, message, degraded=bool(run.fallback_reason),
-                                fallback_reason=run.fallback_reason, faults=run.faults, error=error)
+        return self._finish(run, out, stop, message, error)
 
 
 def _verifier_message(exc: Exception, kept: int) -> str:
