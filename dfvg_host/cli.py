@@ -295,16 +295,16 @@ def cmd_serve(args) -> int:
     from dfvg_host.serving import distributed
     from dfvg_host.serving.server import open_served_model, serve_forever
 
+    from dfvg_host.verifier import check_placement
+
     _check_verifier_options(args)
-    if args.tensor_parallel:
-        from dfvg_host.verifier import check_placement
-        if not distributed.under_torchrun():
-            raise CliError("--tensor-parallel shards the target over the processes of torchrun: run "
-                           "torchrun --nproc-per-node N -m dfvg_host.cli serve --tensor-parallel ...")
-        try:
-            check_placement(args.verifier_device, args.device_map, "auto")
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
+    if args.tensor_parallel and not distributed.under_torchrun():
+        raise CliError("--tensor-parallel shards the target over the processes of torchrun: run "
+                       "torchrun --nproc-per-node N -m dfvg_host.cli serve --tensor-parallel ...")
+    try:
+        check_placement(args.verifier_device, args.device_map, "auto" if args.tensor_parallel else None)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     target_dir, target_config = _target(args)
     if args.tensor_parallel and distributed.rank() != 0:
         # A follower: its shard of the target runs the calls rank 0 broadcasts; rank 0 alone

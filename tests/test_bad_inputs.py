@@ -177,6 +177,18 @@ CASES = {
     "rtl_device_past_the_controller_beat": Case([*GEN, "--device", "rtl://alveo-u55c?large=1"],
                                                 "16384-bit beat, and the RTL's controller takes at most"),
     "rtl_device_option_unknown": Case([*GEN, "--device", "rtl://tiny?fast=1"], "unknown option 'fast'"),
+    # the server
+    "serve_port_out_of_range": Case(["serve", "--port", "70000"], "a TCP port is 0..65535"),
+    "serve_max_num_seqs_zero": Case(["serve", "--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+    "serve_tensor_parallel_outside_torchrun": Case(["serve", "--tensor-parallel"],
+                                                   "shards the target over the processes of torchrun"),
+    "serve_device_map_and_a_device": Case(["serve", "--device-map", "auto", "--verifier-device", "cpu"],
+                                          "not both"),
+    "serve_chat_template_not_utf8": Case(["serve", "--chat-template", "{latin1}"], "is not UTF-8 text"),
+    "serve_target_without_tokenizer": Case(["serve", "--draft", str(DEMO_DRAFT), "--target",
+                                            "{no_tokenizer_target}"], "has no tokenizer files"),
+    "bench_serve_concurrency_not_numbers": Case(["bench-serve", "--concurrency", "1,x"],
+                                                "positive integers separated by commas"),
     "unknown_preset": Case(["compile", "--draft", str(DEMO_DRAFT), "--preset", "v80", "-o", "{out}"],
                            "unknown engine preset 'v80'"),
 }
@@ -198,6 +210,8 @@ def test_bad_input_is_one_line_and_exit_2(name, corpus, tmp_path, monkeypatch, c
         monkeypatch.setattr("dfvg_host.demo.compile_cached", _fail_if_called("the draft compiler"))
         monkeypatch.setattr("dfvg_host.compiler.compile_draft", _fail_if_called("the draft compiler"))
         monkeypatch.setattr("dfvg_host.verifier.Verifier.from_pretrained", _fail_if_called("the target load"))
+        monkeypatch.setattr("dfvg_host.batch_verifier.BatchVerifier.from_pretrained",
+                            _fail_if_called("the target load"))
         monkeypatch.setattr("sim.verilator_device.VerilatorDevice", _fail_if_called("the Verilator build"))
         monkeypatch.setattr("sim.rtl_device.RtlDevice", _fail_if_called("the RTL simulator"))
     if case.setup:
