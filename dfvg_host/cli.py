@@ -704,8 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--served-model-name", help="the model name clients send (default: the target "
                    "directory's name)")
     v.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
-    v.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded at once (at most "
-                   "what the engine's KV slots hold; default 16)")
+    v.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded at once (default 16); "
+                   "those beyond the engine's KV slots decode with the target alone until a slot frees")
     v.add_argument("--max-waiting", type=int, help="requests queued beyond those; more get 429 "
                    "(default: as many as --max-num-seqs)")
     v.add_argument("--chat-template", metavar="FILE", help="Jinja chat template, when the tokenizer "
