@@ -178,14 +178,20 @@ def test_start_without_program_is_a_device_fault(tiny_engine, tiny_compiled):
 
 # -- several sequences on one engine -----------------------------------------------------
 
-@pytest.fixture(scope="module")
+_TWO_SEQUENCE_DRAFT = []
+
+
 def two_sequence_draft(tmp_path_factory, tiny_engine):
-    """2 layers × 1 KV head: 2 KV slots a sequence, so tiny's 4 slots hold 2 sequences."""
-    from dfvg_host.compiler import compile_draft
-    from dfvg_host.fixtures import make_tiny_llama
-    model = make_tiny_llama(tmp_path_factory.mktemp("two-sequences"), layers=2, heads=2,
-                            kv_heads=1, seed=5)
-    return compile_draft(model, tiny_engine)
+    """2 layers × 1 KV head: 2 KV slots a sequence, so tiny's 4 slots hold 2 sequences.
+    Compiled once per process (a function, not a fixture, so that test_xdma.py, which
+    runs these tests over XDMA with conftest's fixtures, can run them too)."""
+    if not _TWO_SEQUENCE_DRAFT:
+        from dfvg_host.compiler import compile_draft
+        from dfvg_host.fixtures import make_tiny_llama
+        model = make_tiny_llama(tmp_path_factory.mktemp("two-sequences"), layers=2, heads=2,
+                                kv_heads=1, seed=5)
+        _TWO_SEQUENCE_DRAFT.append(compile_draft(model, tiny_engine))
+    return _TWO_SEQUENCE_DRAFT[0]
 
 
 def sequence_script(prompt, n=4):
@@ -208,18 +214,19 @@ def play(dev, step):
 SCRIPTS = [sequence_script(PROMPT), sequence_script([9, 250, 31, 8, 150])]
 
 
-def test_interleaved_sequences_draft_as_each_alone(tiny_engine, two_sequence_draft):
+def test_interleaved_sequences_draft_as_each_alone(tiny_engine, tmp_path_factory):
     """Two sequences' calls interleaved on one device (select_sequence before each) see
     exactly what each sees alone on a device of its own, and each one's KV sits in its
     own slots (sequence i from slot i · slots_per_sequence)."""
+    draft = two_sequence_draft(tmp_path_factory, tiny_engine)
     alone, kv_alone = [], []
     for script in SCRIPTS:
         device = SimDevice(tiny_engine)
-        dev = DraftDevice(device, two_sequence_draft)
+        dev = DraftDevice(device, draft)
         alone.append([play(dev, step) for step in script])
         kv_alone.append(device.engine.kv_k.copy())
     device = SimDevice(tiny_engine)
-    dev = DraftDevice(device, two_sequence_draft)
+    dev = DraftDevice(device, draft)
     assert (dev.slots_per_sequence, dev.max_sequences, dev.current_sequence) == (2, 2, 0)
     got = [[], []]
     for steps in zip(*SCRIPTS):
@@ -234,8 +241,8 @@ def test_interleaved_sequences_draft_as_each_alone(tiny_engine, two_sequence_dra
         assert (dev.kv_length, dev.committed) == alone[index][-1][-2:]
 
 
-def test_select_sequence_checks_its_index(tiny_compiled, two_sequence_draft):
-    dev = DraftDevice.open("sim://tiny", two_sequence_draft)
+def test_select_sequence_checks_its_index(tiny_engine, tiny_compiled, tmp_path_factory):
+    dev = DraftDevice.open("sim://tiny", two_sequence_draft(tmp_path_factory, tiny_engine))
     for bad in (-1, 2, "1", True, 0.0, None):
         with pytest.raises(ValueError, match=r"holds 2 sequence\(s\) of 2 KV slots \(0..1\)"):
             dev.select_sequence(bad)
@@ -247,11 +254,11 @@ def test_select_sequence_checks_its_index(tiny_compiled, two_sequence_draft):
         whole.select_sequence(1)
 
 
-def test_reset_forgets_every_sequence(tiny_engine, two_sequence_draft):
+def test_reset_forgets_every_sequence(tiny_engine, tmp_path_factory):
     """reset() empties the engine's KV: every sequence's kv_length and committed go to 0,
     the current sequence stays selected, resets counts it; drafting afterwards is as on
     a fresh device."""
-    dev = DraftDevice(SimDevice(tiny_engine), two_sequence_draft)
+    dev = DraftDevice(SimDevice(tiny_engine), two_sequence_draft(tmp_path_factory, tiny_engine))
     for index in (0, 1):
         dev.select_sequence(index)
         first = dev.draft(PROMPT, 3)
