@@ -83,6 +83,9 @@ DRIVER_TESTS = [
     "test_timeout",
     "test_engine_checks",
     "test_start_without_program_is_a_device_fault",
+    "test_interleaved_sequences_draft_as_each_alone",
+    "test_select_sequence_checks_its_index",
+    "test_reset_forgets_every_sequence",
 ]
 
 
