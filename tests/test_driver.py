@@ -272,3 +272,58 @@ def test_reset_forgets_every_sequence(tiny_engine, tmp_path_factory):
             dev.rollback(1)
     dev.select_sequence(1)
     assert dev.draft(PROMPT, 3).tokens == first.tokens
+
+
+# -- submit / collect ------------------------------------------------------------------
+def test_submit_then_collect_equals_draft(tiny_compiled):
+    """The asynchronous pair gives what draft() gives, request after request, with the
+    same KV bookkeeping; the committed KV moves only on collect."""
+    sync, split = DraftDevice.open("sim://tiny", tiny_compiled), DraftDevice.open("sim://tiny", tiny_compiled)
+    kwargs = dict(sample=True, temperature=0.7, topk=3, seed=11)
+    steps = [(PROMPT, 4, 0, None), ([9], 3, 4, len(PROMPT) + 2), ([1, 2], 5, 7, None)]
+    for tokens, n, counter, rollback in steps:
+        if rollback is not None:
+            sync.rollback(rollback)
+            split.rollback(rollback)
+        want = sync.draft(tokens, n, counter=counter, **kwargs)
+        before = split.committed
+        pending = split.submit(tokens, n, counter=counter, **kwargs)
+        assert split.pending is pending and split.committed == before
+        got = split.collect(pending)
+        assert split.pending is None
+        assert (got.tokens, got.cycles, got.end_pos, got.n_forward) == \
+               (want.tokens, want.cycles, want.end_pos, want.n_forward)
+        assert (split.kv_length, split.committed) == (sync.kv_length, sync.committed)
+
+
+def test_one_request_in_flight(tiny_compiled):
+    dev = DraftDevice.open("sim://tiny", tiny_compiled)
+    first = dev.submit(PROMPT, 2)
+    assert first.buffer == 0
+    for call in (lambda: dev.submit([1], 1), lambda: dev.draft([1], 1), lambda: dev.rollback(0)):
+        with pytest.raises(RuntimeError, match="in flight"):
+            call()
+    dev.collect(first)
+    with pytest.raises(RuntimeError, match="not in flight"):
+        dev.collect(first)                      # collected already
+    second = dev.submit([3], 1)
+    assert second.buffer == 1                   # the other ping-pong buffer
+    dev.reset()
+    with pytest.raises(RuntimeError, match="not in flight"):
+        dev.collect(second)                     # the reset lost it
+    assert dev.pending is None and dev.committed == 0
+    assert dev.draft(PROMPT, 1).end_pos == len(PROMPT)
+
+
+def test_collect_raises_what_draft_raises(tiny_engine, tiny_compiled):
+    """A stale result (the engine never ran the request) fails collect, KV unchanged."""
+    class NoStart(SimDevice):
+        def write32(self, offset, value):
+            if offset == Reg.CONTROL and value & Control.START:
+                return                           # START lost: no result is written
+            super().write32(offset, value)
+    dev = DraftDevice(NoStart(tiny_engine), tiny_compiled, timeout_s=0.05)
+    pending = dev.submit(PROMPT, 2)
+    with pytest.raises((DeviceTimeout, MalformedResult)):
+        dev.collect(pending)
+    assert dev.pending is None and dev.committed == 0
