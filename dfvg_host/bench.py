@@ -4,16 +4,20 @@
 2. **assisted** — Hugging Face assisted generation (``assistant_model=``) with the same
    float draft on the verifier's device: speculative decoding on the GPU alone;
 3. **dfvg** — chain speculative decoding with the compiled draft on a draft device
-   (``sim://PRESET``), over a sweep of γ.
+   (``sim://PRESET``), over a sweep of γ;
+4. **dfvg-pipelined** — the same, with the engine drafting round n+1 while the target
+   verifies round n (:class:`~dfvg_host.pipelined.PipelinedDecoder`), same γ sweep.
 
 What is measured and what is modelled
 -------------------------------------
 *measured* is wall time on this host: the target's forward passes (the verifier), the
 host's own work around them, and, for assisted generation, the float draft's forward
 passes. *modelled* is the draft engine's time (cycle model at the preset clock) and
-PCIe (link model). DFVG tokens/s adds the four parts sequentially — no pipelining, as
-``dfvg generate`` projects it; the functional model's own wall time stands in for the
-FPGA and is reported but not counted. Speedups are ratios between methods run on the
+PCIe (link model). DFVG tokens/s adds the four parts sequentially, as ``dfvg generate``
+projects it; pipelined DFVG takes the modelled overlap of drafting with verification once
+(``hidden_s``: per round min(continuation engine+PCIe, verify), modelled — the sim device
+runs synchronously, so the overlap is not observed). The functional model's own wall time
+stands in for the FPGA and is reported but not counted. Speedups are ratios between methods run on the
 same prompts in the same process, interleaved prompt by prompt so that load from other
 processes falls on every method alike.
 
@@ -36,6 +40,7 @@ import torch
 from dfvg_host.demo import REPO_ROOT
 from dfvg_host.driver import DraftDevice
 from dfvg_host.efficiency import EfficiencyRow
+from dfvg_host.pipelined import PipelinedDecoder
 from dfvg_host.speculative import SpeculativeDecoder
 from dfvg_host.verifier import Verifier
 
@@ -100,12 +105,15 @@ class BenchSettings:
         Also run assisted generation with transformers' own draft-length settings.
     warmup_tokens : int
         Tokens of an unmeasured first run of every method (lazy initialisation).
+    pipelined : bool
+        Also run pipelined DFVG (``dfvg-pipelined``) at every γ.
     """
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     max_new_tokens: int = 128
     per_task: int = 8
     assisted_hf_defaults: bool = True
     warmup_tokens: int = 8
+    pipelined: bool = True
 
 
 FULL = BenchSettings()
@@ -159,8 +167,10 @@ class Tally:
     generation (float draft forward passes) and modelled for DFVG (cycle model);
     ``pcie_s`` is modelled (link model); ``simulator_s`` is the functional model's
     measured wall time, which stands in for the FPGA and is not part of ``seconds``.
+    ``hidden_s`` (dfvg-pipelined) is the modelled drafting that overlapped verification,
+    taken out of ``seconds`` once.
     """
-    method: str                       # "target-only", "assisted" or "dfvg"
+    method: str                       # "target-only", "assisted", "dfvg" or "dfvg-pipelined"
     gamma: int | None                 # None: target-only, or assisted with HF's own settings
     task: str = ALL_TASKS
     prompts: int = 0
@@ -176,6 +186,9 @@ class Tally:
     pcie_s: float = 0.0
     simulator_s: float = 0.0
     matches_target_only: int = 0      # prompts whose output equals target-only greedy
+    hidden_s: float = 0.0             # modelled overlap (dfvg-pipelined)
+    pipeline_hits: int = 0
+    pipeline_misses: int = 0
 
     @property
     def key(self) -> str:
@@ -185,7 +198,8 @@ class Tally:
 
     def add(self, other: "Tally") -> None:
         for name in ("prompts", "tokens", "rounds", "drafted", "accepted", "target_s", "host_s",
-                     "draft_s", "pcie_s", "simulator_s", "matches_target_only"):
+                     "draft_s", "pcie_s", "simulator_s", "matches_target_only", "hidden_s",
+                     "pipeline_hits", "pipeline_misses"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
                              (self.accepted_per_position, other.accepted_per_position)):
@@ -195,8 +209,19 @@ class Tally:
 
     @property
     def seconds(self) -> float:
-        """Time the tokens/s is computed from: measured parts plus modelled parts."""
-        return self.target_s + self.host_s + self.draft_s + self.pcie_s
+        """Time the tokens/s is computed from: measured parts plus modelled parts, less
+        the modelled overlap of a pipelined run."""
+        return self.target_s + self.host_s + self.draft_s + self.pcie_s - self.hidden_s
+
+    @property
+    def is_dfvg(self) -> bool:
+        return self.method.startswith("dfvg")
+
+    @property
+    def hidden_share(self) -> float | None:
+        """Share of the engine + PCIe time hidden behind verification (pipelined)."""
+        total = self.draft_s + self.pcie_s
+        return min(1.0, self.hidden_s / total) if self.method == "dfvg-pipelined" and total else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -227,13 +252,19 @@ class Tally:
     def labels(self, verifier_device: str) -> dict:
         draft = {"target-only": "none",
                  "assisted": f"measured (float draft forward passes on {verifier_device})",
-                 "dfvg": "modelled (cycle model at the preset clock)"}[self.method]
+                 "dfvg": "modelled (cycle model at the preset clock)",
+                 "dfvg-pipelined": "modelled (cycle model at the preset clock)"}[self.method]
         return dict(target_s="measured (target forward passes)",
                     host_s="measured (wall time outside the target and draft forward passes)",
-                    draft_s=draft, pcie_s="modelled (link model)" if self.method == "dfvg" else "none",
+                    draft_s=draft, pcie_s="modelled (link model)" if self.is_dfvg else "none",
                     simulator_s="measured wall of the functional model; not counted",
-                    tokens_per_s=("measured" if self.method != "dfvg" else
-                                  "measured target+host + modelled FPGA+PCIe, unpipelined"),
+                    hidden_s=("modelled: per round min(continuation engine+PCIe, verify)"
+                              if self.method == "dfvg-pipelined" else "none"),
+                    tokens_per_s=("measured" if not self.is_dfvg else
+                                  "measured target+host + modelled FPGA+PCIe, unpipelined"
+                                  if self.method == "dfvg" else
+                                  "measured target+host + modelled FPGA+PCIe; pipelined: overlap "
+                                  "counted once"),
                     acceptance=("derived from forward-pass counts" if self.method == "assisted"
                                 else "counted per round"))
 
@@ -249,6 +280,8 @@ class Tally:
                     pcie_s=self.pcie_s, simulator_s=self.simulator_s, seconds=self.seconds,
                     tokens_per_s=self.tokens_per_s, host_us_per_round=self.host_us_per_round,
                     host_share=self.host_share, matches_target_only=self.matches_target_only,
+                    hidden_s=self.hidden_s, hidden_share=self.hidden_share,
+                    pipeline_hits=self.pipeline_hits, pipeline_misses=self.pipeline_misses,
                     labels=self.labels(verifier_device))
 
 
@@ -326,21 +359,25 @@ class BenchRunner:
                              target_s=target.seconds, draft_s=draft.seconds,
                              host_s=max(0.0, wall - target.seconds - draft.seconds))
 
-    def dfvg(self, prompt: list[int], max_new_tokens: int, gamma: int) -> tuple[list[int], Tally]:
+    def dfvg(self, prompt: list[int], max_new_tokens: int, gamma: int,
+             pipelined: bool = False) -> tuple[list[int], Tally]:
         # A device given up would leave the target decoding alone under DFVG's name.
-        decoder = SpeculativeDecoder(self.device, self.verifier, gamma=gamma, eos_token_id=None,
-                                     fallback=False)
+        decoder = (PipelinedDecoder if pipelined else SpeculativeDecoder)(
+            self.device, self.verifier, gamma=gamma, eos_token_id=None, fallback=False)
         out = decoder.generate(prompt, max_new_tokens)
         if out.stop_reason != "max_new_tokens":
             raise BenchError(f"DFVG stopped early at γ={gamma} ({out.stop_reason}): {out.message}")
         m = out.metrics
-        return out.tokens, Tally("dfvg", gamma, prompts=1, tokens=m.emitted_tokens, rounds=m.rounds,
+        return out.tokens, Tally("dfvg-pipelined" if pipelined else "dfvg", gamma, prompts=1,
+                                 tokens=m.emitted_tokens, rounds=m.rounds,
                                  drafted=m.drafted_tokens, accepted=m.accepted_tokens,
                                  drafted_per_position=list(m.drafted_per_position),
                                  accepted_per_position=list(m.accepted_per_position),
                                  target_s=m.verifier_seconds, host_s=m.host_seconds,
                                  draft_s=m.device_seconds, pcie_s=m.pcie_seconds,
-                                 simulator_s=m.simulator_seconds)
+                                 simulator_s=m.simulator_seconds,
+                                 hidden_s=min(m.hidden_draft_seconds, m.draft_seconds),
+                                 pipeline_hits=m.pipeline_hits, pipeline_misses=m.pipeline_misses)
 
     def methods(self, settings: BenchSettings) -> list[tuple[str, int | None]]:
         """(method, γ) in the order each prompt runs them."""
@@ -348,7 +385,7 @@ class BenchRunner:
         if settings.assisted_hf_defaults:
             runs.append(("assisted", None))
         for g in settings.gammas:
-            runs += [("assisted", g), ("dfvg", g)]
+            runs += [("assisted", g), ("dfvg", g)] + ([("dfvg-pipelined", g)] if settings.pipelined else [])
         return runs
 
     def run_one(self, method: str, gamma: int | None, prompt: list[int], n: int) -> tuple[list[int], Tally]:
@@ -356,7 +393,7 @@ class BenchRunner:
             return self.target_only(prompt, n)
         if method == "assisted":
             return self.assisted(prompt, n, gamma)
-        return self.dfvg(prompt, n, gamma)
+        return self.dfvg(prompt, n, gamma, pipelined=method == "dfvg-pipelined")
 
     def run(self, prompts: list[tuple[BenchPrompt, list[int]]], settings: BenchSettings,
             log: Callable[[str], None] = lambda _: None) -> dict[tuple[str, str, int | None], Tally]:
@@ -439,10 +476,15 @@ class BenchResult:
         return max(rows, key=lambda t: t.tokens_per_s) if rows else None
 
     def headline(self) -> dict:
-        """DFVG at its best γ against target-only and against assisted generation."""
+        """DFVG at its best γ against target-only and against assisted generation, and
+        pipelined DFVG at its best γ against target-only and serial DFVG."""
         dfvg, assisted = self.best("dfvg"), self.best("assisted")
         same_gamma = self.get("assisted", dfvg.gamma) if dfvg else None
+        piped = self.best("dfvg-pipelined")
         return dict(best_dfvg=dfvg.key if dfvg else None, best_assisted=assisted.key if assisted else None,
+                    best_dfvg_pipelined=piped.key if piped else None,
+                    dfvg_pipelined_over_target_only=self.speedup(piped, self.baseline()) if piped else None,
+                    dfvg_pipelined_over_dfvg=self.speedup(piped, dfvg) if piped else None,
                     dfvg_over_target_only=self.speedup(dfvg, self.baseline()) if dfvg else None,
                     dfvg_over_best_assisted=self.speedup(dfvg, assisted) if dfvg else None,
                     dfvg_over_assisted_same_gamma=self.speedup(dfvg, same_gamma) if dfvg else None,
@@ -458,7 +500,7 @@ class BenchResult:
         def row(t: Tally) -> dict:
             d = t.to_dict(dev)
             d["speedup_over_target_only"] = self.speedup(t, base[t.task])
-            same = self.get("assisted", t.gamma, t.task) if t.method == "dfvg" else None
+            same = self.get("assisted", t.gamma, t.task) if t.is_dfvg else None
             d["speedup_over_assisted_same_gamma"] = self.speedup(t, same)
             return d
 

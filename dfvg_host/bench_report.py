@@ -44,19 +44,21 @@ def speed_table(result: BenchResult) -> str:
              f"float on {s['verifier_device']} for assisted, int8 on {s['device']} for DFVG",
              "", head, unit]
     for t in result.rows(ALL_TASKS):
-        same = result.get("assisted", t.gamma) if t.method == "dfvg" else None
+        same = result.get("assisted", t.gamma) if t.is_dfvg else None
         lines.append(
             f"{t.key:<24}{t.tokens_per_s:>8.1f}{t.target_s:>10.3f}{t.host_s:>8.3f}"
             f"{_num(t.draft_s if t.method == 'assisted' else None, '9.3f'):>9}"
-            f"{_num(t.draft_s if t.method == 'dfvg' else None, '9.4f'):>9}"
-            f"{_num(t.pcie_s if t.method == 'dfvg' else None, '9.4f'):>9}"
+            f"{_num(t.draft_s if t.is_dfvg else None, '9.4f'):>9}"
+            f"{_num(t.pcie_s if t.is_dfvg else None, '9.4f'):>9}"
             f"{_num(t.acceptance_rate, '8.3f'):>8}{t.mean_accepted_length:>6.2f}"
             f"{t.host_us_per_round:>7.0f}{100 * t.host_share:>5.1f}%"
             f"{_ratio(result.speedup(t, base)):>10}{_ratio(result.speedup(t, same)):>11}")
-    sim = sum(t.simulator_s for t in result.rows(ALL_TASKS, "dfvg"))
+    sim = sum(t.simulator_s for t in result.rows(ALL_TASKS) if t.is_dfvg)
     lines += ["",
               "tok/s: target-only and assisted are measured wall time; DFVG is projected = measured "
               "target + host + modelled FPGA (cycle model) + PCIe (link model), unpipelined.",
+              "dfvg-pipelined: the engine drafts the next round while the target verifies; its "
+              "tok/s takes the overlap (modelled: the sim device runs synchronously) once.",
               "accept: drafted tokens accepted (assisted: derived from forward-pass counts); "
               "len: tokens committed per target forward pass.",
               "host/round: measured time outside the forward passes, per target forward, and as a "
@@ -85,6 +87,29 @@ def task_table(result: BenchResult) -> str:
                          f"{_ratio(result.speedup(r, result.baseline(task))):>6}")
         lines.append(f"{t.key:<24}" + "".join(f"{c:>{col}}" for c in cells))
     lines += ["", "speedups: DFVG projected / target-only measured; assisted measured / measured."]
+    return "\n".join(lines)
+
+
+def pipeline_table(result: BenchResult) -> str:
+    rows = result.rows(ALL_TASKS, "dfvg-pipelined")
+    if not rows:
+        return ""
+    base = result.baseline()
+    lines = ["Pipelined DFVG: the engine drafts round n+1 while the target verifies round n "
+             "(overlap modelled)", "",
+             f"{'method':<24}{'tok/s':>8}{'serial':>8}{'hits':>7}{'misses':>8}{'hidden s':>10}"
+             f"{'hidden':>8}{'x target':>10}{'x serial':>10}",
+             f"{'':<24}{'proj.':>8}{'proj.':>8}{'':>7}{'':>8}{'modelled':>10}{'%':>8}{'-only':>10}"
+             f"{'same γ':>10}"]
+    for t in rows:
+        serial = result.get("dfvg", t.gamma)
+        lines.append(f"{t.key:<24}{t.tokens_per_s:>8.1f}"
+                     f"{_num(serial.tokens_per_s if serial else None, '8.1f'):>8}"
+                     f"{t.pipeline_hits:>7}{t.pipeline_misses:>8}{t.hidden_s:>10.4f}"
+                     f"{100 * (t.hidden_share or 0):>7.1f}%{_ratio(result.speedup(t, base)):>10}"
+                     f"{_ratio(result.speedup(t, serial)):>10}")
+    lines += ["", "hits: rounds whose drafts were ready when verification ended; hidden: engine + "
+              "PCIe time that overlapped verification, as a share of all engine + PCIe time."]
     return "\n".join(lines)
 
 
@@ -130,13 +155,21 @@ def efficiency_table(result: BenchResult) -> str:
 def format_result(result: BenchResult) -> str:
     h = result.headline()
     parts = [speed_table(result), task_table(result), position_table(result)]
+    piped = pipeline_table(result)
+    if piped:
+        parts.insert(1, piped)
     if h["best_dfvg"]:
         parts.append(f"Headline: DFVG at its best γ ({h['best_dfvg']}) runs "
                      f"{_ratio(h['dfvg_over_target_only'])} target-only decoding and "
                      f"{_ratio(h['dfvg_over_best_assisted'])} the best assisted generation "
                      f"({h['best_assisted']}); {_ratio(h['dfvg_over_assisted_same_gamma'])} assisted "
                      f"at the same γ. Best assisted: {_ratio(h['best_assisted_over_target_only'])} "
-                     "target-only.\n[" + h["label"] + "]")
+                     "target-only."
+                     + (f" Pipelined DFVG at its best γ ({h['best_dfvg_pipelined']}): "
+                        f"{_ratio(h['dfvg_pipelined_over_target_only'])} target-only, "
+                        f"{_ratio(h['dfvg_pipelined_over_dfvg'])} serial DFVG at its best."
+                        if h.get("best_dfvg_pipelined") else "")
+                     + "\n[" + h["label"] + "]")
     eff = efficiency_table(result)
     if eff:
         parts.append(eff)

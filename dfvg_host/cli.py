@@ -227,12 +227,19 @@ def cmd_generate(args) -> int:
     from dfvg_host.acceptance import SamplingParams
     from dfvg_host.checkpoints import check_tokenizer_pair
     from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
+    from dfvg_host.pipelined import PipelinedDecoder
     from dfvg_host.speculative import SpeculativeDecoder
     from dfvg_host.verifier import Verifier
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     # Every argument and input first; the compile and the model loads come after.
     _check_verifier_options(args)
+    if args.trace:
+        trace_dir = Path(args.trace).resolve().parent
+        if not trace_dir.is_dir():
+            raise CliError(f"--trace {args.trace}: the directory {trace_dir} does not exist")
+        if Path(args.trace).is_dir():
+            raise CliError(f"--trace {args.trace} is a directory; give a file name")
     target_dir, target_config = _target(args)
     prompt_text = _read_prompt(args.prompt)
     transport, engine = _open_device(args.device)
@@ -253,8 +260,9 @@ def cmd_generate(args) -> int:
         device = DraftDevice(transport, compiled, timeout_s=args.timeout,
                              cycle_source=cycle_source(args.device))
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-        decoder = SpeculativeDecoder(device, verifier, gamma=args.gamma, sampling=sampling,
-                                     eos_token_id=tok.eos_token_id)
+        decoder_class = PipelinedDecoder if args.schedule == "pipelined" else SpeculativeDecoder
+        decoder = decoder_class(device, verifier, gamma=args.gamma, sampling=sampling,
+                                eos_token_id=tok.eos_token_id)
     except (ValueError, DraftDeviceError) as exc:
         raise CliError(str(exc)) from None
 
@@ -268,23 +276,31 @@ def cmd_generate(args) -> int:
 
     if not args.json:
         log(f"target {target_dir} on {verifier.device} | draft {draft_dir} on {args.device} | "
-            f"gamma {args.gamma} | {'greedy' if sampling.greedy else f'T={args.temperature} top-k={args.top_k} seed={args.seed}'}\n")
+            f"gamma {args.gamma} | {args.schedule} | {'greedy' if sampling.greedy else f'T={args.temperature} top-k={args.top_k} seed={args.seed}'}\n")
         print(prompt_text, end="", flush=True)
     try:
         with _decoder_log_silenced():
             result = decoder.generate(prompt, args.max_new_tokens, on_tokens=stream)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    if args.trace:
+        try:
+            result.timeline.write(args.trace)
+        except OSError as exc:
+            raise CliError(f"--trace {args.trace}: {exc.strerror or exc}") from None
     if args.json:
         print(json.dumps(dict(prompt_ids=prompt, token_ids=result.tokens, text=tok.decode(result.tokens),
                               stop_reason=result.stop_reason, message=result.message,
                               degraded=result.degraded, fallback_reason=result.fallback_reason,
                               faults=result.faults, error=None if result.error is None else repr(result.error),
-                              device=args.device, metrics=result.metrics.to_dict()), indent=2))
+                              device=args.device, schedule=args.schedule, trace=args.trace,
+                              metrics=result.metrics.to_dict()), indent=2))
     else:
         print("\n")
         print(f"stop             {result.stop_reason}")
         print(result.metrics.summary())
+        if args.trace:
+            print(f"timeline         {args.trace}  [Chrome trace: chrome://tracing or ui.perfetto.dev]")
     return _report_generation_end(result)
 
 
@@ -586,7 +602,8 @@ def cmd_bench(args) -> int:
     settings = dataclasses.replace(
         base, gammas=_parse_gammas(args.gammas) if args.gammas else base.gammas,
         max_new_tokens=args.max_new_tokens or base.max_new_tokens,
-        per_task=args.per_task if args.per_task is not None else base.per_task)
+        per_task=args.per_task if args.per_task is not None else base.per_task,
+        pipelined=not args.no_pipelined)
     if settings.per_task < 1:
         raise CliError("--per-task must be at least 1")
     if args.threads is not None:
@@ -688,6 +705,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
     g.add_argument("--calibration", help="calibration text when --draft needs compiling")
     g.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
+    g.add_argument("--schedule", choices=["serial", "pipelined"], default="serial",
+                   help="serial: draft, then verify; pipelined: the engine drafts the next round "
+                        "while the target verifies (overlap modelled on a sim device)")
+    g.add_argument("--trace", metavar="FILE", help="write the per-round timeline (projected clock) "
+                   "as a Chrome trace JSON to FILE (chrome://tracing, ui.perfetto.dev)")
     g.add_argument("--json", action="store_true", help="print token ids and metrics as one JSON object")
     g.set_defaults(func=cmd_generate)
 
@@ -766,6 +788,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--calibration", help="calibration text when --draft needs compiling")
     b.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
     b.add_argument("--no-efficiency", action="store_true", help="skip the engine-efficiency table")
+    b.add_argument("--no-pipelined", action="store_true", help="skip pipelined DFVG (the engine "
+                   "drafting the next round during verification; run at every γ by default)")
     b.add_argument("--efficiency-presets", default="alveo-u55c,alveo-u280,alveo-u250",
                    help="presets of the engine-efficiency table (comma-separated)")
     b.add_argument("--contexts", default="256,1024",

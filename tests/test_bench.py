@@ -67,7 +67,7 @@ def test_every_method_matches_and_counts_add_up(tiny_run):
     result, data = tiny_run
     rows = {r["key"]: r for r in data["rows"]}
     assert set(rows) == {"target-only", "assisted (HF defaults)"} | {
-        f"{m} γ={g}" for m in ("assisted", "dfvg") for g in GAMMAS}
+        f"{m} γ={g}" for m in ("assisted", "dfvg", "dfvg-pipelined") for g in GAMMAS}
     prompts = data["setup"]["prompts"]
     assert prompts == 3 and set(data["by_task"]) == {"code", "prose", "dialogue"}
     for r in data["rows"]:
@@ -87,6 +87,13 @@ def test_every_method_matches_and_counts_add_up(tiny_run):
         assert sum(d["drafted_per_position"]) == d["drafted"]
         assert d["draft_s"] > 0 and d["pcie_s"] > 0
         assert d["seconds"] == pytest.approx(d["target_s"] + d["host_s"] + d["draft_s"] + d["pcie_s"])
+        p = rows[f"dfvg-pipelined γ={g}"]         # greedy: the same rounds as serial DFVG
+        assert (p["rounds"], p["accepted_per_position"]) == (d["rounds"], d["accepted_per_position"])
+        assert p["pipeline_hits"] + p["pipeline_misses"] <= p["rounds"]
+        assert 0 <= p["hidden_s"] <= p["draft_s"] + p["pcie_s"] and 0 <= p["hidden_share"] <= 1
+        assert p["seconds"] == pytest.approx(p["target_s"] + p["host_s"] + p["draft_s"] + p["pcie_s"]
+                                             - p["hidden_s"])
+        assert p["seconds"] >= p["target_s"] and d["hidden_s"] == 0 and d["hidden_share"] is None
     # per-task tallies add up to the whole
     for key, r in rows.items():
         parts = [next(x for x in data["by_task"][t] if x["key"] == key) for t in data["by_task"]]
@@ -107,6 +114,9 @@ def test_speedups_are_ratios_within_the_run(tiny_run):
     best = max((r for r in data["rows"] if r["method"] == "dfvg"), key=lambda r: r["tokens_per_s"])
     assert h["best_dfvg"] == best["key"]
     assert h["dfvg_over_target_only"] == pytest.approx(best["speedup_over_target_only"])
+    piped = max((r for r in data["rows"] if r["method"] == "dfvg-pipelined"), key=lambda r: r["tokens_per_s"])
+    assert h["best_dfvg_pipelined"] == piped["key"]
+    assert h["dfvg_pipelined_over_target_only"] == pytest.approx(piped["speedup_over_target_only"])
 
 
 def test_every_figure_is_labelled(tiny_run):
@@ -114,13 +124,16 @@ def test_every_figure_is_labelled(tiny_run):
     for r in data["rows"]:
         labels = r["labels"]
         assert "measured" in labels["target_s"] and "measured" in labels["host_s"]
-        if r["method"] == "dfvg":
+        if r["method"] == "dfvg-pipelined":
+            assert "overlap counted once" in labels["tokens_per_s"] and "modelled" in labels["hidden_s"]
+        if r["method"].startswith("dfvg"):
             assert "modelled" in labels["draft_s"] and "modelled" in labels["pcie_s"]
             assert "modelled" in labels["tokens_per_s"] and "measured" in labels["tokens_per_s"]
         if r["method"] == "assisted":
             assert "measured" in labels["draft_s"]
     text = format_result(result)
     for needle in ("measured", "modelled", "dfvg γ=3", "assisted γ=2", "target-only", "Headline",
+                   "dfvg-pipelined γ=3", "Pipelined DFVG", "overlap modelled",
                    "code", "prose", "dialogue", "Every method's output equals target-only"):
         assert needle in text
     json.dumps(data)                  # serialisable as printed by --json

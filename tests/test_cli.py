@@ -107,6 +107,7 @@ def test_accuracy_and_import_errors(args, message):
 def test_argparse_errors_exit_2():
     assert dfvg("compile").returncode == 2
     assert dfvg("demo", "--gamma", "0").returncode == 2
+    assert dfvg("generate", "--schedule", "tree", "--prompt", "a").returncode == 2
 
 
 def test_generate_json_on_the_demo_pair(demo_pair):
@@ -121,6 +122,23 @@ def test_generate_json_on_the_demo_pair(demo_pair):
     assert m["device_cycles"] > 0 and m["pcie_bytes"] > 0
     assert m["labels"]["device_seconds"].startswith("modelled")
     assert m["labels"]["verifier_seconds"] == "measured"
+
+
+def test_generate_pipelined_json_and_trace(demo_pair, tmp_path):
+    trace = tmp_path / "trace.json"
+    proc = dfvg("generate", "--prompt", "import os\n\ndef main():\n", "--max-new-tokens", 24,
+                "--gamma", 3, "--schedule", "pipelined", "--trace", trace, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    m = out["metrics"]
+    assert out["schedule"] == m["schedule"] == "pipelined" and out["trace"] == str(trace)
+    assert m["labels"]["projected_seconds"].endswith("pipelined: overlap counted once")
+    assert 0 <= m["hidden_draft_share"] <= 1 and m["pipeline_hits"] + m["pipeline_misses"] <= m["rounds"]
+    assert m["verifier_seconds"] <= m["projected_seconds"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert lanes == {"engine", "pcie", "target", "host"}
+    assert any(e["ph"] == "X" and e["args"]["lane"] == "engine" for e in events)
 
 
 def test_generate_streams_text_and_labels_figures(demo_pair):
@@ -138,6 +156,7 @@ def test_generate_streams_text_and_labels_figures(demo_pair):
     (["generate", "--device", "rtl://alveo-v80", "--prompt", "a"], "unknown engine preset"),
     (["generate", "--target", "/no/such", "--draft", "/no/such", "--prompt", "a"], "not a Hugging Face model"),
     (["generate", "--target", "models/demo-target", "--prompt", "a"], "give both --draft and --target"),
+    (["generate", "--prompt", "a", "--trace", "/no/such/dir/t.json"], "does not exist"),
 ])
 def test_generate_bad_arguments(args, message):
     assert message in error_line(dfvg(*args))
