@@ -70,8 +70,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dfvg_host.driver import ContextFull, DeviceFault, DraftDeviceError, DraftOutput, PendingDraft
-from dfvg_host.speculative import (DraftCursor, GenerationOutput, SpeculativeDecoder, _Run,
-                                   _verifier_message)
+from dfvg_host.speculative import (DraftCursor, GenerationOutput, SpeculativeDecoder, GenerationRun,
+                                   verifier_message)
 
 __all__ = ["PipelinedDecoder"]
 
@@ -119,7 +119,7 @@ class PipelinedDecoder(SpeculativeDecoder):
     schedule = "pipelined"
 
     # -- the continuation ----------------------------------------------------------------
-    def _timed_device(self, run: _Run, c: _Continuation, fn):
+    def _timed_device(self, run: GenerationRun, c: _Continuation, fn):
         stats = self.draft.transport.stats
         link0, t0 = stats.seconds, time.perf_counter()
         try:
@@ -128,7 +128,7 @@ class PipelinedDecoder(SpeculativeDecoder):
             run.sim_s += time.perf_counter() - t0
             c.pcie_s += stats.seconds - link0
 
-    def _submit_continuation(self, run: _Run, state: DraftCursor, seq: list[int], drafts: list[int],
+    def _submit_continuation(self, run: GenerationRun, state: DraftCursor, seq: list[int], drafts: list[int],
                              remaining: int) -> _Continuation | None:
         """Start the next round's drafts from the optimistic path, or None when a hit
         would leave nothing to draft."""
@@ -150,12 +150,12 @@ class PipelinedDecoder(SpeculativeDecoder):
             self._continuation_fault(run, c, exc)
         return c
 
-    def _continuation_fault(self, run: _Run, c: _Continuation, exc: DraftDeviceError) -> None:
+    def _continuation_fault(self, run: GenerationRun, c: _Continuation, exc: DraftDeviceError) -> None:
         self._fault(run, exc, "continuation")
         c.fault = exc
         self._device_suspect = True          # untrusted until a reset
 
-    def _collect_continuation(self, run: _Run, c: _Continuation) -> None:
+    def _collect_continuation(self, run: GenerationRun, c: _Continuation) -> None:
         if c.pending is None:
             return
         try:
@@ -169,7 +169,7 @@ class PipelinedDecoder(SpeculativeDecoder):
         hz = run.metrics.device_clock_hz
         c.engine_s = c.output.cycles / hz if hz else 0.0
 
-    def _replay_continuation(self, run: _Run, c: _Continuation, round_no: int) -> DraftOutput | None:
+    def _replay_continuation(self, run: GenerationRun, c: _Continuation, round_no: int) -> DraftOutput | None:
         """After a failed continuation in a round that accepted everything: reset and draft
         it again synchronously, same counter; None when the device is given up."""
         exc = c.fault
@@ -237,7 +237,7 @@ class PipelinedDecoder(SpeculativeDecoder):
             except Exception as exc:         # noqa: BLE001 - returned, not lost
                 if c is not None:            # leave no request in flight
                     self._collect_continuation(run, c)
-                stop, message, error = "verifier_error", _verifier_message(exc, len(out)), exc
+                stop, message, error = "verifier_error", verifier_message(exc, len(out)), exc
                 break
             if c is None:
                 run.timeline.now = t0 + t_verify

@@ -49,7 +49,8 @@ from dfvg_host.metrics import SpecDecodeMetrics
 from dfvg_host.timeline import Timeline
 from dfvg_host.verifier import Verifier
 
-__all__ = ["SpeculativeDecoder", "GenerationOutput", "DraftCursor", "STOP_REASONS", "fault_kind"]
+__all__ = ["SpeculativeDecoder", "GenerationOutput", "GenerationRun", "DraftCursor", "STOP_REASONS", "fault_kind",
+           "verifier_message"]
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class DraftCursor:
 
 
 @dataclass
-class _Run:
+class GenerationRun:
     """One generation's account: its metrics, the device faults, the timeline, and the
     counters' values when it began."""
     metrics: SpecDecodeMetrics
@@ -225,19 +226,19 @@ class SpeculativeDecoder:
         self._generator = torch.Generator().manual_seed(sampling.seed ^ 0x5EED)
 
     # -- the draft side ------------------------------------------------------------------
-    def _fault(self, run: _Run, exc: DraftDeviceError, what: str) -> None:
+    def _fault(self, run: GenerationRun, exc: DraftDeviceError, what: str) -> None:
         run.metrics.record_fault(fault_kind(exc))
         run.faults.append(f"{what}: {exc}")
         log.info("draft device fault (%s): %s", what, exc)
 
-    def _give_up(self, run: _Run, reason: str, *, device_suspect: bool = True) -> None:
+    def _give_up(self, run: GenerationRun, reason: str, *, device_suspect: bool = True) -> None:
         run.fallback_reason = reason
         self._device_suspect = self._device_suspect or device_suspect
         if self.fallback:
             log.warning("the draft device is given up for this generation: %s; generation goes on "
                         "with the target alone (plain decoding, same output)", reason)
 
-    def _recover(self, run: _Run, state: DraftCursor, seq: list[int], cause: str) -> bool:
+    def _recover(self, run: GenerationRun, state: DraftCursor, seq: list[int], cause: str) -> bool:
         """Reset the device and point ``state`` at the whole committed sequence, within
         the generation's budget; False (and the device given up) when it is spent."""
         while run.recoveries < self.max_recoveries:
@@ -256,7 +257,7 @@ class SpeculativeDecoder:
                            "allowed per generation)")
         return False
 
-    def _draft_or_give_up(self, run: _Run, state: DraftCursor, seq: list[int],
+    def _draft_or_give_up(self, run: GenerationRun, state: DraftCursor, seq: list[int],
                           n: int) -> DraftOutput | None:
         """Draft ``n`` tokens after ``seq``, recovering from device faults; None when the
         device was given up."""
@@ -283,14 +284,14 @@ class SpeculativeDecoder:
     #: The schedule this decoder's metrics and timeline report.
     schedule = "serial"
 
-    def _begin(self, prompt: list[int]) -> _Run:
+    def _begin(self, prompt: list[int]) -> GenerationRun:
         """Check the prompt, start the metrics, timeline and the counters' snapshots."""
         t_start = time.perf_counter()
         m = SpecDecodeMetrics(gamma=self.gamma, device_clock_hz=self.draft.clock_hz,
                               device_cycle_source=getattr(self.draft, "cycle_source",
                                                           "measured: engine counters"),
                               prefill_tokens=len(prompt), schedule=self.schedule)
-        run = _Run(m, timeline=Timeline(self.schedule), t_start=t_start,
+        run = GenerationRun(m, timeline=Timeline(self.schedule), t_start=t_start,
                    link0=self.draft.transport.stats.snapshot(),
                    retries0=self.draft.transport_retries, verifier_s0=self.verifier.seconds,
                    forwards0=self.verifier.forwards)
@@ -302,7 +303,7 @@ class SpeculativeDecoder:
                              f"{limit}. Shorten the prompt or use a preset with more kv_positions")
         return run
 
-    def _open(self, run: _Run, prompt: list[int], state: DraftCursor,
+    def _open(self, run: GenerationRun, prompt: list[int], state: DraftCursor,
               max_new_tokens: int) -> tuple[bool, tuple[str, str, Exception | None] | None]:
         """Prefill the target and ready the device: (use the device, the stop triple of a
         verifier error or None)."""
@@ -310,7 +311,7 @@ class SpeculativeDecoder:
         try:
             self.verifier.prefill(prompt)
         except Exception as exc:             # noqa: BLE001 - returned, not lost
-            return True, ("verifier_error", _verifier_message(exc, 0), exc)
+            return True, ("verifier_error", verifier_message(exc, 0), exc)
         finally:
             run.timeline.then("target", "prefill", self.verifier.seconds - v0, "measured",
                               tokens=len(prompt))
@@ -327,7 +328,7 @@ class SpeculativeDecoder:
             use_device = self._device_step(run, "reset" if self._device_suspect else "rollback", ready)
         return use_device, None
 
-    def _settle_pending(self, run: _Run) -> None:
+    def _settle_pending(self, run: GenerationRun) -> None:
         """Collect a request left in flight; a failure marks the device suspect."""
         try:
             self.draft.collect(self.draft.pending)
@@ -335,7 +336,7 @@ class SpeculativeDecoder:
             self._fault(run, exc, "a request left in flight")
             self._device_suspect = True
 
-    def _device_step(self, run: _Run, name: str, fn, *, start: float | None = None, **args):
+    def _device_step(self, run: GenerationRun, name: str, fn, *, start: float | None = None, **args):
         """Run ``fn`` (draft-device work), timing its wall as the simulator's; add its
         modelled PCIe and engine time to the timeline, one after the other from ``start``
         (default: ``now``, and ``now`` moves past them). Returns what ``fn`` returns."""
@@ -354,13 +355,13 @@ class SpeculativeDecoder:
             if start is None:
                 run.timeline.now = at + pcie + engine
 
-    def _draft_counted(self, run: _Run, state: DraftCursor, seq: list[int], n: int) -> DraftOutput | None:
+    def _draft_counted(self, run: GenerationRun, state: DraftCursor, seq: list[int], n: int) -> DraftOutput | None:
         d = self._draft_or_give_up(run, state, seq, n)
         if d is not None:
             run.metrics.device_cycles += d.cycles
         return d
 
-    def _verify(self, run: _Run, drafts: list[int], q_tokens, *, start: float | None = None,
+    def _verify(self, run: GenerationRun, drafts: list[int], q_tokens, *, start: float | None = None,
                 round_no: int = 0) -> tuple[Verdict, float]:
         """Score ``drafts`` on the target, judge them and commit the target's KV: (the
         verdict, the measured seconds). Its span starts at ``start`` (default ``now``,
@@ -383,7 +384,7 @@ class SpeculativeDecoder:
                               "round ended there with a token from the target")
         return verdict, seconds
 
-    def _emit(self, run: _Run, out: list[int], seq: list[int], n: int, drafts: list[int],
+    def _emit(self, run: GenerationRun, out: list[int], seq: list[int], n: int, drafts: list[int],
               verdict: Verdict, remaining: int, use_device: bool,
               on_tokens: Callable[[list[int]], None] | None) -> bool:
         """Append the round's tokens to ``out`` and ``seq`` and count them; True at EOS."""
@@ -403,7 +404,7 @@ class SpeculativeDecoder:
             on_tokens(new)
         return eos
 
-    def _host_span(self, run: _Run, t_round: float, sim0: float, verifier0: float, round_no: int) -> None:
+    def _host_span(self, run: GenerationRun, t_round: float, sim0: float, verifier0: float, round_no: int) -> None:
         """The round's measured host time (its wall less target and simulator) on the timeline."""
         wall = time.perf_counter() - t_round
         host = wall - (self.verifier.seconds - verifier0) - (run.sim_s - sim0)
@@ -413,7 +414,7 @@ class SpeculativeDecoder:
         """Drafts the engine's context has room for after ``state``'s inputs."""
         return self.draft.compiled.context_limit - (self.draft.committed + len(state.inputs)) + 1
 
-    def _finish(self, run: _Run, out: list[int], stop: str, message: str,
+    def _finish(self, run: GenerationRun, out: list[int], stop: str, message: str,
                 error: Exception | None) -> GenerationOutput:
         m = run.metrics
         m.emitted_tokens = len(out)
@@ -476,7 +477,7 @@ class SpeculativeDecoder:
             try:
                 verdict, _ = self._verify(run, drafts, q_tokens, round_no=round_no)
             except Exception as exc:         # noqa: BLE001 - returned, not lost
-                stop, message, error = "verifier_error", _verifier_message(exc, len(out)), exc
+                stop, message, error = "verifier_error", verifier_message(exc, len(out)), exc
                 break
             if use_device:
                 state.advance(self.draft, n, drafts, verdict)
@@ -488,6 +489,7 @@ class SpeculativeDecoder:
         return self._finish(run, out, stop, message, error)
 
 
-def _verifier_message(exc: Exception, kept: int) -> str:
+def verifier_message(exc: Exception, kept: int) -> str:
+    """The message of a generation ended by the target's exception."""
     return (f"the target model failed ({type(exc).__name__}: {exc}); the {kept} tokens generated "
             "before it are kept")
