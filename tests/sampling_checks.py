@@ -1,8 +1,8 @@
 """Helpers for the tests that check a sampler against an exact distribution: the target's
 exact law of the first two sampled tokens and Pearson's chi-square p-value.
 
-The same helpers as tests/test_speculative.py's (which keeps its own copy), generalised
-to any vocabulary size, for tests/test_tree.py.
+Shared by the chain (tests/test_speculative.py, tests/test_pipelined.py) and tree
+(tests/test_tree.py) sampling tests; any vocabulary size.
 """
 
 from __future__ import annotations

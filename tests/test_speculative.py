@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import dfvg_host.acceptance as acceptance
+import sampling_checks
 from conftest import make_tiny_llama
+from sampling_checks import chi_square_p
 from dfvg_hw.spec.config import get_preset
-from dfvg_host.acceptance import SamplingParams, target_distribution
+from dfvg_host.acceptance import SamplingParams
 from dfvg_host.compiler import compile_draft, load_model
 from dfvg_host.driver import DraftDevice
 from dfvg_host.speculative import SpeculativeDecoder
@@ -36,27 +38,7 @@ def make_decoder(draft_dir, target_dir, sampling, gamma=2):
 
 def first_two_distribution(target_dir, prompt, params):
     """Exact target distribution of the first two sampled tokens (64 cells)."""
-    model = load_model(target_dir)
-    with torch.no_grad():
-        p1 = target_distribution(model(torch.tensor([prompt])).logits[0, -1], params)
-        batch = torch.tensor([prompt + [x] for x in range(VOCAB)])
-        p2 = target_distribution(model(batch).logits[:, -1], params)
-    return (p1[:, None] * p2).numpy()
-
-
-def chi_square_p(counts: Counter, expected: np.ndarray, n: int) -> float:
-    """Pearson chi-square p-value; cells expecting < 5 samples are pooled."""
-    exp = expected.reshape(-1) * n
-    obs = np.array([counts.get(divmod(i, VOCAB), 0) for i in range(VOCAB * VOCAB)], dtype=float)
-    small = exp < 5
-    exp = np.append(exp[~small], exp[small].sum())
-    obs = np.append(obs[~small], obs[small].sum())
-    if exp[-1] == 0:
-        exp, obs = exp[:-1], obs[:-1]
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    dof = len(exp) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return sampling_checks.first_two_distribution(load_model(target_dir), prompt, params, VOCAB)
 
 
 def sample_first_two(decoder, prompt, n, params):
