@@ -86,6 +86,9 @@ DRIVER_TESTS = [
     "test_interleaved_sequences_draft_as_each_alone",
     "test_select_sequence_checks_its_index",
     "test_reset_forgets_every_sequence",
+    "test_submit_then_collect_equals_draft",
+    "test_collect_raises_what_draft_raises",
+    "test_one_request_in_flight",
 ]
 
 
