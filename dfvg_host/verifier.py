@@ -211,15 +211,23 @@ class Verifier:
 
     def score(self, drafts: list[int]) -> torch.Tensor:
         """Target logits ``[len(drafts) + 1, V]`` after the pending token and each draft."""
+        self._no_tree_pending("score")
         return self._forward([self.pending] + list(drafts))
 
     def commit(self, accepted: int, drafted: int, next_token: int) -> None:
         """Keep the pending token and ``accepted`` drafts in the cache; ``next_token`` pends."""
+        self._no_tree_pending("commit")
         drop = drafted - accepted
         if drop:
             self.cache.crop(-drop)
             self.length -= drop
         self.pending = next_token
+
+    def _no_tree_pending(self, what: str) -> None:
+        # The cache holds every node of a scored tree: a chain's crop would keep the wrong ones.
+        if self._tree is not None:
+            raise RuntimeError(f"{what}() after score_tree(): commit the tree's accepted path with "
+                               "commit_path() first")
 
     # -- token trees (dfvg_host.tree) ----------------------------------------------------
     def score_tree(self, tree) -> torch.Tensor:

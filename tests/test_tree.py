@@ -194,8 +194,12 @@ def test_commit_path_refuses_what_is_not_a_path(tiny_gqa_model):
     v.score_tree(DraftTree.from_parents([10, 11, 12], [-1, -1, 0]))
     with pytest.raises(ValueError):
         v.commit_path([1, 2], 3)
+    for chain_call in (lambda: v.commit(1, 3, 3), lambda: v.score([1])):
+        with pytest.raises(RuntimeError, match="commit_path"):
+            chain_call()
     v.commit_path([0, 2], 3)
     assert v.length == 5 and v.pending == 3
+    v.commit(0, 0, 4)                 # a chain round goes on once the tree is committed
 
 
 # -- host drafting and a decoding loop for the tests ---------------------------------------
