@@ -41,7 +41,7 @@ class SpecDecodeMetrics:
     (per round ``min(T_continuation, T_verify)``: modelled engine + PCIe against measured
     target), counted once in ``projected_seconds``; all 0 for ``schedule == "serial"``.
     """
-    gamma: int = 0
+    gamma: int = 0                         # the fixed γ; 0 with gamma_mode "auto"
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -69,6 +69,8 @@ class SpecDecodeMetrics:
     pipeline_hits: int = 0                 # rounds whose drafts the continuation had ready
     pipeline_misses: int = 0               # continuations discarded (a rejection, another bonus)
     hidden_draft_seconds: float = 0.0      # modelled: engine+PCIe overlapped with verification
+    gamma_mode: str = "fixed"              # "fixed" or "auto" (dfvg_host.adaptive)
+    gamma_per_round: list[int] = field(default_factory=list)   # drafts of each round (0: none)
 
     def record_fault(self, kind: str) -> None:
         self.device_faults += 1
@@ -79,6 +81,7 @@ class SpecDecodeMetrics:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.emitted_tokens += emitted
+        self.gamma_per_round.append(drafted)
         while len(self.drafted_per_position) < drafted:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
@@ -94,6 +97,21 @@ class SpecDecodeMetrics:
     def mean_accepted_length(self) -> float:
         """Tokens committed per verification round: accepted drafts plus the bonus/correction."""
         return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        """Drafts per round, over the rounds that drafted."""
+        used = [g for g in self.gamma_per_round if g > 0]
+        return sum(used) / len(used) if used else 0.0
+
+    @property
+    def gamma_histogram(self) -> dict[int, int]:
+        """γ → rounds that drafted that many (rounds without drafts left out)."""
+        hist: dict[int, int] = {}
+        for g in self.gamma_per_round:
+            if g > 0:
+                hist[g] = hist.get(g, 0) + 1
+        return dict(sorted(hist.items()))
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -134,11 +152,13 @@ class SpecDecodeMetrics:
     def to_dict(self) -> dict:
         d = dict(vars(self))
         d["device_faults_by_kind"] = dict(self.device_faults_by_kind)
+        d["gamma_per_round"] = list(self.gamma_per_round)
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
                  acceptance_per_position=self.acceptance_per_position,
                  device_seconds=self.device_seconds, projected_seconds=self.projected_seconds,
                  draft_seconds=self.draft_seconds, hidden_draft_share=self.hidden_draft_share,
-                 pipeline_hit_rate=self.pipeline_hit_rate,
+                 pipeline_hit_rate=self.pipeline_hit_rate, mean_gamma=self.mean_gamma,
+                 gamma_histogram=self.gamma_histogram,
                  labels=dict(verifier_seconds="measured", host_seconds="measured",
                              simulator_seconds="measured (simulator wall, not in projection)",
                              device_seconds=self.device_cycle_source, pcie_seconds="modelled (link model)",
@@ -164,7 +184,8 @@ class SpecDecodeMetrics:
         proj = self.projected_seconds
         tps = self.emitted_tokens / proj if proj else 0.0
         return "\n".join([
-            f"tokens           {self.emitted_tokens} in {self.rounds} rounds (gamma {self.gamma})",
+            f"tokens           {self.emitted_tokens} in {self.rounds} rounds "
+            f"(gamma {'auto' if self.gamma_mode == 'auto' else self.gamma})",
             f"acceptance       {self.acceptance_rate:.3f}  ({self.accepted_tokens} of "
             f"{self.drafted_tokens} drafted)",
             f"accepted length  {self.mean_accepted_length:.2f} tokens per round (incl. bonus)",
@@ -181,7 +202,9 @@ class SpecDecodeMetrics:
             f"simulator        {self.simulator_seconds:8.4f} s  [measured wall of the functional "
             f"model; stands in for the FPGA, not counted above]",
             f"faults           {self.faults_line()}",
-        ] + ([f"pipeline         {self.pipeline_hits} hits, {self.pipeline_misses} misses; "
+        ] + ([f"gamma            auto: mean {self.mean_gamma:.2f}; rounds by gamma "
+              + " ".join(f"{g}:{n}" for g, n in self.gamma_histogram.items())]
+             if self.gamma_mode == "auto" else []) + ([f"pipeline         {self.pipeline_hits} hits, {self.pipeline_misses} misses; "
               f"{self.hidden_draft_seconds:.4f} s of drafting hidden behind verification = "
               f"{self.hidden_draft_share:.0%} of engine+PCIe  [modelled overlap]"]
              if self.schedule == "pipelined" else []))

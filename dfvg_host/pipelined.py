@@ -44,6 +44,12 @@ cursor's counter moves past them *whether it hits or misses*:
 The verifier's own generator draws the same as in a serial round. ``tests/test_pipelined.py``
 checks the joint distribution of the first three tokens by chi-square.
 
+With an adaptive γ (``gamma="auto"``, :mod:`dfvg_host.adaptive`) the continuation's γ' is
+chosen when it is submitted, from the rounds before n (round n is not verified yet); the
+serial re-draft after a miss chooses again, after round n has been observed. Either way
+γ is fixed before the drafts it governs and the verifier's draws of their round, so the
+argument above is unchanged.
+
 Faults
 ------
 As :class:`~dfvg_host.speculative.SpeculativeDecoder`: a continuation that fails
@@ -136,7 +142,7 @@ class PipelinedDecoder(SpeculativeDecoder):
         # What the next round drafts after a full acceptance (γ + 1 tokens emitted), by the
         # serial rule: the engine then holds KV up to d_{γ-1} and is fed dγ and the bonus.
         room = self.draft.compiled.context_limit - (self.draft.committed + 2) + 1
-        n_next = min(self.gamma, remaining - (n + 1) - 1, room)
+        n_next = min(self._choose_gamma(), remaining - (n + 1) - 1, room)
         if n_next < 1:
             return None
         c = _Continuation(counter=state.counter, n_next=n_next, end=self.draft.committed,
@@ -206,7 +212,7 @@ class PipelinedDecoder(SpeculativeDecoder):
             t_round, sim0, verifier0 = time.perf_counter(), run.sim_s, self.verifier.seconds
             round_no = m.rounds + 1
             remaining = max_new_tokens - len(out)
-            n, d = 0, None
+            n, d, requests = 0, None, ()
             if ready is not None:
                 d, ready = ready, None
                 n = len(d.tokens)
@@ -219,11 +225,9 @@ class PipelinedDecoder(SpeculativeDecoder):
                                    "positions; use a preset with more kv_positions for longer "
                                    "generations")
                         break
-                    n = min(self.gamma, remaining - 1, room)
+                    n = min(self._choose_gamma(), remaining - 1, room)
                 if n > 0:
-                    d = self._device_step(run, f"draft round {round_no}",
-                                          lambda: self._draft_counted(run, state, seq, n),
-                                          round=round_no, drafts=n)
+                    d, requests = self._draft_timed(run, state, seq, n, round_no)
                     if d is None:
                         use_device, n = False, 0
             if not use_device and not self.fallback:
@@ -244,6 +248,8 @@ class PipelinedDecoder(SpeculativeDecoder):
             else:
                 self._collect_continuation(run, c)
                 t_cont = c.pcie_s + c.engine_s
+                if c.fault is None:
+                    requests += ((c.n_next + 1, t_cont),)
                 m.hidden_draft_seconds += min(t_cont, t_verify)
                 run.timeline.add("pcie", f"continuation {round_no}", t0, c.pcie_s, "modelled",
                                  round=round_no, drafts=c.n_next + 1)
@@ -279,7 +285,9 @@ class PipelinedDecoder(SpeculativeDecoder):
                             state.advance(self.draft, n, drafts, verdict, end=c.end)
             elif use_device:
                 state.advance(self.draft, n, drafts, verdict)
-            self._host_span(run, t_round, sim0, verifier0, round_no)
+            host = self._host_span(run, t_round, sim0, verifier0, round_no)
+            if d is not None or (use_device and n == 0):
+                self._observe(n, verdict, t_verify, host, requests)
             if eos:
                 stop = "eos"
                 break

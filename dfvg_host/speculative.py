@@ -43,6 +43,7 @@ import torch
 
 from dfvg_hw.spec.regmap import MemoryMap
 from dfvg_host.acceptance import SamplingParams, Verdict, verify_round
+from dfvg_host.adaptive import AdaptiveLength, RoundFacts
 from dfvg_host.driver import (ContextFull, DeviceFault, DeviceLinkError, DeviceTimeout, DraftDevice,
                               DraftDeviceError, DraftOutput, EngineMismatch, MalformedResult)
 from dfvg_host.metrics import SpecDecodeMetrics
@@ -177,16 +178,25 @@ class GenerationRun:
     verifier_s0: float = 0.0
     forwards0: int = 0
     sim_s: float = 0.0
+    last_device_s: float = 0.0       # modelled PCIe + engine of the last device step
 
 
 class SpeculativeDecoder:
-    """Chain speculative decoding with a fixed γ, surviving draft-device faults.
+    """Chain speculative decoding with a fixed or adaptive γ, surviving draft-device faults.
 
     Members
     -------
     draft : DraftDevice
     verifier : Verifier
     gamma : int
+        Drafts per round; with an adaptive γ, its upper bound (``adaptive.gamma_max``).
+    adaptive : AdaptiveLength or None
+        The controller choosing γ per round (:mod:`dfvg_host.adaptive`), given as
+        ``gamma="auto"`` (a default :class:`~dfvg_host.adaptive.AdaptiveLength`) or
+        ``adaptive=``; None: a fixed γ. It persists across :meth:`generate` calls (it
+        learns over them) and depends on past rounds only, so decoding stays exact:
+        greedy output is the target's greedy decoding and sampling stays lossless (γ is
+        fixed before the round's drafts and the verifier's draws).
     sampling : SamplingParams
     eos_token_id : int or None
     max_recoveries : int
@@ -203,11 +213,17 @@ class SpeculativeDecoder:
 
     max_input_tokens = MemoryMap.MAX_INPUT_TOKENS
 
-    def __init__(self, draft: DraftDevice, verifier: Verifier, *, gamma: int = 4,
+    def __init__(self, draft: DraftDevice, verifier: Verifier, *, gamma: int | str = 4,
                  sampling: SamplingParams = SamplingParams(), eos_token_id: int | None = None,
-                 max_recoveries: int = 2, fallback: bool = True):
-        if gamma < 1:
-            raise ValueError(f"gamma must be at least 1, got {gamma}")
+                 max_recoveries: int = 2, fallback: bool = True,
+                 adaptive: AdaptiveLength | None = None):
+        if gamma == "auto" and adaptive is None:
+            adaptive = AdaptiveLength()
+        if adaptive is not None:
+            adaptive.pipelined = self.schedule == "pipelined"
+            gamma = adaptive.gamma_max
+        if not isinstance(gamma, int) or gamma < 1:
+            raise ValueError(f"gamma must be an integer of at least 1 or 'auto', got {gamma!r}")
         if max_recoveries < 0:
             raise ValueError(f"max_recoveries must be >= 0, got {max_recoveries}")
         if draft.compiled.shape.vocab > verifier.vocab_size:
@@ -216,6 +232,7 @@ class SpeculativeDecoder:
         self.draft = draft
         self.verifier = verifier
         self.gamma = gamma
+        self.adaptive = adaptive
         self.sampling = sampling.validate()
         self.eos_token_id = eos_token_id
         self.max_recoveries = max_recoveries
@@ -287,7 +304,10 @@ class SpeculativeDecoder:
     def _begin(self, prompt: list[int]) -> GenerationRun:
         """Check the prompt, start the metrics, timeline and the counters' snapshots."""
         t_start = time.perf_counter()
-        m = SpecDecodeMetrics(gamma=self.gamma, device_clock_hz=self.draft.clock_hz,
+        adaptive = self.adaptive is not None
+        m = SpecDecodeMetrics(gamma=0 if adaptive else self.gamma,
+                              gamma_mode="auto" if adaptive else "fixed",
+                              device_clock_hz=self.draft.clock_hz,
                               device_cycle_source=getattr(self.draft, "cycle_source",
                                                           "measured: engine counters"),
                               prefill_tokens=len(prompt), schedule=self.schedule)
@@ -352,6 +372,7 @@ class SpeculativeDecoder:
             at = run.timeline.now if start is None else start
             run.timeline.add("pcie", name, at, pcie, "modelled", **args)
             run.timeline.add("engine", name, at + pcie, engine, "modelled", **args)
+            run.last_device_s = pcie + engine
             if start is None:
                 run.timeline.now = at + pcie + engine
 
@@ -404,11 +425,38 @@ class SpeculativeDecoder:
             on_tokens(new)
         return eos
 
-    def _host_span(self, run: GenerationRun, t_round: float, sim0: float, verifier0: float, round_no: int) -> None:
-        """The round's measured host time (its wall less target and simulator) on the timeline."""
+    def _host_span(self, run: GenerationRun, t_round: float, sim0: float, verifier0: float,
+                   round_no: int) -> float:
+        """The round's measured host time (its wall less target and simulator) on the
+        timeline; returns it."""
         wall = time.perf_counter() - t_round
         host = wall - (self.verifier.seconds - verifier0) - (run.sim_s - sim0)
         run.timeline.then("host", f"host round {round_no}", host, "measured", round=round_no)
+        return host
+
+    # -- adaptive γ ------------------------------------------------------------------------
+    def _choose_gamma(self) -> int:
+        """γ for the next round: fixed, or the controller's choice from past rounds only."""
+        return self.gamma if self.adaptive is None else self.adaptive.choose()
+
+    def _draft_timed(self, run: GenerationRun, state: DraftCursor, seq: list[int], n: int,
+                     round_no: int) -> tuple[DraftOutput | None, tuple[tuple[int, float], ...]]:
+        """The round's draft request on the device: (its output, the (tokens, modelled
+        seconds) the adaptive controller may learn the draft time from — empty when the
+        request fed more than two tokens or met a fault)."""
+        fed, faults = len(state.inputs), run.metrics.device_faults
+        d = self._device_step(run, f"draft round {round_no}",
+                              lambda: self._draft_counted(run, state, seq, n),
+                              round=round_no, drafts=n)
+        clean = d is not None and fed <= 2 and run.metrics.device_faults == faults
+        return d, ((n, run.last_device_s),) if clean else ()
+
+    def _observe(self, drafted: int, verdict: Verdict, verify_s: float, host_s: float,
+                 draft_requests: tuple[tuple[int, float], ...]) -> None:
+        """Tell the adaptive controller (if any) how the round went."""
+        if self.adaptive is not None:
+            self.adaptive.observe(RoundFacts(drafted, min(verdict.accepted, drafted), verify_s,
+                                             host_s, draft_requests))
 
     def _room(self, state: DraftCursor) -> int:
         """Drafts the engine's context has room for after ``state``'s inputs."""
@@ -462,12 +510,10 @@ class SpeculativeDecoder:
                     message = (f"stopped at the draft engine's context limit of {limit} positions; "
                                "use a preset with more kv_positions for longer generations")
                     break
-                n = min(self.gamma, remaining - 1, room)
-            d = None
+                n = min(self._choose_gamma(), remaining - 1, room)
+            d, requests = None, ()
             if n > 0:
-                d = self._device_step(run, f"draft round {round_no}",
-                                      lambda: self._draft_counted(run, state, seq, n),
-                                      round=round_no, drafts=n)
+                d, requests = self._draft_timed(run, state, seq, n, round_no)
                 if d is None:
                     use_device, n = False, 0
             if not use_device and not self.fallback:
@@ -475,14 +521,16 @@ class SpeculativeDecoder:
                 break
             drafts, q_tokens = (d.ids, d.tokens) if d is not None else ([], [])
             try:
-                verdict, _ = self._verify(run, drafts, q_tokens, round_no=round_no)
+                verdict, t_verify = self._verify(run, drafts, q_tokens, round_no=round_no)
             except Exception as exc:         # noqa: BLE001 - returned, not lost
                 stop, message, error = "verifier_error", verifier_message(exc, len(out)), exc
                 break
             if use_device:
                 state.advance(self.draft, n, drafts, verdict)
             eos = self._emit(run, out, seq, n, drafts, verdict, remaining, use_device, on_tokens)
-            self._host_span(run, t_round, sim0, verifier0, round_no)
+            host = self._host_span(run, t_round, sim0, verifier0, round_no)
+            if use_device:
+                self._observe(n, verdict, t_verify, host, requests)
             if eos:
                 stop = "eos"
                 break
