@@ -190,7 +190,10 @@ class AdaptiveLength:
         Rounds observed.
     """
 
-    def __init__(self, gamma_min: int = 1, gamma_max: int = 16, *, gamma_init: int = 4,
+    #: ``gamma_max`` when not given.
+    DEFAULT_GAMMA_MAX = 16
+
+    def __init__(self, gamma_min: int = 1, gamma_max: int = DEFAULT_GAMMA_MAX, *, gamma_init: int = 4,
                  probe_every: int = 8, decay: float = 0.95, prior_acceptance: float = 0.6,
                  shrink: float = 2.0, pipelined: bool = False):
         if not 1 <= gamma_min <= gamma_max:

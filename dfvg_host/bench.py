@@ -6,7 +6,12 @@
 3. **dfvg** — chain speculative decoding with the compiled draft on a draft device
    (``sim://PRESET``), over a sweep of γ;
 4. **dfvg-pipelined** — the same, with the engine drafting round n+1 while the target
-   verifies round n (:class:`~dfvg_host.pipelined.PipelinedDecoder`), same γ sweep.
+   verifies round n (:class:`~dfvg_host.pipelined.PipelinedDecoder`), same γ sweep;
+5. **dfvg-adaptive** — serial DFVG with γ chosen per round
+   (:class:`~dfvg_host.adaptive.AdaptiveLength`, ``gamma="auto"``, γ in 1..16). One
+   controller serves the whole run (warm-up included), as a server would keep one, so it
+   carries what it learnt from prompt to prompt. Its speedup is reported over target-only
+   and over the best fixed γ of serial DFVG in the same run.
 
 What is measured and what is modelled
 -------------------------------------
@@ -37,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from dfvg_host.adaptive import AdaptiveLength
 from dfvg_host.demo import REPO_ROOT
 from dfvg_host.driver import DraftDevice
 from dfvg_host.efficiency import EfficiencyRow
@@ -107,6 +113,10 @@ class BenchSettings:
         Tokens of an unmeasured first run of every method (lazy initialisation).
     pipelined : bool
         Also run pipelined DFVG (``dfvg-pipelined``) at every γ.
+    adaptive : bool
+        Also run serial DFVG with an adaptive γ (``dfvg-adaptive``).
+    adaptive_gamma_max : int
+        The largest γ the adaptive controller tries.
     """
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     max_new_tokens: int = 128
@@ -114,6 +124,8 @@ class BenchSettings:
     assisted_hf_defaults: bool = True
     warmup_tokens: int = 8
     pipelined: bool = True
+    adaptive: bool = True
+    adaptive_gamma_max: int = 16
 
 
 FULL = BenchSettings()
@@ -170,8 +182,8 @@ class Tally:
     ``hidden_s`` (dfvg-pipelined) is the modelled drafting that overlapped verification,
     taken out of ``seconds`` once.
     """
-    method: str                       # "target-only", "assisted", "dfvg" or "dfvg-pipelined"
-    gamma: int | None                 # None: target-only, or assisted with HF's own settings
+    method: str                       # "target-only", "assisted", "dfvg", "dfvg-pipelined", "dfvg-adaptive"
+    gamma: int | None                 # None: target-only, assisted with HF's own settings, dfvg-adaptive
     task: str = ALL_TASKS
     prompts: int = 0
     tokens: int = 0
@@ -189,11 +201,14 @@ class Tally:
     hidden_s: float = 0.0             # modelled overlap (dfvg-pipelined)
     pipeline_hits: int = 0
     pipeline_misses: int = 0
+    gamma_histogram: dict[int, int] = field(default_factory=dict)   # γ -> rounds (DFVG)
 
     @property
     def key(self) -> str:
         if self.method == "target-only":
             return self.method
+        if self.method == "dfvg-adaptive":
+            return f"{self.method} γ=auto"
         return f"{self.method} γ={self.gamma}" if self.gamma is not None else f"{self.method} (HF defaults)"
 
     def add(self, other: "Tally") -> None:
@@ -206,6 +221,14 @@ class Tally:
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, n in enumerate(theirs):
                 mine[i] += n
+        for g, n in other.gamma_histogram.items():
+            self.gamma_histogram[g] = self.gamma_histogram.get(g, 0) + n
+
+    @property
+    def mean_gamma(self) -> float | None:
+        """Drafts per round over the rounds that drafted (DFVG)."""
+        rounds = sum(self.gamma_histogram.values())
+        return sum(g * n for g, n in self.gamma_histogram.items()) / rounds if rounds else None
 
     @property
     def seconds(self) -> float:
@@ -253,7 +276,8 @@ class Tally:
         draft = {"target-only": "none",
                  "assisted": f"measured (float draft forward passes on {verifier_device})",
                  "dfvg": "modelled (cycle model at the preset clock)",
-                 "dfvg-pipelined": "modelled (cycle model at the preset clock)"}[self.method]
+                 "dfvg-pipelined": "modelled (cycle model at the preset clock)",
+                 "dfvg-adaptive": "modelled (cycle model at the preset clock)"}[self.method]
         return dict(target_s="measured (target forward passes)",
                     host_s="measured (wall time outside the target and draft forward passes)",
                     draft_s=draft, pcie_s="modelled (link model)" if self.is_dfvg else "none",
@@ -262,7 +286,7 @@ class Tally:
                               if self.method == "dfvg-pipelined" else "none"),
                     tokens_per_s=("measured" if not self.is_dfvg else
                                   "measured target+host + modelled FPGA+PCIe, unpipelined"
-                                  if self.method == "dfvg" else
+                                  if self.method in ("dfvg", "dfvg-adaptive") else
                                   "measured target+host + modelled FPGA+PCIe; pipelined: overlap "
                                   "counted once"),
                     acceptance=("derived from forward-pass counts" if self.method == "assisted"
@@ -282,6 +306,8 @@ class Tally:
                     host_share=self.host_share, matches_target_only=self.matches_target_only,
                     hidden_s=self.hidden_s, hidden_share=self.hidden_share,
                     pipeline_hits=self.pipeline_hits, pipeline_misses=self.pipeline_misses,
+                    mean_gamma=self.mean_gamma,
+                    gamma_histogram={str(g): n for g, n in sorted(self.gamma_histogram.items())} or None,
                     labels=self.labels(verifier_device))
 
 
@@ -304,6 +330,7 @@ class BenchRunner:
         self.target = verifier.model
         self.draft_model = draft_model.to(verifier.device).eval()
         self.device = device
+        self.adaptive: AdaptiveLength | None = None     # dfvg-adaptive's, made on first use
         # What transformers would use for the assistant when told nothing.
         self._assistant_defaults = copy.deepcopy(self.draft_model.generation_config)
 
@@ -359,16 +386,26 @@ class BenchRunner:
                              target_s=target.seconds, draft_s=draft.seconds,
                              host_s=max(0.0, wall - target.seconds - draft.seconds))
 
-    def dfvg(self, prompt: list[int], max_new_tokens: int, gamma: int,
-             pipelined: bool = False) -> tuple[list[int], Tally]:
+    def dfvg(self, prompt: list[int], max_new_tokens: int, gamma: int | str,
+             pipelined: bool = False, gamma_max: int = AdaptiveLength.DEFAULT_GAMMA_MAX
+             ) -> tuple[list[int], Tally]:
+        """DFVG at a fixed γ, or ``gamma="auto"``: serial with :attr:`adaptive`, one
+        controller for every prompt of the run."""
+        adaptive = None
+        if gamma == "auto":
+            if self.adaptive is None or self.adaptive.gamma_max != gamma_max:
+                self.adaptive = AdaptiveLength(gamma_max=gamma_max)
+            adaptive = self.adaptive
         # A device given up would leave the target decoding alone under DFVG's name.
         decoder = (PipelinedDecoder if pipelined else SpeculativeDecoder)(
-            self.device, self.verifier, gamma=gamma, eos_token_id=None, fallback=False)
+            self.device, self.verifier, gamma=gamma, eos_token_id=None, fallback=False,
+            adaptive=adaptive)
         out = decoder.generate(prompt, max_new_tokens)
         if out.stop_reason != "max_new_tokens":
             raise BenchError(f"DFVG stopped early at γ={gamma} ({out.stop_reason}): {out.message}")
         m = out.metrics
-        return out.tokens, Tally("dfvg-pipelined" if pipelined else "dfvg", gamma, prompts=1,
+        method = "dfvg-adaptive" if adaptive is not None else "dfvg-pipelined" if pipelined else "dfvg"
+        return out.tokens, Tally(method, None if adaptive is not None else gamma, prompts=1,
                                  tokens=m.emitted_tokens, rounds=m.rounds,
                                  drafted=m.drafted_tokens, accepted=m.accepted_tokens,
                                  drafted_per_position=list(m.drafted_per_position),
@@ -377,7 +414,8 @@ class BenchRunner:
                                  draft_s=m.device_seconds, pcie_s=m.pcie_seconds,
                                  simulator_s=m.simulator_seconds,
                                  hidden_s=min(m.hidden_draft_seconds, m.draft_seconds),
-                                 pipeline_hits=m.pipeline_hits, pipeline_misses=m.pipeline_misses)
+                                 pipeline_hits=m.pipeline_hits, pipeline_misses=m.pipeline_misses,
+                                 gamma_histogram=m.gamma_histogram)
 
     def methods(self, settings: BenchSettings) -> list[tuple[str, int | None]]:
         """(method, γ) in the order each prompt runs them."""
@@ -386,13 +424,18 @@ class BenchRunner:
             runs.append(("assisted", None))
         for g in settings.gammas:
             runs += [("assisted", g), ("dfvg", g)] + ([("dfvg-pipelined", g)] if settings.pipelined else [])
+        if settings.adaptive:
+            runs.append(("dfvg-adaptive", None))
         return runs
 
-    def run_one(self, method: str, gamma: int | None, prompt: list[int], n: int) -> tuple[list[int], Tally]:
+    def run_one(self, method: str, gamma: int | None, prompt: list[int], n: int,
+                settings: BenchSettings | None = None) -> tuple[list[int], Tally]:
         if method == "target-only":
             return self.target_only(prompt, n)
         if method == "assisted":
             return self.assisted(prompt, n, gamma)
+        if method == "dfvg-adaptive":
+            return self.dfvg(prompt, n, "auto", gamma_max=(settings or BenchSettings()).adaptive_gamma_max)
         return self.dfvg(prompt, n, gamma, pipelined=method == "dfvg-pipelined")
 
     def run(self, prompts: list[tuple[BenchPrompt, list[int]]], settings: BenchSettings,
@@ -407,14 +450,14 @@ class BenchRunner:
                                  f"draft's context limit is {limit}; lower --max-new-tokens")
         plan = self.methods(settings)
         for method, gamma in plan:          # unmeasured: lazy initialisation, allocator warm-up
-            self.run_one(method, gamma, prompts[0][1], settings.warmup_tokens)
+            self.run_one(method, gamma, prompts[0][1], settings.warmup_tokens, settings)
         tallies: dict[tuple[str, str, int | None], Tally] = {}
         t_start = time.perf_counter()
         for i, (q, ids) in enumerate(prompts, 1):
             reference: list[int] | None = None
             line = []
             for method, gamma in plan:
-                tokens, tally = self.run_one(method, gamma, ids, settings.max_new_tokens)
+                tokens, tally = self.run_one(method, gamma, ids, settings.max_new_tokens, settings)
                 if reference is None:
                     reference = tokens
                 tally.matches_target_only = int(tokens == reference)
@@ -476,11 +519,13 @@ class BenchResult:
         return max(rows, key=lambda t: t.tokens_per_s) if rows else None
 
     def headline(self) -> dict:
-        """DFVG at its best γ against target-only and against assisted generation, and
-        pipelined DFVG at its best γ against target-only and serial DFVG."""
+        """DFVG at its best γ against target-only and against assisted generation,
+        pipelined DFVG at its best γ against target-only and serial DFVG, and adaptive
+        DFVG against target-only and serial DFVG at its best fixed γ."""
         dfvg, assisted = self.best("dfvg"), self.best("assisted")
         same_gamma = self.get("assisted", dfvg.gamma) if dfvg else None
         piped = self.best("dfvg-pipelined")
+        adaptive = self.get("dfvg-adaptive", None)
         return dict(best_dfvg=dfvg.key if dfvg else None, best_assisted=assisted.key if assisted else None,
                     best_dfvg_pipelined=piped.key if piped else None,
                     dfvg_pipelined_over_target_only=self.speedup(piped, self.baseline()) if piped else None,
@@ -490,6 +535,12 @@ class BenchResult:
                     dfvg_over_assisted_same_gamma=self.speedup(dfvg, same_gamma) if dfvg else None,
                     best_assisted_over_target_only=(self.speedup(assisted, self.baseline())
                                                     if assisted else None),
+                    dfvg_adaptive=adaptive.key if adaptive else None,
+                    dfvg_adaptive_mean_gamma=adaptive.mean_gamma if adaptive else None,
+                    dfvg_adaptive_over_target_only=(self.speedup(adaptive, self.baseline())
+                                                    if adaptive else None),
+                    dfvg_adaptive_over_best_fixed=(self.speedup(adaptive, dfvg)
+                                                   if adaptive and dfvg else None),
                     label="ratios of tokens/s within this run; DFVG's is projected (measured "
                           "target+host + modelled FPGA+PCIe), the others' measured")
 
@@ -500,8 +551,10 @@ class BenchResult:
         def row(t: Tally) -> dict:
             d = t.to_dict(dev)
             d["speedup_over_target_only"] = self.speedup(t, base[t.task])
-            same = self.get("assisted", t.gamma, t.task) if t.is_dfvg else None
+            same = self.get("assisted", t.gamma, t.task) if t.is_dfvg and t.gamma is not None else None
             d["speedup_over_assisted_same_gamma"] = self.speedup(t, same)
+            if t.method == "dfvg-adaptive":
+                d["speedup_over_best_fixed_dfvg"] = self.speedup(t, self.best("dfvg", t.task))
             return d
 
         return dict(setup=self.setup, headline=self.headline(),
@@ -569,6 +622,7 @@ def run_benchmark(*, target_dir: Path, draft_dir: Path, device: DraftDevice, dev
                  prompt_mix=", ".join(f"{task} {n}" for task, n in mix.items()),
                  prompt_tokens=[len(ids) for _, ids in encoded],
                  max_new_tokens=settings.max_new_tokens, gammas=list(settings.gammas),
+                 adaptive_gamma_max=settings.adaptive_gamma_max if settings.adaptive else None,
                  per_task=settings.per_task, torch=torch.__version__,
                  transformers=transformers.__version__, torch_threads=torch.get_num_threads(),
                  host=f"{platform.machine()} {platform.processor() or ''}".strip(),

@@ -87,6 +87,10 @@ def _speedup_vs_gamma(plt, result: dict, out: Path) -> Path:
     if default:
         ax.axhline(default["speedup_over_target_only"], color="C1", linestyle=":", linewidth=1,
                    label="HF assisted with transformers' default settings (measured)")
+    adaptive = next((r for r in rows if r["method"] == "dfvg-adaptive"), None)
+    if adaptive:
+        ax.axhline(adaptive["speedup_over_target_only"], color="C3", linestyle="--", linewidth=1.2,
+                   label=f"DFVG adaptive γ (mean {adaptive['mean_gamma'] or 0:.1f}; projected)")
     ax.axhline(1.0, color="0.4", linewidth=1, label="target-only autoregressive (measured) = 1")
     for r in _swept(rows, "dfvg"):
         ax.annotate(f"{r['speedup_over_target_only']:.2f}x", (r["gamma"], r["speedup_over_target_only"]),

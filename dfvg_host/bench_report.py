@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dfvg_host.bench import ALL_TASKS, BenchResult, Tally
 
-__all__ = ["format_result", "speed_table", "task_table", "position_table", "efficiency_table"]
+__all__ = ["format_result", "speed_table", "task_table", "position_table", "efficiency_table",
+           "adaptive_table"]
 
 
 def _num(x: float | None, fmt: str, empty: str = "-") -> str:
@@ -44,7 +45,7 @@ def speed_table(result: BenchResult) -> str:
              f"float on {s['verifier_device']} for assisted, int8 on {s['device']} for DFVG",
              "", head, unit]
     for t in result.rows(ALL_TASKS):
-        same = result.get("assisted", t.gamma) if t.is_dfvg else None
+        same = result.get("assisted", t.gamma) if t.is_dfvg and t.gamma is not None else None
         lines.append(
             f"{t.key:<24}{t.tokens_per_s:>8.1f}{t.target_s:>10.3f}{t.host_s:>8.3f}"
             f"{_num(t.draft_s if t.method == 'assisted' else None, '9.3f'):>9}"
@@ -59,6 +60,8 @@ def speed_table(result: BenchResult) -> str:
               "target + host + modelled FPGA (cycle model) + PCIe (link model), unpipelined.",
               "dfvg-pipelined: the engine drafts the next round while the target verifies; its "
               "tok/s takes the overlap (modelled: the sim device runs synchronously) once.",
+              "dfvg-adaptive: serial DFVG with γ chosen per round from the measured acceptance and "
+              "verify time and the modelled draft time (projected like dfvg).",
               "accept: drafted tokens accepted (assisted: derived from forward-pass counts); "
               "len: tokens committed per target forward pass.",
               "host/round: measured time outside the forward passes, per target forward, and as a "
@@ -113,6 +116,26 @@ def pipeline_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def adaptive_table(result: BenchResult) -> str:
+    t = result.get("dfvg-adaptive", None)
+    if t is None:
+        return ""
+    best = result.best("dfvg")
+    hist = " ".join(f"{g}:{n}" for g, n in sorted(t.gamma_histogram.items()))
+    lines = ["Adaptive DFVG: γ chosen per round (serial schedule; dfvg_host/adaptive.py)", "",
+             f"{'method':<24}{'tok/s':>8}{'mean γ':>8}{'accept':>8}{'len':>6}{'x target':>10}"
+             f"{'x best':>9}  best fixed γ",
+             f"{'':<24}{'proj.':>8}{'':>8}{'':>8}{'':>6}{'-only':>10}{'fixed':>9}"]
+    lines.append(f"{t.key:<24}{t.tokens_per_s:>8.1f}{_num(t.mean_gamma, '8.2f'):>8}"
+                 f"{_num(t.acceptance_rate, '8.3f'):>8}{t.mean_accepted_length:>6.2f}"
+                 f"{_ratio(result.speedup(t, result.baseline())):>10}"
+                 f"{_ratio(result.speedup(t, best)):>9}  {best.key if best else '-'}")
+    lines += ["", f"rounds by γ: {hist}",
+              "x best fixed: over serial DFVG at its best γ of this run's sweep (chosen after the "
+              "fact); one controller learnt over every prompt, warm-up included."]
+    return "\n".join(lines)
+
+
 def position_table(result: BenchResult) -> str:
     rows = [t for t in result.rows(ALL_TASKS, "dfvg")]
     width = max((len(t.acceptance_per_position) for t in rows), default=0)
@@ -158,6 +181,9 @@ def format_result(result: BenchResult) -> str:
     piped = pipeline_table(result)
     if piped:
         parts.insert(1, piped)
+    adaptive = adaptive_table(result)
+    if adaptive:
+        parts.insert(2 if piped else 1, adaptive)
     if h["best_dfvg"]:
         parts.append(f"Headline: DFVG at its best γ ({h['best_dfvg']}) runs "
                      f"{_ratio(h['dfvg_over_target_only'])} target-only decoding and "
@@ -169,6 +195,10 @@ def format_result(result: BenchResult) -> str:
                         f"{_ratio(h['dfvg_pipelined_over_target_only'])} target-only, "
                         f"{_ratio(h['dfvg_pipelined_over_dfvg'])} serial DFVG at its best."
                         if h.get("best_dfvg_pipelined") else "")
+                     + (f" Adaptive DFVG (mean γ {h['dfvg_adaptive_mean_gamma']:.2f}): "
+                        f"{_ratio(h['dfvg_adaptive_over_target_only'])} target-only, "
+                        f"{_ratio(h['dfvg_adaptive_over_best_fixed'])} serial DFVG at its best fixed γ."
+                        if h.get("dfvg_adaptive") and h.get("dfvg_adaptive_mean_gamma") is not None else "")
                      + "\n[" + h["label"] + "]")
     eff = efficiency_table(result)
     if eff:

@@ -225,6 +225,7 @@ def _target(args):
 def cmd_generate(args) -> int:
     """Speculative decoding: draft on the device, verify on the target."""
     from dfvg_host.acceptance import SamplingParams
+    from dfvg_host.adaptive import AdaptiveLength
     from dfvg_host.checkpoints import check_tokenizer_pair
     from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
     from dfvg_host.pipelined import PipelinedDecoder
@@ -234,6 +235,8 @@ def cmd_generate(args) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     # Every argument and input first; the compile and the model loads come after.
     _check_verifier_options(args)
+    if args.gamma_max is not None and args.gamma != "auto":
+        raise CliError("--gamma-max bounds an adaptive γ: give it with --gamma auto")
     if args.trace:
         trace_dir = Path(args.trace).resolve().parent
         if not trace_dir.is_dir():
@@ -261,8 +264,10 @@ def cmd_generate(args) -> int:
                              cycle_source=cycle_source(args.device))
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
         decoder_class = PipelinedDecoder if args.schedule == "pipelined" else SpeculativeDecoder
+        adaptive = (AdaptiveLength(gamma_max=args.gamma_max or AdaptiveLength.DEFAULT_GAMMA_MAX)
+                    if args.gamma == "auto" else None)
         decoder = decoder_class(device, verifier, gamma=args.gamma, sampling=sampling,
-                                eos_token_id=tok.eos_token_id)
+                                eos_token_id=tok.eos_token_id, adaptive=adaptive)
     except (ValueError, DraftDeviceError) as exc:
         raise CliError(str(exc)) from None
 
@@ -274,9 +279,11 @@ def cmd_generate(args) -> int:
         shown.extend(new)
         print(tok.decode(shown)[len(before):], end="", flush=True)
 
+    gamma_note = (f"auto (1..{adaptive.gamma_max}, chosen per round)" if adaptive is not None
+                  else args.gamma)
     if not args.json:
         log(f"target {target_dir} on {verifier.device} | draft {draft_dir} on {args.device} | "
-            f"gamma {args.gamma} | {args.schedule} | {'greedy' if sampling.greedy else f'T={args.temperature} top-k={args.top_k} seed={args.seed}'}\n")
+            f"gamma {gamma_note} | {args.schedule} | {'greedy' if sampling.greedy else f'T={args.temperature} top-k={args.top_k} seed={args.seed}'}\n")
         print(prompt_text, end="", flush=True)
     try:
         with _decoder_log_silenced():
@@ -294,6 +301,8 @@ def cmd_generate(args) -> int:
                               degraded=result.degraded, fallback_reason=result.fallback_reason,
                               faults=result.faults, error=None if result.error is None else repr(result.error),
                               device=args.device, schedule=args.schedule, trace=args.trace,
+                              gamma=args.gamma,
+                              adaptive=adaptive.describe() if adaptive is not None else None,
                               metrics=result.metrics.to_dict()), indent=2))
     else:
         print("\n")
@@ -603,9 +612,12 @@ def cmd_bench(args) -> int:
         base, gammas=_parse_gammas(args.gammas) if args.gammas else base.gammas,
         max_new_tokens=args.max_new_tokens or base.max_new_tokens,
         per_task=args.per_task if args.per_task is not None else base.per_task,
-        pipelined=not args.no_pipelined)
+        pipelined=not args.no_pipelined, adaptive=not args.no_adaptive,
+        adaptive_gamma_max=args.gamma_max or base.adaptive_gamma_max)
     if settings.per_task < 1:
         raise CliError("--per-task must be at least 1")
+    if args.gamma_max is not None and args.no_adaptive:
+        raise CliError("--gamma-max bounds the adaptive method's γ; it has no use with --no-adaptive")
     if args.threads is not None:
         if args.threads < 1:
             raise CliError("--threads must be at least 1")
@@ -666,6 +678,16 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _gamma_option(text: str) -> int | str:
+    """``--gamma``: a count, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a count of draft tokens or auto") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dfvg_hw.spec.config import preset_names
 
@@ -700,7 +722,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="target top-k (0 = whole vocabulary)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    g.add_argument("--gamma", type=_gamma_option, default=4,
+                   help="draft tokens per round, or auto: chosen per round from the measured "
+                        "acceptance and verify/draft times (dfvg_host/adaptive.py)")
+    g.add_argument("--gamma-max", type=int, help="with --gamma auto: the largest γ tried (default 16)")
     g.add_argument("--dtype", default="float32", help="verifier dtype: float32, bfloat16, float16")
     g.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
     g.add_argument("--calibration", help="calibration text when --draft needs compiling")
@@ -790,6 +815,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-efficiency", action="store_true", help="skip the engine-efficiency table")
     b.add_argument("--no-pipelined", action="store_true", help="skip pipelined DFVG (the engine "
                    "drafting the next round during verification; run at every γ by default)")
+    b.add_argument("--no-adaptive", action="store_true", help="skip adaptive DFVG (dfvg-adaptive: "
+                   "serial, γ chosen per round; run once by default)")
+    b.add_argument("--gamma-max", type=int, help="the largest γ adaptive DFVG tries (default 16)")
     b.add_argument("--efficiency-presets", default="alveo-u55c,alveo-u280,alveo-u250",
                    help="presets of the engine-efficiency table (comma-separated)")
     b.add_argument("--contexts", default="256,1024",
@@ -833,12 +861,17 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "gamma", "context", "positions", "segment", "max_num_seqs",
-                 "max_tokens"):
-        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
+    for name in ("max_new_tokens", "gamma", "gamma_max", "context", "positions", "segment",
+                 "max_num_seqs", "max_tokens"):
+        value = getattr(args, name, 1)
+        if value is not None and value != "auto" and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if getattr(args, "gamma", 1) > MAX_DRAFT:
+    if getattr(args, "gamma", 1) != "auto" and getattr(args, "gamma", 1) > MAX_DRAFT:
         parser.error(f"--gamma {args.gamma}: the engine drafts at most {MAX_DRAFT} tokens per request")
+    if (getattr(args, "gamma_max", None) or 1) > MAX_DRAFT - 1:
+        # a pipelined continuation drafts γ + 1 tokens in one request
+        parser.error(f"--gamma-max {args.gamma_max}: at most {MAX_DRAFT - 1} (the engine drafts at "
+                     f"most {MAX_DRAFT} tokens per request)")
     if getattr(args, "temperature", 0.0) < 0 or getattr(args, "top_k", 0) < 0:
         parser.error("--temperature and --top-k must be >= 0")
     if getattr(args, "timeout", 1.0) <= 0:

@@ -62,6 +62,8 @@ SLOW_TESTS = {
     "test_pipelined.py::test_greedy_is_exact_on_the_demo_pair",
     "test_pipelined.py::test_sampling_is_lossless",
     "test_tensor_parallel_serve.py::test_two_ranks_serve_greedy_as_the_target_alone",
+    # a subprocess generating on the demo pair, as the two generate tests above
+    "test_cli.py::test_generate_adaptive_gamma_json",
 }
 
 

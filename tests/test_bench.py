@@ -66,7 +66,7 @@ def test_speculative_outputs_equal_target_only_greedy(demo_pair, demo_compiled):
 def test_every_method_matches_and_counts_add_up(tiny_run):
     result, data = tiny_run
     rows = {r["key"]: r for r in data["rows"]}
-    assert set(rows) == {"target-only", "assisted (HF defaults)"} | {
+    assert set(rows) == {"target-only", "assisted (HF defaults)", "dfvg-adaptive γ=auto"} | {
         f"{m} γ={g}" for m in ("assisted", "dfvg", "dfvg-pipelined") for g in GAMMAS}
     prompts = data["setup"]["prompts"]
     assert prompts == 3 and set(data["by_task"]) == {"code", "prose", "dialogue"}
@@ -94,6 +94,14 @@ def test_every_method_matches_and_counts_add_up(tiny_run):
         assert p["seconds"] == pytest.approx(p["target_s"] + p["host_s"] + p["draft_s"] + p["pcie_s"]
                                              - p["hidden_s"])
         assert p["seconds"] >= p["target_s"] and d["hidden_s"] == 0 and d["hidden_share"] is None
+    a = rows["dfvg-adaptive γ=auto"]          # one controller over the run; exact all the same
+    hist = {int(g): n for g, n in a["gamma_histogram"].items()}
+    assert a["gamma"] is None and sum(hist.values()) <= a["rounds"]     # a last round drafts nothing
+    assert sum(g * n for g, n in hist.items()) == a["drafted"]
+    assert a["mean_gamma"] == pytest.approx(a["drafted"] / a["rounds"])
+    assert max(hist) <= 16 and a["hidden_s"] == 0 and a["draft_s"] > 0
+    assert a["speedup_over_assisted_same_gamma"] is None
+    assert data["setup"]["adaptive_gamma_max"] == 16
     # per-task tallies add up to the whole
     for key, r in rows.items():
         parts = [next(x for x in data["by_task"][t] if x["key"] == key) for t in data["by_task"]]
@@ -117,6 +125,11 @@ def test_speedups_are_ratios_within_the_run(tiny_run):
     piped = max((r for r in data["rows"] if r["method"] == "dfvg-pipelined"), key=lambda r: r["tokens_per_s"])
     assert h["best_dfvg_pipelined"] == piped["key"]
     assert h["dfvg_pipelined_over_target_only"] == pytest.approx(piped["speedup_over_target_only"])
+    adaptive = next(r for r in data["rows"] if r["method"] == "dfvg-adaptive")
+    assert h["dfvg_adaptive"] == adaptive["key"] and h["dfvg_adaptive_mean_gamma"] == adaptive["mean_gamma"]
+    assert h["dfvg_adaptive_over_target_only"] == pytest.approx(adaptive["speedup_over_target_only"])
+    assert h["dfvg_adaptive_over_best_fixed"] == pytest.approx(
+        adaptive["tokens_per_s"] / best["tokens_per_s"]) == adaptive["speedup_over_best_fixed_dfvg"]
 
 
 def test_every_figure_is_labelled(tiny_run):
@@ -126,6 +139,8 @@ def test_every_figure_is_labelled(tiny_run):
         assert "measured" in labels["target_s"] and "measured" in labels["host_s"]
         if r["method"] == "dfvg-pipelined":
             assert "overlap counted once" in labels["tokens_per_s"] and "modelled" in labels["hidden_s"]
+        if r["method"] == "dfvg-adaptive":
+            assert labels["tokens_per_s"].endswith("unpipelined")
         if r["method"].startswith("dfvg"):
             assert "modelled" in labels["draft_s"] and "modelled" in labels["pcie_s"]
             assert "modelled" in labels["tokens_per_s"] and "measured" in labels["tokens_per_s"]
@@ -134,6 +149,7 @@ def test_every_figure_is_labelled(tiny_run):
     text = format_result(result)
     for needle in ("measured", "modelled", "dfvg γ=3", "assisted γ=2", "target-only", "Headline",
                    "dfvg-pipelined γ=3", "Pipelined DFVG", "overlap modelled",
+                   "dfvg-adaptive γ=auto", "Adaptive DFVG", "rounds by γ", "x best",
                    "code", "prose", "dialogue", "Every method's output equals target-only"):
         assert needle in text
     json.dumps(data)                  # serialisable as printed by --json
@@ -217,6 +233,8 @@ def test_bad_prompt_set_is_a_clear_error(tmp_path):
     (["--gammas", "0"], "each γ must be in"),
     (["--gammas", "2,x"], "comma-separated integers"),
     (["--per-task", "0"], "--per-task must be at least 1"),
+    (["--gamma-max", "4", "--no-adaptive"], "no use with --no-adaptive"),
+    (["--gamma-max", "0"], "--gamma-max must be at least 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--prompts", "/nonexistent/prompts.json"], "does not exist"),
     (["--draft", "models/demo-draft"], "give both --draft and --target"),

@@ -108,6 +108,25 @@ def test_argparse_errors_exit_2():
     assert dfvg("compile").returncode == 2
     assert dfvg("demo", "--gamma", "0").returncode == 2
     assert dfvg("generate", "--schedule", "tree", "--prompt", "a").returncode == 2
+    for bad in (["--gamma", "fast"], ["--gamma", "auto", "--gamma-max", "0"],
+                ["--gamma", "auto", "--gamma-max", "64"]):
+        assert dfvg("generate", "--prompt", "a", *bad).returncode == 2
+
+
+def test_gamma_max_needs_gamma_auto():
+    assert "give it with --gamma auto" in error_line(dfvg("generate", "--prompt", "a", "--gamma-max", 8))
+
+
+def test_generate_adaptive_gamma_json(demo_pair):
+    proc = dfvg("generate", "--prompt", "import os\n\ndef main():\n", "--max-new-tokens", 24,
+                "--gamma", "auto", "--gamma-max", 8, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    m = out["metrics"]
+    assert out["gamma"] == "auto" and out["adaptive"]["choices"] >= 1 and len(out["adaptive"]["acceptance"]) == 8
+    assert m["gamma_mode"] == "auto" and len(m["gamma_per_round"]) == m["rounds"]
+    assert all(0 <= g <= 8 for g in m["gamma_per_round"]) and sum(m["gamma_per_round"]) == m["drafted_tokens"]
+    assert m["mean_gamma"] > 0 and m["labels"]["verifier_seconds"] == "measured"
 
 
 def test_generate_json_on_the_demo_pair(demo_pair):
