@@ -64,6 +64,8 @@ SLOW_TESTS = {
     "test_tensor_parallel_serve.py::test_two_ranks_serve_greedy_as_the_target_alone",
     # a subprocess generating on the demo pair, as the two generate tests above
     "test_cli.py::test_generate_adaptive_gamma_json",
+    # ~30 s: 1 500 adaptive generations for the chi-square
+    "test_adaptive.py::test_sampling_is_lossless[self-1500]",
 }
 
 
