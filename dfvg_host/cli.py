@@ -208,14 +208,17 @@ def _check_verifier_options(args) -> None:
         raise CliError(str(exc)) from None
 
 
-def _target(args):
+def _target(args, *, draft_needed: bool = True):
     """(target directory, its config) of ``--target``, else the demo target; checked to be a
-    causal LM. With ``--target`` a ``--draft`` is needed too, and the other way round."""
+    causal LM. With ``--target`` a ``--draft`` is needed too, and the other way round
+    (unless ``draft_needed`` is false: a target served alone)."""
     from dfvg_host.checkpoints import check_causal_lm, load_checkpoint_config
     from dfvg_host.demo import demo_paths
 
-    if (args.draft is None) != (args.target is None):
+    if draft_needed and (args.draft is None) != (args.target is None):
         raise CliError("give both --draft and --target, or neither (the shipped demo pair)")
+    if not draft_needed and args.draft is not None:
+        raise CliError("--target-only serves the target alone: drop --draft")
     target_dir = Path(args.target) if args.target else demo_paths()[1]
     config = load_checkpoint_config(target_dir, "--target")
     check_causal_lm(config, target_dir)
@@ -330,7 +333,7 @@ def cmd_serve(args) -> int:
         check_placement(args.verifier_device, args.device_map, "auto" if args.tensor_parallel else None)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    target_dir, target_config = _target(args)
+    target_dir, target_config = _target(args, draft_needed=not args.target_only)
     if args.tensor_parallel and distributed.rank() != 0:
         # A follower: its shard of the target runs the calls rank 0 broadcasts; rank 0 alone
         # opens the draft device and serves.

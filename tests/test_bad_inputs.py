@@ -187,6 +187,8 @@ CASES = {
     "serve_chat_template_not_utf8": Case(["serve", "--chat-template", "{latin1}"], "is not UTF-8 text"),
     "serve_target_without_tokenizer": Case(["serve", "--draft", str(DEMO_DRAFT), "--target",
                                             "{no_tokenizer_target}"], "has no tokenizer files"),
+    "serve_target_only_with_a_draft": Case(["serve", "--target-only", "--draft", str(DEMO_DRAFT)],
+                                           "drop --draft"),
     "bench_serve_concurrency_not_numbers": Case(["bench-serve", "--concurrency", "1,x"],
                                                 "positive integers separated by commas"),
     "unknown_preset": Case(["compile", "--draft", str(DEMO_DRAFT), "--preset", "v80", "-o", "{out}"],
