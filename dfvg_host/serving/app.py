@@ -93,7 +93,11 @@ class _Exchange:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def on_event(self, seq: Sequence, tokens: list[int], finish: str | None) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, finish))
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, finish))
+        except RuntimeError:
+            # The server stopped (its loop is closed): nobody is left to read the event.
+            pass
 
 
 def _dfvg_fields(seq: Sequence) -> dict:
