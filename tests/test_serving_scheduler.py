@@ -170,6 +170,31 @@ def test_cancel_frees_the_place_and_backpressure(compiled, engine, target):
         scheduler.stop()
 
 
+def test_an_unexpected_failure_ends_the_round_and_the_scheduler_goes_on(compiled, engine, target,
+                                                                        reference, monkeypatch):
+    scheduler, _ = make_scheduler(compiled, engine, target)
+    real_commit = scheduler.verifier.commit
+    calls = []
+
+    def commit_failing_once(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real_commit(*args)
+
+    monkeypatch.setattr(scheduler.verifier, "commit", commit_failing_once)
+    try:
+        streamed, seqs = run_all(scheduler, PROMPTS[:2])
+        assert [s.finish_reason for s in seqs] == ["error", "error"]
+        assert "injected" in seqs[0].message and scheduler.alive
+        for got, ref in zip(streamed, reference):
+            assert got == ref[:len(got)]           # what was streamed before is kept, and right
+        again, _ = run_all(scheduler, PROMPTS[:1])
+        assert again[0] == reference[0]
+    finally:
+        scheduler.stop()
+
+
 def test_a_request_past_the_context_is_refused(compiled, engine, target):
     scheduler, _ = make_scheduler(compiled, engine, target)
     try:

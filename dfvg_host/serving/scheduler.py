@@ -283,12 +283,28 @@ class Scheduler:
                     self._lock.wait()
                 if self._stop:
                     break
-            self._drop_cancelled()
-            self._admit()
-            if self._running:
-                self.step()
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self._running:
+                    self.step()
+            except Exception as exc:         # noqa: BLE001 - the server keeps serving
+                self._fail_running(exc)
         for seq in self._running + list(self._waiting):
             self._finish(seq, "cancelled")
+
+    def _fail_running(self, exc: Exception) -> None:
+        """A round failed where nothing expected it: end the running sequences with their
+        tokens (``"error"``) and go on with the next requests."""
+        log.exception("a scheduler round failed; its sequences end with the tokens they have")
+        for seq in list(self._running):
+            if seq.id in self.verifier:
+                try:
+                    self.verifier.remove(seq.id)
+                except Exception:            # noqa: BLE001 - the sequence ends either way
+                    pass
+            self._finish(seq, "error", f"internal error ({type(exc).__name__}: {exc}); the "
+                         f"{len(seq.tokens)} tokens generated before it are kept")
 
     def _admit(self) -> None:
         while True:
