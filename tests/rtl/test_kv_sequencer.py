@@ -40,6 +40,18 @@ assert LAYERS * KV_HEADS == TINY.kv_slots
 PAST_END = TINY.mem_bytes - 8
 
 
+def _pass_through_but_job(m, adapter, seq) -> None:
+    """Connect every member of a test adapter to its sequencer's, except ``job`` (which the
+    adapter drives itself)."""
+    for name, member in adapter.signature.members.items():
+        if name != "job":
+            inner, outer = getattr(seq, name), getattr(adapter, name)
+            if member.is_port:
+                m.d.comb += (outer.eq(inner) if member.flow == wiring.Out else inner.eq(outer))
+            else:
+                wiring.connect(m, wiring.flipped(outer), inner)
+
+
 class ClearOnNop(wiring.Component):
     """Test adapter: a NOP job pulses the sequencer's ``clear`` and finishes (OK) when the
     KV buffer is zero, so run_jobs can put a soft reset between jobs."""
@@ -51,13 +63,7 @@ class ClearOnNop(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         seq = m.submodules.sequencer = self.sequencer
-        for name, member in self.signature.members.items():
-            if name != "job":
-                inner, outer = getattr(seq, name), getattr(self, name)
-                if member.is_port:
-                    m.d.comb += (outer.eq(inner) if member.flow == wiring.Out else inner.eq(outer))
-                else:
-                    wiring.connect(m, wiring.flipped(outer), inner)
+        _pass_through_but_job(m, self, seq)
         is_nop = self.job.payload.opcode == Op.NOP
         busy = Signal()
         m.d.comb += [seq.job.payload.eq(self.job.payload),
@@ -84,13 +90,7 @@ class SlotBaseInAddr(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         seq = m.submodules.sequencer = self.sequencer
-        for name, member in self.signature.members.items():
-            if name != "job":
-                inner, outer = getattr(seq, name), getattr(self, name)
-                if member.is_port:
-                    m.d.comb += (outer.eq(inner) if member.flow == wiring.Out else inner.eq(outer))
-                else:
-                    wiring.connect(m, wiring.flipped(outer), inner)
+        _pass_through_but_job(m, self, seq)
         m.d.comb += [seq.job.payload.eq(self.job.payload), seq.job.payload.addr.eq(self.job.payload.addr[:48]),
                      seq.slot_base.eq(self.job.payload.addr[48:]),
                      seq.job.valid.eq(self.job.valid), self.job.ready.eq(seq.job.ready)]
