@@ -691,6 +691,15 @@ def _gamma_option(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r}: give a count of draft tokens or auto") from None
 
 
+def _add_pair_arguments(parser) -> None:
+    """``--target``, ``--draft`` and ``--device``: what every decoding command runs."""
+    parser.add_argument("--target", help="target model directory (default: the shipped demo target)")
+    parser.add_argument("--draft", help="draft model directory or `dfvg compile` output "
+                        "(default: the shipped demo draft)")
+    parser.add_argument("--device", default="sim://alveo-u55c",
+                        help="draft device URL (default sim://alveo-u55c)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dfvg_hw.spec.config import preset_names
 
@@ -716,10 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compile)
 
     g = sub.add_parser("generate", help="speculative decoding: draft on the device, verify on the target")
-    g.add_argument("--target", help="target model directory (default: the shipped demo target)")
-    g.add_argument("--draft", help="draft model directory or `dfvg compile` output "
-                   "(default: the shipped demo draft)")
-    g.add_argument("--device", default="sim://alveo-u55c", help="draft device URL (default sim://alveo-u55c)")
+    _add_pair_arguments(g)
     g.add_argument("--prompt", help="prompt text (default: read standard input)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -743,10 +749,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/completions, "
                        "/v1/chat/completions, /v1/models, /health, /metrics")
-    v.add_argument("--target", help="target model directory (default: the shipped demo target)")
-    v.add_argument("--draft", help="draft model directory or `dfvg compile` output "
-                   "(default: the shipped demo draft)")
-    v.add_argument("--device", default="sim://alveo-u55c", help="draft device URL (default sim://alveo-u55c)")
+    _add_pair_arguments(v)
     v.add_argument("--target-only", action="store_true",
                    help="serve the target alone (no draft device): the baseline, same batching")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -775,9 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     l = sub.add_parser("bench-serve", help="load-test the server: DFVG against target-only serving, "
                        "tokens/s and p50/p99 latency per concurrency level")
-    l.add_argument("--target", help="target model directory (default: the shipped demo target)")
-    l.add_argument("--draft", help="draft model directory or `dfvg compile` output (default: the demo draft)")
-    l.add_argument("--device", default="sim://alveo-u55c", help="draft device URL (default sim://alveo-u55c)")
+    _add_pair_arguments(l)
     l.add_argument("--prompts", help="prompt set JSON (default benchmarks/prompts/multitask.json)")
     l.add_argument("--concurrency", default="1,4,16", help="concurrency levels (default 1,4,16)")
     l.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
@@ -800,9 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure target-only, HF assisted and DFVG decoding on a prompt "
                        "set, and the engine's modelled efficiency")
-    b.add_argument("--target", help="target model directory (default: the shipped demo target)")
-    b.add_argument("--draft", help="draft model directory or `dfvg compile` output (default: the demo draft)")
-    b.add_argument("--device", default="sim://alveo-u55c", help="draft device URL (default sim://alveo-u55c)")
+    _add_pair_arguments(b)
     b.add_argument("--prompts", help="prompt set JSON (default benchmarks/prompts/multitask.json)")
     b.add_argument("--quick", action="store_true",
                    help="a small run: 2 prompts per task, 64 new tokens, γ in 1,2,3,4,6")
