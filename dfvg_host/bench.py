@@ -12,6 +12,13 @@
    controller serves the whole run (warm-up included), as a server would keep one, so it
    carries what it learnt from prompt to prompt. Its speedup is reported over target-only
    and over the best fixed γ of serial DFVG in the same run.
+6. With several drafters (``--draft`` given more than once; Smurfs,
+   :mod:`dfvg_host.multi_draft`): **dfvg[NAME]**, each further drafter alone (``dfvg`` is
+   the first), **dfvg-vote** (weighted-majority voting) and **dfvg-tree** (every draft
+   verified as one tree) at every γ, and **dfvg-vote-adaptive** (voting with γ chosen per
+   round) once. Each multi-drafter method keeps one decoder, and so its weights, over the
+   whole run; the drafters draft at once, and a round's drafting costs the slowest one
+   (modelled).
 
 What is measured and what is modelled
 -------------------------------------
@@ -46,6 +53,7 @@ from dfvg_host.adaptive import AdaptiveLength
 from dfvg_host.demo import REPO_ROOT
 from dfvg_host.driver import DraftDevice
 from dfvg_host.efficiency import EfficiencyRow
+from dfvg_host.multi_draft import MultiDraftDecoder
 from dfvg_host.pipelined import PipelinedDecoder
 from dfvg_host.speculative import SpeculativeDecoder
 from dfvg_host.verifier import Verifier
@@ -55,6 +63,10 @@ __all__ = ["BenchError", "BenchPrompt", "BenchSettings", "QUICK", "FULL", "DEFAU
 
 DEFAULT_PROMPT_SET = REPO_ROOT / "benchmarks" / "prompts" / "multitask.json"
 ALL_TASKS = "all"
+#: Methods of several drafters at once, by merge rule (dfvg_host.multi_draft).
+MULTI_METHODS = {"dfvg-vote": "vote", "dfvg-tree": "tree", "dfvg-vote-adaptive": "vote"}
+#: Methods whose γ is chosen per round.
+ADAPTIVE_METHODS = ("dfvg-adaptive", "dfvg-vote-adaptive")
 
 
 class BenchError(ValueError):
@@ -117,6 +129,9 @@ class BenchSettings:
         Also run serial DFVG with an adaptive γ (``dfvg-adaptive``).
     adaptive_gamma_max : int
         The largest γ the adaptive controller tries.
+    several : bool
+        With several drafters, also run each alone, voting, the merged tree and voting
+        with an adaptive γ.
     """
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     max_new_tokens: int = 128
@@ -126,6 +141,7 @@ class BenchSettings:
     pipelined: bool = True
     adaptive: bool = True
     adaptive_gamma_max: int = 16
+    several: bool = True
 
 
 FULL = BenchSettings()
@@ -202,12 +218,13 @@ class Tally:
     pipeline_hits: int = 0
     pipeline_misses: int = 0
     gamma_histogram: dict[int, int] = field(default_factory=dict)   # γ -> rounds (DFVG)
+    drafters: dict[str, list[int]] = field(default_factory=dict)  # name -> [judged, matched, chosen]
 
     @property
     def key(self) -> str:
         if self.method == "target-only":
             return self.method
-        if self.method == "dfvg-adaptive":
+        if self.method in ADAPTIVE_METHODS:
             return f"{self.method} γ=auto"
         return f"{self.method} γ={self.gamma}" if self.gamma is not None else f"{self.method} (HF defaults)"
 
@@ -223,6 +240,10 @@ class Tally:
                 mine[i] += n
         for g, n in other.gamma_histogram.items():
             self.gamma_histogram[g] = self.gamma_histogram.get(g, 0) + n
+        for name, counts in other.drafters.items():
+            mine = self.drafters.setdefault(name, [0, 0, 0])
+            for i, n in enumerate(counts):
+                mine[i] += n
 
     @property
     def mean_gamma(self) -> float | None:
@@ -275,9 +296,9 @@ class Tally:
     def labels(self, verifier_device: str) -> dict:
         draft = {"target-only": "none",
                  "assisted": f"measured (float draft forward passes on {verifier_device})",
-                 "dfvg": "modelled (cycle model at the preset clock)",
-                 "dfvg-pipelined": "modelled (cycle model at the preset clock)",
-                 "dfvg-adaptive": "modelled (cycle model at the preset clock)"}[self.method]
+                 }.get(self.method, "modelled (cycle model at the preset clock)"
+                       + ("; per round the slowest of the drafters, which draft at once"
+                          if self.method in MULTI_METHODS else ""))
         return dict(target_s="measured (target forward passes)",
                     host_s="measured (wall time outside the target and draft forward passes)",
                     draft_s=draft, pcie_s="modelled (link model)" if self.is_dfvg else "none",
@@ -286,7 +307,7 @@ class Tally:
                               if self.method == "dfvg-pipelined" else "none"),
                     tokens_per_s=("measured" if not self.is_dfvg else
                                   "measured target+host + modelled FPGA+PCIe, unpipelined"
-                                  if self.method in ("dfvg", "dfvg-adaptive") else
+                                  if self.method != "dfvg-pipelined" else
                                   "measured target+host + modelled FPGA+PCIe; pipelined: overlap "
                                   "counted once"),
                     acceptance=("derived from forward-pass counts" if self.method == "assisted"
@@ -308,6 +329,8 @@ class Tally:
                     pipeline_hits=self.pipeline_hits, pipeline_misses=self.pipeline_misses,
                     mean_gamma=self.mean_gamma,
                     gamma_histogram={str(g): n for g, n in sorted(self.gamma_histogram.items())} or None,
+                    drafters={name: dict(judged=j, matched=m, match_rate=m / j if j else None, chosen=c)
+                              for name, (j, m, c) in self.drafters.items()} or None,
                     labels=self.labels(verifier_device))
 
 
@@ -323,14 +346,23 @@ class BenchRunner:
         The float draft, on the verifier's device, for assisted generation.
     device : DraftDevice
         The draft device with the compiled draft loaded, for DFVG.
+    extra_drafters : list of (str, DraftDevice)
+        Further drafters by name, each on its own device, for the methods of several
+        drafters (:data:`MULTI_METHODS`); empty for one.
     """
 
-    def __init__(self, verifier: Verifier, draft_model, device: DraftDevice):
+    def __init__(self, verifier: Verifier, draft_model, device: DraftDevice,
+                 extra_drafters: list[tuple[str, DraftDevice]] = (), main_name: str = "draft"):
         self.verifier = verifier
         self.target = verifier.model
         self.draft_model = draft_model.to(verifier.device).eval()
         self.device = device
+        self.extra_drafters = list(extra_drafters)
+        self.main_name = main_name
         self.adaptive: AdaptiveLength | None = None     # dfvg-adaptive's, made on first use
+        # one decoder per multi-drafter method and γ, made on first use: its weights (and
+        # adaptive controller) learn over the whole run, as a server's would
+        self._multi: dict[tuple[str, int | None], MultiDraftDecoder] = {}
         # What transformers would use for the assistant when told nothing.
         self._assistant_defaults = copy.deepcopy(self.draft_model.generation_config)
 
@@ -387,10 +419,11 @@ class BenchRunner:
                              host_s=max(0.0, wall - target.seconds - draft.seconds))
 
     def dfvg(self, prompt: list[int], max_new_tokens: int, gamma: int | str,
-             pipelined: bool = False, gamma_max: int = AdaptiveLength.DEFAULT_GAMMA_MAX
-             ) -> tuple[list[int], Tally]:
+             pipelined: bool = False, gamma_max: int = AdaptiveLength.DEFAULT_GAMMA_MAX,
+             device: DraftDevice | None = None, method: str | None = None) -> tuple[list[int], Tally]:
         """DFVG at a fixed γ, or ``gamma="auto"``: serial with :attr:`adaptive`, one
-        controller for every prompt of the run."""
+        controller for every prompt of the run. ``device`` (default :attr:`device`) and
+        ``method`` name another drafter's run."""
         adaptive = None
         if gamma == "auto":
             if self.adaptive is None or self.adaptive.gamma_max != gamma_max:
@@ -398,44 +431,78 @@ class BenchRunner:
             adaptive = self.adaptive
         # A device given up would leave the target decoding alone under DFVG's name.
         decoder = (PipelinedDecoder if pipelined else SpeculativeDecoder)(
-            self.device, self.verifier, gamma=gamma, eos_token_id=None, fallback=False,
+            device or self.device, self.verifier, gamma=gamma, eos_token_id=None, fallback=False,
             adaptive=adaptive)
         out = decoder.generate(prompt, max_new_tokens)
         if out.stop_reason != "max_new_tokens":
             raise BenchError(f"DFVG stopped early at γ={gamma} ({out.stop_reason}): {out.message}")
-        m = out.metrics
-        method = "dfvg-adaptive" if adaptive is not None else "dfvg-pipelined" if pipelined else "dfvg"
-        return out.tokens, Tally(method, None if adaptive is not None else gamma, prompts=1,
-                                 tokens=m.emitted_tokens, rounds=m.rounds,
-                                 drafted=m.drafted_tokens, accepted=m.accepted_tokens,
-                                 drafted_per_position=list(m.drafted_per_position),
-                                 accepted_per_position=list(m.accepted_per_position),
-                                 target_s=m.verifier_seconds, host_s=m.host_seconds,
-                                 draft_s=m.device_seconds, pcie_s=m.pcie_seconds,
-                                 simulator_s=m.simulator_seconds,
-                                 hidden_s=min(m.hidden_draft_seconds, m.draft_seconds),
-                                 pipeline_hits=m.pipeline_hits, pipeline_misses=m.pipeline_misses,
-                                 gamma_histogram=m.gamma_histogram)
+        method = method or ("dfvg-adaptive" if adaptive is not None else
+                            "dfvg-pipelined" if pipelined else "dfvg")
+        return out.tokens, self._dfvg_tally(out.metrics, method, None if adaptive is not None else gamma)
+
+    def several(self, prompt: list[int], max_new_tokens: int, method: str, gamma: int | None,
+                gamma_max: int = AdaptiveLength.DEFAULT_GAMMA_MAX) -> tuple[list[int], Tally]:
+        """Every drafter at once under ``method``'s merge rule (:data:`MULTI_METHODS`)."""
+        key = (method, gamma)
+        if key not in self._multi:
+            names = [self.main_name] + [name for name, _ in self.extra_drafters]
+            devices = [self.device] + [d for _, d in self.extra_drafters]
+            adaptive = AdaptiveLength(gamma_max=gamma_max) if method in ADAPTIVE_METHODS else None
+            self._multi[key] = MultiDraftDecoder(devices, self.verifier, merge=MULTI_METHODS[method],
+                                                 gamma=gamma or "auto", names=names, eos_token_id=None,
+                                                 fallback=False, adaptive=adaptive)
+        out = self._multi[key].generate(prompt, max_new_tokens)
+        if out.stop_reason != "max_new_tokens":
+            raise BenchError(f"{method} stopped early at γ={gamma} ({out.stop_reason}): {out.message}")
+        tally = self._dfvg_tally(out.metrics, method, gamma)
+        tally.drafters = {d.name: [d.judged, d.matched, d.chosen] for d in out.drafters}
+        return out.tokens, tally
+
+    @staticmethod
+    def _dfvg_tally(m, method: str, gamma: int | None) -> Tally:
+        """A DFVG method's tally from its generation's metrics."""
+        return Tally(method, gamma, prompts=1, tokens=m.emitted_tokens, rounds=m.rounds,
+                     drafted=m.drafted_tokens, accepted=m.accepted_tokens,
+                     drafted_per_position=list(m.drafted_per_position),
+                     accepted_per_position=list(m.accepted_per_position),
+                     target_s=m.verifier_seconds, host_s=m.host_seconds,
+                     draft_s=m.device_seconds, pcie_s=m.pcie_seconds,
+                     simulator_s=m.simulator_seconds,
+                     hidden_s=min(m.hidden_draft_seconds, m.draft_seconds),
+                     pipeline_hits=m.pipeline_hits, pipeline_misses=m.pipeline_misses,
+                     gamma_histogram=m.gamma_histogram)
 
     def methods(self, settings: BenchSettings) -> list[tuple[str, int | None]]:
         """(method, γ) in the order each prompt runs them."""
         runs: list[tuple[str, int | None]] = [("target-only", None)]
         if settings.assisted_hf_defaults:
             runs.append(("assisted", None))
+        several = settings.several and self.extra_drafters
         for g in settings.gammas:
             runs += [("assisted", g), ("dfvg", g)] + ([("dfvg-pipelined", g)] if settings.pipelined else [])
+            if several:
+                runs += [(f"dfvg[{name}]", g) for name, _ in self.extra_drafters]
+                runs += [("dfvg-vote", g), ("dfvg-tree", g)]
         if settings.adaptive:
             runs.append(("dfvg-adaptive", None))
+            if several:
+                runs.append(("dfvg-vote-adaptive", None))
         return runs
 
     def run_one(self, method: str, gamma: int | None, prompt: list[int], n: int,
                 settings: BenchSettings | None = None) -> tuple[list[int], Tally]:
+        gamma_max = (settings or BenchSettings()).adaptive_gamma_max
         if method == "target-only":
             return self.target_only(prompt, n)
         if method == "assisted":
             return self.assisted(prompt, n, gamma)
         if method == "dfvg-adaptive":
-            return self.dfvg(prompt, n, "auto", gamma_max=(settings or BenchSettings()).adaptive_gamma_max)
+            return self.dfvg(prompt, n, "auto", gamma_max=gamma_max)
+        if method in MULTI_METHODS:
+            return self.several(prompt, n, method, gamma, gamma_max)
+        if method.startswith("dfvg["):
+            device = dict(self.extra_drafters)[method[len("dfvg["):-1]]
+            return self.dfvg(prompt, n, gamma, device=device, method=method)
         return self.dfvg(prompt, n, gamma, pipelined=method == "dfvg-pipelined")
 
     def run(self, prompts: list[tuple[BenchPrompt, list[int]]], settings: BenchSettings,
@@ -541,8 +608,30 @@ class BenchResult:
                                                     if adaptive else None),
                     dfvg_adaptive_over_best_fixed=(self.speedup(adaptive, dfvg)
                                                    if adaptive and dfvg else None),
+                    **self.several_headline(),
                     label="ratios of tokens/s within this run; DFVG's is projected (measured "
                           "target+host + modelled FPGA+PCIe), the others' measured")
+
+    def best_single_drafter(self, task: str = ALL_TASKS) -> Tally | None:
+        """The fastest serial run of one drafter alone (``dfvg`` or ``dfvg[NAME]``), any γ."""
+        rows = [t for t in self.rows(task) if t.method == "dfvg" or t.method.startswith("dfvg[")]
+        return max(rows, key=lambda t: t.tokens_per_s) if rows else None
+
+    def several_headline(self) -> dict:
+        """The methods of several drafters at their best against target-only and against
+        the best drafter alone (empty with one drafter)."""
+        single = self.best_single_drafter()
+        out = {}
+        for method in MULTI_METHODS:
+            best = self.best(method)
+            if best is None:
+                continue
+            out[method.replace("-", "_")] = dict(
+                key=best.key, mean_accepted_length=best.mean_accepted_length,
+                over_target_only=self.speedup(best, self.baseline()),
+                over_best_single_drafter=self.speedup(best, single),
+                best_single_drafter=single.key if single else None)
+        return out
 
     def to_dict(self) -> dict:
         dev = self.setup.get("verifier_device", "?")
@@ -555,6 +644,8 @@ class BenchResult:
             d["speedup_over_assisted_same_gamma"] = self.speedup(t, same)
             if t.method == "dfvg-adaptive":
                 d["speedup_over_best_fixed_dfvg"] = self.speedup(t, self.best("dfvg", t.task))
+            if t.method in MULTI_METHODS:
+                d["speedup_over_best_single_drafter"] = self.speedup(t, self.best_single_drafter(t.task))
             return d
 
         return dict(setup=self.setup, headline=self.headline(),
@@ -574,6 +665,7 @@ def _describe_path(path: Path) -> str:
 def run_benchmark(*, target_dir: Path, draft_dir: Path, device: DraftDevice, device_url: str,
                   prompts: list[BenchPrompt], settings: BenchSettings, prompt_set: Path,
                   verifier_device: str | None = None, dtype: str | None = None,
+                  extra_drafters: list[tuple[str, DraftDevice]] = (),
                   log: Callable[[str], None] = lambda _: None) -> BenchResult:
     """Load the pair, tokenise the prompts and run every method on them.
 
@@ -592,6 +684,9 @@ def run_benchmark(*, target_dir: Path, draft_dir: Path, device: DraftDevice, dev
         Where the prompts came from, for the report.
     verifier_device, dtype : str, optional
         Torch device and dtype of the target and of the float draft.
+    extra_drafters : list of (str, DraftDevice)
+        Further drafters by name (their compiled drafts loaded), for the methods of
+        several drafters; the first drafter is ``draft_dir`` on ``device``.
     log : callable
         Progress messages.
     """
@@ -612,11 +707,12 @@ def run_benchmark(*, target_dir: Path, draft_dir: Path, device: DraftDevice, dev
     encoded = [(q, tok(q.text)["input_ids"]) for q in prompts]
     if any(not ids for _, ids in encoded):
         raise BenchError("a prompt tokenises to nothing")
-    runner = BenchRunner(verifier, draft, device)
+    runner = BenchRunner(verifier, draft, device, extra_drafters, main_name=Path(draft_dir).name)
     mix: dict[str, int] = {}
     for q in prompts:
         mix[q.task] = mix.get(q.task, 0) + 1
     setup = dict(target=_describe_path(target_dir), draft=_describe_path(draft_dir), device=device_url,
+                 extra_drafters=[name for name, _ in extra_drafters],
                  verifier_device=str(verifier.device), dtype=dtype or "float32",
                  prompt_set=_describe_path(prompt_set), prompts=len(prompts),
                  prompt_mix=", ".join(f"{task} {n}" for task, n in mix.items()),

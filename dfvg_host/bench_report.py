@@ -6,7 +6,7 @@ Every column header says whether its figure is measured on this host or modelled
 
 from __future__ import annotations
 
-from dfvg_host.bench import ALL_TASKS, BenchResult, Tally
+from dfvg_host.bench import ALL_TASKS, MULTI_METHODS, BenchResult, Tally
 
 __all__ = ["format_result", "speed_table", "task_table", "position_table", "efficiency_table",
            "adaptive_table"]
@@ -136,6 +136,34 @@ def adaptive_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def several_table(result: BenchResult) -> str:
+    """Several drafters (Smurfs): each alone, voting, the merged tree, voting with an
+    adaptive γ; per multi-drafter row, each drafter's matched share and times chosen."""
+    multi = [t for t in result.rows(ALL_TASKS) if t.method in MULTI_METHODS]
+    if not multi:
+        return ""
+    single = result.best_single_drafter()
+    alone = [t for t in result.rows(ALL_TASKS) if t.method == "dfvg" or t.method.startswith("dfvg[")]
+    lines = [f"Several drafters: {result.setup['draft']} (dfvg) and "
+             f"{', '.join(result.setup.get('extra_drafters') or [])} (dfvg[NAME]); drafting at once, a "
+             "round costs the slowest drafter (modelled)", "",
+             f"{'method':<30}{'tok/s':>8}{'accept':>8}{'len':>6}{'x target':>10}{'x best':>8}  drafters: "
+             "matched share, rounds chosen",
+             f"{'':<30}{'proj.':>8}{'':>8}{'':>6}{'-only':>10}{'alone':>8}"]
+    for t in alone + multi:
+        who = "  ".join(f"{name} {m / j if j else 0:.2f} {c}" for name, (j, m, c) in t.drafters.items())
+        lines.append(f"{t.key:<30}{t.tokens_per_s:>8.1f}{_num(t.acceptance_rate, '8.3f'):>8}"
+                     f"{t.mean_accepted_length:>6.2f}{_ratio(result.speedup(t, result.baseline())):>10}"
+                     f"{_ratio(result.speedup(t, single)):>8}  {who}")
+    lines += ["", "x best alone: over the fastest drafter alone at any γ of this run "
+              f"({single.key if single else '-'}). vote: weighted-majority voting, greedy only; tree: "
+              "every draft verified in one forward as a token tree; accept counts the verified "
+              "path's tokens against γ.",
+              "matched share: of each drafter's drafted tokens that the committed tokens cover, "
+              "the share they confirmed; weights follow it (dfvg_host/voting.py)."]
+    return "\n".join(lines)
+
+
 def position_table(result: BenchResult) -> str:
     rows = [t for t in result.rows(ALL_TASKS, "dfvg")]
     width = max((len(t.acceptance_per_position) for t in rows), default=0)
@@ -184,6 +212,9 @@ def format_result(result: BenchResult) -> str:
     adaptive = adaptive_table(result)
     if adaptive:
         parts.insert(2 if piped else 1, adaptive)
+    several = several_table(result)
+    if several:
+        parts.insert(1 + bool(piped) + bool(adaptive), several)
     if h["best_dfvg"]:
         parts.append(f"Headline: DFVG at its best γ ({h['best_dfvg']}) runs "
                      f"{_ratio(h['dfvg_over_target_only'])} target-only decoding and "
@@ -199,6 +230,10 @@ def format_result(result: BenchResult) -> str:
                         f"{_ratio(h['dfvg_adaptive_over_target_only'])} target-only, "
                         f"{_ratio(h['dfvg_adaptive_over_best_fixed'])} serial DFVG at its best fixed γ."
                         if h.get("dfvg_adaptive") and h.get("dfvg_adaptive_mean_gamma") is not None else "")
+                     + "".join(f" {v['key']}: {_ratio(v['over_target_only'])} target-only, "
+                               f"{_ratio(v['over_best_single_drafter'])} the best drafter alone "
+                               f"({v['best_single_drafter']})."
+                               for k, v in h.items() if k.replace("_", "-") in MULTI_METHODS)
                      + "\n[" + h["label"] + "]")
     eff = efficiency_table(result)
     if eff:

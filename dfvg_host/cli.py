@@ -225,14 +225,89 @@ def _target(args, *, draft_needed: bool = True):
     return target_dir, config
 
 
-def cmd_generate(args) -> int:
-    """Speculative decoding: draft on the device, verify on the target."""
-    from dfvg_host.acceptance import SamplingParams
-    from dfvg_host.adaptive import AdaptiveLength
+@dataclass
+class OpenedDraft:
+    """A drafter named on the command line: its device opened, its draft resolved (not yet
+    compiled).
+
+    Members
+    -------
+    url : str
+    transport : Transport
+    engine : EngineConfig
+    source : DraftSource
+    demo : bool
+        The shipped demo draft (no ``--draft``).
+    """
+    url: str
+    transport: object
+    engine: object
+    source: DraftSource
+    demo: bool
+
+
+def _open_drafts(plan: list[tuple[str | None, str]], target_dir: Path, target_config):
+    """Open every drafter of ``plan`` and check its tokenizer against the target's: (the
+    drafters, the target's tokenizer)."""
     from dfvg_host.checkpoints import check_tokenizer_pair
-    from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
+
+    opened, tok = [], None
+    for draft, url in plan:
+        transport, engine = _open_device(url)
+        source = _resolve_draft(draft, engine)
+        tok = check_tokenizer_pair(target_dir, target_config.get_text_config().vocab_size, source.vocab,
+                                   source.tokenizer_dir)
+        opened.append(OpenedDraft(url, transport, engine, source, draft is None))
+    return opened, tok
+
+
+def _several_options(args, drafters: int) -> list[float | None]:
+    """Check the options of several drafters; their draft temperatures, one per drafter."""
+    temps = args.draft_temperature or []
+    if drafters == 1:
+        if args.merge or temps:
+            raise CliError("--merge and --draft-temperature choose how several drafters draft and "
+                           "merge: give --draft or --device more than once")
+        return [None]
+    if args.schedule == "pipelined":
+        raise CliError("--schedule pipelined runs one drafter; several drafters draft at once "
+                       "(drop --schedule or give one --draft and one --device)")
+    if len(temps) not in (0, 1, drafters):
+        raise CliError(f"--draft-temperature given {len(temps)} times for {drafters} drafters: give "
+                       "it once (every drafter) or once per drafter")
+    if any(t < 0 for t in temps):
+        raise CliError("--draft-temperature must be >= 0")
+    return [temps[0] if len(temps) == 1 else temps[i] for i in range(drafters)] if temps else [None] * drafters
+
+
+def _decoder(args, opened: list[OpenedDraft], compiled: list, verifier, sampling, eos, temps):
+    """The decoder ``dfvg generate`` runs: chain (serial or pipelined) for one drafter,
+    :class:`~dfvg_host.multi_draft.MultiDraftDecoder` for several."""
+    from dfvg_host.adaptive import AdaptiveLength
+    from dfvg_host.driver import DraftDevice, cycle_source
+    from dfvg_host.multi_draft import MultiDraftDecoder
     from dfvg_host.pipelined import PipelinedDecoder
     from dfvg_host.speculative import SpeculativeDecoder
+
+    devices = [DraftDevice(d.transport, c, timeout_s=args.timeout, cycle_source=cycle_source(d.url))
+               for d, c in zip(opened, compiled)]
+    adaptive = (AdaptiveLength(gamma_max=args.gamma_max or AdaptiveLength.DEFAULT_GAMMA_MAX)
+                if args.gamma == "auto" else None)
+    if len(devices) > 1:
+        merge = args.merge or ("vote" if sampling.greedy else "select")
+        names = [f"{i}:{Path(d.source.model_dir).name}" for i, d in enumerate(opened)]
+        return MultiDraftDecoder(devices, verifier, merge=merge, gamma=args.gamma, sampling=sampling,
+                                 draft_temperatures=temps, names=names, eos_token_id=eos,
+                                 adaptive=adaptive), adaptive
+    decoder_class = PipelinedDecoder if args.schedule == "pipelined" else SpeculativeDecoder
+    return decoder_class(devices[0], verifier, gamma=args.gamma, sampling=sampling, eos_token_id=eos,
+                         adaptive=adaptive), adaptive
+
+
+def cmd_generate(args) -> int:
+    """Speculative decoding: draft on the device(s), verify on the target."""
+    from dfvg_host.acceptance import SamplingParams
+    from dfvg_host.driver import DraftDeviceError
     from dfvg_host.verifier import Verifier
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
@@ -246,31 +321,29 @@ def cmd_generate(args) -> int:
             raise CliError(f"--trace {args.trace}: the directory {trace_dir} does not exist")
         if Path(args.trace).is_dir():
             raise CliError(f"--trace {args.trace} is a directory; give a file name")
+    plan = _drafter_plan(args)
+    temps = _several_options(args, len(plan))
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    if len(plan) > 1 and args.merge == "vote" and not sampling.greedy:
+        raise CliError("--merge vote picks a draft after seeing every drafter's samples, which is "
+                       "exact under greedy decoding only; at --temperature > 0 use --merge select "
+                       "(the drafter chosen before it drafts) or --merge tree (every draft verified "
+                       "with multi-draft speculative sampling)")
     target_dir, target_config = _target(args)
     prompt_text = _read_prompt(args.prompt)
-    transport, engine = _open_device(args.device)
-    source = _resolve_draft(args.draft, engine)
-    tok = check_tokenizer_pair(target_dir, target_config.get_text_config().vocab_size, source.vocab,
-                               source.tokenizer_dir)
+    opened, tok = _open_drafts(plan, target_dir, target_config)
     prompt = tok(prompt_text)["input_ids"]
     if not prompt:
         raise CliError("the prompt tokenises to nothing")
-    if len(prompt) >= source.context_limit:
+    limit = min(d.source.context_limit for d in opened)
+    if len(prompt) >= limit:
         raise CliError(f"the prompt has {len(prompt)} tokens; the draft's context limit is "
-                       f"{source.context_limit}. Shorten the prompt or use a preset with more kv_positions")
-    compiled = _compile_source(source, engine, args.calibration, log, target=target_dir,
-                               demo=args.draft is None)
-    draft_dir = source.model_dir
+                       f"{limit}. Shorten the prompt or use a preset with more kv_positions")
+    compiled = [_compile_source(d.source, d.engine, args.calibration, log, target=target_dir, demo=d.demo)
+                for d in opened]
     try:
         verifier = Verifier.from_pretrained(target_dir, device=args.verifier_device, dtype=args.dtype)
-        device = DraftDevice(transport, compiled, timeout_s=args.timeout,
-                             cycle_source=cycle_source(args.device))
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-        decoder_class = PipelinedDecoder if args.schedule == "pipelined" else SpeculativeDecoder
-        adaptive = (AdaptiveLength(gamma_max=args.gamma_max or AdaptiveLength.DEFAULT_GAMMA_MAX)
-                    if args.gamma == "auto" else None)
-        decoder = decoder_class(device, verifier, gamma=args.gamma, sampling=sampling,
-                                eos_token_id=tok.eos_token_id, adaptive=adaptive)
+        decoder, adaptive = _decoder(args, opened, compiled, verifier, sampling, tok.eos_token_id, temps)
     except (ValueError, DraftDeviceError) as exc:
         raise CliError(str(exc)) from None
 
@@ -284,9 +357,12 @@ def cmd_generate(args) -> int:
 
     gamma_note = (f"auto (1..{adaptive.gamma_max}, chosen per round)" if adaptive is not None
                   else args.gamma)
+    several = len(opened) > 1
     if not args.json:
-        log(f"target {target_dir} on {verifier.device} | draft {draft_dir} on {args.device} | "
-            f"gamma {gamma_note} | {args.schedule} | {'greedy' if sampling.greedy else f'T={args.temperature} top-k={args.top_k} seed={args.seed}'}\n")
+        drafts = ", ".join(f"{d.source.model_dir} on {d.url}" for d in opened)
+        how = f"{len(opened)} drafters, merge {decoder.merge}" if several else args.schedule
+        log(f"target {target_dir} on {verifier.device} | draft {drafts} | gamma {gamma_note} | {how} | "
+            f"{'greedy' if sampling.greedy else f'T={args.temperature} top-k={args.top_k} seed={args.seed}'}\n")
         print(prompt_text, end="", flush=True)
     try:
         with _decoder_log_silenced():
@@ -299,18 +375,25 @@ def cmd_generate(args) -> int:
         except OSError as exc:
             raise CliError(f"--trace {args.trace}: {exc.strerror or exc}") from None
     if args.json:
+        extra = dict(merge=result.merge, tree_nodes=result.tree_nodes,
+                     drafters=[d.to_dict() for d in result.drafters]) if several else {}
         print(json.dumps(dict(prompt_ids=prompt, token_ids=result.tokens, text=tok.decode(result.tokens),
                               stop_reason=result.stop_reason, message=result.message,
                               degraded=result.degraded, fallback_reason=result.fallback_reason,
                               faults=result.faults, error=None if result.error is None else repr(result.error),
-                              device=args.device, schedule=args.schedule, trace=args.trace,
-                              gamma=args.gamma,
+                              device=[d.url for d in opened] if several else args.device,
+                              schedule=args.schedule, trace=args.trace, gamma=args.gamma,
                               adaptive=adaptive.describe() if adaptive is not None else None,
-                              metrics=result.metrics.to_dict()), indent=2))
+                              metrics=result.metrics.to_dict(), **extra), indent=2))
     else:
         print("\n")
         print(f"stop             {result.stop_reason}")
         print(result.metrics.summary())
+        for d in result.drafters if several else []:
+            print(f"drafter          {d.name}: {d.match_rate:.3f} of {d.judged} judged drafts matched, "
+                  f"chosen {d.chosen}/{result.metrics.rounds} rounds, weight "
+                  f"{d.weights[-1] if d.weights else 1.0:.2f}, {d.engine_cycles:,} cycles"
+                  + (f", given up: {d.given_up}" if d.given_up else ""))
         if args.trace:
             print(f"timeline         {args.trace}  [Chrome trace: chrome://tracing or ui.perfetto.dev]")
     return _report_generation_end(result)
@@ -438,13 +521,15 @@ def _parse_counts(text: str, option: str) -> list[int]:
 def _decoder_log_silenced():
     """The decoder logs a device given up as it happens, mid-stream; the CLI says it once,
     after the text (:func:`_report_generation_end`)."""
-    logger = logging.getLogger("dfvg_host.speculative")
-    before = logger.level
-    logger.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(f"dfvg_host.{name}") for name in ("speculative", "multi_draft")]
+    before = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(before)
+        for logger, level in zip(loggers, before):
+            logger.setLevel(level)
 
 
 def _report_generation_end(result) -> int:
@@ -603,7 +688,6 @@ def cmd_bench(args) -> int:
     from dfvg_host.bench import (DEFAULT_PROMPT_SET, FULL, QUICK, BenchError, load_prompt_set,
                                  pick_prompts, run_benchmark)
     from dfvg_host.bench_report import format_result
-    from dfvg_host.checkpoints import check_tokenizer_pair
     from dfvg_host.driver import DraftDevice, DraftDeviceError, cycle_source
     from dfvg_host.efficiency import engine_efficiency
 
@@ -630,10 +714,12 @@ def cmd_bench(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise CliError("--plots needs matplotlib: pip install 'dfvg[bench]'") from None
-    if not args.device.startswith("sim://"):
-        # the tables label DFVG's engine time as the cycle model's projection
-        raise CliError(f"dfvg bench projects the engine's time with the cycle model: use a sim:// "
-                       f"device, not {args.device}")
+    plan = _drafter_plan(args)
+    for _, url in plan:
+        if not url.startswith("sim://"):
+            # the tables label DFVG's engine time as the cycle model's projection
+            raise CliError(f"dfvg bench projects the engine's time with the cycle model: use a sim:// "
+                           f"device, not {url}")
     presets = [] if args.no_efficiency else [_preset(n) for n in args.efficiency_presets.split(",")]
     contexts = _parse_contexts(args.contexts)
     _check_verifier_options(args)
@@ -643,23 +729,24 @@ def cmd_bench(args) -> int:
         prompts = pick_prompts(load_prompt_set(prompt_set), settings.per_task)
     except BenchError as exc:
         raise CliError(str(exc)) from None
-    transport, engine = _open_device(args.device)
-    source = _resolve_draft(args.draft, engine)
-    check_tokenizer_pair(target_dir, target_config.get_text_config().vocab_size, source.vocab,
-                         source.tokenizer_dir)
-    compiled = _compile_source(source, engine, args.calibration, log, target=target_dir,
-                               demo=args.draft is None)
-    draft_dir = source.model_dir
+    opened, _ = _open_drafts(plan, target_dir, target_config)
+    compiled = [_compile_source(d.source, d.engine, args.calibration, log, target=target_dir, demo=d.demo)
+                for d in opened]
+    draft_dir = opened[0].source.model_dir
     if not (Path(draft_dir) / "config.json").is_file():
         raise CliError(f"assisted generation needs the float draft, but {draft_dir} (named by the "
                        "compiled draft's manifest) is not a Hugging Face model directory")
+    names = [Path(d.source.model_dir).name for d in opened]
+    if len(set(names)) < len(names):
+        names = [f"{i}:{name}" for i, name in enumerate(names)]
     try:
-        device = DraftDevice(transport, compiled, timeout_s=args.timeout,
-                             cycle_source=cycle_source(args.device))
-        result = run_benchmark(target_dir=target_dir, draft_dir=Path(draft_dir), device=device,
+        devices = [DraftDevice(d.transport, c, timeout_s=args.timeout, cycle_source=cycle_source(d.url))
+                   for d, c in zip(opened, compiled)]
+        result = run_benchmark(target_dir=target_dir, draft_dir=Path(draft_dir), device=devices[0],
                                device_url=args.device, prompts=prompts, settings=settings,
                                prompt_set=prompt_set, verifier_device=args.verifier_device,
-                               dtype=args.dtype, log=log)
+                               dtype=args.dtype, extra_drafters=list(zip(names[1:], devices[1:])),
+                               log=log)
     except (BenchError, DraftDeviceError, ValueError) as exc:
         raise CliError(str(exc)) from None
     if presets:
@@ -691,13 +778,40 @@ def _gamma_option(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r}: give a count of draft tokens or auto") from None
 
 
-def _add_pair_arguments(parser) -> None:
-    """``--target``, ``--draft`` and ``--device``: what every decoding command runs."""
+DEFAULT_DEVICE = "sim://alveo-u55c"
+
+
+def _add_pair_arguments(parser, *, several: bool = False) -> None:
+    """``--target``, ``--draft`` and ``--device``: what every decoding command runs. With
+    ``several``, ``--draft`` and ``--device`` may be given more than once (several
+    drafters: :func:`_drafter_plan`)."""
     parser.add_argument("--target", help="target model directory (default: the shipped demo target)")
-    parser.add_argument("--draft", help="draft model directory or `dfvg compile` output "
-                        "(default: the shipped demo draft)")
-    parser.add_argument("--device", default="sim://alveo-u55c",
-                        help="draft device URL (default sim://alveo-u55c)")
+    more = " Give it more than once for several drafters (Smurfs voting)." if several else ""
+    parser.add_argument("--draft", action="append" if several else "store",
+                        help="draft model directory or `dfvg compile` output (default: the shipped "
+                             "demo draft)." + more)
+    parser.add_argument("--device", action="append" if several else "store",
+                        default=None if several else DEFAULT_DEVICE,
+                        help=f"draft device URL (default {DEFAULT_DEVICE}).{more} One URL serves "
+                             "every drafter (each opens its own device)" if several else
+                             f"draft device URL (default {DEFAULT_DEVICE})")
+
+
+def _drafter_plan(args) -> list[tuple[str | None, str]]:
+    """(draft, device URL) per drafter from repeated ``--draft`` and ``--device``: one device
+    per draft, one device URL for every draft (each drafter opens its own), or one draft
+    on every device (different seeds or ``--draft-temperature``). A single pair sets
+    ``args.draft`` and ``args.device`` back to plain values."""
+    drafts = args.draft or [None]
+    devices = args.device or [DEFAULT_DEVICE]
+    if len(drafts) > 1 and len(devices) > 1 and len(drafts) != len(devices):
+        raise CliError(f"{len(drafts)} --draft and {len(devices)} --device: give one --device per "
+                       "--draft, or one --device for all of them")
+    n = max(len(drafts), len(devices))
+    plan = [(drafts[i if len(drafts) > 1 else 0], devices[i if len(devices) > 1 else 0]) for i in range(n)]
+    args.draft = None if args.draft is None else drafts[0]
+    args.device = devices[0]
+    return plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -725,7 +839,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compile)
 
     g = sub.add_parser("generate", help="speculative decoding: draft on the device, verify on the target")
-    _add_pair_arguments(g)
+    _add_pair_arguments(g, several=True)
+    g.add_argument("--merge", choices=["vote", "select", "tree"],
+                   help="with several drafters: vote (weighted majority, greedy only; the default "
+                        "when greedy), select (the heaviest drafter chosen before drafting; the "
+                        "default when sampling) or tree (every draft verified as one token tree)")
+    g.add_argument("--draft-temperature", type=float, action="append",
+                   help="with several drafters: the temperature each drafts at (once for all, or "
+                        "once per drafter; default the target's), each with its own seed")
     g.add_argument("--prompt", help="prompt text (default: read standard input)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -801,7 +922,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure target-only, HF assisted and DFVG decoding on a prompt "
                        "set, and the engine's modelled efficiency")
-    _add_pair_arguments(b)
+    _add_pair_arguments(b, several=True)
     b.add_argument("--prompts", help="prompt set JSON (default benchmarks/prompts/multitask.json)")
     b.add_argument("--quick", action="store_true",
                    help="a small run: 2 prompts per task, 64 new tokens, γ in 1,2,3,4,6")

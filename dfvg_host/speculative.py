@@ -45,7 +45,8 @@ from dfvg_hw.spec.regmap import MemoryMap
 from dfvg_host.acceptance import SamplingParams, Verdict, verify_round
 from dfvg_host.adaptive import AdaptiveLength, RoundFacts
 from dfvg_host.driver import (ContextFull, DeviceFault, DeviceLinkError, DeviceTimeout, DraftDevice,
-                              DraftDeviceError, DraftOutput, EngineMismatch, MalformedResult)
+                              DraftDeviceError, DraftOutput, EngineMismatch, MalformedResult,
+                              PendingDraft)
 from dfvg_host.metrics import SpecDecodeMetrics
 from dfvg_host.timeline import Timeline
 from dfvg_host.verifier import Verifier
@@ -135,17 +136,29 @@ class DraftCursor:
     def propose(self, device: DraftDevice, n: int, sampling: SamplingParams,
                 metrics: SpecDecodeMetrics, *,
                 max_input_tokens: int = MemoryMap.MAX_INPUT_TOKENS) -> DraftOutput:
-        """Feed :attr:`inputs` and draft ``n`` tokens; inputs longer than
-        ``max_input_tokens`` (a replay after a reset feeds the whole sequence) go first in
-        requests that draft nothing."""
+        """Feed :attr:`inputs` and draft ``n`` tokens: :meth:`submit`, then :meth:`collect`."""
+        return self.collect(device, self.submit(device, n, sampling, metrics,
+                                                max_input_tokens=max_input_tokens))
+
+    def submit(self, device: DraftDevice, n: int, sampling: SamplingParams,
+               metrics: SpecDecodeMetrics, *,
+               max_input_tokens: int = MemoryMap.MAX_INPUT_TOKENS) -> PendingDraft:
+        """Start the request that feeds :attr:`inputs` and drafts ``n`` tokens; inputs
+        longer than ``max_input_tokens`` (a replay after a reset feeds the whole
+        sequence) go first, waited for, in requests that draft nothing."""
         limit = max_input_tokens
         while len(self.inputs) > limit:
             head = device.draft(self.inputs[:limit], 0)
             metrics.device_cycles += head.cycles
             self.inputs = self.inputs[limit:]
-        out = device.draft(self.inputs, n, counter=self.counter,
-                           **self.request_options(device, sampling))
-        self.counter += n
+        return device.submit(self.inputs, n, counter=self.counter,
+                             **self.request_options(device, sampling))
+
+    def collect(self, device: DraftDevice, pending: PendingDraft) -> DraftOutput:
+        """Wait for ``pending`` (what :meth:`submit` started); the RNG counter moves past
+        its drafts only when it succeeds, so a replay draws the same tokens."""
+        out = device.collect(pending)
+        self.counter += pending.request.n_draft
         return out
 
     def advance(self, device: DraftDevice, n: int, drafts: list[int], verdict: Verdict, *,
@@ -154,13 +167,27 @@ class DraftCursor:
         target accepted and queue what the engine has not seen. ``end`` is the engine's
         KV length right after the round's drafts (default ``kv_length``: nothing ran
         since)."""
+        self.follow(device, n, drafts, drafts[:verdict.accepted] + [verdict.next_token], end=end)
+
+    def follow(self, device: DraftDevice, n: int, drafts: list[int], committed: list[int], *,
+               end: int | None = None) -> None:
+        """After a round in which this sequence drafted ``drafts`` (``n`` of them; 0: none)
+        and the target committed ``committed`` (whatever drafts it accepted — this
+        cursor's or another drafter's — then its own token): keep the KV of the drafts
+        that ``committed`` begins with and queue the committed tokens the engine has not
+        seen. ``end`` as in :meth:`advance`."""
         if n > 0:
-            # The engine holds KV for its inputs and all drafts but the last.
+            # The engine holds KV for its inputs and all drafts but the last; the last
+            # committed token is fed again whatever it holds: the next draft starts from
+            # its logits.
+            kept = 0
+            while kept < min(n - 1, len(committed) - 1) and drafts[kept] == committed[kept]:
+                kept += 1
             end = device.kv_length if end is None else end
-            device.rollback(end - (n - 1) + min(verdict.accepted, n - 1))
-            self.inputs = ([drafts[-1]] if verdict.accepted == n else []) + [verdict.next_token]
+            device.rollback(end - (n - 1) + kept)
+            self.inputs = list(committed[kept:])
         else:
-            self.inputs = self.inputs + [verdict.next_token]
+            self.inputs = self.inputs + list(committed)
 
 
 @dataclass
