@@ -66,6 +66,9 @@ SLOW_TESTS = {
     "test_cli.py::test_generate_adaptive_gamma_json",
     # ~30 s: 1 500 adaptive generations for the chi-square
     "test_adaptive.py::test_sampling_is_lossless[self-1500]",
+    # several drafters: 2 x 8 prompts x 64 tokens on the demo pair; 1 000 samples each
+    "test_multi_draft.py::test_greedy_is_exact_with_the_two_demo_drafters",
+    "test_multi_draft.py::test_sampling_is_lossless",
 }
 
 

@@ -362,3 +362,36 @@ def test_bench_runs_each_drafter_alone_voting_trees_and_adaptive(demo_pair, demo
     assert h["dfvg_vote"]["best_single_drafter"] in ("dfvg γ=2", "dfvg[again] γ=2")
     text = format_result(result)
     assert "Several drafters" in text and "dfvg-tree γ=2" in text and "the best drafter alone" in text
+
+
+@pytest.mark.parametrize("merge", ["vote", "tree"])
+def test_greedy_is_exact_with_the_two_demo_drafters(demo_pair, demo_compiled, merge):
+    """8 held-out prompts x 64 tokens with demo-draft and demo-draft-small against the
+    demo target (``benchmarks/multi_draft_exactness.py`` runs 50 x 128 and every merge)."""
+    from transformers import AutoTokenizer
+
+    from dfvg_host.demo import DEMO_DATA, compile_cached
+    from test_speculative import heldout_prompts
+
+    draft_dir, target_dir, data_dir = demo_pair
+    small = compile_cached(draft_dir.parent / "demo-draft-small", get_preset("alveo-u55c"),
+                           DEMO_DATA / "calibration.txt", log=lambda *_: None)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target = load_model(target_dir)
+    devices = [DraftDevice.open("sim://alveo-u55c", c) for c in (demo_compiled, small)]
+    decoder = MultiDraftDecoder(devices, Verifier(target, torch.device("cpu")), merge=merge, gamma=4,
+                                names=["demo-draft", "demo-draft-small"], eos_token_id=tok.eos_token_id)
+    accepted = rounds = 0
+    matched, judged = [0, 0], [0, 0]
+    for prompt in heldout_prompts(data_dir, tok, count=8):
+        out = decoder.generate(prompt, 64)
+        with torch.no_grad():
+            ref = target.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt):]
+        assert out.tokens == ref.tolist()
+        accepted, rounds = accepted + out.metrics.accepted_tokens, rounds + out.metrics.rounds
+        for i, d in enumerate(out.drafters):
+            matched[i] += d.matched
+            judged[i] += d.judged
+    # both drafters are useful, the bigger one more so
+    assert (accepted + rounds) / rounds > 2.5
+    assert matched[0] / judged[0] > matched[1] / judged[1] > 0.3
