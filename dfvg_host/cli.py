@@ -234,30 +234,51 @@ class OpenedDraft:
     -------
     url : str
     transport : Transport
+        The device's; on a card with several cores, one core's window
+        (:class:`~dfvg_host.core_window.CoreWindow`).
     engine : EngineConfig
     source : DraftSource
     demo : bool
         The shipped demo draft (no ``--draft``).
+    memory_base : int
+        Where the drafter's part of device memory starts (a core's slice; 0 otherwise).
     """
     url: str
     transport: object
     engine: object
     source: DraftSource
     demo: bool
+    memory_base: int = 0
 
 
 def _open_drafts(plan: list[tuple[str | None, str]], target_dir: Path, target_config):
     """Open every drafter of ``plan`` and check its tokenizer against the target's: (the
-    drafters, the target's tokenizer)."""
+    drafters, the target's tokenizer). Drafters given one card with several cores
+    (``sim://PRESET?cores=N``) take its cores in turn, all on the one card."""
     from dfvg_host.checkpoints import check_tokenizer_pair
+    from dfvg_host.core_window import CoreWindow
 
     opened, tok = [], None
+    cards: dict[str, tuple[object, object, int]] = {}      # URL of a card -> (card, engine, next core)
     for draft, url in plan:
-        transport, engine = _open_device(url)
+        if url in cards:
+            transport, engine, core = cards[url]
+        else:
+            transport, engine = _open_device(url)
+            core = 0
+        cores = len(getattr(transport, "cores", ())) or 1
+        memory_base = 0
+        if cores > 1:
+            if core >= cores:
+                raise CliError(f"{url} is a card with {cores} draft cores; "
+                               f"{sum(u == url for _, u in plan)} drafters were given it")
+            cards[url] = (transport, engine, core + 1)
+            window = CoreWindow(transport, core, cores, engine.mem_bytes)
+            transport, memory_base, url = window, window.memory_base, f"{url}#core{core}"
         source = _resolve_draft(draft, engine)
         tok = check_tokenizer_pair(target_dir, target_config.get_text_config().vocab_size, source.vocab,
                                    source.tokenizer_dir)
-        opened.append(OpenedDraft(url, transport, engine, source, draft is None))
+        opened.append(OpenedDraft(url, transport, engine, source, draft is None, memory_base))
     return opened, tok
 
 
@@ -289,8 +310,8 @@ def _decoder(args, opened: list[OpenedDraft], compiled: list, verifier, sampling
     from dfvg_host.pipelined import PipelinedDecoder
     from dfvg_host.speculative import SpeculativeDecoder
 
-    devices = [DraftDevice(d.transport, c, timeout_s=args.timeout, cycle_source=cycle_source(d.url))
-               for d, c in zip(opened, compiled)]
+    devices = [DraftDevice(d.transport, c, timeout_s=args.timeout, cycle_source=cycle_source(d.url),
+                           memory_base=d.memory_base) for d, c in zip(opened, compiled)]
     adaptive = (AdaptiveLength(gamma_max=args.gamma_max or AdaptiveLength.DEFAULT_GAMMA_MAX)
                 if args.gamma == "auto" else None)
     if len(devices) > 1:
@@ -740,8 +761,8 @@ def cmd_bench(args) -> int:
     if len(set(names)) < len(names):
         names = [f"{i}:{name}" for i, name in enumerate(names)]
     try:
-        devices = [DraftDevice(d.transport, c, timeout_s=args.timeout, cycle_source=cycle_source(d.url))
-                   for d, c in zip(opened, compiled)]
+        devices = [DraftDevice(d.transport, c, timeout_s=args.timeout, cycle_source=cycle_source(d.url),
+                               memory_base=d.memory_base) for d, c in zip(opened, compiled)]
         result = run_benchmark(target_dir=target_dir, draft_dir=Path(draft_dir), device=devices[0],
                                device_url=args.device, prompts=prompts, settings=settings,
                                prompt_set=prompt_set, verifier_device=args.verifier_device,

@@ -190,6 +190,11 @@ class DraftDevice:
         The engine clock, read from its parameter register.
     slots_per_sequence : int
         KV slots one sequence takes: the compiled draft's layers × KV heads.
+    memory_base : int
+        Where this engine's part of device memory starts: every :class:`MemoryMap` address
+        the driver uses is offset by it (0 for a card with one engine; core ``i`` of a card
+        whose cores share its memory gets its own slice, :func:`dfvg_host.core_window.
+        core_memory_base`).
     max_sequences : int
         Sequences whose KV the engine holds at once: ``kv_slots // slots_per_sequence``
         (``kv_slots`` of the engine the draft was compiled for, which :meth:`check_engine`
@@ -209,8 +214,9 @@ class DraftDevice:
 
     def __init__(self, transport: Transport, compiled: CompiledDraft, *, timeout_s: float = 30.0,
                  cycle_source: str = "measured: engine counters", retries: int = 2,
-                 retry_backoff_s: float = 1e-3):
+                 retry_backoff_s: float = 1e-3, memory_base: int = 0):
         self.transport = transport if isinstance(transport, LinkedTransport) else LinkedTransport(transport)
+        self.memory_base = memory_base
         self.io = RetryingTransport(self.transport, retries=retries, backoff_s=retry_backoff_s)
         self.resets = 0
         #: where the engine's cycle counts come from, as every printed figure says
@@ -309,6 +315,10 @@ class DraftDevice:
                                      "device's preset")
         self.clock_hz = t.read32(Reg.P_CLOCK_KHZ) * 1e3
 
+    def _at(self, addr: int) -> int:
+        """A :class:`MemoryMap` address in this engine's part of device memory."""
+        return self.memory_base + addr
+
     def _write_addr(self, lo: Reg, addr: int) -> None:
         self.io.write32(lo, addr & 0xFFFFFFFF)
         self.io.write32(lo + 4, addr >> 32)
@@ -319,17 +329,17 @@ class DraftDevice:
         t, c = self.io, self.compiled
         t.write32(Reg.CONTROL, Control.SOFT_RESET)
         try:
-            t.dma_write(MemoryMap.IMAGE, c.image)
-            t.dma_write(MemoryMap.PROGRAM, b"".join(w.to_bytes(16, "little") for w in c.program))
+            t.dma_write(self._at(MemoryMap.IMAGE), c.image)
+            t.dma_write(self._at(MemoryMap.PROGRAM), b"".join(w.to_bytes(16, "little") for w in c.program))
         except IndexError as exc:
             raise EngineMismatch(f"the compiled draft does not fit the device's memory ({exc}); "
                                  "recompile for the device's preset") from None
-        self._write_addr(Reg.IMAGE_BASE_LO, MemoryMap.IMAGE)
-        self._write_addr(Reg.PROG_BASE_LO, MemoryMap.PROGRAM)
+        self._write_addr(Reg.IMAGE_BASE_LO, self._at(MemoryMap.IMAGE))
+        self._write_addr(Reg.PROG_BASE_LO, self._at(MemoryMap.PROGRAM))
         t.write32(Reg.PROG_LEN, len(c.program))
         for i in range(2):
-            self._write_addr((Reg.REQ0_LO, Reg.REQ1_LO)[i], MemoryMap.REQUEST[i])
-            self._write_addr((Reg.RES0_LO, Reg.RES1_LO)[i], MemoryMap.RESULT[i])
+            self._write_addr((Reg.REQ0_LO, Reg.REQ1_LO)[i], self._at(MemoryMap.REQUEST[i]))
+            self._write_addr((Reg.RES0_LO, Reg.RES1_LO)[i], self._at(MemoryMap.RESULT[i]))
         t.write32(Reg.IRQ_ENABLE, Irq.DONE)
         t.write32(Reg.CONTROL, Control.LOAD_PROGRAM)
         status = self._wait_idle("the soft reset and program load")
@@ -441,7 +451,7 @@ class DraftDevice:
         buf = self._buf
         self._buf ^= 1
         t = self.io
-        t.dma_write(MemoryMap.REQUEST[buf], request.pack())
+        t.dma_write(self._at(MemoryMap.REQUEST[buf]), request.pack())
         t.write32(Reg.IRQ_STATUS, Irq.DONE)
         t.write32(Reg.CONTROL, Control.START | (Control.BUF if buf else 0))
         self._pending = PendingDraft(request, buf, self._current, self.resets)
@@ -564,7 +574,7 @@ class DraftDevice:
         return result.tokens
 
     def _read_result(self, buf: int, n_draft: int) -> DraftResult:
-        raw = self.io.dma_read(MemoryMap.RESULT[buf], result_bytes(self.topk_max, n_draft))
+        raw = self.io.dma_read(self._at(MemoryMap.RESULT[buf]), result_bytes(self.topk_max, n_draft))
         try:
             result = DraftResult.unpack(raw, self.topk_max)
         except ValueError as exc:

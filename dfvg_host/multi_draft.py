@@ -32,8 +32,11 @@ round from past rounds (:class:`~dfvg_host.adaptive.AdaptiveLength`), which keep
 rule exact.
 
 Time: the target and the host are measured; each drafter's engine (cycle model or
-counters) and PCIe (link model) are modelled, and a round's drafting is the slowest
-drafter's, as devices that run at once would take. A drafter whose device fails is reset
+counters) and PCIe (link model) are modelled. A round's drafting is the slowest engine
+plus the busiest link's transfers: engines run at once, while the transfers of drafters
+on one link (the cores of one card, :mod:`dfvg_host.core_window`) queue. A core's cycles
+are what it takes alone, a lower bound when the cores of a card contend for its memory
+(docs/architecture.md §9). A drafter whose device fails is reset
 and replayed up to ``max_recoveries`` times per generation, then dropped; the others go
 on, and with none left the target decodes alone (or the generation stops with
 ``"device_error"`` when ``fallback`` is off). Tokens already generated are never lost.
@@ -64,6 +67,13 @@ log = logging.getLogger(__name__)
 
 #: How several drafts become one verification (module docstring).
 MERGE_RULES = ("vote", "select", "tree")
+
+
+def shared_link(device: DraftDevice) -> int:
+    """An id of the PCIe link ``device`` talks over: the card's for a core of a card with
+    several (:class:`~dfvg_host.core_window.CoreWindow`), else the device's own."""
+    inner = device.transport.inner
+    return id(getattr(inner, "card", inner))
 
 
 @dataclass
@@ -306,7 +316,7 @@ class MultiDraftDecoder:
             except DraftDeviceError as exc:
                 self._fault(metrics, faults, i, exc, seq)
         clock = self.drafters[0].device.clock_hz
-        slowest = (0.0, 0.0)                # (pcie, engine) seconds of the slowest drafter
+        engine_s, link_s = 0.0, {}          # the slowest engine; PCIe seconds per link
         for i in live:
             d = self.drafters[i]
             cycles = feeds[i].device_cycles + (outputs[i].cycles if i in outputs else 0)
@@ -314,15 +324,18 @@ class MultiDraftDecoder:
             engine = cycles / clock if clock else 0.0
             d.stats.engine_cycles += cycles
             d.stats.pcie_seconds += pcie
-            if pcie + engine > sum(slowest):
-                slowest = (pcie, engine)
+            engine_s = max(engine_s, engine)
+            link = shared_link(d.device)
+            link_s[link] = link_s.get(link, 0.0) + pcie
             name = f"draft round {round_no} [{d.stats.name}]"
             timeline.add("pcie", name, timeline.now, pcie, "modelled", round=round_no, drafter=d.stats.name)
             timeline.add("engine", name, timeline.now + pcie, engine, "modelled", round=round_no,
                          drafter=d.stats.name, cycles=cycles)
-        metrics.device_cycles += round(slowest[1] * clock)
-        metrics.pcie_seconds += slowest[0]
-        timeline.now += sum(slowest)
+        # Engines run at once; transfers over one link (the cores of one card) queue.
+        pcie_s = max(link_s.values(), default=0.0)
+        metrics.device_cycles += round(engine_s * clock)
+        metrics.pcie_seconds += pcie_s
+        timeline.now += pcie_s + engine_s
         return outputs
 
     def _choose(self, outputs: dict[int, DraftOutput], selected: int | None) -> _Round:
@@ -539,7 +552,11 @@ class _Run:
                               gamma_mode="auto" if adaptive else "fixed",
                               device_clock_hz=first.clock_hz,
                               device_cycle_source=f"{first.cycle_source}; per round the slowest of "
-                                                  f"{len(decoder.drafters)} concurrent drafters",
+                                                  f"{len(decoder.drafters)} concurrent drafters"
+                                                  + ("" if len({shared_link(d.device) for d in decoder.drafters})
+                                                     == len(decoder.drafters) else
+                                                     " (cores of one card: each as if alone, a lower "
+                                                     "bound under memory contention)"),
                               prefill_tokens=len(prompt))
         return cls(m, Timeline("serial"), [d.device.transport.stats.snapshot() for d in decoder.drafters],
                    time.perf_counter(), decoder.verifier.seconds, decoder.verifier.forwards,

@@ -23,6 +23,7 @@ number of times, so that a transient link error costs a retry instead of the dev
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlparse
@@ -206,11 +207,23 @@ def open_transport(url: str) -> tuple[Transport, "object"]:
             config = get_preset(name or ("alveo-u55c" if scheme == "sim" else "tiny"))
         except ConfigError as exc:
             raise TransportError(f"device {url!r}: {exc}") from None
-        if scheme == "sim":
-            from sim.device import SimDevice
-            return SimDevice(config), config
-        from sim.rtl_limits import SimulationTooLarge, check_simulation_size
         options = parse_qs(parsed.query)
+        if scheme == "sim":
+            from sim.device import SimCard, SimDevice
+            if set(options) - {"cores"}:
+                raise TransportError(f"device {url!r}: unknown option {sorted(set(options) - {'cores'})[0]!r}; "
+                                     "a sim device takes ?cores=N alone (a card with N draft cores)")
+            cores = options.get("cores", ["1"])[-1]
+            if not cores.isdigit():
+                raise TransportError(f"device {url!r}: cores={cores}: give the number of draft cores "
+                                     "on the card, an integer")
+            try:
+                # the generator's own bounds on the count (EngineConfig.draft_cores)
+                card = dataclasses.replace(config, draft_cores=int(cores))
+            except (ValueError, ConfigError) as exc:
+                raise TransportError(f"device {url!r}: cores={cores}: {exc}") from None
+            return (SimCard(config, card.draft_cores) if card.draft_cores > 1 else SimDevice(config)), config
+        from sim.rtl_limits import SimulationTooLarge, check_simulation_size
         unknown = set(options) - {"large"}
         if unknown:
             raise TransportError(f"device {url!r}: unknown option {sorted(unknown)[0]!r}; an RTL device "

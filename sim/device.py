@@ -13,11 +13,11 @@ from __future__ import annotations
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.regmap import (ENGINE_ID, ENGINE_VERSION, OP_CYCLE_BUCKETS, Control, Irq, Reg, Status,
-                            engine_params, op_cycles_offset)
+                            engine_params, op_cycles_offset, register_space_bits)
 from sim.functional import EngineFault, FunctionalEngine
 from sim.memory import DeviceMemory, MemoryError_
 
-__all__ = ["SimDevice"]
+__all__ = ["SimDevice", "SimCard"]
 
 _RW = {Reg.IRQ_ENABLE, Reg.IMAGE_BASE_LO, Reg.IMAGE_BASE_HI, Reg.PROG_BASE_LO, Reg.PROG_BASE_HI,
        Reg.PROG_LEN, Reg.REQ0_LO, Reg.REQ0_HI, Reg.REQ1_LO, Reg.REQ1_HI, Reg.RES0_LO,
@@ -37,9 +37,9 @@ class SimDevice:
     memory : DeviceMemory
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, memory: DeviceMemory | None = None):
         self.config = config
-        self.memory = DeviceMemory(config.mem_bytes)
+        self.memory = memory if memory is not None else DeviceMemory(config.mem_bytes)
         self.engine = FunctionalEngine(config, self.memory)
         self._regs = {reg: 0 for reg in Reg}
         self._regs.update(engine_params(config))
@@ -135,3 +135,59 @@ class SimDevice:
         by_op = self.engine.counts.by_op
         self._op_cycles = {op_cycles_offset(b): by_op.get(b, 0) & 0xFFFFFFFF for b in OP_CYCLE_BUCKETS}
         self._finish(result.status, result.error_pc)
+
+
+class SimCard:
+    """A card with several draft cores (``DraftCores``), each simulated by its functional
+    model: core ``i``'s register map in window ``i`` (``i << register_space_bits()``), one
+    device memory for all of them. An offset past the last core's window reads 0 and
+    ignores writes, as the RTL's window decoder answers DECERR (docs/registers.md).
+
+    The functional model does not model the cores' contention for memory: each core's
+    cycles are what it would take alone, a lower bound when several run at once
+    (docs/architecture.md §9). Drive a core with :class:`dfvg_host.core_window.CoreWindow`.
+
+    Members
+    -------
+    config : EngineConfig
+        Every core's configuration.
+    memory : DeviceMemory
+    cores : list of SimDevice
+    """
+
+    def __init__(self, config: EngineConfig, cores: int):
+        if cores < 1:
+            raise ValueError(f"a card has at least one core, got {cores}")
+        self.config = config
+        self.memory = DeviceMemory(config.mem_bytes)
+        self.cores = [SimDevice(config, self.memory) for _ in range(cores)]
+        self._window = 1 << register_space_bits()
+
+    def _core(self, offset: int) -> tuple[SimDevice | None, int]:
+        core, reg = divmod(offset, self._window)
+        return (self.cores[core] if core < len(self.cores) else None), reg
+
+    def read32(self, offset: int) -> int:
+        core, reg = self._core(offset)
+        return core.read32(reg) if core is not None else 0
+
+    def write32(self, offset: int, value: int) -> None:
+        core, reg = self._core(offset)
+        if core is not None:
+            core.write32(reg, value)
+
+    def dma_write(self, addr: int, data: bytes) -> None:
+        self.memory.write(addr, data)
+
+    def dma_read(self, addr: int, nbytes: int) -> bytes:
+        return self.memory.read(addr, nbytes)
+
+    def wait_irq(self, timeout_s: float) -> bool:
+        """Whether any core's interrupt is pending (the card's lines OR'd)."""
+        return any(core.wait_irq(timeout_s) for core in self.cores)
+
+    def wait_core_irq(self, core: int, timeout_s: float) -> bool:
+        return self.cores[core].wait_irq(timeout_s)
+
+    def close(self) -> None:
+        pass

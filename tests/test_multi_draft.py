@@ -20,6 +20,7 @@ import sampling_checks
 from conftest import make_tiny_llama
 from sampling_checks import chi_square_p
 from dfvg_hw.spec.config import get_preset
+from dfvg_hw.spec.regmap import MemoryMap, Reg
 from dfvg_host.acceptance import SamplingParams
 from dfvg_host.cli import main
 from dfvg_host.compiler import compile_draft, load_model
@@ -395,3 +396,46 @@ def test_greedy_is_exact_with_the_two_demo_drafters(demo_pair, demo_compiled, me
     # both drafters are useful, the bigger one more so
     assert (accepted + rounds) / rounds > 2.5
     assert matched[0] / judged[0] > matched[1] / judged[1] > 0.3
+
+
+# -- the cores of one card ------------------------------------------------------------------------
+def test_two_cores_of_one_card_draft_for_two_drafters(drafters, target, reference):
+    """``sim://tiny?cores=2``: each drafter drives its own core through the core's register
+    window, in its own slice of the card's memory; the output is exact and the two cores'
+    transfers queue on the card's one link."""
+    from dfvg_host.core_window import CoreWindow
+    from dfvg_host.transport import open_transport
+
+    card, engine = open_transport("sim://tiny?cores=2")
+    windows = [CoreWindow(card, i, 2, engine.mem_bytes) for i in range(2)]
+    devices = [DraftDevice(w, c, memory_base=w.memory_base) for w, c in zip(windows, drafters[1:])]
+    assert windows[1].memory_base == engine.mem_bytes // 2
+    decoder = MultiDraftDecoder(devices, Verifier(target, torch.device("cpu")), merge="tree", gamma=3,
+                                eos_token_id=1)
+    out = decoder.generate(PROMPTS[0], NEW)
+    assert out.tokens == reference[tuple(PROMPTS[0])] and not out.faults
+    assert all(d.drafted > 0 for d in out.drafters)
+    # each core ran its own program on its own requests: its counters are its own
+    assert all(c.engine.counts.total > 0 for c in card.cores)
+    bases = [w.read32(Reg.IMAGE_BASE_LO) | w.read32(Reg.IMAGE_BASE_HI) << 32 for w in windows]
+    assert bases == [MemoryMap.IMAGE, windows[1].memory_base + MemoryMap.IMAGE]
+    m = out.metrics
+    assert m.pcie_seconds == pytest.approx(sum(d.pcie_seconds for d in out.drafters), rel=1e-6)
+    assert "cores of one card" in m.device_cycle_source
+    # a core's driver cannot reach another core's slice
+    with pytest.raises(IndexError, match="outside core 0's slice"):
+        windows[0].dma_read(windows[1].memory_base, 4)
+    assert card.read32(5 << 9) == 0      # past the last core's window: nothing answers
+
+
+def test_generate_on_a_card_with_two_cores(demo_pair, capsys):
+    code = main(["generate", "--prompt", "def f(x):\n", "--max-new-tokens", "12", "--gamma", "3",
+                 "--draft", "models/demo-draft", "--draft", "models/demo-draft-small",
+                 "--target", "models/demo-target", "--device", "sim://alveo-u55c?cores=2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["device"] == ["sim://alveo-u55c?cores=2#core0", "sim://alveo-u55c?cores=2#core1"]
+    assert [d["name"] for d in out["drafters"]] == ["0:demo-draft", "1:demo-draft-small"]
+    code = main(["generate", "--prompt", "x", "--draft", "models/demo-draft", "--draft", "models/demo-draft",
+                 "--draft", "models/demo-draft", "--target", "models/demo-target",
+                 "--device", "sim://alveo-u55c?cores=2"])
+    assert code == 2 and "card with 2 draft cores; 3 drafters were given it" in capsys.readouterr().err
