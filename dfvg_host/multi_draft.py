@@ -55,7 +55,7 @@ from dfvg_host.acceptance import SamplingParams, Verdict, verify_round, verify_t
 from dfvg_host.adaptive import AdaptiveLength, RoundFacts
 from dfvg_host.driver import ContextFull, DeviceFault, DraftDevice, DraftDeviceError, DraftOutput
 from dfvg_host.metrics import SpecDecodeMetrics
-from dfvg_host.speculative import DraftCursor, GenerationOutput, fault_kind, verifier_message
+from dfvg_host.speculative import DraftCursor, GenerationOutput, fault_kind, tokens_to_emit, verifier_message
 from dfvg_host.timeline import Timeline
 from dfvg_host.tree import ROOT, DraftTree
 from dfvg_host.verifier import Verifier
@@ -513,10 +513,7 @@ class MultiDraftDecoder:
             if not self._live():            # the target alone: no drafter is left
                 run.metrics.fallback_rounds += 1
                 run.metrics.fallback_tokens += len(new)
-            eos = self.eos_token_id is not None and self.eos_token_id in new
-            if eos:
-                new = new[:new.index(self.eos_token_id) + 1]
-            new = new[:remaining]
+            new, eos = tokens_to_emit(new, self.eos_token_id, remaining)
             out += new
             seq += new
             if on_tokens:

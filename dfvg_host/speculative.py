@@ -52,7 +52,7 @@ from dfvg_host.timeline import Timeline
 from dfvg_host.verifier import Verifier
 
 __all__ = ["SpeculativeDecoder", "GenerationOutput", "GenerationRun", "DraftCursor", "STOP_REASONS", "fault_kind",
-           "verifier_message"]
+           "verifier_message", "tokens_to_emit"]
 
 log = logging.getLogger(__name__)
 
@@ -439,10 +439,7 @@ class SpeculativeDecoder:
         m = run.metrics
         new = drafts[:verdict.accepted] + [verdict.next_token]
         m.record_round(n, verdict.accepted, len(new))
-        eos = self.eos_token_id is not None and self.eos_token_id in new
-        if eos:
-            new = new[:new.index(self.eos_token_id) + 1]
-        new = new[:remaining]
+        new, eos = tokens_to_emit(new, self.eos_token_id, remaining)
         out += new
         seq += new
         if not use_device:
@@ -562,6 +559,15 @@ class SpeculativeDecoder:
                 stop = "eos"
                 break
         return self._finish(run, out, stop, message, error)
+
+
+def tokens_to_emit(new: list[int], eos_token_id: int | None, remaining: int) -> tuple[list[int], bool]:
+    """What a round that committed ``new`` emits: up to and including EOS, at most
+    ``remaining`` tokens; and whether EOS was reached."""
+    eos = eos_token_id is not None and eos_token_id in new
+    if eos:
+        new = new[:new.index(eos_token_id) + 1]
+    return new[:remaining], eos
 
 
 def verifier_message(exc: Exception, kept: int) -> str:

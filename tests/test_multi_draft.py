@@ -265,6 +265,7 @@ def test_sampling_is_lossless(small_vocab, merge):
     counts = sample_first_two(target_dir, compiled, merge, n)
     expected = sampling_checks.first_two_distribution(load_model(target_dir), SMALL_PROMPT, PARAMS, VOCAB)
     p = chi_square_p(counts, expected, n)
+    print(f"{merge}: chi-square p = {p:.3g} from {n} samples")
     assert p > 0.01, f"{merge}: samples differ from the target distribution (p = {p:.2e})"
 
 
@@ -278,6 +279,7 @@ def test_wrong_q_is_detected(small_vocab, monkeypatch):
     counts = sample_first_two(target_dir, compiled, "tree", n)
     expected = sampling_checks.first_two_distribution(load_model(target_dir), SMALL_PROMPT, PARAMS, VOCAB)
     p = chi_square_p(counts, expected, n)
+    print(f"tree with a uniform q: chi-square p = {p:.3g} from {n} samples")
     assert p < 0.01, f"a uniform q went undetected (p = {p:.3f})"
 
 
