@@ -32,12 +32,18 @@ def _match_note(result: BenchResult) -> str:
             + ", ".join(differ) + ".")
 
 
+def _key_width(result: BenchResult) -> int:
+    """The method column's width: 24, or the longest row name and a space."""
+    return max([24] + [len(t.key) + 1 for t in result.rows(ALL_TASKS)])
+
+
 def speed_table(result: BenchResult) -> str:
     s = result.setup
+    w = _key_width(result)
     base = result.baseline()
-    head = (f"{'method':<24}{'tok/s':>8}{'target s':>10}{'host s':>8}{'draft s':>9}{'FPGA s':>9}"
+    head = (f"{'method':<{w}}{'tok/s':>8}{'target s':>10}{'host s':>8}{'draft s':>9}{'FPGA s':>9}"
             f"{'PCIe s':>9}{'accept':>8}{'len':>6}{'host/round':>13}{'x target':>10}{'x assisted':>11}")
-    unit = (f"{'':<24}{'':>8}{'measured':>10}{'meas.':>8}{'meas.':>9}{'modelled':>9}"
+    unit = (f"{'':<{w}}{'':>8}{'measured':>10}{'meas.':>8}{'meas.':>9}{'modelled':>9}"
             f"{'modelled':>9}{'':>8}{'':>6}{'µs':>7}{'%':>6}{'-only':>10}{'same γ':>11}")
     lines = [f"Decoding speed: {s['prompts']} prompts ({s['prompt_mix']}) x {s['max_new_tokens']} new "
              "tokens, greedy, EOS ignored",
@@ -47,7 +53,7 @@ def speed_table(result: BenchResult) -> str:
     for t in result.rows(ALL_TASKS):
         same = result.get("assisted", t.gamma) if t.is_dfvg and t.gamma is not None else None
         lines.append(
-            f"{t.key:<24}{t.tokens_per_s:>8.1f}{t.target_s:>10.3f}{t.host_s:>8.3f}"
+            f"{t.key:<{w}}{t.tokens_per_s:>8.1f}{t.target_s:>10.3f}{t.host_s:>8.3f}"
             f"{_num(t.draft_s if t.method == 'assisted' else None, '9.3f'):>9}"
             f"{_num(t.draft_s if t.is_dfvg else None, '9.4f'):>9}"
             f"{_num(t.pcie_s if t.is_dfvg else None, '9.4f'):>9}"
@@ -73,13 +79,14 @@ def speed_table(result: BenchResult) -> str:
 
 
 def task_table(result: BenchResult) -> str:
+    w = _key_width(result)
     tasks = result.tasks + [ALL_TASKS]
     col = 22
     lines = ["Acceptance by task: accepted/drafted, tokens per target forward, speedup over "
              "target-only on the same task",
              "",
-             f"{'method':<24}" + "".join(f"{t:>{col}}" for t in tasks),
-             f"{'':<24}" + "".join(f"{'accept   len  x t-o':>{col}}" for _ in tasks)]
+             f"{'method':<{w}}" + "".join(f"{t:>{col}}" for t in tasks),
+             f"{'':<{w}}" + "".join(f"{'accept   len  x t-o':>{col}}" for _ in tasks)]
     for t in result.rows(ALL_TASKS):
         if t.method == "target-only":
             continue
@@ -88,7 +95,7 @@ def task_table(result: BenchResult) -> str:
             r = result.get(t.method, t.gamma, task)
             cells.append(f"{_num(r.acceptance_rate, '.3f'):>6} {r.mean_accepted_length:>5.2f} "
                          f"{_ratio(result.speedup(r, result.baseline(task))):>6}")
-        lines.append(f"{t.key:<24}" + "".join(f"{c:>{col}}" for c in cells))
+        lines.append(f"{t.key:<{w}}" + "".join(f"{c:>{col}}" for c in cells))
     lines += ["", "speedups: DFVG projected / target-only measured; assisted measured / measured."]
     return "\n".join(lines)
 
@@ -146,7 +153,7 @@ def several_table(result: BenchResult) -> str:
     alone = [t for t in result.rows(ALL_TASKS) if t.method == "dfvg" or t.method.startswith("dfvg[")]
     lines = [f"Several drafters: {result.setup['draft']} (dfvg) and "
              f"{', '.join(result.setup.get('extra_drafters') or [])} (dfvg[NAME]); drafting at once, a "
-             "round costs the slowest drafter (modelled)", "",
+             "round costs the slowest engine plus the busiest link (modelled)", "",
              f"{'method':<30}{'tok/s':>8}{'accept':>8}{'len':>6}{'x target':>10}{'x best':>8}  drafters: "
              "matched share, rounds chosen",
              f"{'':<30}{'proj.':>8}{'':>8}{'':>6}{'-only':>10}{'alone':>8}"]
