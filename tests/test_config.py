@@ -1,6 +1,6 @@
 import pytest
 
-from dfvg_hw.spec.config import PRESETS, ConfigError, get_preset
+from dfvg_hw.spec.config import PRESETS, ConfigError, EngineConfig, get_preset
 
 
 def test_presets_are_valid_and_documented():
@@ -43,7 +43,21 @@ def test_unknown_preset_lists_known_ones():
     (dict(clock_mhz=0), "clock_mhz"),
     (dict(kv_slots=0), "kv_slots"),
     (dict(kv_slots=1 << 16), "kv_slots"),
+    (dict(draft_cores=0), "draft_cores"),
+    (dict(draft_cores=17), "draft_cores"),
+    (dict(draft_cores=2.0), "draft_cores"),
+    (dict(draft_cores=True), "draft_cores"),
 ])
 def test_invalid_combinations_name_the_parameter(change, param):
     with pytest.raises(ConfigError, match=f"{param} = "):
         get_preset("tiny").with_changes(**change)
+
+
+def test_draft_cores_default_to_one_and_round_trip():
+    """Every preset is one core; a config with several round-trips through its dict (the
+    compiled draft's manifest holds ``to_dict()``)."""
+    assert {cfg.draft_cores for cfg in PRESETS.values()} == {1}
+    two = get_preset("tiny").with_changes(draft_cores=2)
+    assert two.to_dict()["draft_cores"] == 2
+    assert EngineConfig(**two.to_dict()) == two
+    assert EngineConfig(**get_preset("alveo-u55c").to_dict()) == get_preset("alveo-u55c")

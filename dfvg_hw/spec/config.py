@@ -86,6 +86,12 @@ class EngineConfig:
     kv_banks : int
         Banks of the KV buffer: position ``t`` lives in bank ``t mod kv_banks``, and ATTN
         reads one K or V row from every bank a cycle (docs/isa.md §1.4).
+    draft_cores : int
+        Draft engines on one card (1 to 16), each with the parameters above, its own
+        register window, program and requests, sharing the card's memory ports through
+        one arbiter per port (:class:`dfvg_hw.draft_cores.DraftCores`,
+        docs/architecture.md "Several draft cores"). It does not change what a core is:
+        every core is the engine the other parameters describe.
     source : str
         Where the numbers come from.
     """
@@ -110,6 +116,7 @@ class EngineConfig:
     mem_clock_mhz: float = 0.0
     mem_achievable_gbps: float = 0.0
     kv_banks: int = 1
+    draft_cores: int = 1
     acc_bits: int = 32
     source: str = ""
 
@@ -210,6 +217,10 @@ class EngineConfig:
         need(isinstance(self.kv_banks, int) and _is_pow2(self.kv_banks)
              and self.kv_banks <= self.kv_positions, "kv_banks",
              "a power of two, at most kv_positions")
+        need(isinstance(self.draft_cores, int) and not isinstance(self.draft_cores, bool)
+             and 1 <= self.draft_cores <= 16, "draft_cores",
+             "an integer from 1 to 16 (the memory arbiters' round-robin grant grows with the "
+             "square of the core count)")
         need(self.acc_bits == 32, "acc_bits", "the numerics define int32 accumulators only")
         need(self.rows >= 2, "rows", "at least 2: a wide (int16) matmul row is two int8 digit "
              "rows that the matrix unit computes side by side")
