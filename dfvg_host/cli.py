@@ -131,7 +131,10 @@ def _resolve_draft(draft: str | None, engine) -> DraftSource:
     path = Path(draft) if draft is not None else demo_paths()[0]
     if (path / "manifest.json").is_file():
         compiled = CompiledDraft.load(path)
-        if compiled.manifest["engine"] != engine.to_dict():
+        # A draft runs on one core: the card's core count is no part of what it was
+        # compiled for (and manifests from before the count existed lack it).
+        one_core = {k: v for k, v in engine.to_dict().items() if k != "draft_cores"}
+        if {k: v for k, v in compiled.manifest["engine"].items() if k != "draft_cores"} != one_core:
             raise CliError(f"{path} was compiled for preset '{compiled.manifest['engine']['name']}', "
                            f"the device is '{engine.name}'; recompile with --preset {engine.name}")
         return DraftSource(compiled, Path(compiled.manifest["model_dir"]), compiled.shape.vocab,

@@ -195,6 +195,26 @@ class RetryingTransport:
         self.inner.close()
 
 
+#: The query options each simulated device takes: ``cores`` (a card with several draft
+#: cores; not built by the Verilator harness) and ``large`` (a card's preset in RTL
+#: simulation, sim.rtl_limits).
+DEVICE_OPTIONS = {"sim": {"cores"}, "rtl": {"cores", "large"}, "rtl+verilator": {"large"}}
+
+
+def _card_config(url: str, config, cores: str):
+    """``config`` for a card of ``cores`` draft cores (``?cores=N``), held to the
+    generator's own bounds on the count (``EngineConfig.draft_cores``)."""
+    from dfvg_hw.spec.config import ConfigError
+
+    if not cores.isdigit():
+        raise TransportError(f"device {url!r}: cores={cores}: give the number of draft cores on the "
+                             "card, an integer")
+    try:
+        return dataclasses.replace(config, draft_cores=int(cores))
+    except (ValueError, ConfigError) as exc:
+        raise TransportError(f"device {url!r}: cores={cores}: {exc}") from None
+
+
 def open_transport(url: str) -> tuple[Transport, "object"]:
     """Open a device URL; returns (transport, engine config it was built from or None)."""
     from dfvg_hw.spec.config import ConfigError, get_preset
@@ -208,33 +228,23 @@ def open_transport(url: str) -> tuple[Transport, "object"]:
         except ConfigError as exc:
             raise TransportError(f"device {url!r}: {exc}") from None
         options = parse_qs(parsed.query)
+        known = DEVICE_OPTIONS[scheme]
+        unknown = set(options) - known
+        if unknown:
+            raise TransportError(f"device {url!r}: unknown option {sorted(unknown)[0]!r}; a {scheme} device "
+                                 f"takes {', '.join(f'?{k}=…' for k in sorted(known))}")
+        card = _card_config(url, config, options.get("cores", ["1"])[-1])
         if scheme == "sim":
             from sim.device import SimCard, SimDevice
-            if set(options) - {"cores"}:
-                raise TransportError(f"device {url!r}: unknown option {sorted(set(options) - {'cores'})[0]!r}; "
-                                     "a sim device takes ?cores=N alone (a card with N draft cores)")
-            cores = options.get("cores", ["1"])[-1]
-            if not cores.isdigit():
-                raise TransportError(f"device {url!r}: cores={cores}: give the number of draft cores "
-                                     "on the card, an integer")
-            try:
-                # the generator's own bounds on the count (EngineConfig.draft_cores)
-                card = dataclasses.replace(config, draft_cores=int(cores))
-            except (ValueError, ConfigError) as exc:
-                raise TransportError(f"device {url!r}: cores={cores}: {exc}") from None
             return (SimCard(config, card.draft_cores) if card.draft_cores > 1 else SimDevice(config)), config
         from sim.rtl_limits import SimulationTooLarge, check_simulation_size
-        unknown = set(options) - {"large"}
-        if unknown:
-            raise TransportError(f"device {url!r}: unknown option {sorted(unknown)[0]!r}; an RTL device "
-                                 "takes ?large=1 alone")
         try:
             check_simulation_size(config, scheme, large=options.get("large", ["0"])[-1] == "1")
         except SimulationTooLarge as exc:
             raise TransportError(str(exc)) from None
         if scheme == "rtl":
             from sim.rtl_device import RtlDevice
-            return RtlDevice(config), config
+            return RtlDevice(card), config
         from sim.verilator_device import VerilatorDevice
         try:
             return VerilatorDevice(config), config

@@ -10,6 +10,10 @@ simulator, behind the same transport operations as the ``sim`` device and a card
   ``p`` maps the physical addresses on its port to it (:mod:`dfvg_hw.spec.striping`).
 * ``wait_irq`` simulates until the engine raises ``irq`` or the wall-clock timeout runs
   out, so a hung engine is a device timeout, as on hardware.
+* A configuration with ``draft_cores`` > 1 simulates a card of that many cores
+  (:class:`~dfvg_hw.draft_cores.DraftCores`): core ``i``'s registers in window ``i``, one
+  memory, and ``wait_core_irq`` waiting for one core's line
+  (:class:`dfvg_host.core_window.CoreWindow` drives a core).
 
 Nothing here computes a result: every figure the driver reads comes out of the engine's
 registers and the memory the engine wrote.
@@ -25,6 +29,7 @@ import numpy as np
 from amaranth.sim import Simulator
 
 from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.draft_cores import DraftCores
 from dfvg_hw.engine import AXIL_PREFIX, DraftEngine
 from dfvg_hw.spec.striping import Striping
 from sim.axi_lite_bus import axil_read, axil_write
@@ -60,7 +65,9 @@ class RtlDevice:
                  timing: MemoryTiming | None = None):
         self.config = config
         self.memory = DeviceMemory(config.mem_bytes)
-        self.engine = DraftEngine(config, data_width)
+        # a card with several cores: each its register window, one memory (DraftCores)
+        self.engine = (DraftCores if config.draft_cores > 1 else DraftEngine)(config, data_width)
+        self.cores = list(range(config.draft_cores)) if config.draft_cores > 1 else []
         timing = timing or MemoryTiming.for_config(config, data_width)
         striping = Striping(config.mem_ports, self.engine.data_width // 8,
                             config.mem_bytes // config.mem_ports)
@@ -134,8 +141,16 @@ class RtlDevice:
         return self.memory.read(addr, nbytes)
 
     def wait_irq(self, timeout_s: float) -> bool:
+        """Simulate until the interrupt (any core's, on a card with several) is raised."""
+        return self._wait_for(lambda ctx: ctx.get(self.engine.irq), timeout_s)
+
+    def wait_core_irq(self, core: int, timeout_s: float) -> bool:
+        """Simulate until core ``core``'s interrupt line is raised (a card with several)."""
+        return self._wait_for(lambda ctx: ctx.get(self.engine.irq) >> core & 1, timeout_s)
+
+    def _wait_for(self, raised_in, timeout_s: float) -> bool:
         raised = []
-        self._until = lambda ctx: raised.append(1) or True if ctx.get(self.engine.irq) else False
+        self._until = lambda ctx: raised.append(1) or True if raised_in(ctx) else False
         if not self._run(lambda: raised, time.monotonic() + timeout_s):
             self._until = None
             return False

@@ -24,7 +24,8 @@ TESTS = Path(__file__).resolve().parent
 #: Tests that run the Amaranth simulator or Verilator, besides everything under tests/rtl/:
 #: whole modules by file name, single tests by "file::name".
 RTL_MODULES = {"test_rtl_device.py", "test_rtl_driver.py"}
-RTL_TESTS = {"test_vivado_flow.py::test_engine_ports_lint_and_match_the_block_design"}
+RTL_TESTS = {"test_vivado_flow.py::test_engine_ports_lint_and_match_the_block_design",
+             "test_multi_draft.py::test_two_rtl_cores_of_one_card_draft_for_two_drafters"}
 
 #: Tests that take more than about 20 s (``pytest --durations``, one process on the 2-core
 #: machine under load): "file::name" marks every parametrisation of the test,
@@ -69,6 +70,8 @@ SLOW_TESTS = {
     # several drafters: 2 x 8 prompts x 64 tokens on the demo pair; 1 000 samples each
     "test_multi_draft.py::test_greedy_is_exact_with_the_two_demo_drafters",
     "test_multi_draft.py::test_sampling_is_lossless",
+    "test_multi_draft.py::test_two_rtl_cores_of_one_card_draft_for_two_drafters",
+    "test_draft_cores.py::test_two_cores_draft_alone_and_at_once",
 }
 
 

@@ -441,3 +441,27 @@ def test_generate_on_a_card_with_two_cores(demo_pair, capsys):
                  "--draft", "models/demo-draft", "--target", "models/demo-target",
                  "--device", "sim://alveo-u55c?cores=2"])
     assert code == 2 and "card with 2 draft cores; 3 drafters were given it" in capsys.readouterr().err
+
+
+def test_two_rtl_cores_of_one_card_draft_for_two_drafters(drafters, target, reference):
+    """``rtl://tiny?cores=2``: the generated DraftCores in simulation, each core driven
+    by its drafter's driver through its window; the output is exact and each core's
+    cycles are at least what the cycle model gives it alone (they share the memory port)."""
+    from dfvg_host.core_window import CoreWindow
+    from dfvg_host.transport import open_transport
+
+    card, engine = open_transport("rtl://tiny?cores=2")
+    windows = [CoreWindow(card, i, 2, engine.mem_bytes) for i in range(2)]
+    devices = [DraftDevice(w, c, memory_base=w.memory_base, timeout_s=600) for w, c in zip(windows, drafters[1:])]
+    decoder = MultiDraftDecoder(devices, Verifier(target, torch.device("cpu")), merge="tree", gamma=2,
+                                eos_token_id=1)
+    prompt = PROMPTS[1]
+    out = decoder.generate(prompt, 3)
+    assert out.tokens == reference[tuple(prompt)][:3] and not out.faults
+    sim_cards = [DraftDevice.open("sim://tiny", c) for c in drafters[1:]]
+    model = MultiDraftDecoder(sim_cards, Verifier(target, torch.device("cpu")), merge="tree", gamma=2,
+                              eos_token_id=1).generate(prompt, 3)
+    assert model.tokens == out.tokens
+    for rtl, modelled in zip(out.drafters, model.drafters):
+        assert rtl.drafted == modelled.drafted and rtl.matched == modelled.matched
+        assert rtl.engine_cycles >= modelled.engine_cycles > 0

@@ -87,14 +87,8 @@ class CoreWindow:
 
 
 @pytest.fixture
-def two_cores(monkeypatch):
-    """An RtlDevice around DraftCores(tiny, draft_cores = 2) instead of one DraftEngine.
-
-    RtlDevice builds its DraftEngine itself; DraftCores has the same flat ports and
-    attributes, so the device simulates it unchanged once the name it builds from is
-    pointed at it here."""
-    monkeypatch.setattr(rtl_device, "DraftEngine", lambda config, data_width=None:
-                        DraftCores(config, data_width))
+def two_cores():
+    """The rtl device of a card with two tiny cores (DraftCores)."""
     return rtl_device.RtlDevice(TINY.with_changes(draft_cores=2))
 
 
