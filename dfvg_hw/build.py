@@ -1,6 +1,6 @@
 """Build the draft engine for a PCIe card: an Alveo, or a NiteFury II / LiteFury M.2 card.
 
-    python -m dfvg_hw.build --board alveo [--preset NAME] [--out DIR] [--run] [--estimate]
+    python -m dfvg_hw.build --board alveo [--preset NAME] [--out DIR] [--run] [--estimate [--draft-cores N]]
     python -m dfvg_hw.build --board nitefury --out build/nitefury
 
 Elaborates :class:`~dfvg_hw.engine.DraftEngine` for the board's engine preset (or
@@ -18,7 +18,9 @@ directory, then:
   of multipliers: Yosys does not finish it here) is left out of the engine's synthesis
   and estimated from a slice of that many lanes, scaled by lanes ÷ slice lanes; lanes
   are independent columns, so the scaling is linear. The table says which rows are
-  extrapolated.
+  extrapolated. ``--draft-cores N`` adds a card of N cores (``DraftCores``): N times the
+  engine's counts plus the memory arbiters and register windows, synthesised on their own,
+  and compares that with the part.
 """
 
 from __future__ import annotations
@@ -119,13 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="build directory (default: build/<board>-<preset>)")
     ap.add_argument("--run", action="store_true", help="run the Vivado flow (needs vivado on PATH)")
     ap.add_argument("--estimate", action="store_true", help="Yosys resource estimate of the engine")
+    ap.add_argument("--draft-cores", type=int, default=1, metavar="N",
+                    help="with --estimate: also the estimate of a card with N draft cores (N engines, "
+                         "the memory arbiters and the register windows; dfvg_hw/draft_cores.py)")
     args = ap.parse_args(argv)
+    if args.draft_cores != 1 and not args.estimate:
+        ap.error("--draft-cores sizes the estimate: give it with --estimate")
     try:
         board, config, files, verilog = build(args.board, args.preset, args.out)
+        cores = config.with_changes(draft_cores=args.draft_cores)
     except (ValueError, ConfigError) as exc:
         ap.error(str(exc))
     if args.estimate:
         used, parts = estimate(config, verilog.read_text())
+        if cores.draft_cores > 1:
+            from dfvg_hw.draft_cores import estimate as cores_estimate
+            card = cores_estimate(cores, core=used)
+            parts.append((f"{cores.draft_cores} draft cores: {cores.draft_cores} x the engine + the "
+                          "memory arbiters and register windows [synthesised]", card))
+            used = card
         print(f"{board.name} ({board.part}), engine preset {config.name}: Yosys estimate "
               "[not placed]")
         for name, counts in parts:

@@ -77,3 +77,15 @@ def test_build_refuses_an_engine_beat_the_controller_cannot_take(tmp_path):
         build("alveo", out=tmp_path / "b")
     assert not any((tmp_path / "b").glob("*.v"))
     assert get_preset("alveo-u55c-1ch").mem_ports * get_preset("alveo-u55c-1ch").mem_port_bits <= 512
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--draft-cores", "2"], "give it with --estimate"),
+    (["--draft-cores", "17", "--estimate"], "draft_cores = 17"),
+])
+def test_draft_cores_estimate_arguments(argv, message, tmp_path, capsys):
+    """``--draft-cores`` is checked before anything is synthesised."""
+    from dfvg_hw.build import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--board", "alveo", "--preset", "tiny", "--out", str(tmp_path), *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
