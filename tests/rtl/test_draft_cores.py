@@ -4,7 +4,7 @@ one device memory, against the ``sim`` device (the functional model and the cycl
 running the same request alone.
 
 The cores are driven with ``test_rtl_device.run`` (program load, request, result, the
-registers after it) through :class:`CoreWindow`, which makes one core of a simulated
+registers after it) through :class:`RelocatedCore`, which makes one core of a simulated
 DraftCores look like a device of its own; ``test_rtl_device.same`` compares the results.
 """
 
@@ -40,7 +40,7 @@ from test_rtl_device import CASES, TINY, run, same
 WINDOW_BITS = register_space_bits()
 
 
-class CoreWindow:
+class RelocatedCore:
     """Core ``index`` of a simulated DraftCores as a device of its own (the transport
     operations ``test_rtl_device.run`` uses): its register window, its own part of the
     one device memory — every address the host DMAs to or writes into an address
@@ -49,6 +49,10 @@ class CoreWindow:
 
     ``while_waiting``, if given, is called at the first ``wait_irq``: it drives another
     core while this one runs its request, so the two overlap in simulated time.
+
+    The host's :class:`dfvg_host.core_window.CoreWindow` leaves the relocation to the
+    driver (``DraftDevice(memory_base=…)``); ``test_rtl_device.run`` is not the driver, so
+    this adapter relocates the addresses itself.
     """
 
     ADDRESS_REGISTERS = (Reg.IMAGE_BASE_LO, Reg.PROG_BASE_LO, Reg.REQ0_LO, Reg.REQ1_LO,
@@ -120,11 +124,11 @@ def test_two_cores_draft_alone_and_at_once(two_cores):
 
     # alone: one sampled draft (a shorter request, the same units)
     one = (sampled[0], dataclasses.replace(sampled[1], n_draft=1))
-    same(run(CoreWindow(two_cores, 1, base=8 << 20), *one), run(SimDevice(TINY), *one))
+    same(run(RelocatedCore(two_cores, 1, base=8 << 20), *one), run(SimDevice(TINY), *one))
 
     during = []
-    core1 = CoreWindow(two_cores, 1, base=8 << 20)
-    core0 = CoreWindow(two_cores, 0, base=0,
+    core1 = RelocatedCore(two_cores, 1, base=8 << 20)
+    core0 = RelocatedCore(two_cores, 0, base=0,
                        while_waiting=lambda: during.append(run(core1, *sampled)))
     first = run(core0, *greedy)
     cycles = [results_apart_from_cycles(first, ref_greedy),
