@@ -269,7 +269,7 @@ def _open_drafts(plan: list[tuple[str | None, str]], target_dir: Path, target_co
         else:
             transport, engine = _open_device(url)
             core = 0
-        cores = len(getattr(transport, "cores", ())) or 1
+        cores = getattr(transport, "draft_cores", 1)   # a simulated card says how many it has
         memory_base = 0
         if cores > 1:
             if core >= cores:

@@ -55,11 +55,12 @@ from dfvg_host.acceptance import SamplingParams, Verdict, verify_round, verify_t
 from dfvg_host.adaptive import AdaptiveLength, RoundFacts
 from dfvg_host.driver import ContextFull, DeviceFault, DraftDevice, DraftDeviceError, DraftOutput
 from dfvg_host.metrics import SpecDecodeMetrics
-from dfvg_host.speculative import DraftCursor, GenerationOutput, fault_kind, tokens_to_emit, verifier_message
+from dfvg_host.speculative import (DraftCursor, GenerationOutput, fault_kind, matched_prefix, tokens_to_emit,
+                                   verifier_message)
 from dfvg_host.timeline import Timeline
 from dfvg_host.tree import ROOT, DraftTree
 from dfvg_host.verifier import Verifier
-from dfvg_host.voting import WeightedMajority, heaviest_path, matched_prefix, merge_drafts
+from dfvg_host.voting import WeightedMajority, heaviest_path, merge_drafts
 
 __all__ = ["MERGE_RULES", "DrafterStats", "Drafter", "MultiDraftOutput", "MultiDraftDecoder"]
 

@@ -52,7 +52,7 @@ from dfvg_host.timeline import Timeline
 from dfvg_host.verifier import Verifier
 
 __all__ = ["SpeculativeDecoder", "GenerationOutput", "GenerationRun", "DraftCursor", "STOP_REASONS", "fault_kind",
-           "verifier_message", "tokens_to_emit"]
+           "verifier_message", "tokens_to_emit", "matched_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +180,7 @@ class DraftCursor:
             # The engine holds KV for its inputs and all drafts but the last; the last
             # committed token is fed again whatever it holds: the next draft starts from
             # its logits.
-            kept = 0
-            while kept < min(n - 1, len(committed) - 1) and drafts[kept] == committed[kept]:
-                kept += 1
+            kept = min(matched_prefix(drafts, committed), n - 1, len(committed) - 1)
             end = device.kv_length if end is None else end
             device.rollback(end - (n - 1) + kept)
             self.inputs = list(committed[kept:])
@@ -559,6 +557,18 @@ class SpeculativeDecoder:
                 stop = "eos"
                 break
         return self._finish(run, out, stop, message, error)
+
+
+def matched_prefix(draft: list[int], committed: list[int]) -> int:
+    """How many leading tokens of ``draft`` the round committed: the length of the common
+    prefix of ``draft`` and the committed tokens (accepted drafts, then the target's own
+    token)."""
+    n = 0
+    for a, b in zip(draft, committed):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def tokens_to_emit(new: list[int], eos_token_id: int | None, remaining: int) -> tuple[list[int], bool]:

@@ -23,7 +23,6 @@ number of times, so that a transient link error costs a retry instead of the dev
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlparse
@@ -210,7 +209,7 @@ def _card_config(url: str, config, cores: str):
         raise TransportError(f"device {url!r}: cores={cores}: give the number of draft cores on the "
                              "card, an integer")
     try:
-        return dataclasses.replace(config, draft_cores=int(cores))
+        return config.with_changes(draft_cores=int(cores))
     except (ValueError, ConfigError) as exc:
         raise TransportError(f"device {url!r}: cores={cores}: {exc}") from None
 

@@ -8,7 +8,7 @@ child at each level; where it stops (a node with no child) some drafter's draft 
 the path chosen is always one real drafter's whole draft, never a splice of two.
 
 After the target has verified the round, each drafter is judged by how much of its own
-draft the committed tokens confirm (:func:`matched_prefix`), as a share of the part of its
+draft the committed tokens confirm (:func:`~dfvg_host.speculative.matched_prefix`), as a share of the part of its
 draft they cover, and
 :class:`WeightedMajority` raises the weight of a drafter at or above the acceptance
 threshold and lowers it below, within bounds: weights follow which drafter is currently
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from dfvg_host.tree import ROOT, DraftTree
 
-__all__ = ["WeightedMajority", "MergedDrafts", "merge_drafts", "heaviest_path", "matched_prefix"]
+__all__ = ["WeightedMajority", "MergedDrafts", "merge_drafts", "heaviest_path"]
 
 
 @dataclass
@@ -44,7 +44,7 @@ class WeightedMajority:
     weights : list of float
         The current weight of each drafter (all ``initial`` at first).
     threshold : float
-        A drafter whose matched share of its draft (:func:`matched_prefix` over the part
+        A drafter whose matched share of its draft (:func:`~dfvg_host.speculative.matched_prefix` over the part
         of its draft the round's committed tokens cover) is at least this has its weight multiplied by ``raise_by``, else by ``lower_by``.
     raise_by, lower_by : float
         The multiplicative steps (``raise_by ≥ 1 ≥ lower_by > 0``).
@@ -150,15 +150,3 @@ def heaviest_path(merged: MergedDrafts) -> tuple[list[int], int | None]:
         return [], None
     # A node with no child is where every draft through it ends, so it has an owner.
     return path, min(i for i, end in merged.ends.items() if end == path[-1])
-
-
-def matched_prefix(draft: list[int], committed: list[int]) -> int:
-    """How many leading tokens of ``draft`` the round committed: the length of the common
-    prefix of ``draft`` and the committed tokens (accepted drafts, then the target's own
-    token)."""
-    n = 0
-    for a, b in zip(draft, committed):
-        if a != b:
-            break
-        n += 1
-    return n

@@ -182,6 +182,10 @@ class SimCard:
     def dma_read(self, addr: int, nbytes: int) -> bytes:
         return self.memory.read(addr, nbytes)
 
+    @property
+    def draft_cores(self) -> int:
+        return len(self.cores)
+
     def wait_irq(self, timeout_s: float) -> bool:
         """Whether any core's interrupt is pending (the card's lines OR'd)."""
         return any(core.wait_irq(timeout_s) for core in self.cores)

@@ -67,7 +67,7 @@ class RtlDevice:
         self.memory = DeviceMemory(config.mem_bytes)
         # a card with several cores: each its register window, one memory (DraftCores)
         self.engine = (DraftCores if config.draft_cores > 1 else DraftEngine)(config, data_width)
-        self.cores = list(range(config.draft_cores)) if config.draft_cores > 1 else []
+
         timing = timing or MemoryTiming.for_config(config, data_width)
         striping = Striping(config.mem_ports, self.engine.data_width // 8,
                             config.mem_bytes // config.mem_ports)
@@ -170,6 +170,11 @@ class RtlDevice:
 
     def close(self) -> None:
         self._queue.clear()
+
+    @property
+    def draft_cores(self) -> int:
+        """Draft cores on the simulated card (each in its register window)."""
+        return self.config.draft_cores
 
     @property
     def cycles_per_second(self) -> float:

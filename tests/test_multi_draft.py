@@ -27,9 +27,9 @@ from dfvg_host.compiler import compile_draft, load_model
 from dfvg_host.driver import DraftDevice
 from dfvg_host.fault_injection import Fault, FaultInjectingTransport, FaultKind
 from dfvg_host.multi_draft import MERGE_RULES, MultiDraftDecoder
-from dfvg_host.speculative import SpeculativeDecoder
+from dfvg_host.speculative import SpeculativeDecoder, matched_prefix
 from dfvg_host.verifier import Verifier
-from dfvg_host.voting import WeightedMajority, heaviest_path, matched_prefix, merge_drafts
+from dfvg_host.voting import WeightedMajority, heaviest_path, merge_drafts
 from sim.device import SimDevice
 
 VOCAB = 8
