@@ -19,7 +19,7 @@ from dfvg_hw.spec.image import IMAGE_VERSION
 from dfvg_hw.spec.isa import INSTRUCTION_BITS, disassemble, from_bytes, to_bytes
 from dfvg_hw.spec.regmap import ENGINE_VERSION
 
-__all__ = ["CompiledDraft", "CompiledDraftError", "ModelShape", "MANIFEST_FORMAT", "MANIFEST_KEYS"]
+__all__ = ["CompiledDraft", "CompiledDraftError", "ModelShape", "TreeProgram", "MANIFEST_FORMAT", "MANIFEST_KEYS"]
 
 #: The manifest layout this host reads and writes; 2 added the versions and checksums.
 MANIFEST_FORMAT = 2
@@ -131,6 +131,30 @@ class CompiledDraft:
     @property
     def context_limit(self) -> int:
         return self.manifest["context_limit"]
+
+    @property
+    def tree(self) -> "TreeProgram":
+        """The program's tree forward (docs/isa.md §9.2); width 0 when it has none (a
+        preset of one row, a VMEM too small for two, or a draft compiled before trees)."""
+        return TreeProgram(**self.manifest.get("tree", dict(width=0, pc=0, row_pitch=0)))
+
+
+@dataclass(frozen=True)
+class TreeProgram:
+    """Where a compiled program drafts trees.
+
+    Members
+    -------
+    width : int
+        Rows of its tree forward: the width of every tree it drafts (0: none).
+    pc : int
+        The tree forward's first instruction (the request's ``tree_pc``).
+    row_pitch : int
+        VMEM lines between the rows of a tree forward (the request's ``row_pitch``).
+    """
+    width: int
+    pc: int
+    row_pitch: int
 
 
 def _read_manifest(path: Path) -> dict:

@@ -444,7 +444,8 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
 
 # -- program ------------------------------------------------------------------------------
 def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
-    """VMEM regions (in 16-byte lines) for one draft row."""
+    """VMEM regions (in 16-byte lines) for one draft row; ``row_lines`` is the row's whole
+    span, the row pitch of a tree forward (docs/isa.md §9.2)."""
     sizes = dict(x=4 * shape.hidden, xn=2 * shape.hidden, qkv=shape.qkv_out,
                  attn=2 * shape.heads * shape.head_dim, gateup=2 * shape.intermediate,
                  h=2 * shape.intermediate)
@@ -455,55 +456,85 @@ def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
     if line * VMEM_LINE_BYTES > engine.vmem_bytes:
         raise DoesNotFit(f"activations need {line * VMEM_LINE_BYTES} bytes of VMEM, the "
                          f"'{engine.name}' preset has vmem_bytes = {engine.vmem_bytes}")
+    vmem["row_lines"] = line
     return vmem
 
 
-def emit_program(shape: ModelShape, lay: Layout) -> list[int]:
-    """The program: one forward per token (layer loop on the device), sampling when the
-    controller says this forward drafts, and NEXT looping until the request is done."""
+def tree_width(vmem: dict, engine: EngineConfig) -> int:
+    """The widest tree the program drafts: the engine's rows, as many as VMEM holds rows
+    of activations ``row_lines`` apart (0 below two: a one-row tree is a chain)."""
+    fits = min(engine.rows, engine.vmem_bytes // (VMEM_LINE_BYTES * vmem["row_lines"]))
+    return fits if fits >= 2 else 0
+
+
+def emit_program(shape: ModelShape, lay: Layout, width: int = 0) -> tuple[list[int], int]:
+    """The program and its tree entry: one forward per token (layer loop on the device),
+    sampling when the controller says this forward drafts, and NEXT looping until the
+    request is done; then, for a tree of ``width`` ≥ 1 rows, the same forward over the
+    ``width`` nodes of a tree level, which NEXT enters at the tree entry (docs/isa.md
+    §9.2; 0 when there is none)."""
+    chain = _forward(shape, lay, 1)
+    tail_start = len(chain) + 1
+    tail = _head(shape, lay, 1)
+    next_pc = tail_start + len(tail)
+    program = chain + [Instruction(Op.BRANCH, flags=Cond.NO_SAMPLE, n=next_pc)] + tail + [
+        Instruction(Op.NEXT, n=0), Instruction(Op.HALT)]
+    tree_pc = 0
+    if width:
+        # every tree forward samples its level, so the head needs no branch
+        tree_pc = len(program)
+        program += _forward(shape, lay, width) + _head(shape, lay, width) + [
+            Instruction(Op.NEXT, n=tree_pc), Instruction(Op.HALT)]
+    return [encode(i) for i in program], tree_pc
+
+
+def _head(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
+    """The final norm, the logits and the sampler."""
+    v, s = lay.vmem, shape
+    to_logits = MatmulMode.LOGITS << 1 | Flag.WIDE
+    return [
+        Instruction(Op.RMSNORM, flags=Flag.WIDE, rows=rows, dst=v["xn"], src=v["x"], n=s.hidden,
+                    addr=lay.final_norm),
+        Instruction(Op.MATMUL, flags=to_logits, rows=rows, src=v["xn"], n=s.vocab, k=s.hidden,
+                    addr=lay.lm_head),
+        Instruction(Op.SAMPLE, n=s.vocab),
+    ]
+
+
+def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
+    """The embedding and the layer loop over ``rows`` rows."""
     v, s, hd = lay.vmem, shape, shape.head_dim
     q_lines = s.heads * hd // VMEM_LINE_BYTES
     k_line = v["qkv"] + q_lines
     L = lambda name: lay.layers_base + lay.sub[name]
     wide = Flag.WIDE
-    to_int8, to_residual, to_logits = (MatmulMode.INT8 << 1 | wide, MatmulMode.RESADD << 1 | wide,
-                                       MatmulMode.LOGITS << 1 | wide)
+    to_int8, to_residual = MatmulMode.INT8 << 1 | wide, MatmulMode.RESADD << 1 | wide
     lrel = Flag.LREL
-    body = [
-        Instruction(Op.EMBED, rows=1, dst=v["x"], n=s.hidden, addr=lay.embed),
+    return [
+        Instruction(Op.EMBED, rows=rows, dst=v["x"], n=s.hidden, addr=lay.embed),
         Instruction(Op.LOOP, n=s.layers, addr=lay.layer_stride),
-        Instruction(Op.RMSNORM, flags=lrel | wide, rows=1, dst=v["xn"], src=v["x"], n=s.hidden,
+        Instruction(Op.RMSNORM, flags=lrel | wide, rows=rows, dst=v["xn"], src=v["x"], n=s.hidden,
                     addr=L("norm1")),
-        Instruction(Op.MATMUL, flags=lrel | to_int8, rows=1, dst=v["qkv"], src=v["xn"], n=s.qkv_out,
+        Instruction(Op.MATMUL, flags=lrel | to_int8, rows=rows, dst=v["qkv"], src=v["xn"], n=s.qkv_out,
                     k=s.hidden, addr=L("qkv")),
-        Instruction(Op.ROPE, rows=1, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd, addr=lay.rope),
-        Instruction(Op.ROPE, rows=1, dst=k_line, src=k_line, n=s.kv_heads, k=hd, addr=lay.rope),
-        Instruction(Op.KVAPPEND, rows=1, src=k_line, n=s.kv_heads, k=hd),
-        Instruction(Op.ATTN, flags=lrel | wide, rows=1, dst=v["attn"], src=v["qkv"], n=s.heads, k=hd,
+        Instruction(Op.ROPE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd, addr=lay.rope),
+        Instruction(Op.ROPE, rows=rows, dst=k_line, src=k_line, n=s.kv_heads, k=hd, addr=lay.rope),
+        Instruction(Op.KVAPPEND, rows=rows, src=k_line, n=s.kv_heads, k=hd),
+        Instruction(Op.ATTN, flags=lrel | wide, rows=rows, dst=v["attn"], src=v["qkv"], n=s.heads, k=hd,
                     addr=L("attn")),
-        Instruction(Op.MATMUL, flags=lrel | to_residual, rows=1, dst=v["x"], src=v["attn"], n=s.hidden,
+        Instruction(Op.MATMUL, flags=lrel | to_residual, rows=rows, dst=v["x"], src=v["attn"], n=s.hidden,
                     k=s.heads * hd, addr=L("o")),
-        Instruction(Op.RMSNORM, flags=lrel | wide, rows=1, dst=v["xn"], src=v["x"], n=s.hidden,
+        Instruction(Op.RMSNORM, flags=lrel | wide, rows=rows, dst=v["xn"], src=v["x"], n=s.hidden,
                     addr=L("norm2")),
-        Instruction(Op.MATMUL, flags=lrel | to_int8, rows=1, dst=v["gateup"], src=v["xn"],
+        Instruction(Op.MATMUL, flags=lrel | to_int8, rows=rows, dst=v["gateup"], src=v["xn"],
                     n=2 * s.intermediate, k=s.hidden, addr=L("gateup")),
-        *[Instruction(Op.ACTMUL, flags=lrel | wide, rows=1, dst=v["h"] + 2 * a // VMEM_LINE_BYTES,
+        *[Instruction(Op.ACTMUL, flags=lrel | wide, rows=rows, dst=v["h"] + 2 * a // VMEM_LINE_BYTES,
                       src=v["gateup"] + 2 * a // VMEM_LINE_BYTES, n=b - a, addr=L(f"act{i}"))
           for i, (a, b) in enumerate(_group_bounds(act_groups(s.intermediate)))],
-        Instruction(Op.MATMUL, flags=lrel | to_residual, rows=1, dst=v["x"], src=v["h"], n=s.hidden,
+        Instruction(Op.MATMUL, flags=lrel | to_residual, rows=rows, dst=v["x"], src=v["h"], n=s.hidden,
                     k=s.intermediate, addr=L("down")),
         Instruction(Op.ENDLOOP),
     ]
-    tail_start = len(body) + 1
-    tail = [
-        Instruction(Op.RMSNORM, flags=wide, rows=1, dst=v["xn"], src=v["x"], n=s.hidden, addr=lay.final_norm),
-        Instruction(Op.MATMUL, flags=to_logits, rows=1, src=v["xn"], n=s.vocab, k=s.hidden, addr=lay.lm_head),
-        Instruction(Op.SAMPLE, n=s.vocab),
-    ]
-    next_pc = tail_start + len(tail)
-    program = body + [Instruction(Op.BRANCH, flags=Cond.NO_SAMPLE, n=next_pc)] + tail + [
-        Instruction(Op.NEXT, n=0), Instruction(Op.HALT)]
-    return [encode(i) for i in program]
 
 
 # -- the whole compile ----------------------------------------------------------------------
@@ -622,7 +653,8 @@ def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_te
         raise DoesNotFit(f"image of {len(image)} bytes exceeds the {room} bytes of device memory "
                          f"the '{engine.name}' preset leaves for it (mem_bytes = {engine.mem_bytes})")
     lay.vmem = allocate_vmem(shape, engine)
-    program = emit_program(shape, lay)
+    width = tree_width(lay.vmem, engine)
+    program, tree_pc = emit_program(shape, lay, width)
     if len(program) > engine.imem_words:
         raise DoesNotFit(f"program of {len(program)} instructions exceeds imem_words = "
                          f"{engine.imem_words}")
@@ -634,5 +666,6 @@ def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_te
         calibration=dict(tokens=cal.tokens, source="tokens" if calibration_tokens is not None
                          else "text" if calibration_text else "random ids"),
         layout=asdict(lay), scales=scales,
+        tree=dict(width=width, pc=tree_pc, row_pitch=lay.vmem["row_lines"] if width else 0),
     )
     return CompiledDraft(image, program, manifest)

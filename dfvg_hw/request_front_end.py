@@ -9,7 +9,8 @@ Per request (``start``):
    read ends the request with ``BAD_ADDRESS``.
 2. **Checks** (one cycle): ``n_in ≥ 1``, ``n_draft ≤ MAX_DRAFT``, ``1 ≤ topk ≤
    topk_max``, ``SAMPLE`` needs ``t_mult ≠ 0``, ``t_shift ≤ 63``, reserved flag bits and
-   words zero; any failure is ``BAD_REQUEST``.
+   words zero, and the tree and compaction fields zero (this engine drafts chains only:
+   ``P_TREE_WIDTH`` = 0, docs/isa.md §9.4); any failure is ``BAD_REQUEST``.
 3. **Token scan.** The ``n_in`` token words; a refused read is ``BAD_ADDRESS`` at once, a
    token ``≥ vocab_max`` is ``BAD_REQUEST`` once the scan is over (the read runs out).
 
@@ -19,14 +20,14 @@ program runs. ``header`` and ``base`` hold until the next ``start``.
 
 from __future__ import annotations
 
-from amaranth import Module, Mux, Signal, unsigned
+from amaranth import Cat, Module, Mux, Signal, unsigned
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.layouts import RequestHeader
 from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 from dfvg_hw.spec.config import EngineConfig
-from dfvg_hw.spec.descriptors import MAX_DRAFT, REQUEST_HEADER_WORDS, ErrorCode
+from dfvg_hw.spec.descriptors import MAX_DRAFT, REQUEST_HEADER_WORDS, TREE_FIELDS, ErrorCode
 
 __all__ = ["RequestFrontEnd"]
 
@@ -120,7 +121,8 @@ class RequestFrontEnd(wiring.Component):
                 h = header
                 bad = ((h.n_in == 0) | (h.n_draft > MAX_DRAFT) | (h.topk == 0)
                        | (h.topk > c.topk_max) | (h.flags.sample & (h.t_mult == 0))
-                       | (h.t_shift > 63) | h.flags.reserved.any() | h.reserved.any())
+                       | (h.t_shift > 63) | h.flags.reserved.any() | h.reserved.any()
+                       | Cat(*(getattr(h, name) for name in TREE_FIELDS)).any())
                 with m.If(bad):
                     finish(ErrorCode.BAD_REQUEST)
                 with m.Else():

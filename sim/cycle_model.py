@@ -39,10 +39,43 @@ from sim.elementwise_timing import actmul_cycles, rmsnorm_cycles, rope_cycles
 from sim.matmul_timing import matmul_cycles, ReadPath
 from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, LineSplitter, PortTiming
 
-__all__ = ["CycleModel", "CycleCounts", "estimate_request", "BEFORE_FINISH", "ISSUE", "UNIT_OVERHEAD"]
+__all__ = ["CycleModel", "CycleCounts", "TreeTiming", "estimate_request", "BEFORE_FINISH", "ISSUE",
+           "UNIT_OVERHEAD", "COMPACTION_START", "COMPACTION_PER_ENTRY"]
 
 #: The latencies and fixed overheads below are the RTL's own (:mod:`dfvg_hw.spec.timing`).
 ISSUE, BEFORE_FINISH = tm.ISSUE, tm.BEFORE_FINISH
+
+
+#: Compaction (docs/isa.md §9.3, §9.5; modelled, no RTL yet): a start, then one K and one
+#: V entry read and written per (slot, level), two a cycle.
+COMPACTION_START, COMPACTION_PER_ENTRY = 4, 2
+
+
+@dataclass(frozen=True)
+class TreeTiming:
+    """What prices a tree request's instructions (docs/isa.md §9.5; modelled, no RTL yet).
+
+    Members
+    -------
+    width : int
+        The tree's width ``W``.
+    level : int
+        The level a tree forward feeds (0: an input forward).
+    base : int
+        ``P0``, the position after the last input.
+    pitch : int
+        The VMEM row pitch in bytes.
+    sources : int
+        Rows of the logit buffer a SAMPLE reads (1 in the last input forward, ``W`` after).
+    sampled : bool
+        Whether the request samples (the expansion then needs no candidate selection).
+    """
+    width: int
+    level: int
+    base: int
+    pitch: int
+    sources: int
+    sampled: bool
 
 
 @dataclass
@@ -83,18 +116,21 @@ class CycleModel:
                 + ceil((beats - 1) / self.port.beats_per_cycle))
 
     def instruction(self, ins: Instruction, *, pos: int = 0, topk: int = 1, addr: int | None = None,
-                    token_from_request: bool = True) -> tuple[int, int]:
+                    token_from_request: bool = True, tree: TreeTiming | None = None) -> tuple[int, int]:
         """(cycles, device-memory bytes read) of one instruction.
 
         ``pos`` is the KV position, ``addr`` the resolved device address of the
         instruction's block (image base + ``addr`` + the layer offset; by default
         ``ins.addr``, i.e. an image at a 4 KiB-aligned base), ``token_from_request``
         whether EMBED's token comes from the request (read from memory) rather than from
-        the sampler.
+        the sampler, ``tree`` the tree request's shape where there is one.
         """
         c, port = self.config, self.port
         op = ins.opcode
         addr = ins.addr if addr is None else addr
+        if tree is not None and (op == Op.SAMPLE or (
+                tree.level and op in (Op.EMBED, Op.KVAPPEND, Op.ATTN))):
+            return self._tree_instruction(ins, tree, topk, addr)
         rows = max(ins.rows, 1)
         if op == Op.MATMUL:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
@@ -119,6 +155,38 @@ class CycleModel:
         if op == Op.SAMPLE:
             return self._sample(ins.n, topk), 0
         return ISSUE, 0      # NOP, HALT, LOOP, ENDLOOP, BRANCH, NEXT
+
+    def _tree_instruction(self, ins: Instruction, tree: TreeTiming, topk: int,
+                          addr: int) -> tuple[int, int]:
+        """A tree forward's EMBED, KVAPPEND and ATTN, and a tree request's SAMPLE
+        (docs/isa.md §9.5): the single-row sequence once per row, less the unit overhead of
+        every row after the first; SAMPLE one top-k pass per source row, the expansion and
+        a record per node."""
+        c, op = self.config, ins.opcode
+        if op == Op.SAMPLE:
+            k = min(max(topk, 1), c.topk_max, ins.n)
+            per_source = ceil(ins.n / c.lanes) + tm.SAMPLE_START + tm.sampler_latency(c.lanes, k, k)
+            expansion = tree.width * (1 if tree.sampled else tree.sources * k)
+            return (ISSUE + tree.sources * per_source + expansion
+                    + tree.width * record_words(c.topk_max) + tm.RETIRE), 0
+        lines = tree.pitch // LINE
+        if op == Op.EMBED:
+            cycles, nbytes = self._embed(ins.n, False)
+            per_row = cycles - ISSUE - tm.EMBED_TOKEN - tm.RETIRE
+            return cycles + (tree.width - 1) * per_row, tree.width * nbytes
+        path_end = tree.base + tree.level - 1     # a row attends to P0 + level positions
+        rows = []
+        for r in range(tree.width):
+            if op == Op.KVAPPEND:
+                rows.append(kvappend_cycles(c, ins.n, ins.k, ins.src + r * lines))
+            else:
+                rows.append(attn_cycles(self.port, c, ins.n, ins.k, ins.src + r * lines,
+                                        ins.dst + r * lines, path_end, bool(ins.wide), addr))
+        return sum(rows) - (tree.width - 1) * UNIT_OVERHEAD, (ATTN_PARAM_BYTES if op == Op.ATTN else 0)
+
+    def compaction(self, levels: int, slots: int) -> int:
+        """Cycles of a request's compaction (docs/isa.md §9.3, §9.5; modelled)."""
+        return COMPACTION_START + COMPACTION_PER_ENTRY * levels * slots
 
     def _embed(self, n: int, token_from_request: bool) -> tuple[int, int]:
         """controller.py EMBED_*: read the token (one beat) if it comes from the request,
@@ -189,7 +257,7 @@ class CycleModel:
         if ins.opcode == Op.MATMUL:
             return max(ins.rows, 1) * ins.n * ins.k
         if ins.opcode == Op.ATTN:
-            return 2 * max(ins.rows, 1) * ins.n * ins.k * (pos + 1)
+            return 2 * max(ins.rows, 1) * ins.n * ins.k * (pos + 1)     # a tree row: its path's length
         return 0
 
 

@@ -37,12 +37,13 @@ class SimDevice:
     memory : DeviceMemory
     """
 
-    def __init__(self, config: EngineConfig, memory: DeviceMemory | None = None):
+    def __init__(self, config: EngineConfig, memory: DeviceMemory | None = None, *,
+                 tree_width: int | None = None):
         self.config = config
         self.memory = memory if memory is not None else DeviceMemory(config.mem_bytes)
-        self.engine = FunctionalEngine(config, self.memory)
+        self.engine = FunctionalEngine(config, self.memory, tree_width=tree_width)
         self._regs = {reg: 0 for reg in Reg}
-        self._regs.update(engine_params(config))
+        self._regs.update(engine_params(config, tree_width=self.engine.tree_width))
         self._regs[Reg.ID] = ENGINE_ID
         self._regs[Reg.VERSION] = ENGINE_VERSION
         self._op_cycles = {op_cycles_offset(b): 0 for b in OP_CYCLE_BUCKETS}

@@ -14,15 +14,16 @@ import numpy as np
 
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
-from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS,
-                                      DraftedToken, DraftRequest, DraftResult, ErrorCode,
-                                      watchdog_budget)
+from dfvg_hw.spec.descriptors import (MAX_COMPACT, MAX_DRAFT, REQUEST_HEADER_WORDS,
+                                      RESULT_HEADER_WORDS, TREE_FIELDS, Compaction, DraftedToken,
+                                      DraftRequest, DraftResult, ErrorCode, watchdog_budget)
 from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES,
                            embed_row_stride, padded, unpack_qparams, untile_weights)
 from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
 from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
-from sim.cycle_model import BEFORE_FINISH, ISSUE, UNIT_OVERHEAD, CycleCounts, CycleModel
+from sim.cycle_model import BEFORE_FINISH, ISSUE, UNIT_OVERHEAD, CycleCounts, CycleModel, TreeTiming
 from sim.memory import DeviceMemory, MemoryError_
+from sim.tree_state import SampledRow, TreeState
 
 __all__ = ["FunctionalEngine", "EngineFault"]
 
@@ -56,13 +57,28 @@ class FunctionalEngine:
         The activation scratchpad, ``vmem_bytes`` bytes.
     logits : numpy.ndarray or None
         The sampler's logit buffer (int16, Q7.8) after the last LOGITS matmul, readable
-        for debugging as the hardware's debug port would expose it.
+        for debugging as the hardware's debug port would expose it: row 0 (the only row
+        outside tree forwards).
+    logit_rows : numpy.ndarray or None
+        Every row of the logit buffer, ``[rows, n]`` (docs/isa.md §9.2).
+    tree_width : int
+        The widest tree this engine drafts (``P_TREE_WIDTH``): ``config.rows`` by
+        default; 0 models an engine that drafts chains only (the RTL of this revision).
+    tree : TreeState or None
+        The running tree request's nodes.
     counts : CycleCounts
         Modelled cycles of the last run.
     """
 
-    def __init__(self, config: EngineConfig, memory: DeviceMemory | None = None):
+    def __init__(self, config: EngineConfig, memory: DeviceMemory | None = None, *,
+                 tree_width: int | None = None):
         self.config = config
+        self.tree_width = config.rows if tree_width is None else tree_width
+        if not 0 <= self.tree_width <= config.rows:
+            raise ValueError(f"tree_width {self.tree_width} is not in 0 … rows = {config.rows}")
+        self.tree: TreeState | None = None
+        self.logit_rows: np.ndarray | None = None
+        self._pitch: int | None = None
         self.memory = memory if memory is not None else DeviceMemory(config.mem_bytes)
         shape = (config.kv_slots, config.kv_positions, config.head_dim)
         self.kv_k = np.zeros(shape, dtype=np.int8)
@@ -99,7 +115,7 @@ class FunctionalEngine:
         self.kv_k.fill(0)
         self.kv_v.fill(0)
         self.vmem.fill(0)
-        self.logits = None
+        self.logits = self.logit_rows = None
 
     def run(self, *, image_base: int, request_addr: int, result_addr: int,
             watchdog: int | None = None) -> DraftResult:
@@ -110,8 +126,9 @@ class FunctionalEngine:
         """
         self.counts = CycleCounts()
         self.last_fault = None
-        self.logits = None          # a SAMPLE must follow this request's own LOGITS matmul
+        self.logits = self.logit_rows = None   # a SAMPLE must follow this request's own LOGITS matmul
         self.kv_slot_base = 0
+        self.tree = self._pitch = None
         header = dict(seq=0, start_pos=0, topk=1)
         drafted: list[DraftedToken] = []
         seq = None
@@ -126,7 +143,12 @@ class FunctionalEngine:
             self.counts.add("REQUEST", *self.cycle_model.request_header())
             tokens = self._read_request_tokens(header, request_addr)
             self.kv_slot_base = header["kv_slot_base"]
-            seq = ProgramFlow(tokens, header["start_pos"], header["n_draft"])
+            self._compact(Compaction.from_header(header))
+            width = header["tree_width"]
+            seq = ProgramFlow(tokens, header["start_pos"], header["n_draft"], tree_width=width,
+                              tree_pc=header["tree_pc"])
+            if width:
+                self.tree = TreeState(width, header["start_pos"] + len(tokens))
             budget = watchdog if watchdog is not None else \
                 watchdog_budget(len(tokens), header["n_draft"], max(len(self.imem), 1))
             self._execute(seq, header, image_base, drafted, result_addr, budget)
@@ -161,6 +183,7 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.BAD_REQUEST, "sampling needs a non-zero t_mult")
         if h["t_shift"] > 63 or h["flags_reserved"] or h["reserved"]:
             raise EngineFault(ErrorCode.BAD_REQUEST, "reserved request fields must be 0")
+        self._check_tree_fields(h)
         self.counts.add("REQUEST", *self.cycle_model.request_scan(h["n_in"]))
         try:
             raw = self.memory.view(request_addr + 4 * REQUEST_HEADER_WORDS, 4 * h["n_in"])
@@ -171,6 +194,50 @@ class FunctionalEngine:
         if bad:
             raise EngineFault(ErrorCode.BAD_REQUEST, f"token id {bad[0]} ≥ vocab_max {c.vocab_max}")
         return tokens
+
+    def _check_tree_fields(self, h: dict) -> None:
+        """The tree and compaction fields (docs/isa.md §5.1, §9)."""
+        c, width = self.config, h["tree_width"]
+        if not self.tree_width and any(h[f] for f in TREE_FIELDS):
+            raise EngineFault(ErrorCode.BAD_REQUEST, "this engine drafts chains only "
+                              "(P_TREE_WIDTH = 0): the tree and compaction fields must be 0")
+        if width > self.tree_width:
+            raise EngineFault(ErrorCode.BAD_REQUEST, f"tree_width {width} > the engine's "
+                              f"{self.tree_width}")
+        if width:
+            if h["n_draft"] * width > MAX_DRAFT:
+                raise EngineFault(ErrorCode.BAD_REQUEST, f"{h['n_draft']} levels × {width} = "
+                                  f"{h['n_draft'] * width} nodes > {MAX_DRAFT}")
+            if not h["sample"] and h["topk"] < width:
+                raise EngineFault(ErrorCode.BAD_REQUEST, f"a greedy tree of width {width} "
+                                  f"needs topk ≥ {width}, not {h['topk']}")
+            if width > 1 and not h["row_pitch"]:
+                raise EngineFault(ErrorCode.BAD_REQUEST, "a tree of width > 1 needs a row_pitch")
+        elif h["tree_pc"] or h["row_pitch"]:
+            raise EngineFault(ErrorCode.BAD_REQUEST, "tree_pc and row_pitch need a tree_width")
+        n = h["compact_len"]
+        if not n:
+            if any(h[f] for f in ("compact_from", "compact_width", "compact_slots", "compact_rows")):
+                raise EngineFault(ErrorCode.BAD_REQUEST, "compaction fields without compact_len")
+            return
+        comp = Compaction.from_header(h)
+        if n > MAX_COMPACT or not 1 <= comp.width <= self.tree_width \
+                or h["compact_rows"] >> (4 * n) or any(r >= comp.width for r in comp.rows):
+            raise EngineFault(ErrorCode.BAD_REQUEST, f"compaction of {n} levels of width "
+                              f"{comp.width} with rows {list(comp.rows)} is not a tree path")
+        if max(src for src, _ in comp.moves()) >= c.kv_positions \
+                or self.kv_slot_base + comp.slots > c.kv_slots:
+            raise EngineFault(ErrorCode.BAD_REQUEST, "compaction outside the KV buffer")
+
+    def _compact(self, comp: Compaction) -> None:
+        """Move an accepted path's KV into its logical positions (docs/isa.md §9.3)."""
+        if not comp.rows:
+            return
+        self.counts.add("REQUEST", self.cycle_model.compaction(len(comp.rows), comp.slots))
+        slots = slice(self.kv_slot_base, self.kv_slot_base + comp.slots)
+        for src, dst in comp.moves():
+            self.kv_k[slots, dst] = self.kv_k[slots, src]
+            self.kv_v[slots, dst] = self.kv_v[slots, src]
 
     def _execute(self, seq: ProgramFlow, h: dict, image_base: int, drafted: list,
                  result_addr: int, budget: int) -> None:
@@ -193,6 +260,7 @@ class FunctionalEngine:
                 self.counts.add("REQUEST", ISSUE)
                 raise EngineFault(ErrorCode.ILLEGAL_INSTRUCTION, str(ins))
             addr = seq.block_address(ins, image_base)
+            self._pitch = VMEM_LINE_BYTES * h["row_pitch"] if seq.tree_forward else None
             try:
                 self._check_operands(ins, seq, addr)
             except EngineFault:
@@ -200,7 +268,8 @@ class FunctionalEngine:
                 self.counts.add(ins.opcode, UNIT_OVERHEAD)
                 raise
             cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"], addr=addr,
-                                                          token_from_request=not seq.token_is_drafted)
+                                                          token_from_request=not seq.token_is_drafted,
+                                                          tree=self._tree_timing(ins, seq, h))
             self.counts.add(ins.opcode, cycles, nbytes, self.cycle_model.macs(ins, pos=seq.pos))
             if ins.opcode in CONTROL_OPS:
                 try:
@@ -211,10 +280,11 @@ class FunctionalEngine:
                     raise
                 continue
             if ins.opcode == Op.SAMPLE:
-                token = self._sample(ins, h, seq.n_drafted)
-                seq.drafted(token.token)
-                drafted.append(token)
-                self._write_record(result_addr, len(drafted) - 1, token)
+                records = self._sample(ins, h, seq.n_drafted, seq)
+                seq.drafted(records[-1].token)
+                for token in records:
+                    drafted.append(token)
+                    self._write_record(result_addr, len(drafted) - 1, token)
             else:
                 self._unit(ins, seq, image_base)
             seq.pc += 1
@@ -231,20 +301,24 @@ class FunctionalEngine:
         op, c = ins.opcode, self.config
         if op in CONTROL_OPS or op in (Op.NOP, Op.SAMPLE):
             return
-        if op in (Op.EMBED, Op.KVAPPEND, Op.ATTN) and ins.rows != 1:
-            raise EngineFault(ErrorCode.PROGRAM, f"{op.name} with rows={ins.rows}: multi-row "
-                              "embedding, KV and attention are reserved for tree drafting")
+        branches = op in (Op.EMBED, Op.KVAPPEND, Op.ATTN) or (
+            op == Op.MATMUL and ins.mode == MatmulMode.LOGITS)
+        if branches and ins.rows != st.rows_expected:
+            raise EngineFault(ErrorCode.PROGRAM, f"{op.name} with rows={ins.rows} in a "
+                              + (f"tree forward of width {st.tree_width}" if st.tree_forward
+                                 else "chain forward (rows 1; several rows are a tree's branches)"))
         if ins.rows > c.rows:
             raise EngineFault(ErrorCode.PROGRAM, f"rows={ins.rows} > engine rows {c.rows}")
         rows, wide_bytes = ins.rows, 2 if ins.wide else 1
         if op == Op.EMBED:
             beat = c.mem_beat_bytes
-            row = addr + st.token * embed_row_stride(ins.n, beat)
-            if row % beat:
-                raise EngineFault(ErrorCode.BAD_ADDRESS, f"EMBED row at 0x{row:x} is not aligned "
-                                  f"to the {beat}-byte memory beat")
-            self._dram(row, 4 * ins.n)
-            self._vspan(ins.dst, 1, 4 * ins.n)
+            for token in self._row_tokens(st):
+                row = addr + token * embed_row_stride(ins.n, beat)
+                if row % beat:
+                    raise EngineFault(ErrorCode.BAD_ADDRESS, f"EMBED row at 0x{row:x} is not "
+                                      f"aligned to the {beat}-byte memory beat")
+                self._dram(row, 4 * ins.n)
+            self._vspan(ins.dst, rows, 4 * ins.n)
         elif op == Op.RMSNORM:
             self._dram(addr, NORM_PARAM_BYTES)      # gamma_shift is checked before gamma's read
         elif op == Op.MATMUL:
@@ -252,9 +326,6 @@ class FunctionalEngine:
             self._dram(addr, npad * kpad + 4 * npad)
             self._vspan(ins.src, rows, ins.k * wide_bytes)
             if ins.mode == MatmulMode.LOGITS:
-                if rows != 1:
-                    raise EngineFault(ErrorCode.PROGRAM, "LOGITS matmul with rows > 1 is reserved "
-                                      "for tree drafting")
                 if ins.n > c.vocab_max:
                     raise EngineFault(ErrorCode.PROGRAM, f"{ins.n} logits > vocab_max {c.vocab_max}")
             else:
@@ -281,9 +352,10 @@ class FunctionalEngine:
         addr = block_address(ins, image_base, st.layer, st.lstride)
         rows = ins.rows
         if op == Op.EMBED:
-            row = self._dram(addr + st.token * embed_row_stride(ins.n, self.config.mem_beat_bytes),
-                             4 * ins.n).view("<i4")
-            self._vstore(ins.dst, row[None, :], np.int32)
+            stride = embed_row_stride(ins.n, self.config.mem_beat_bytes)
+            table = [self._dram(addr + token * stride, 4 * ins.n).view("<i4")
+                     for token in self._row_tokens(st)]
+            self._vstore(ins.dst, np.stack(table), np.int32)
         elif op == Op.RMSNORM:
             head = self._dram(addr, NORM_PARAM_BYTES).view("<u4")
             if head[1] > nx.GAMMA_SHIFT_MAX:
@@ -304,10 +376,11 @@ class FunctionalEngine:
             self._vstore(ins.dst, y.reshape(rows, -1), np.int8)
         elif op == Op.KVAPPEND:
             slot = self._check_kv(ins, st.layer, ins.n)
-            self._check_pos(st.pos)
-            kv = self._vload(ins.src, 1, 2 * ins.n * ins.k, np.int8).reshape(2, ins.n, ins.k)
-            self.kv_k[slot:slot + ins.n, st.pos, :ins.k] = kv[0]
-            self.kv_v[slot:slot + ins.n, st.pos, :ins.k] = kv[1]
+            positions = self._kv_positions(st)
+            kv = self._vload(ins.src, rows, 2 * ins.n * ins.k, np.int8).reshape(rows, 2, ins.n, ins.k)
+            for r, position in enumerate(positions):
+                self.kv_k[slot:slot + ins.n, position, :ins.k] = kv[r, 0]
+                self.kv_v[slot:slot + ins.n, position, :ins.k] = kv[r, 1]
         elif op == Op.ATTN:
             self._attention(ins, st, addr)
         elif op == Op.ACTMUL:
@@ -342,42 +415,62 @@ class FunctionalEngine:
             x_res = self._vload(ins.dst, ins.rows, ins.n, np.int32)
             self._vstore(ins.dst, nx.residual_add(x_res, acc, mult, shift), np.int32)
         else:  # LOGITS
-            self.logits = nx.requant(acc[0], mult, shift, nx.LOGIT_BITS).astype(np.int16)
+            self.logit_rows = nx.requant(acc, mult, shift, nx.LOGIT_BITS).astype(np.int16)
+            self.logits = self.logit_rows[0]
 
     def _attention(self, ins: Instruction, st: ProgramFlow, addr: int) -> None:
         self._check_kv(ins, st.layer, None)     # k only: the KV-head count is in the block
-        self._check_pos(st.pos)
+        self._kv_positions(st)
         head = self._dram(addr, ATTN_PARAM_BYTES).view("<u4")
         mult, shift, kv_heads = int(head[0]) & 0xFFFF, (int(head[0]) >> 16) & 0x3F, int(head[1])
         if kv_heads < 1 or ins.n % kv_heads:
             raise EngineFault(ErrorCode.PROGRAM, f"ATTN with {ins.n} heads over {kv_heads} KV heads")
         slot = self._check_kv(ins, st.layer, kv_heads)
-        group = ins.n // kv_heads
-        q = self._vload(ins.src, 1, ins.n * ins.k, np.int8).reshape(ins.n, ins.k)
-        t = st.pos + 1
-        out = np.empty((ins.n, ins.k), dtype=np.int64)
+        group, rows = ins.n // kv_heads, ins.rows
+        q = self._vload(ins.src, rows, ins.n * ins.k, np.int8).reshape(rows, ins.n, ins.k)
+        out = np.empty((rows, ins.n, ins.k), dtype=np.int64)
         bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
-        for hd in range(ins.n):
-            kvh = hd // group
-            out[hd] = nx.attention(q[hd], self.kv_k[slot + kvh, :t, :ins.k],
-                                   self.kv_v[slot + kvh, :t, :ins.k], mult, shift, bits)
-        self._vstore(ins.dst, out.reshape(1, -1), dtype)
+        for r in range(rows):
+            # a tree row sees the committed context and its own path (docs/isa.md §9.2)
+            seen = self.tree.attended(r) if st.tree_forward else slice(0, st.pos + 1)
+            for hd in range(ins.n):
+                kvh = hd // group
+                out[r, hd] = nx.attention(q[r, hd], self.kv_k[slot + kvh, seen, :ins.k],
+                                          self.kv_v[slot + kvh, seen, :ins.k], mult, shift, bits)
+        self._vstore(ins.dst, out.reshape(rows, -1), dtype)
 
-    def _sample(self, ins: Instruction, h: dict, index: int) -> DraftedToken:
+    def _sample(self, ins: Instruction, h: dict, index: int, st: ProgramFlow) -> list[DraftedToken]:
+        """The records of one SAMPLE: one drafted token, or a tree's next level."""
         held = 0 if self.logits is None else self.logits.shape[0]
         if not held or ins.n != held:      # a LOGITS matmul of n = 0 leaves it empty too
             raise EngineFault(ErrorCode.PROGRAM, f"SAMPLE over {ins.n} logits, but the logit "
                               f"buffer holds {held}")
         k = min(h["topk"], ins.n)
-        top = nx.topk_select(self.logits, k)
         t_mult, t_shift = (h["t_mult"], h["t_shift"]) if h["t_mult"] else (nx.T1_MULT, nx.T1_SHIFT)
-        probs = nx.sampler_probs(self.logits[top], t_mult, t_shift)
-        j = 0
+        sources = []
+        for logits in self.logit_rows:
+            top = nx.topk_select(logits, k)
+            sources.append(SampledRow([int(t) for t in top],
+                                      [int(p) for p in nx.sampler_probs(logits[top], t_mult, t_shift)]))
+
+        def draw(row: SampledRow, counter: int) -> int:
+            r24 = nx.rng32(h["seed"], h["counter"] + counter) >> (32 - nx.PROB_BITS)
+            return nx.sample_index(row.probs, r24)
+
+        if self.tree is None:
+            j = draw(sources[0], index) if h["sample"] else 0
+            row = sources[0]
+            return [DraftedToken(row.ids[j], row.probs[j], row.ids, row.probs)]
+        tree, draws = self.tree, None
+        if not st.samples_now:
+            return [DraftedToken(0, 0, [], [])]   # the controller faults it (seq.drafted)
         if h["sample"]:
-            r24 = nx.rng32(h["seed"], h["counter"] + index) >> (32 - nx.PROB_BITS)
-            j = nx.sample_index(probs, r24)
-        return DraftedToken(int(top[j]), int(probs[j]), [int(t) for t in top],
-                            [int(p) for p in probs])
+            first = tree.level * tree.width          # the new level's first record index
+            draws = [draw(sources[0 if tree.level == 0 else r], first + r) for r in range(tree.width)]
+        try:
+            return tree.expand(sources, draws)
+        except ValueError as exc:
+            raise EngineFault(ErrorCode.PROGRAM, f"SAMPLE: {exc}") from None
 
     # -- memories ---------------------------------------------------------------------
     def _dram(self, addr: int, n: int) -> np.ndarray:
@@ -387,7 +480,8 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.BAD_ADDRESS, str(exc)) from None
 
     def _vspan(self, line: int, rows: int, row_bytes: int) -> tuple[int, int]:
-        stride = padded(row_bytes, VMEM_LINE_BYTES)
+        # in a tree forward, rows lie the request's row pitch apart (docs/isa.md §9.2)
+        stride = self._pitch if self._pitch and rows > 1 else padded(row_bytes, VMEM_LINE_BYTES)
         start = line * VMEM_LINE_BYTES
         end = start + (rows - 1) * stride + row_bytes
         if end > self.config.vmem_bytes:
@@ -412,6 +506,28 @@ class FunctionalEngine:
         for r in range(rows):
             self.vmem[start + r * stride: start + r * stride + row_bytes] = \
                 values[r].astype(dtype).view(np.uint8)
+
+    def _row_tokens(self, st: ProgramFlow) -> list[int]:
+        """EMBED's tokens: the forward's TOKEN, or the nodes of the tree level it feeds."""
+        return self.tree.tokens if st.tree_forward else [st.token]
+
+    def _kv_positions(self, st: ProgramFlow) -> list[int]:
+        """The KV positions KVAPPEND writes (one per row): ``POS``, or the level's storage
+        (docs/isa.md §9.2); KV_OVERFLOW past the buffer before anything is written."""
+        if not st.tree_forward:
+            self._check_pos(st.pos)
+            return [st.pos]
+        positions = [self.tree.storage(st.tree_level, r) for r in range(self.tree.width)]
+        self._check_pos(positions[-1])
+        return positions
+
+    def _tree_timing(self, ins: Instruction, st: ProgramFlow, h: dict):
+        """What the cycle model needs of a tree forward or a tree SAMPLE (None otherwise)."""
+        if self.tree is None:
+            return None
+        sources = self.logit_rows.shape[0] if self.logit_rows is not None else 1
+        return TreeTiming(self.tree.width, st.tree_level, st.tree_base, 16 * h["row_pitch"],
+                          sources, bool(h["sample"]))
 
     def _check_pos(self, pos: int) -> None:
         if pos >= self.config.kv_positions:

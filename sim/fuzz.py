@@ -496,10 +496,12 @@ def start_case(dev, case: FuzzCase, timeout_s: float = 60.0, max_cycles: int | N
                    read_units(dev))
 
 
-def run_case(c: EngineConfig, case: FuzzCase, time_limit_s: float = 5.0) -> Outcome:
-    """Run one case on a fresh :class:`SimDevice`; raises :class:`Hang` past the bound and
-    lets any exception other than an engine fault through (that is the finding)."""
-    dev = SimDevice(c)
+def run_case(c: EngineConfig, case: FuzzCase, time_limit_s: float = 5.0, *,
+             tree_width: int | None = None) -> Outcome:
+    """Run one case on a fresh :class:`SimDevice` (drafting trees up to ``tree_width``,
+    by default ``c.rows``); raises :class:`Hang` past the bound and lets any exception
+    other than an engine fault through (that is the finding)."""
+    dev = SimDevice(c, tree_width=tree_width)
     with time_bound(time_limit_s):
         load_case(dev, case)
         if not dev.read32(Reg.STATUS) & Status.PROGRAM_LOADED:
@@ -521,10 +523,18 @@ class DeviceRunner:
         self.dev, self._dirty = None, []
         self.made = 0                                #: devices made so far
 
-    def run(self, case: FuzzCase, max_cycles: int | None = None) -> Outcome:
+    def _device(self):
         if self.dev is None:                         # (a build may take minutes: no bound)
             self.dev, self._dirty = self.factory(self.config), []
             self.made += 1
+        return self.dev
+
+    def tree_width(self) -> int:
+        """The widest tree the device drafts (its ``P_TREE_WIDTH`` register)."""
+        return self._device().read32(Reg.P_TREE_WIDTH)
+
+    def run(self, case: FuzzCase, max_cycles: int | None = None) -> Outcome:
+        self._device()
         try:
             # the run's own bound, and grace_s for the register traffic around it
             with time_bound(self.timeout_s + self.grace_s):
@@ -704,7 +714,8 @@ def fuzz_rtl(config: EngineConfig, cases, runner: DeviceRunner, log=print,
     rtl, ref, bad, skipped = Tally(), Tally(), [], 0
     for i, case in cases:
         try:
-            s = run_case(config, case, runner.timeout_s)
+            # the reference drafts trees exactly as wide as the RTL does (P_TREE_WIDTH)
+            s = run_case(config, case, runner.timeout_s, tree_width=runner.tree_width())
         except Hang:
             s = "hang"
         except Exception as exc:                     # noqa: BLE001

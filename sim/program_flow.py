@@ -41,15 +41,24 @@ class ProgramFlow:
     lstride : int
         LSTRIDE register, set by LOOP: bytes between layer blocks.
     n_drafted : int
-        Tokens sampled so far in this request.
+        SAMPLEs executed so far in this request: tokens of a chain, levels of a tree.
     forwards : int
         Forward steps completed (NEXT instructions executed).
+    tree_width : int
+        The request's tree width ``W`` (0: a chain request; docs/isa.md §9.2).
+    tree_level : int
+        TREE_LEVEL: the level whose nodes this forward feeds (0 in an input forward or a
+        chain request).
     halted : bool
     """
 
-    def __init__(self, tokens: list[int], start_pos: int, n_draft: int):
+    def __init__(self, tokens: list[int], start_pos: int, n_draft: int, *,
+                 tree_width: int = 0, tree_pc: int = 0):
         self.tokens = tokens
         self.n_draft = n_draft
+        self.tree_width = tree_width
+        self.tree_pc = tree_pc
+        self.tree_level = 0
         self.pc = 0
         self.pos = start_pos
         self.in_idx = 0
@@ -70,6 +79,21 @@ class ProgramFlow:
         has not yet."""
         return (self.in_idx == len(self.tokens) - 1 and self.n_drafted < self.n_draft
                 and not self._sampled)
+
+    @property
+    def tree_forward(self) -> bool:
+        """This forward feeds a tree level's nodes as rows (docs/isa.md §9.2)."""
+        return self.tree_level > 0
+
+    @property
+    def rows_expected(self) -> int:
+        """The rows EMBED, KVAPPEND, ATTN and LOGITS must have in this forward."""
+        return self.tree_width if self.tree_forward else 1
+
+    @property
+    def tree_base(self) -> int:
+        """``P0``: the position after the last input (a tree's first level)."""
+        return self.pos - self.tree_level + 1 if self.tree_forward else self.pos + 1
 
     @property
     def token_is_drafted(self) -> bool:
@@ -123,6 +147,9 @@ class ProgramFlow:
             if self.in_idx < len(self.tokens) - 1:
                 self.in_idx += 1
                 self.token, next_pc = self.tokens[self.in_idx], ins.n
+            elif self.n_drafted < self.n_draft and self.tree_width:
+                self.tree_level += 1
+                next_pc = self.tree_pc
             elif self.n_drafted < self.n_draft:
                 self.token, next_pc = self._last, ins.n
         else:

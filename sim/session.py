@@ -43,4 +43,4 @@ class FunctionalSession:
         mem.write(REQUEST_ADDR, request.pack())
         self.engine.run(image_base=IMAGE_ADDR, request_addr=REQUEST_ADDR, result_addr=RESULT_ADDR)
         topk_max = self.engine.config.topk_max
-        return DraftResult.unpack(mem.read(RESULT_ADDR, result_bytes(topk_max, request.n_draft)), topk_max)
+        return DraftResult.unpack(mem.read(RESULT_ADDR, result_bytes(topk_max, request.n_records)), topk_max)

@@ -18,7 +18,8 @@ __all__ = [
     "REQUEST_HEADER_WORDS", "RESULT_HEADER_WORDS", "MAX_DRAFT", "RESULT_CHECK_SALT",
     "request_bytes", "result_bytes", "record_words",
     "REQUEST_FIELDS", "REQUEST_FLAG_FIELDS", "RESULT_FIELDS", "pack_fields", "unpack_fields",
-    "WATCHDOG_PER_INSTRUCTION", "watchdog_budget",
+    "WATCHDOG_PER_INSTRUCTION", "watchdog_budget", "TREE_FIELDS", "COMPACT_ROW_BITS",
+    "MAX_COMPACT", "PARENT_LSB", "Compaction",
 ]
 
 REQUEST_HEADER_WORDS = 16
@@ -28,16 +29,31 @@ MAX_DRAFT = 64
 RESULT_CHECK_SALT = 0xDF76C0DE
 
 #: (name, word, lsb, width) of every request-header field, in bit order (a field may span
-#: words: ``seed`` is words 7-8, ``reserved`` word 10's bits 16-31 and words 11-15;
-#: ``kv_slot_base`` is the first KV slot of the request's sequence). :class:`DraftRequest`'s
+#: words: ``seed`` is words 7-8, ``compact_rows`` words 14-15; ``kv_slot_base`` is the
+#: first KV slot of the request's sequence; the tree and compaction fields are
+#: docs/isa.md §9's). :class:`DraftRequest`'s
 #: pack/unpack, the functional model's checks and the RTL's ``RequestHeader`` layout
 #: (``dfvg_hw.layouts``) derive from it. Word 1 is :data:`REQUEST_FLAG_FIELDS`.
 REQUEST_FIELDS: tuple[tuple[str, int, int, int], ...] = (
     ("seq", 0, 0, 32), ("flags", 1, 0, 32), ("start_pos", 2, 0, 32), ("n_in", 3, 0, 32),
     ("n_draft", 4, 0, 32), ("topk", 5, 0, 32), ("t_mult", 6, 0, 16), ("t_shift", 6, 16, 16),
     ("seed", 7, 0, 64), ("counter", 9, 0, 32), ("kv_slot_base", 10, 0, 16),
-    ("reserved", 10, 16, 16 + 32 * (REQUEST_HEADER_WORDS - 11)),
+    ("tree_width", 10, 16, 8), ("compact_len", 10, 24, 8),
+    ("tree_pc", 11, 0, 16), ("row_pitch", 11, 16, 16),
+    ("compact_from", 12, 0, 16), ("compact_slots", 12, 16, 16),
+    ("compact_width", 13, 0, 8), ("reserved", 13, 8, 24),
+    ("compact_rows", 14, 0, 64),
 )
+#: The request fields of tree drafting and compaction (docs/isa.md §9): an engine that
+#: drafts chains only (``P_TREE_WIDTH`` = 0) refuses a request where any is not 0.
+TREE_FIELDS = ("tree_width", "compact_len", "tree_pc", "row_pitch", "compact_from",
+               "compact_width", "compact_slots", "compact_rows")
+#: Record word 0 holds the token below this bit and, in a tree request, the parent's
+#: record index + 1 from it (token ids are 16-bit: ``EngineConfig.vocab_max`` ≤ 65535).
+PARENT_LSB = 16
+#: Bits per level in ``compact_rows``, and so the most levels one request compacts.
+COMPACT_ROW_BITS = 4
+MAX_COMPACT = 64 // COMPACT_ROW_BITS
 #: (name, lsb, width) of the request's ``flags`` word; ``reserved`` must be zero.
 REQUEST_FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (("sample", 0, 1), ("reserved", 1, 31))
 #: (name, word, lsb, width) of every result-header field, in bit order. ``check`` is the
@@ -122,6 +138,48 @@ class RequestFlag(enum.IntFlag):
     SAMPLE = 1 << REQUEST_FLAG_FIELDS[0][1]  #: sample from the top-k distribution (else greedy)
 
 
+@dataclass(frozen=True)
+class Compaction:
+    """Moves an accepted tree path's KV to its logical positions (docs/isa.md §9.3).
+
+    Members
+    -------
+    base : int
+        ``P0`` of the tree: the position after its request's last input.
+    width : int
+        The tree's width ``W``.
+    rows : tuple of int
+        Row ``r_d`` of the path's node at level ``d = 1 … c``; ``c ≤`` :data:`MAX_COMPACT`.
+    slots : int
+        KV slots of the sequence (``layers · G``), from the request's ``kv_slot_base``.
+    """
+    base: int
+    width: int
+    rows: tuple[int, ...]
+    slots: int
+
+    def fields(self) -> dict:
+        """The request-header fields this compaction sets."""
+        if len(self.rows) > MAX_COMPACT:
+            raise ValueError(f"a request compacts at most {MAX_COMPACT} levels, not {len(self.rows)}")
+        if any(not 0 <= r < self.width for r in self.rows):
+            raise ValueError(f"compaction rows {list(self.rows)} must lie in 0 … {self.width - 1}")
+        packed = sum(r << (COMPACT_ROW_BITS * d) for d, r in enumerate(self.rows))
+        return dict(compact_len=len(self.rows), compact_from=self.base, compact_width=self.width,
+                    compact_slots=self.slots, compact_rows=packed)
+
+    def moves(self) -> list[tuple[int, int]]:
+        """(source, destination) KV positions, in the order the engine copies them."""
+        return [(self.base + d * self.width + r, self.base + d) for d, r in enumerate(self.rows)]
+
+    @classmethod
+    def from_header(cls, h: dict) -> "Compaction":
+        c = h["compact_len"]
+        rows = tuple((h["compact_rows"] >> (COMPACT_ROW_BITS * d)) & ((1 << COMPACT_ROW_BITS) - 1)
+                     for d in range(c))
+        return cls(h["compact_from"], h["compact_width"], rows, h["compact_slots"])
+
+
 @dataclass
 class DraftRequest:
     """One draft request: feed ``tokens`` from ``start_pos``, then draft ``n_draft``.
@@ -139,6 +197,11 @@ class DraftRequest:
     layer ``LAYER`` is slot ``kv_slot_base + LAYER·G + h`` (docs/isa.md §1.4), so several
     sequences can keep their KV in one engine, each in its own slot range (0: the
     whole buffer from slot 0, as before the field existed).
+
+    ``tree_width`` ≥ 1 makes it a tree request (docs/isa.md §9.2): ``n_draft`` levels of
+    ``tree_width`` nodes, the tree forwards starting at ``tree_pc`` with VMEM rows
+    ``row_pitch`` lines apart (both from the compiled program's manifest).
+    ``compaction`` first moves the previous tree's accepted path into place (§9.3).
     """
     tokens: list[int]
     start_pos: int
@@ -151,6 +214,15 @@ class DraftRequest:
     counter: int = 0
     seq: int = 0
     kv_slot_base: int = 0
+    tree_width: int = 0
+    tree_pc: int = 0
+    row_pitch: int = 0
+    compaction: Compaction | None = None
+
+    @property
+    def n_records(self) -> int:
+        """Records a complete result holds: ``n_draft`` tokens, or levels × width nodes."""
+        return self.n_draft * max(self.tree_width, 1)
 
     def pack(self) -> bytes:
         words = pack_fields(REQUEST_FIELDS, REQUEST_HEADER_WORDS, dict(
@@ -158,7 +230,8 @@ class DraftRequest:
             start_pos=self.start_pos, n_in=len(self.tokens), n_draft=self.n_draft,
             topk=self.topk, t_mult=self.t_mult & 0xFFFF, t_shift=self.t_shift,
             seed=self.seed & (2 ** 64 - 1), counter=self.counter & 0xFFFFFFFF,
-            kv_slot_base=self.kv_slot_base))
+            kv_slot_base=self.kv_slot_base, tree_width=self.tree_width, tree_pc=self.tree_pc,
+            row_pitch=self.row_pitch, **(self.compaction.fields() if self.compaction else {})))
         words += [int(t) for t in self.tokens]
         return struct.pack(f"<{len(words)}I", *words)
 
@@ -197,14 +270,18 @@ class DraftedToken:
     prob: int
     topk_ids: list[int]
     topk_probs: list[int]
+    #: In a tree request's result, the parent's record index, or -1 for the root (the
+    #: last input token); a chain's records leave it -1 (each continues the one before).
+    parent: int = -1
 
     def record(self, topk_max: int) -> list[int]:
-        """The :func:`record_words` words of this token in a result buffer: token, prob,
-        then ``topk_max`` (id, prob) pairs, zero past the list's end."""
+        """The :func:`record_words` words of this token in a result buffer: token (bits
+        0–15) and parent + 1 (bits 16–23), prob, then ``topk_max`` (id, prob) pairs, zero
+        past the list's end."""
         pairs = []
         for i in range(topk_max):
             pairs += [self.topk_ids[i], self.topk_probs[i]] if i < len(self.topk_ids) else [0, 0]
-        return [self.token, self.prob] + pairs
+        return [self.token | ((self.parent + 1) << PARENT_LSB), self.prob] + pairs
 
 
 @dataclass
@@ -269,8 +346,10 @@ class DraftResult:
         for i in range(n):
             r = words[RESULT_HEADER_WORDS + i * rw: RESULT_HEADER_WORDS + (i + 1) * rw]
             pairs = r[2:].reshape(-1, 2)[:topk]
-            tokens.append(DraftedToken(int(r[0]), int(r[1]), [int(x) for x in pairs[:, 0]],
-                                       [int(x) for x in pairs[:, 1]]))
+            head = int(r[0])
+            tokens.append(DraftedToken(head & ((1 << PARENT_LSB) - 1), int(r[1]),
+                                       [int(x) for x in pairs[:, 0]], [int(x) for x in pairs[:, 1]],
+                                       parent=(head >> PARENT_LSB) - 1))
         return cls(seq=header["seq"], status=status, end_pos=header["end_pos"],
                    cycles=header["cycles"], n_forward=header["n_forward"],
                    error_pc=header["error_pc"], tokens=tokens, topk=topk)

@@ -23,6 +23,7 @@ __all__ = [
     "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "NORM_IN_BITS", "saturate", "round_shift", "requant",
     "residual_add", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
     "rope", "act_mul", "topk_select", "sampler_probs", "sample_index",
+    "path_score", "TREE_SCORE_ROOT", "tree_expand_greedy",
     "mix32", "rng32",
     "host_multiplier", "host_rope_table", "host_act_lut", "host_temperature",
     "RSQRT_LUT", "EXP2_LUT",
@@ -272,6 +273,30 @@ def sampler_probs(top_logits, t_mult: int, t_shift: int) -> np.ndarray:
 def sample_index(probs, r24: int) -> int:
     """First j with ``Σ_{i≤j} p_i > r24`` for a uniform 24-bit ``r24``: P(j) = p_j / 2^24."""
     return int(np.argmax(np.cumsum(_as_i64(probs)) > int(r24)))
+
+
+def path_score(score: int, prob: int) -> int:
+    """A tree node's path score from its parent's and its own probability, both in units
+    of 2^-24: ``(score · prob) >> 24`` (floor; :data:`TREE_SCORE_ROOT` is 1.0)."""
+    return (int(score) * int(prob)) >> PROB_BITS
+
+
+#: The root's path score: probability 1 in units of 2^-24.
+TREE_SCORE_ROOT = 1 << PROB_BITS
+
+
+def tree_expand_greedy(scores, probs, width: int) -> list[tuple[int, int, int]]:
+    """The greedy expansion of a tree level (docs/isa.md §9.2): ``(s, j, score)`` of the
+    ``width`` candidates of highest :func:`path_score` over source rows ``s`` (path
+    score ``scores[s]``) and their top-k entries ``j`` (probability ``probs[s][j]``), ties
+    to the lower ``s`` then the lower ``j``; in that order, which is the next level's
+    row order. Raises ``ValueError`` when there are fewer candidates than ``width``."""
+    candidates = [(path_score(scores[s], p), s, j)
+                  for s, row in enumerate(probs) for j, p in enumerate(row)]
+    if len(candidates) < width:
+        raise ValueError(f"{len(candidates)} candidates cannot fill {width} tree rows")
+    candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+    return [(s, j, score) for score, s, j in candidates[:width]]
 
 
 _M32 = 0xFFFFFFFF

@@ -24,7 +24,9 @@ ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
 #: capacity in slots (P_KV_SLOTS replaces P_KV_LAYERS and P_KV_HEADS). Minor 2: striped
 #: memory channels and KV banks (P_MEM_PORTS … P_KV_BANKS), EMBED rows padded to engine beats.
 #: Minor 3: the request's ``kv_slot_base`` (word 10), several sequences' KV in one engine.
-ENGINE_VERSION = (IMAGE_VERSION << 16) | 3
+#: Minor 4: tree requests and compaction (words 10-15, docs/isa.md §9), ``P_TREE_WIDTH``,
+#: the parent in record word 0.
+ENGINE_VERSION = (IMAGE_VERSION << 16) | 4
 
 
 class Reg(enum.IntEnum):
@@ -73,6 +75,8 @@ class Reg(enum.IntEnum):
     P_MEM_PORT_BITS = 0x0B4   #: data width of each channel's port
     P_MEM_CHANNEL_KIB = 0x0B8 #: KiB of device memory behind each port
     P_KV_BANKS = 0x0BC
+    #: The widest token tree the engine drafts (docs/isa.md §9.4); 0: chains only (RO, 2.4).
+    P_TREE_WIDTH = 0x0C0
 
 
 #: Per-unit busy counters: the cycles of the last request spent in each opcode's
@@ -122,9 +126,12 @@ def register_space_bits() -> int:
     return (max(max(Reg), op_cycles_offset(OP_CYCLE_BUCKETS[-1])) + 3).bit_length()
 
 
-def engine_params(config: EngineConfig) -> dict[Reg, int]:
-    """The read-only parameter registers' values for an engine built from ``config``."""
+def engine_params(config: EngineConfig, *, tree_width: int = 0) -> dict[Reg, int]:
+    """The read-only parameter registers' values for an engine built from ``config``;
+    ``tree_width`` is what the implementation drafts (``P_TREE_WIDTH``): ``config.rows``
+    for the functional model, 0 for an RTL without tree drafting."""
     values = {reg: getattr(config, name) for reg, name in PARAM_REGS.items()}
+    values[Reg.P_TREE_WIDTH] = tree_width
     values[Reg.P_CLOCK_KHZ] = round(config.clock_mhz * 1000)
     values[Reg.P_MEM_CHANNEL_KIB] = config.mem_channel_bytes >> 10
     return values
