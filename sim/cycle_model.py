@@ -262,11 +262,14 @@ class CycleModel:
 
 
 def estimate_request(config: EngineConfig, program: list[int], *, n_in: int, n_draft: int,
-                     start_pos: int, topk: int = 1, image_base: int = 0) -> CycleCounts:
+                     start_pos: int, topk: int = 1, image_base: int = 0, tree_width: int = 0,
+                     tree_pc: int = 0, row_pitch: int = 0, sample: bool = False,
+                     compaction: tuple[int, int] = (0, 0)) -> CycleCounts:
     """Modelled cycles of one request, walking the program's control flow without data.
 
     Timing does not depend on token values, so this equals the functional model's count
-    for the same request shape (a test checks it).
+    for the same request shape (a test checks it). A tree request (``tree_width`` ≥ 1,
+    docs/isa.md §9) is priced level by level; ``compaction`` is its (levels, slots).
     """
     from dfvg_hw.spec.isa import decode
     from sim.program_flow import CONTROL_OPS, ProgramFlow
@@ -274,22 +277,31 @@ def estimate_request(config: EngineConfig, program: list[int], *, n_in: int, n_d
     model = CycleModel(config)
     counts = CycleCounts()
     counts.add("REQUEST", *model.request_start(n_in))
-    seq = ProgramFlow([0] * n_in, start_pos, n_draft)
+    if compaction[0]:
+        counts.add("REQUEST", model.compaction(*compaction))
+    seq = ProgramFlow([0] * n_in, start_pos, n_draft, tree_width=tree_width, tree_pc=tree_pc)
     budget = watchdog_budget(n_in, n_draft, len(program))
+    sources, records = 1, 0
     while not seq.halted and budget:
         budget -= 1
         ins = decode(program[seq.pc])
+        tree = None
+        if tree_width:
+            tree = TreeTiming(tree_width, seq.tree_level, seq.tree_base, 16 * row_pitch, sources, sample)
         counts.add(ins.opcode, *model.instruction(ins, pos=seq.pos, topk=topk,
                                                   addr=seq.block_address(ins, image_base),
-                                                  token_from_request=not seq.token_is_drafted),
+                                                  token_from_request=not seq.token_is_drafted, tree=tree),
                    macs=model.macs(ins, pos=seq.pos))
         if ins.opcode in CONTROL_OPS:
             seq.control(ins)
             continue
+        if ins.opcode == Op.MATMUL and ins.mode == MatmulMode.LOGITS:
+            sources = ins.rows
         if ins.opcode == Op.SAMPLE:
             seq.drafted(0)
+            records += max(tree_width, 1)
         seq.pc += 1
     if not seq.halted:
         raise ValueError("program does not halt within the watchdog budget")
-    counts.add("REQUEST", *model.request_finish(seq.n_drafted))
+    counts.add("REQUEST", *model.request_finish(records))
     return counts
