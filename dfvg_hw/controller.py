@@ -430,7 +430,9 @@ class Controller(wiring.Component):
                                  job.n.eq(ins.n), job.k.eq(ins.k),
                                  job.addr.eq(ctrl.image_base + ins.addr
                                              + Mux(lrel, seq.layer * seq.lstride, 0)),
-                                 job.pos.eq(seq.pos), job.layer.eq(seq.layer)]
+                                 job.pos.eq(seq.pos), job.layer.eq(seq.layer),
+                                 # a chain forward's KV: write at POS, attend to 0 … POS
+                                 job.kv_pos.eq(seq.pos), job.prefix.eq(seq.pos + 1)]
                     if unit is embed:
                         lend_memory_reads(embed)    # it reads the input token as it takes the job
                     with m.If(unit.job.ready):

@@ -13,7 +13,7 @@ from dfvg_hw.spec.descriptors import (REQUEST_FIELDS, REQUEST_FLAG_FIELDS, REQUE
                                       RESULT_FIELDS, RESULT_HEADER_WORDS)
 from dfvg_hw.spec.isa import FLAG_FIELDS
 
-__all__ = ["InstructionFlags", "flags_view", "RequestFlags", "RequestHeader", "ResultHeader"]
+__all__ = ["InstructionFlags", "flags_view", "RequestFlags", "RequestHeader", "ResultHeader", "CompactJob"]
 
 
 def _packed(fields, total_bits: int, nested: dict | None = None) -> dict:
@@ -68,3 +68,13 @@ class ResultHeader(data.StructLayout):
 
     def __init__(self):
         super().__init__(_packed(RESULT_FIELDS, 32 * RESULT_HEADER_WORDS))
+
+
+class CompactJob(data.StructLayout):
+    """A request's compaction (isa.md §9.3), from its header: for ``d < count`` and every
+    slot ``slot_base … slot_base + slots − 1``, KV position ``base + d·width + rows[d]``
+    (``rows`` 4 bits a level) is copied to ``base + d``, in order of ``d``."""
+
+    def __init__(self):
+        super().__init__({"base": unsigned(16), "width": unsigned(8), "count": unsigned(8),
+                          "rows": unsigned(64), "slot_base": unsigned(16), "slots": unsigned(16)})

@@ -25,13 +25,22 @@ __all__ = ["OpJob", "OpSequencerSignature"]
 class OpJob(data.StructLayout):
     """One unit instruction: its fields (isa.md §2), ``addr`` already resolved to a device
     address (``image_base + addr + LAYER·LSTRIDE`` with LREL), and the controller's
-    ``pos`` (POS) and ``layer`` (LAYER) registers."""
+    ``pos`` (POS) and ``layer`` (LAYER) registers.
+
+    The KV and row fields of tree drafting (isa.md §9), which a chain forward sets so
+    that nothing changes: ``pitch`` is the VMEM row pitch in lines of a multi-row operand
+    (0: the operand's own stride, §1.3); ``kv_pos`` the KV position KVAPPEND writes
+    (chain: ``pos``); ATTN attends to positions ``0 … prefix − 1`` (chain: ``pos + 1``)
+    and then to the ``path_len`` positions the KV sequencer's path port gives (chain: 0;
+    a tree row at level d: its d path entries)."""
 
     def __init__(self):
         super().__init__({
             "opcode": unsigned(8), "flags": unsigned(8), "rows": unsigned(8),
             "dst": unsigned(16), "src": unsigned(16), "n": unsigned(16), "k": unsigned(16),
             "addr": unsigned(64), "pos": unsigned(16), "layer": unsigned(16),
+            "pitch": unsigned(16), "kv_pos": unsigned(16), "prefix": unsigned(17),
+            "path_len": unsigned(8),
         })
 
 

@@ -26,10 +26,12 @@ __all__ = ["SampleSequencer", "LogitTile", "RecordWord"]
 
 class LogitTile(data.StructLayout):
     """One output tile of a LOGITS matmul: ``lanes`` Q7.8 logits (tile ``t`` holds logits
-    ``t·lanes …``; lanes past the vector's length are ignored)."""
+    ``t·lanes …``; lanes past the vector's length are ignored) of logit-buffer row ``row``
+    (0 but in a tree forward's LOGITS of several rows, isa.md §9.2)."""
 
     def __init__(self, lanes: int):
-        super().__init__({"data": data.ArrayLayout(signed(nx.LOGIT_BITS), lanes)})
+        super().__init__({"data": data.ArrayLayout(signed(nx.LOGIT_BITS), lanes),
+                          "row": unsigned(8)})
 
 
 class RecordWord(data.StructLayout):

@@ -439,6 +439,15 @@ class FunctionalEngine:
                                           self.kv_v[slot + kvh, seen, :ins.k], mult, shift, bits)
         self._vstore(ins.dst, out.reshape(rows, -1), dtype)
 
+    def sample(self, n: int, header: dict, index: int, flow: ProgramFlow | None = None) -> list[DraftedToken]:
+        """The records of ``SAMPLE n`` over the logit buffer (``logit_rows``): one drafted
+        token (``index``: N_DRAFTED), or in a tree request (``tree`` set, ``flow`` its
+        controller registers) the next level's nodes. The reference the sampler's RTL
+        tests use."""
+        flow = flow if flow is not None else ProgramFlow([0], 0, index + 1)
+        flow.n_drafted = index
+        return self._sample(Instruction(Op.SAMPLE, n=n), header, index, flow)
+
     def _sample(self, ins: Instruction, h: dict, index: int, st: ProgramFlow) -> list[DraftedToken]:
         """The records of one SAMPLE: one drafted token, or a tree's next level."""
         held = 0 if self.logits is None else self.logits.shape[0]

@@ -31,7 +31,7 @@ from dfvg_hw.vmem import VectorMemory
 from sim.axi_memory import AXI4SlaveMemory, MemoryTiming
 from sim.functional import EngineFault, FunctionalEngine
 from sim.memory import DeviceMemory
-from sim.program_flow import block_address
+from sim.program_flow import ProgramFlow, block_address
 from sim.testbench import run_simulation, stream_put
 
 __all__ = ["OpBench", "run_jobs", "functional_reference", "reference_jobs", "compare_with_reference",
@@ -196,11 +196,11 @@ def _logit_sink(sequencer, vectors: list):
     return process
 
 
-class _Registers:
-    """The controller registers ``FunctionalEngine._unit`` reads."""
-
-    def __init__(self, pos: int, layer: int, lstride: int = 0, token: int = 0):
-        self.pos, self.layer, self.lstride, self.token = pos, layer, lstride, token
+def _registers(pos: int, layer: int, lstride: int = 0, token: int = 0) -> ProgramFlow:
+    """The controller registers ``FunctionalEngine._unit`` reads, in a chain forward."""
+    registers = ProgramFlow([token], pos, 0)
+    registers.layer, registers.lstride = layer, lstride
+    return registers
 
 
 def functional_reference(engine: FunctionalEngine, ins: Instruction, *, image_base: int = 0,
@@ -208,7 +208,7 @@ def functional_reference(engine: FunctionalEngine, ins: Instruction, *, image_ba
     """Execute one unit instruction on ``engine`` (its ``vmem``, KV and memory change in
     place), its operand checks first as in a run; return the ErrorCode it stops with (OK
     if none)."""
-    registers = _Registers(pos, layer, lstride)
+    registers = _registers(pos, layer, lstride)
     try:
         engine._check_operands(ins, registers, block_address(ins, image_base, layer, lstride))
         engine._unit(ins, registers, image_base)

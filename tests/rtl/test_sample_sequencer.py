@@ -7,7 +7,6 @@ import numpy as np
 
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import get_preset
-from dfvg_hw.spec.isa import Instruction, Op
 from dfvg_hw.sample_sequencer import SampleSequencer
 from sim.functional import FunctionalEngine
 from dfvg_hw.verilog import to_verilog
@@ -18,8 +17,9 @@ TINY = get_preset("tiny")
 
 
 def reference(engine: FunctionalEngine, logits, h, index):
-    engine.logits = np.asarray(logits, dtype=np.int16)
-    token = engine._sample(Instruction(Op.SAMPLE, n=len(logits)), h, index)
+    engine.logit_rows = np.asarray(logits, dtype=np.int16)[None, :]
+    engine.logits = engine.logit_rows[0]
+    token, = engine.sample(len(logits), h, index)
     return token.record(TINY.topk_max), len(token.topk_ids)
 
 
