@@ -27,6 +27,16 @@ def _kv_words(config: EngineConfig) -> int:
     return kvt.kv_words(config.reduce, config.head_dim, config.kv_banks)
 
 
+#: Compaction (docs/isa.md §9.3, §9.5; modelled, no RTL yet): a start, then one K and one
+#: V entry read and written per (slot, level), two a cycle.
+COMPACTION_START, COMPACTION_PER_ENTRY = 4, 2
+
+
+def compaction_cycles(config: EngineConfig, levels: int, slots: int) -> int:
+    """Cycles of a request's compaction, before its program (docs/isa.md §9.3)."""
+    return COMPACTION_START + COMPACTION_PER_ENTRY * levels * slots
+
+
 def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
     """kv_sequencer.py: per head, gather K and V from VMEM, then append 2W words (into the
     one bank that holds ``POS``)."""

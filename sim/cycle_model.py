@@ -34,21 +34,17 @@ from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words, watchdog_budget
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
-from sim.attention_timing import attn_cycles, kvappend_cycles
+from sim.attention_timing import attn_cycles, compaction_cycles, kvappend_cycles
+from sim.sample_timing import tree_sample_cycles
 from sim.elementwise_timing import actmul_cycles, rmsnorm_cycles, rope_cycles
 from sim.matmul_timing import matmul_cycles, ReadPath
 from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, LineSplitter, PortTiming
 
 __all__ = ["CycleModel", "CycleCounts", "TreeTiming", "estimate_request", "BEFORE_FINISH", "ISSUE",
-           "UNIT_OVERHEAD", "COMPACTION_START", "COMPACTION_PER_ENTRY"]
+           "UNIT_OVERHEAD"]
 
 #: The latencies and fixed overheads below are the RTL's own (:mod:`dfvg_hw.spec.timing`).
 ISSUE, BEFORE_FINISH = tm.ISSUE, tm.BEFORE_FINISH
-
-
-#: Compaction (docs/isa.md §9.3, §9.5; modelled, no RTL yet): a start, then one K and one
-#: V entry read and written per (slot, level), two a cycle.
-COMPACTION_START, COMPACTION_PER_ENTRY = 4, 2
 
 
 @dataclass(frozen=True)
@@ -164,11 +160,7 @@ class CycleModel:
         a record per node."""
         c, op = self.config, ins.opcode
         if op == Op.SAMPLE:
-            k = min(max(topk, 1), c.topk_max, ins.n)
-            per_source = ceil(ins.n / c.lanes) + tm.SAMPLE_START + tm.sampler_latency(c.lanes, k, k)
-            expansion = tree.width * (1 if tree.sampled else tree.sources * k)
-            return (ISSUE + tree.sources * per_source + expansion
-                    + tree.width * record_words(c.topk_max) + tm.RETIRE), 0
+            return tree_sample_cycles(c, ins.n, topk, tree.sources, tree.width, tree.sampled), 0
         lines = tree.pitch // LINE
         if op == Op.EMBED:
             cycles, nbytes = self._embed(ins.n, False)
@@ -186,7 +178,7 @@ class CycleModel:
 
     def compaction(self, levels: int, slots: int) -> int:
         """Cycles of a request's compaction (docs/isa.md §9.3, §9.5; modelled)."""
-        return COMPACTION_START + COMPACTION_PER_ENTRY * levels * slots
+        return compaction_cycles(self.config, levels, slots)
 
     def _embed(self, n: int, token_from_request: bool) -> tuple[int, int]:
         """controller.py EMBED_*: read the token (one beat) if it comes from the request,

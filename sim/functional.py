@@ -260,7 +260,7 @@ class FunctionalEngine:
                 self.counts.add("REQUEST", ISSUE)
                 raise EngineFault(ErrorCode.ILLEGAL_INSTRUCTION, str(ins))
             addr = seq.block_address(ins, image_base)
-            self._pitch = VMEM_LINE_BYTES * h["row_pitch"] if seq.tree_forward else None
+            self.set_row_pitch(h["row_pitch"] if seq.tree_forward else 0)
             try:
                 self._check_operands(ins, seq, addr)
             except EngineFault:
@@ -515,6 +515,11 @@ class FunctionalEngine:
         for r in range(rows):
             self.vmem[start + r * stride: start + r * stride + row_bytes] = \
                 values[r].astype(dtype).view(np.uint8)
+
+    def set_row_pitch(self, lines: int) -> None:
+        """The VMEM row pitch of the instructions that follow (a tree forward's, docs/isa.md
+        §9.2); 0: each operand's own stride."""
+        self._pitch = VMEM_LINE_BYTES * lines or None
 
     def _row_tokens(self, st: ProgramFlow) -> list[int]:
         """EMBED's tokens: the forward's TOKEN, or the nodes of the tree level it feeds."""

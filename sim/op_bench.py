@@ -32,6 +32,7 @@ from sim.axi_memory import AXI4SlaveMemory, MemoryTiming
 from sim.functional import EngineFault, FunctionalEngine
 from sim.memory import DeviceMemory
 from sim.program_flow import ProgramFlow, block_address
+from sim.tree_state import TreeState
 from sim.testbench import run_simulation, stream_put
 
 __all__ = ["OpBench", "run_jobs", "functional_reference", "reference_jobs", "compare_with_reference",
@@ -196,19 +197,27 @@ def _logit_sink(sequencer, vectors: list):
     return process
 
 
-def _registers(pos: int, layer: int, lstride: int = 0, token: int = 0) -> ProgramFlow:
-    """The controller registers ``FunctionalEngine._unit`` reads, in a chain forward."""
-    registers = ProgramFlow([token], pos, 0)
+def _registers(pos: int, layer: int, lstride: int = 0, token: int = 0,
+               tree: TreeState | None = None) -> ProgramFlow:
+    """The controller registers ``FunctionalEngine._unit`` reads: a chain forward, or the
+    tree forward that feeds ``tree``'s current level."""
+    registers = ProgramFlow([token], pos, 0, tree_width=tree.width if tree else 0)
     registers.layer, registers.lstride = layer, lstride
+    registers.tree_level = tree.level if tree else 0
     return registers
 
 
 def functional_reference(engine: FunctionalEngine, ins: Instruction, *, image_base: int = 0,
-                         pos: int = 0, layer: int = 0, lstride: int = 0) -> int:
+                         pos: int = 0, layer: int = 0, lstride: int = 0, pitch: int = 0,
+                         tree: TreeState | None = None) -> int:
     """Execute one unit instruction on ``engine`` (its ``vmem``, KV and memory change in
     place), its operand checks first as in a run; return the ErrorCode it stops with (OK
-    if none)."""
-    registers = _registers(pos, layer, lstride)
+    if none). ``tree`` makes it an instruction of the tree forward feeding the tree's
+    current level (``pos`` is then that level's position, ``P0 + level − 1``), ``pitch``
+    its row pitch in lines (docs/isa.md §9.2)."""
+    registers = _registers(pos, layer, lstride, tree=tree)
+    engine.tree = tree
+    engine.set_row_pitch(pitch if tree else 0)
     try:
         engine._check_operands(ins, registers, block_address(ins, image_base, layer, lstride))
         engine._unit(ins, registers, image_base)
