@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dfvg_hw.spec.config import EngineConfig
+from dfvg_host.compiled_draft import TreeProgram
 from sim.cycle_model import estimate_request
 
 __all__ = ["CompileReport", "compile_report"]
@@ -45,6 +46,11 @@ class CompileReport:
     achievable_bandwidth_gbps: float
     theoretical_bandwidth_gbps: float
     mem_ports: int
+    #: width of the program's tree forward (0: none), a tree level's and a chain token's
+    #: marginal cycles (one more level or token in a request) at ``context``
+    tree_width: int = 0
+    tree_level_cycles: int = 0
+    chain_token_cycles: int = 0
 
     def _memory_roofline(self, gbps: float) -> float:
         return gbps * 1e9 / self.bytes_per_token
@@ -113,14 +119,32 @@ class CompileReport:
             f"{self.roofline_compute_tokens_per_s:,.0f} tokens/s [peak MACs at clock]",
             f"efficiency    {100 * self.efficiency:.1f}% of the card's roofline ({self.bound}-bound), "
             f"{100 * self.fraction_of_theoretical:.1f}% of the theoretical",
-        ])
+        ] + self._tree_lines())
+
+    def _tree_lines(self) -> list[str]:
+        if not self.tree_width:
+            return ["tree          none (the preset's rows or VMEM hold one row)"]
+        ratio = self.tree_width * self.chain_token_cycles / self.tree_level_cycles
+        return [f"tree level    {self.tree_width} nodes in {self.tree_level_cycles:,} cycles, a chain "
+                f"token {self.chain_token_cycles:,} [modelled: cycle model; tree timing not yet "
+                f"checked against an RTL]: {ratio:.2f}x the chain's drafted tokens per cycle"]
 
 
 def compile_report(engine: EngineConfig, program: list[int], *, model: str, image_bytes: int,
-                   context_limit: int, context: int | None = None) -> CompileReport:
-    """Modelled cost of one steady-state draft step (one forward + sample) at ``context``."""
+                   context_limit: int, context: int | None = None,
+                   tree: TreeProgram | None = None) -> CompileReport:
+    """Modelled cost of one steady-state draft step (one forward + sample) at ``context``;
+    with the program's ``tree``, also of one tree level against one chain token."""
     context = min(context if context is not None else 256, context_limit)
     counts = estimate_request(engine, program, n_in=1, n_draft=1, start_pos=context - 1)
+    tree_fields = {}
+    if tree is not None and tree.width and context + tree.width <= context_limit:
+        def total(levels: int, width: int) -> int:
+            return estimate_request(engine, program, n_in=1, n_draft=levels, start_pos=context - 1,
+                                    tree_width=width, tree_pc=tree.pc if width else 0,
+                                    row_pitch=tree.row_pitch if width else 0, topk=engine.topk_max).total
+        tree_fields = dict(tree_width=tree.width, tree_level_cycles=total(2, tree.width) - total(1, tree.width),
+                           chain_token_cycles=total(2, 0) - total(1, 0))
     clock = engine.clock_mhz * 1e6
     return CompileReport(
         preset=engine.name, model=model, image_bytes=image_bytes, program_words=len(program),
@@ -132,4 +156,4 @@ def compile_report(engine: EngineConfig, program: list[int], *, model: str, imag
         theoretical_bandwidth_gbps=engine.mem_bandwidth_gbps, mem_ports=engine.mem_ports,
         # A chain drafts one row: it uses lanes x reduce of the M x N x K MACs per cycle.
         roofline_compute_tokens_per_s=clock * engine.lanes * engine.reduce / counts.macs,
-        macs_per_token=counts.macs, cycles_by_op=counts.by_op)
+        macs_per_token=counts.macs, cycles_by_op=counts.by_op, **tree_fields)
