@@ -12,14 +12,20 @@ for the same job list; :func:`compare_with_reference` runs both and asserts they
 A sequencer that also writes the logit buffer (the MATMUL sequencer's ``logits_begin``,
 ``logits_n`` and ``logits`` ports, as :class:`~dfvg_hw.sample_sequencer.SampleSequencer` takes
 them) gets an always-ready sink that collects each logit vector it streams, so LOGITS
-results are compared too.
+results are compared too; one with ``logits_rows`` (a LOGITS matmul of several rows, a tree
+forward's, docs/isa.md §9.2) has each tile placed in the row its ``row`` field names.
+
+A sequencer with a path port (the KV sequencer's ``path_index``/``path_pos``: the KV
+positions of a tree row's path, which the controller serves) gets a table in the bench,
+set per job from the job's ``path`` entry (a list of positions), and ``path_pos`` answers
+``path_index`` from it in the same cycle, as the controller's tree registers do.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from amaranth import Module, Mux, ResetInserter
-from amaranth.lib import wiring
+from amaranth import Module, Mux, ResetInserter, unsigned
+from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
@@ -36,9 +42,11 @@ from sim.tree_state import TreeState
 from sim.testbench import run_simulation, stream_put
 
 __all__ = ["OpBench", "run_jobs", "functional_reference", "reference_jobs", "compare_with_reference",
-           "has_logit_port"]
+           "has_logit_port", "has_path_port", "PATH_ENTRIES"]
 
 L = VMEM_LINE_BYTES
+#: Entries of the bench's path table (a tree row's path has at most MAX_DRAFT levels).
+PATH_ENTRIES = 64
 
 
 class OpBench(wiring.Component):
@@ -55,6 +63,9 @@ class OpBench(wiring.Component):
         Resets the sequencer (what the controller does after a memory error).
     peek_addr, peek_data, poke_en, poke_addr, poke_data : the backdoor's VMEM line ports
     axi : the memory port's AXI4 master
+    path_table : In(ArrayLayout(unsigned(16), PATH_ENTRIES))
+        Only for a sequencer with a path port: the KV positions of the running job's path;
+        ``path_pos`` is entry ``path_index``.
     """
 
     def __init__(self, config: EngineConfig, sequencer, data_width: int = 128):
@@ -74,6 +85,8 @@ class OpBench(wiring.Component):
             "poke_addr": In(16),
             "poke_data": In(8 * L),
             "axi": Out(self.port.axi.signature),
+            **({"path_table": In(data.ArrayLayout(unsigned(16), PATH_ENTRIES))}
+               if has_path_port(sequencer) else {}),
         }))
 
     def elaborate(self, platform):
@@ -103,6 +116,8 @@ class OpBench(wiring.Component):
             vmem.poke_addr.eq(Mux(door, self.poke_addr, seq.poke_addr)),
             vmem.poke_data.eq(Mux(door, self.poke_data, seq.poke_data)),
         ]
+        if has_path_port(seq):
+            m.d.comb += seq.path_pos.eq(self.path_table[seq.path_index])
         return m
 
 
@@ -111,16 +126,24 @@ def has_logit_port(sequencer) -> bool:
     return "logits" in sequencer.signature.members
 
 
+def has_path_port(sequencer) -> bool:
+    """Whether ``sequencer`` asks for a tree row's path positions (``path_index``, ``path_pos``)."""
+    return "path_index" in sequencer.signature.members
+
+
 def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMemory,
              jobs: list[dict], *, data_width: int = 128, timing: MemoryTiming | None = None,
              max_cycles: int = 200_000, logits: list | None = None,
              cycles: list | None = None) -> tuple[np.ndarray, list[int]]:
     """Run ``jobs`` (dicts of :class:`OpJob` fields) one after the other, starting from
     VMEM contents ``vmem`` (uint8, ``vmem_bytes``); return VMEM afterwards and each job's
-    error code.
+    error code. A job's ``path`` entry (a list of KV positions) is the path port's table
+    while it runs (a sequencer with a path port only); entries that are no :class:`OpJob`
+    field (``path``, :func:`reference_jobs`'s ``tree``) reach no port.
 
     ``logits``, if given, receives each logit vector the sequencer streams (int16 arrays,
-    in order; a sequencer with a logit port only). ``cycles``, if given, receives each
+    in order; ``[rows, n]`` for a LOGITS job of several rows; a sequencer with a logit
+    port only). ``cycles``, if given, receives each
     job's cycle count from the clock edge that transfers the job to the one after which
     ``done`` is high (None for a job cancelled after a memory error).
     """
@@ -143,7 +166,11 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
         ctx.set(bench.poke_en, 0)
         ctx.set(bench.backdoor, 0)
         for job in jobs:
-            await stream_put(ctx, bench.job, {name: 0 for name in OpJob().members} | job)
+            path = job.get("path", [])
+            if has_path_port(sequencer):
+                ctx.set(bench.path_table, list(path) + [0] * (PATH_ENTRIES - len(path)))
+            fields = {name: job.get(name, 0) for name in OpJob().members}   # not path, tree
+            await stream_put(ctx, bench.job, fields)
             for elapsed in range(max_cycles):
                 if ctx.get(bench.done):
                     errors.append(ctx.get(bench.error))
@@ -174,25 +201,36 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
 
 def _logit_sink(sequencer, vectors: list):
     """A simulator process standing in for the logit buffer: always ready; each
-    ``logits_begin`` starts a vector of ``logits_n`` entries that the following tiles
-    fill. A vector that gets more tiles than it needs fails the run."""
+    ``logits_begin`` starts a vector of ``logits_n`` entries (in each of ``logits_rows``
+    rows, where the sequencer has that port) that the following tiles fill, each in the
+    row its ``row`` field names. A row that gets more tiles than it needs fails the run.
+    A vector of one row is a 1-D array, one of several ``[rows, n]``."""
     lanes = len(sequencer.logits.payload.data)
+    rows_port = sequencer.logits_rows if "logits_rows" in sequencer.signature.members else None
 
     async def process(ctx):
         ctx.set(sequencer.logits.ready, 1)
-        want = 0
-        async for _, _, begin, n, valid, tile in ctx.tick().sample(
-                sequencer.logits_begin, sequencer.logits_n, sequencer.logits.valid,
-                sequencer.logits.payload.data):
+        want, filling = 0, None
+        async for _, _, begin, n, rows, valid, tile, row in ctx.tick().sample(
+                sequencer.logits_begin, sequencer.logits_n,
+                sequencer.logits_begin if rows_port is None else rows_port,
+                sequencer.logits.valid, sequencer.logits.payload.data, sequencer.logits.payload.row):
             if valid:
-                assert vectors and len(vectors[-1]) < want, "a logit tile past the vector's end"
-                vectors[-1].extend(int(tile[j]) for j in range(lanes))
-                if len(vectors[-1]) >= want:
-                    vectors[-1] = np.array(vectors[-1][:want], np.int16)
+                assert filling is not None and row < len(filling) and len(filling[row]) < want, \
+                    "a logit tile past the vector's end"
+                filling[row].extend(int(tile[j]) for j in range(lanes))
+                if all(len(values) >= want for values in filling):
+                    done = np.array([values[:want] for values in filling], np.int16)
+                    vectors[-1] = done[0] if len(filling) == 1 else done
+                    filling = None
             if begin:
-                assert not vectors or isinstance(vectors[-1], np.ndarray), "a vector cut short"
-                want = n
-                vectors.append([] if n else np.zeros(0, np.int16))
+                assert filling is None, "a vector cut short"
+                want, count = n, max(int(rows), 1) if rows_port is not None else 1
+                filling = [[] for _ in range(count)]
+                vectors.append(None)
+                if not n:
+                    vectors[-1] = np.zeros(0, np.int16) if count == 1 else np.zeros((count, 0), np.int16)
+                    filling = None
 
     return process
 
@@ -232,7 +270,9 @@ _INSTRUCTION_FIELDS = ("flags", "rows", "dst", "src", "n", "k", "addr")
 
 def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
                    jobs: list[dict], *, logits: list | None = None) -> tuple[np.ndarray, list[int]]:
-    """The functional model's answer to :func:`run_jobs` with the same arguments.
+    """The functional model's answer to :func:`run_jobs` with the same arguments. A job's
+    ``pitch`` and ``tree`` entries make it an instruction of a tree forward
+    (:func:`functional_reference`); ``path`` entries are the RTL bench's and ignored.
 
     Parameters
     ----------
@@ -245,7 +285,8 @@ def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
         :class:`OpJob` fields; missing ones are 0, ``pos`` and ``layer`` become the
         controller registers.
     logits : list, optional
-        Receives the logit buffer of each job that completes a LOGITS matmul.
+        Receives the logit buffer of each job that completes a LOGITS matmul (its one row,
+        or ``[rows, n]``).
 
     Returns
     -------
@@ -259,9 +300,11 @@ def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
         ins = Instruction(Op(job["opcode"]), **{name: job.get(name, 0) for name in _INSTRUCTION_FIELDS})
         engine.logits = None
         errors.append(functional_reference(engine, ins, pos=job.get("pos", 0),
-                                           layer=job.get("layer", 0)))
+                                           layer=job.get("layer", 0), pitch=job.get("pitch", 0),
+                                           tree=job.get("tree")))
         if logits is not None and engine.logits is not None:
-            logits.append(np.asarray(engine.logits, np.int16))
+            rows = engine.logit_rows
+            logits.append(np.asarray(engine.logits if len(rows) == 1 else rows, np.int16))
     return engine.vmem, errors
 
 
