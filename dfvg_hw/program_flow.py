@@ -11,6 +11,11 @@ Token supply: a forward's input token is either the request's input token number
 ``in_idx`` (the controller reads it from the request buffer) or, once the inputs are
 used up, the token the sampler drafted in the previous forward (``token_is_drafted``,
 ``drafted_token``).
+
+Tree requests (``tree_width`` ≥ 1, docs/isa.md §9.2): once the inputs are used up, NEXT
+enters a tree forward at ``tree_pc`` (not at its ``n``) and counts ``tree_level``; the
+level's nodes and their tokens are the controller's tree registers', so ``token`` and
+``token_is_drafted`` stay as the last input forward left them.
 """
 
 from __future__ import annotations
@@ -19,19 +24,21 @@ from amaranth import Module, Mux, Signal, unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.descriptors import MAX_DRAFT, ErrorCode
 from dfvg_hw.spec.isa import Cond, Op
 
 __all__ = ["ProgramFlow", "ProgramFlowStart", "RetiredInstruction", "ProgramFlowFault"]
 
 
 class ProgramFlowStart(data.StructLayout):
-    """A request's control parameters: first KV position, input token count (≥ 1) and
-    tokens to draft."""
+    """A request's control parameters: first KV position, input token count (≥ 1), tokens
+    (levels of a tree) to draft, and the tree's width (0: a chain request) and the tree
+    forward's first instruction."""
 
     def __init__(self):
         super().__init__({"start_pos": unsigned(16), "n_tokens": unsigned(16),
-                          "n_draft": unsigned(8)})
+                          "n_draft": unsigned(8), "tree_width": unsigned(8),
+                          "tree_pc": unsigned(16)})
 
 
 class RetiredInstruction(data.StructLayout):
@@ -90,9 +97,14 @@ class ProgramFlow(wiring.Component):
     samples_now : Out(1)
         This forward must still sample a token (BRANCH ``no_sample`` is its negation).
     n_drafted : Out(8)
-        Tokens drafted so far (at most ``n_draft`` ≤ MAX_DRAFT).
+        SAMPLEs retired so far: tokens of a chain, levels of a tree (at most ``n_draft`` ≤
+        MAX_DRAFT).
     forwards : Out(16)
         Forward steps completed (NEXT retired).
+    tree_level : Out(range(MAX_DRAFT + 1))
+        TREE_LEVEL: the level a tree forward feeds (0 in input forwards and chains).
+    tree_forward : Out(1)
+        This forward is a tree forward (``tree_level`` ≥ 1): its rows are the level's nodes.
     """
 
     def __init__(self):
@@ -112,11 +124,14 @@ class ProgramFlow(wiring.Component):
             "samples_now": Out(1),
             "n_drafted": Out(8),
             "forwards": Out(16),
+            "tree_level": Out(range(MAX_DRAFT + 1)),
+            "tree_forward": Out(1),
         }))
 
     def elaborate(self, platform):
         m = Module()
         n_tokens, n_draft = Signal(16), Signal(8)
+        tree_width, tree_pc = Signal(8), Signal(16)
         in_loop, loop_start, loop_count = Signal(), Signal(16), Signal(16)
         sampled = Signal()              # this forward has sampled its token
         last_drafted = Signal(16)
@@ -128,6 +143,7 @@ class ProgramFlow(wiring.Component):
             self.running.eq(started & ~self.halted & ~self.fault.valid),
             self.start.ready.eq(1),
             self.retire.ready.eq(self.running),
+            self.tree_forward.eq(self.tree_level != 0),
         ]
 
         with m.If(self.start.valid & self.start.ready):
@@ -137,7 +153,8 @@ class ProgramFlow(wiring.Component):
                 self.pc.eq(0), self.pos.eq(p.start_pos), self.in_idx.eq(0),
                 self.token_is_drafted.eq(0), self.layer.eq(0), self.lstride.eq(0),
                 in_loop.eq(0), self.n_drafted.eq(0), self.forwards.eq(0), sampled.eq(0),
-                n_tokens.eq(p.n_tokens), n_draft.eq(p.n_draft),
+                n_tokens.eq(p.n_tokens), n_draft.eq(p.n_draft), self.tree_level.eq(0),
+                tree_width.eq(p.tree_width), tree_pc.eq(p.tree_pc),
             ]
 
         ins = self.retire.payload
@@ -175,6 +192,8 @@ class ProgramFlow(wiring.Component):
                                      self.pos.eq(self.pos + 1), self.pc.eq(next_pc)]
                         with m.If(~last_input):
                             m.d.sync += [self.in_idx.eq(self.in_idx + 1), self.pc.eq(ins.n)]
+                        with m.Elif((self.n_drafted < n_draft) & (tree_width != 0)):
+                            m.d.sync += [self.tree_level.eq(self.tree_level + 1), self.pc.eq(tree_pc)]
                         with m.Elif(self.n_drafted < n_draft):
                             m.d.sync += [self.token_is_drafted.eq(1), self.drafted_token.eq(last_drafted),
                                          self.pc.eq(ins.n)]

@@ -1,5 +1,6 @@
 """ProgramFlow RTL against sim.program_flow.ProgramFlow: random instruction streams retired
-into both, every register compared after every instruction, faults included."""
+into both, every register compared after every instruction, faults included; chain and
+tree requests (NEXT entering the tree forward at ``tree_pc``, TREE_LEVEL)."""
 
 from __future__ import annotations
 
@@ -62,28 +63,32 @@ def test_sequencer_matches_the_functional_model():
     rng = np.random.default_rng(1)
     dut = ProgramFlow()
     trials = []
-    for _ in range(250):
+    for _ in range(300):
         tokens = [int(t) for t in rng.integers(0, 1 << 16, int(rng.integers(1, 5)))]
-        trials.append((tokens, int(rng.integers(0, 1000)), int(rng.integers(0, 6))))
-    stats = {"steps": 0, "faults": 0, "halts": 0, "drafted": 0}
+        tree = (int(rng.integers(1, 5)), int(rng.integers(0, 1 << 16))) if rng.random() < 0.5 else (0, 0)
+        trials.append((tokens, int(rng.integers(0, 1000)), int(rng.integers(0, 6)), tree))
+    stats = {"steps": 0, "faults": 0, "halts": 0, "drafted": 0, "tree_forwards": 0}
 
     def state(ctx, tokens):
         token = ctx.get(dut.drafted_token) if ctx.get(dut.token_is_drafted) else tokens[ctx.get(dut.in_idx)]
         return {"pc": ctx.get(dut.pc), "pos": ctx.get(dut.pos), "token": token,
                 "layer": ctx.get(dut.layer), "lstride": ctx.get(dut.lstride),
                 "samples_now": bool(ctx.get(dut.samples_now)), "n_drafted": ctx.get(dut.n_drafted),
-                "forwards": ctx.get(dut.forwards), "halted": bool(ctx.get(dut.halted))}
+                "forwards": ctx.get(dut.forwards), "halted": bool(ctx.get(dut.halted)),
+                "tree_level": ctx.get(dut.tree_level), "tree_forward": bool(ctx.get(dut.tree_forward))}
 
     def expect(model):
         return {"pc": model.pc, "pos": model.pos, "token": model.token, "layer": model.layer,
                 "lstride": model.lstride, "samples_now": model.samples_now,
-                "n_drafted": model.n_drafted, "forwards": model.forwards, "halted": model.halted}
+                "n_drafted": model.n_drafted, "forwards": model.forwards, "halted": model.halted,
+                "tree_level": model.tree_level, "tree_forward": model.tree_forward}
 
     async def tb(ctx):
-        for tokens, start_pos, n_draft in trials:
-            model = ModelProgramFlow(tokens, start_pos, n_draft)
+        for tokens, start_pos, n_draft, (tree_width, tree_pc) in trials:
+            model = ModelProgramFlow(tokens, start_pos, n_draft, tree_width=tree_width, tree_pc=tree_pc)
             await stream_put(ctx, dut.start, {"start_pos": start_pos, "n_tokens": len(tokens),
-                                              "n_draft": n_draft})
+                                              "n_draft": n_draft, "tree_width": tree_width,
+                                              "tree_pc": tree_pc})
             assert state(ctx, tokens) == expect(model)
             for _ in range(80):
                 ins = random_retire(rng, model)
@@ -98,6 +103,7 @@ def test_sequencer_matches_the_functional_model():
                     break
                 assert not ctx.get(dut.fault.valid)
                 assert state(ctx, tokens) == expect(model), f"after {ins}"
+                stats["tree_forwards"] += ins["opcode"] == Op.NEXT and model.tree_forward
                 if model.halted:
                     assert not ctx.get(dut.running) and not ctx.get(dut.retire.ready)
                     stats["halts"] += 1
@@ -106,7 +112,7 @@ def test_sequencer_matches_the_functional_model():
 
     run_simulation(dut, tb)
     assert stats["steps"] >= 1000 and stats["faults"] >= 10 and stats["halts"] >= 3
-    assert stats["drafted"] >= 20
+    assert stats["drafted"] >= 20 and stats["tree_forwards"] >= 15, stats
 
 
 def test_lint_clean():
