@@ -9,8 +9,13 @@ Per request (``start``):
    read ends the request with ``BAD_ADDRESS``.
 2. **Checks** (one cycle): ``n_in ≥ 1``, ``n_draft ≤ MAX_DRAFT``, ``1 ≤ topk ≤
    topk_max``, ``SAMPLE`` needs ``t_mult ≠ 0``, ``t_shift ≤ 63``, reserved flag bits and
-   words zero, and the tree and compaction fields zero (this engine drafts chains only:
-   ``P_TREE_WIDTH`` = 0, docs/isa.md §9.4); any failure is ``BAD_REQUEST``.
+   words zero, and the tree and compaction fields (docs/isa.md §5.1 check 6a,
+   ``FunctionalEngine._check_tree_fields``): all zero on an engine built with
+   ``tree_width`` 0 (``P_TREE_WIDTH`` = 0, it drafts chains only), else a tree no wider
+   than the engine's, of at most ``MAX_DRAFT`` nodes, ``topk ≥ W`` when greedy, a row
+   pitch when wider than 1, no ``tree_pc`` or ``row_pitch`` without a tree, and a
+   compaction that is a path of a tree no wider than the engine's, inside the KV buffer;
+   any failure is ``BAD_REQUEST``.
 3. **Token scan.** The ``n_in`` token words; a refused read is ``BAD_ADDRESS`` at once, a
    token ``≥ vocab_max`` is ``BAD_REQUEST`` once the scan is over (the read runs out).
 
@@ -27,7 +32,8 @@ from amaranth.lib.wiring import In, Out
 from dfvg_hw.layouts import RequestHeader
 from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 from dfvg_hw.spec.config import EngineConfig
-from dfvg_hw.spec.descriptors import MAX_DRAFT, REQUEST_HEADER_WORDS, TREE_FIELDS, ErrorCode
+from dfvg_hw.spec.descriptors import (COMPACT_ROW_BITS, MAX_COMPACT, MAX_DRAFT, REQUEST_HEADER_WORDS,
+                                      TREE_FIELDS, ErrorCode)
 
 __all__ = ["RequestFrontEnd"]
 
@@ -38,9 +44,12 @@ class RequestFrontEnd(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        ``topk_max``, ``vocab_max``.
+        ``topk_max``, ``vocab_max``, ``kv_positions``, ``kv_slots``.
     data_width : int
         Memory bus width in bits (a multiple of 128).
+    tree_width : int, optional
+        The widest tree the engine drafts (its ``P_TREE_WIDTH``), 0 … ``config.rows``;
+        by default ``config.rows``. 0: tree and compaction fields are refused.
 
     Members
     -------
@@ -61,8 +70,11 @@ class RequestFrontEnd(wiring.Component):
         The memory port refused a read (its sticky error).
     """
 
-    def __init__(self, config: EngineConfig, data_width: int):
+    def __init__(self, config: EngineConfig, data_width: int, tree_width: int | None = None):
         self.config, self.data_width = config, data_width
+        self.tree_width = config.rows if tree_width is None else tree_width
+        if not 0 <= self.tree_width <= config.rows:
+            raise ValueError(f"tree_width {self.tree_width} is not in 0 … rows = {config.rows}")
         super().__init__(wiring.Signature({
             "start": In(stream.Signature(unsigned(64))),
             "done": Out(1),
@@ -122,7 +134,7 @@ class RequestFrontEnd(wiring.Component):
                 bad = ((h.n_in == 0) | (h.n_draft > MAX_DRAFT) | (h.topk == 0)
                        | (h.topk > c.topk_max) | (h.flags.sample & (h.t_mult == 0))
                        | (h.t_shift > 63) | h.flags.reserved.any() | h.reserved.any()
-                       | Cat(*(getattr(h, name) for name in TREE_FIELDS)).any())
+                       | self._bad_tree_fields(h))
                 with m.If(bad):
                     finish(ErrorCode.BAD_REQUEST)
                 with m.Else():
@@ -149,3 +161,29 @@ class RequestFrontEnd(wiring.Component):
             with m.State("SCAN_DONE"):
                 finish(Mux(bad_token, ErrorCode.BAD_REQUEST, ErrorCode.OK))
         return m
+
+    def _bad_tree_fields(self, h):
+        """Whether the tree and compaction fields of header ``h`` are refused (a value)."""
+        c, engine_width = self.config, self.tree_width
+        if not engine_width:
+            return Cat(*(getattr(h, name) for name in TREE_FIELDS)).any()
+        width, levels = h.tree_width, h.compact_len
+        tree = ((width > engine_width)
+                | ((width != 0) & ((h.n_draft * width > MAX_DRAFT)
+                                   | (~h.flags.sample & (h.topk < width))
+                                   | ((width > 1) & (h.row_pitch == 0))))
+                | ((width == 0) & ((h.tree_pc != 0) | (h.row_pitch != 0))))
+        # compact_rows holds row r_d of level d in nibble d - 1 (d ≤ compact_len)
+        nibbles = [h.compact_rows.word_select(d, COMPACT_ROW_BITS) for d in range(MAX_COMPACT)]
+        not_a_path = Cat(*(Mux(d < levels, nibble >= h.compact_width, nibble != 0)
+                           for d, nibble in enumerate(nibbles))).any()
+        last_row = h.compact_rows.word_select((levels - 1)[:4], COMPACT_ROW_BITS)
+        last_source = h.compact_from + (levels - 1) * h.compact_width + last_row
+        compaction = Mux(levels == 0,
+                         (h.compact_from != 0) | (h.compact_width != 0) | (h.compact_slots != 0)
+                         | (h.compact_rows != 0),
+                         (levels > MAX_COMPACT) | (h.compact_width == 0)
+                         | (h.compact_width > engine_width) | not_a_path
+                         | (last_source >= c.kv_positions)
+                         | (h.kv_slot_base + h.compact_slots > c.kv_slots))
+        return tree | compaction
