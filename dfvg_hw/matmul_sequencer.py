@@ -17,9 +17,25 @@ wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits
 **Checks**, all before the first pass and in the functional model's order, so a refused
 MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), the weight block past
 device memory (``BAD_ADDRESS``), the source span outside VMEM (``BAD_ADDRESS``), LOGITS
-with ``rows ≠ 1`` or ``n > vocab_max`` (``PROGRAM``), the destination span outside VMEM
+with ``n > vocab_max`` (``PROGRAM``), the destination span outside VMEM
 (``BAD_ADDRESS``). A MATMUL with ``n = 0`` writes nothing (LOGITS: an empty vector); with
 ``k = 0`` every accumulator is 0 (no tile is read: each group gets one zero tile).
+Whether a LOGITS may have several rows (a tree forward's ``W``, else 1; isa.md §9) is the
+controller's check, made before it hands the job over.
+
+**Tree forwards** (isa.md §9.2). With ``pitch ≠ 0`` and ``rows ≥ 2``, row ``r`` of the
+source, of the INT8 result and of the RESADD residual lies at ``line + r·pitch`` instead
+of the operand's own line-rounded stride, and the VMEM checks take the operand to end
+with its last row there. The write-back and the residual reads only change their row
+stride. VMEM's span reader walks one run of lines, so source rows whose pitch is not
+their own stride are loaded as one span per row (X_CMD and VMEM's read latency again per
+row after a pass's first, :data:`~dfvg_hw.spec.timing.MATMUL_ROW_SPAN`); a pitch equal to
+it costs nothing. Rows must not overlap (``pitch`` at least the lines of a row of each
+operand: the write-back writes group by group, not row by row). A LOGITS of ``R`` rows
+fills ``R`` logit-buffer rows: ``logits_begin`` pulses once, before the first pass, with
+``logits_n`` and ``logits_rows = R``; every output tile carries its buffer row
+(``LogitTile.row``). Tiles of a pass come group by group, its rows in turn within a
+group, and passes follow each other, so each row's tiles arrive in group order.
 
 **Geometry** (:meth:`MatmulSequencer.supports`): any lanes ``N`` and reduce ``K`` with
 ``N·K`` at least one bus beat (a tile is whole beats) and ``2K ≤ 256`` (the x cutter).
@@ -227,7 +243,8 @@ class MatmulSequencer(wiring.Component):
     -------
     job : In(stream.Signature(OpJob()))
         The MATMUL: ``addr`` (weight block), ``flags`` (its ``mode`` and ``wide`` sub-fields,
-        ``WIDE``), ``rows``, ``dst``, ``src``, ``n``, ``k``.
+        ``WIDE``), ``rows``, ``dst``, ``src``, ``n``, ``k`` and ``pitch`` (rows ``pitch``
+        lines apart when not 0 and ``rows ≥ 2``; 0: each operand's own stride).
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
@@ -240,10 +257,14 @@ class MatmulSequencer(wiring.Component):
     peek_addr, peek_data : VMEM line reads (RESADD residuals; data one cycle after the address)
     poke_en, poke_addr, poke_data : VMEM line writes with a byte mask (results)
     logits_begin : Out(1)
-        One-cycle pulse: a LOGITS vector of ``logits_n`` entries starts.
+        One-cycle pulse: a LOGITS buffer of ``logits_rows`` rows of ``logits_n`` entries
+        starts (once per LOGITS job, whatever its passes).
     logits_n : Out(16)
+    logits_rows : Out(8)
+        Valid with ``logits_begin``: the job's rows (1 in a chain forward).
     logits : Out(stream.Signature(LogitTile(lanes)))
-        The logit buffer's write side (:class:`~dfvg_hw.sample_sequencer.SampleSequencer`).
+        The logit buffer's write side (:class:`~dfvg_hw.sample_sequencer.SampleSequencer`):
+        ``lanes`` logits of row ``row``, each row's tiles in order (see the module docstring).
     """
 
     @staticmethod
@@ -269,6 +290,7 @@ class MatmulSequencer(wiring.Component):
         members.update({
             "logits_begin": Out(1),
             "logits_n": Out(16),
+            "logits_rows": Out(8),
             "logits": Out(stream.Signature(LogitTile(c.lanes))),
         })
         super().__init__(wiring.Signature(members))
@@ -293,6 +315,10 @@ class MatmulSequencer(wiring.Component):
         wide = flags_view(job.flags).wide
         n_groups, k_tiles = Signal(16), Signal(16)
         stride_in, stride_out, in_bytes, out_bytes = Signal(32), Signal(32), Signal(32), Signal(32)
+        # rows `pitch` lines apart (a tree forward's operands, isa.md §9.2) ...
+        pitched = Signal()
+        # ... and the source rows then not one run of lines: one VMEM span per row
+        x_row_spans = Signal()
         per_pass = Mux(wide, M // 2, M)
         first, pass_rows = Signal(8), Signal(8)
         weight_bytes = Signal(48)
@@ -315,28 +341,38 @@ class MatmulSequencer(wiring.Component):
                     npad, kpad = padded(p.n, N), padded(p.k, K)
                     p_in = p.k * Mux(p_wide, 2, 1)
                     p_out = p.n * Mux(p_mode == MatmulMode.INT8, 1, 4)
+                    p_pitched = (p.pitch != 0) & (p.rows > 1)
+                    pitch_bytes = p.pitch * L
                     m.d.sync += [job.eq(p), n_groups.eq(npad // N), k_tiles.eq(kpad // K),
                                  weight_bytes.eq(npad * kpad), first.eq(0),
-                                 in_bytes.eq(p_in), stride_in.eq(padded(p_in, L)),
-                                 out_bytes.eq(p_out), stride_out.eq(padded(p_out, L))]
+                                 in_bytes.eq(p_in), out_bytes.eq(p_out), pitched.eq(p_pitched),
+                                 stride_in.eq(Mux(p_pitched, pitch_bytes, padded(p_in, L))),
+                                 stride_out.eq(Mux(p_pitched, pitch_bytes, padded(p_out, L))),
+                                 x_row_spans.eq(p_pitched & (pitch_bytes != padded(p_in, L)))]
                     m.next = "RANGE"
             with m.State("RANGE"):
                 # every check, in the functional model's order, before anything moves
                 logits = mode == MatmulMode.LOGITS
                 end = job.addr + weight_bytes + 4 * n_groups * N
+
+                def outside(line, row_bytes):
+                    # pitched rows: the operand ends with its last row, at line + (rows − 1)·pitch
+                    return Mux(pitched,
+                               vmem_span_outside(c, line + (job.rows - 1) * job.pitch, 1, row_bytes),
+                               vmem_span_outside(c, line, job.rows, row_bytes))
                 with m.If(job.rows > M):
                     m.d.sync += self.error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
                 with m.Elif(end > c.mem_bytes):
                     m.d.sync += self.error.eq(ErrorCode.BAD_ADDRESS)
                     m.next = "DONE"
-                with m.Elif(vmem_span_outside(c, job.src, job.rows, in_bytes)):
+                with m.Elif(outside(job.src, in_bytes)):
                     m.d.sync += self.error.eq(ErrorCode.BAD_ADDRESS)
                     m.next = "DONE"
-                with m.Elif(logits & ((job.rows != 1) | (job.n > c.vocab_max))):
+                with m.Elif(logits & (job.n > c.vocab_max)):
                     m.d.sync += self.error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
-                with m.Elif(~logits & vmem_span_outside(c, job.dst, job.rows, out_bytes)):
+                with m.Elif(~logits & outside(job.dst, out_bytes)):
                     m.d.sync += self.error.eq(ErrorCode.BAD_ADDRESS)
                     m.next = "DONE"
                 with m.Else():
@@ -347,17 +383,19 @@ class MatmulSequencer(wiring.Component):
                 rows_left = job.rows - first
                 m.d.sync += pass_rows.eq(Mux(rows_left > per_pass, per_pass, rows_left))
                 m.next = "X_CMD"
+            x_row, x_kt = Signal(8), Signal(16)
             with m.State("X_CMD"):
+                # the pass's rows as one span, or (x_row_spans) row x_row alone
                 with m.If(k_zero):              # an empty row: VMEM would stream nothing
                     m.next = "CHECK"
                 with m.Else():
                     m.d.comb += [self.vmem_rd_cmd.valid.eq(1),
-                                 self.vmem_rd_cmd.payload.line.eq(job.src + first * stride_in // L),
-                                 self.vmem_rd_cmd.payload.rows.eq(pass_rows),
+                                 self.vmem_rd_cmd.payload.line.eq(
+                                     job.src + (first + x_row) * stride_in // L),
+                                 self.vmem_rd_cmd.payload.rows.eq(Mux(x_row_spans, 1, pass_rows)),
                                  self.vmem_rd_cmd.payload.row_bytes.eq(in_bytes)]
                     with m.If(self.vmem_rd_cmd.ready):
                         m.next = "X_LOAD"
-            x_row, x_kt = Signal(8), Signal(16)
             with m.State("X_LOAD"):
                 src = self.vmem_rd
                 for cut in (cut8, cut16):
@@ -397,13 +435,16 @@ class MatmulSequencer(wiring.Component):
                         with m.If(x_row + 1 == pass_rows):
                             m.d.sync += x_row.eq(0)
                             m.next = "CHECK"
+                        with m.Elif(x_row_spans):
+                            m.next = "X_CMD"
                 with m.If(self.vmem_error):     # not expected: the span was checked
                     m.d.sync += [self.error.eq(ErrorCode.BAD_ADDRESS), x_kt.eq(0), x_row.eq(0)]
                     m.next = "DONE"
             with m.State("CHECK"):
                 # (the checks are made in RANGE; this cycle starts the pass's stream)
-                m.d.comb += [self.logits_begin.eq(mode == MatmulMode.LOGITS),
-                             self.logits_n.eq(job.n)]
+                # (a LOGITS job's vector starts once, before its first pass)
+                m.d.comb += [self.logits_begin.eq((mode == MatmulMode.LOGITS) & (first == 0)),
+                             self.logits_n.eq(job.n), self.logits_rows.eq(job.rows)]
                 with m.If(n_groups == 0):       # nothing to compute or write
                     m.next = "DONE"
                 with m.Else():
@@ -573,6 +614,7 @@ class MatmulSequencer(wiring.Component):
                 wb_line = Signal(range(max(2, *wb_lines.values())))      # (no 0-bit signal)
                 with m.If(mode == MatmulMode.LOGITS):
                     m.d.comb += [self.logits.valid.eq(o.valid), o.ready.eq(self.logits.ready),
+                                 self.logits.payload.row.eq(first + o.payload.row),
                                  *(self.logits.payload.data[j].eq(o.payload.data[j][:nx.LOGIT_BITS])
                                    for j in range(N))]
                 with m.Else():

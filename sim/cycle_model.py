@@ -130,9 +130,11 @@ class CycleModel:
         rows = max(ins.rows, 1)
         if op == Op.MATMUL:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
+            # a tree forward's rows lie the request's pitch apart (docs/isa.md §9.2)
+            pitch = tree.pitch if tree is not None and tree.level else 0
             cycles = matmul_cycles(port, c.lanes, c.reduce, c.rows, ins.n, ins.k, rows,
                                     int(ins.mode), bool(ins.wide), addr % port.page,
-                                    ins.dst if ins.mode == MatmulMode.RESADD else 0)
+                                    ins.dst if ins.mode == MatmulMode.RESADD else 0, pitch)
             return cycles, npad * kpad + 4 * npad
         if op == Op.RMSNORM:
             return (rmsnorm_cycles(port, c.lanes, ins.n, rows, bool(ins.wide), addr),

@@ -291,7 +291,8 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
 
 @lru_cache(maxsize=4096)
 def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int, n: int, k: int,
-                   rows: int, mode: int, wide: bool, page_offset: int, dst: int) -> int:
+                   rows: int, mode: int, wide: bool, page_offset: int, dst: int,
+                   pitch: int = 0) -> int:
     """Cycles of a MATMUL from the controller's FETCH to its RETIRE (matmul_sequencer.py):
     :data:`UNIT_OVERHEAD`, RANGE and DONE, then per row pass PASS, X_CMD, the x load (none
     when ``k = 0``), CHECK, STREAM (none when ``n = 0``: CHECK goes to DONE) and NEXT_PASS.
@@ -300,20 +301,31 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     ``16 / slice`` slices, the padding slices of a row's last line included) or, for
     slices wider than a line, one line a cycle. ``page_offset`` is the weight block's
     address within its page (``port.page``), ``dst`` the destination line (RESADD only).
+
+    ``pitch`` (bytes; 0: each operand's own stride) places row ``r`` of the source and the
+    destination ``r·pitch`` bytes after row 0 when ``rows ≥ 2`` (a tree forward, isa.md
+    §9.2). Where that is not the source rows' own stride they are not one run of lines, so
+    each row is loaded as a span of its own: X_CMD again and VMEM's read latency per row
+    after the pass's first (:data:`~dfvg_hw.spec.timing.MATMUL_ROW_SPAN`).
     """
     npad, kpad = padded(n, lanes), padded(k, reduce)
     groups, k_tiles = npad // lanes, kpad // reduce
     per_pass = rows_per_pass // 2 if wide else rows_per_pass
     slice_bytes = 2 * reduce if wide else reduce
-    slices_per_row = ceil(k * (2 if wide else 1) / LINE) * max(1, LINE // slice_bytes)
+    in_bytes = k * (2 if wide else 1)
+    slices_per_row = ceil(in_bytes / LINE) * max(1, LINE // slice_bytes)
     out_bytes = 1 if mode == MatmulMode.INT8 else RES_BYTES
-    row_stride = padded(n * out_bytes, LINE)
+    pitched = pitch and rows > 1
+    row_stride = pitch if pitched else padded(n * out_bytes, LINE)
+    row_spans = pitched and pitch != padded(in_bytes, LINE)
     hold = 1 if mode == MatmulMode.LOGITS else max(1, lanes * out_bytes // LINE)
     total = UNIT_OVERHEAD + tm.MATMUL_STATES
     first = 0
     while first < rows:
         pass_rows = min(per_pass, rows - first)
         x_load = tm.VMEM_READ_LATENCY + pass_rows * slices_per_row if k else 0
+        if k and row_spans:
+            x_load += (pass_rows - 1) * tm.MATMUL_ROW_SPAN
         total += tm.MATMUL_PASS_STATES + x_load
         if not groups:                              # nothing to compute: CHECK ends the MATMUL
             break

@@ -268,6 +268,12 @@ MATMUL_PASS_STATES = 3
 #: MatmulSequencer per row pass: NEXT_PASS.
 MATMUL_NEXT_PASS = 1
 
+# MATMUL: row pitch and LOGITS rows
+#: MatmulSequencer, rows a pitch apart that is not their own stride (a tree forward,
+#: isa.md §9.2): each source row after a pass's first is a VMEM span of its own, X_CMD
+#: again and VMEM's read latency before its first line.
+MATMUL_ROW_SPAN = 1 + VMEM_READ_LATENCY
+
 #: ActMulSequencer with a RowWriter slower than its beats (``lanes ≥ 16`` with WIDE): the
 #: first pair of beat ``m`` waits until the writer has taken beat ``m − K``; ``K`` per lane
 #: count, read from RTL traces (the beats in flight between the pair and the writer: the

@@ -10,21 +10,33 @@ split from lines), 4 lanes × reduce 32 × 8 rows on a 256-bit bus, ``tiny`` on 
 (requant words in half a beat, weight blocks 16 bytes off the bus alignment) and a slow
 memory (under a beat a cycle, long latency). Weight padding and the requant words'
 reserved bits are random, so nothing may depend on them.
+
+Tree forwards (docs/isa.md §9.2): jobs with a row ``pitch`` (rows of the source, of the
+INT8 result and of the RESADD residual ``pitch`` lines apart) and LOGITS of several rows
+(every row's logits, tiles tagged with their row), against the functional model's tree
+forward (``functional_reference`` with ``pitch`` and ``tree``; the logit buffer is
+``logit_rows``) and the cycle model's pitch.
 """
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 
+from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import padded, tile_weights
 from dfvg_hw.spec.isa import Flag, Instruction, MatmulMode, Op
 from dfvg_hw.matmul_sequencer import MatmulSequencer
-from sim.cycle_model import CycleModel
+from sim import op_bench
+from sim.cycle_model import CycleModel, TreeTiming
+from sim.functional import FunctionalEngine
 from sim.memory import DeviceMemory
-from sim.op_bench import reference_jobs, run_jobs
+from sim.op_bench import functional_reference, run_jobs
+from sim.tree_state import TreeState
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
 
@@ -42,9 +54,16 @@ CONTROLLER_CYCLES = 2 + 1 + 1
 SHAPES = ((40, 40), (7, 5), (64, 24), (33, 17), (4, 8), (96, 3), (1, 70))
 
 
-def _mm(mode, rows, n, k, src, dst, addr, wide=False) -> dict:
+def _mm(mode, rows, n, k, src, dst, addr, wide=False, pitch=0) -> dict:
     flags = (int(mode) << 1) | (Flag.WIDE if wide else 0)
-    return dict(opcode=Op.MATMUL, flags=flags, rows=rows, n=n, k=k, src=src, dst=dst, addr=addr)
+    return dict(opcode=Op.MATMUL, flags=flags, rows=rows, n=n, k=k, src=src, dst=dst, addr=addr,
+                pitch=pitch)
+
+
+def _in_tree(job: dict) -> bool:
+    """Whether ``job`` is an instruction of a tree forward: it has a row pitch, or it is a
+    LOGITS of several rows (the controller hands neither over in a chain forward)."""
+    return bool(job["pitch"]) or ((job["flags"] >> 1) & 3 == LOGITS and job["rows"] > 1)
 
 
 def _write_block(rng, memory: DeviceMemory, config, addr: int, n: int, k: int) -> int:
@@ -100,25 +119,76 @@ def model_cycles(config, data_width: int, job: dict) -> int:
     at the job's device address (the bench has no image base) on a ``data_width``-bit
     port, less :data:`CONTROLLER_CYCLES`."""
     model = CycleModel(config.with_changes(mem_port_bits=data_width))
-    fields = ("flags", "rows", "dst", "src", "n", "k", "addr")
-    ins = Instruction(Op.MATMUL, **{name: job[name] for name in fields})
-    return model.instruction(ins, addr=job["addr"])[0] - CONTROLLER_CYCLES
+    ins = Instruction(Op.MATMUL, **{name: job[name] for name in _INSTRUCTION_FIELDS})
+    tree = None
+    if _in_tree(job):           # (a tree forward at level 1 of a tree of the job's rows)
+        tree = TreeTiming(job["rows"], 1, 0, L * job["pitch"], 1, False)
+    return model.instruction(ins, addr=job["addr"], tree=tree)[0] - CONTROLLER_CYCLES
+
+
+#: the job fields that are instruction fields
+_INSTRUCTION_FIELDS = ("flags", "rows", "dst", "src", "n", "k", "addr")
+
+
+def _reference(config, vmem, memory, jobs):
+    """The functional model's VMEM after ``jobs``, each job's ErrorCode and the logit
+    buffer (``logit_rows``, rows × n) of each LOGITS job that completes. A job in a tree
+    forward (:func:`_in_tree`) runs as one at level 1 of a tree as wide as its rows."""
+    engine = FunctionalEngine(config, memory)
+    engine.vmem[:] = vmem
+    errors, logits = [], []
+    for job in jobs:
+        ins = Instruction(Op.MATMUL, **{name: job[name] for name in _INSTRUCTION_FIELDS})
+        tree = TreeState(job["rows"], 0, level=1) if _in_tree(job) else None
+        engine.logit_rows = None
+        errors.append(functional_reference(engine, ins, pitch=job["pitch"], tree=tree))
+        if engine.logit_rows is not None:
+            logits.append(np.asarray(engine.logit_rows, np.int16))
+    return engine.vmem, errors, logits
+
+
+def _row_logit_sink(sequencer, vectors: list):
+    """A simulator process standing in for the logit buffer of several rows: always
+    ready; each ``logits_begin`` starts a buffer of ``logits_rows`` × ``logits_n`` logits,
+    and each tile fills the next ``lanes`` entries of its ``row``. Appends ``[buffer,
+    entries filled per row]``; a tile past its row's end fails the run. (op_bench's sink
+    takes one row; this one stands in for it here.)"""
+    lanes = len(sequencer.logits.payload.data)
+
+    async def process(ctx):
+        ctx.set(sequencer.logits.ready, 1)
+        async for _, _, begin, n, rows, valid, tile in ctx.tick().sample(
+                sequencer.logits_begin, sequencer.logits_n, sequencer.logits_rows,
+                sequencer.logits.valid, sequencer.logits.payload):
+            if valid:
+                buffer, filled = vectors[-1]
+                row, at = tile.row, filled[tile.row]
+                assert at < buffer.shape[1], f"a logit tile past row {row}'s end"
+                count = min(lanes, buffer.shape[1] - at)
+                buffer[row, at:at + count] = [tile.data[j] for j in range(count)]
+                filled[row] += count
+            if begin:
+                vectors.append([np.zeros((rows, n), np.int16), [0] * rows])
+
+    return process
 
 
 def _check(rng, config, jobs, memory, data_width=128):
     """Run ``jobs`` on the sequencer and on the functional model from the same random
-    VMEM: the same error codes, VMEM and logit vectors; and each job that completes
-    takes the cycle model's cycles. Returns the error codes."""
+    VMEM: the same error codes, VMEM and logit buffers (every row); and each job that
+    completes takes the cycle model's cycles. Returns the error codes."""
     vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
-    got_logits, want_logits, cycles = [], [], []
-    after, errors = run_jobs(config, MatmulSequencer(config, data_width), vmem, memory, jobs,
-                             data_width=data_width, logits=got_logits, cycles=cycles)
-    expected, expected_errors = reference_jobs(config, vmem, memory, jobs, logits=want_logits)
+    jobs = [{"pitch": 0} | job for job in jobs]
+    got_logits, cycles = [], []
+    with mock.patch.object(op_bench, "_logit_sink", _row_logit_sink):
+        after, errors = run_jobs(config, MatmulSequencer(config, data_width), vmem, memory, jobs,
+                                 data_width=data_width, logits=got_logits, cycles=cycles)
+    expected, expected_errors, want_logits = _reference(config, vmem, memory, jobs)
     assert errors == expected_errors
     np.testing.assert_array_equal(after, expected)
     assert len(got_logits) == len(want_logits)
-    for got, want in zip(got_logits, want_logits):
-        assert isinstance(got, np.ndarray), "a logit vector cut short"
+    for (got, filled), want in zip(got_logits, want_logits):
+        assert filled == [want.shape[1]] * want.shape[0], "a logit row cut short"
         np.testing.assert_array_equal(got, want)
     # (the model costs instructions that complete; a refused one stops after RANGE)
     assert len(cycles) == len(jobs)
@@ -155,6 +225,9 @@ def test_tiny_unaligned_weights():
 
 
 def test_errors_in_the_functional_models_order():
+    """The sequencer's checks in the functional model's order. (Whether a LOGITS may have
+    several rows, i.e. rows = the tree's width in a tree forward and 1 otherwise, is the
+    controller's check, made before the job: the sequencer takes any rows ≤ config.rows.)"""
     rng = np.random.default_rng(3)
     memory, addrs = _blocks(rng, TINY, shapes=((40, 40), (8, 8)))
     a, small = addrs[(40, 40)], addrs[(8, 8)]
@@ -167,8 +240,8 @@ def test_errors_in_the_functional_models_order():
         _mm(INT8, 1, 8, 8, last_line + 5, 40, end_block + 1),      # weights past memory
         _mm(INT8, 1, 8, 8, 0, 40, end_block),                      # weights end with memory: OK
         _mm(INT8, 2, 40, 40, last_line - 3, 40, a),                # src's second row outside VMEM
-        _mm(LOGITS, 2, 8, 8, last_line + 5, 0, small),             # src before LOGITS' PROGRAM
-        _mm(LOGITS, 2, 8, 8, 0, 0, small),                         # LOGITS rows ≠ 1: PROGRAM
+        _mm(LOGITS, 2, 8, 8, last_line + 5, 0, small),             # src outside, two logit rows
+        _mm(LOGITS, 2, 8, 8, 0, 0, small),                         # two rows: a tree's (OK)
         _mm(LOGITS, 1, TINY.vocab_max + 1, 8, 0, 0, small),        # n > vocab_max: PROGRAM
         _mm(RESADD, 1, 40, 40, 0, last_line - 3, a),               # int32 dst outside VMEM
         _mm(INT8, 1, 40, 40, 0, last_line - 3, a),                 # the same, int8: inside
@@ -178,7 +251,7 @@ def test_errors_in_the_functional_models_order():
     ]
     errors = _check(rng, TINY, jobs, memory)
     assert errors == [ErrorCode.PROGRAM, ErrorCode.PROGRAM, ErrorCode.BAD_ADDRESS, ErrorCode.OK,
-                      ErrorCode.BAD_ADDRESS, ErrorCode.BAD_ADDRESS, ErrorCode.PROGRAM,
+                      ErrorCode.BAD_ADDRESS, ErrorCode.BAD_ADDRESS, ErrorCode.OK,
                       ErrorCode.PROGRAM, ErrorCode.BAD_ADDRESS, ErrorCode.OK,
                       ErrorCode.BAD_ADDRESS, ErrorCode.OK, ErrorCode.OK]
 
@@ -316,3 +389,130 @@ def test_lint():
     ok, log = verilator_lint(to_verilog(MatmulSequencer(TINY, 128), "matmul_sequencer"),
                              "matmul_sequencer")
     assert ok, log
+
+
+# -- tree forwards: rows a pitch apart, LOGITS of several rows --------------------------------------
+
+def _operand_lines(mode, k, n, wide) -> tuple[int, int]:
+    """VMEM lines of one source row and one destination row (LOGITS: none)."""
+    dst = 0 if mode == LOGITS else _lines(n * (1 if mode == INT8 else 4))
+    return _lines(k * (2 if wide else 1)), dst
+
+
+def _random_tree_job(rng, config, addrs) -> dict:
+    """A random MATMUL of a tree forward: any mode (LOGITS of any rows too), wide or not,
+    1 … rows rows whose source and destination rows lie ``pitch`` lines apart (at least a
+    row of either; one in five exactly the source row's lines, one in ten pitch 0), the
+    two operands apart, somewhere in VMEM, one in four ending in VMEM's last line."""
+    (n, k), addr = list(addrs.items())[int(rng.integers(len(addrs)))]
+    mode = MatmulMode(int(rng.integers(3)))
+    wide = bool(rng.integers(2))
+    rows = int(rng.integers(1, config.rows + 1))
+    src_lines, dst_lines = _operand_lines(mode, k, n, wide)
+    pitch = max(src_lines, dst_lines, 1) + int(rng.integers(0, 4))
+    if rng.random() < 0.2 and src_lines >= dst_lines:
+        pitch = max(src_lines, 1)
+    elif rng.random() < 0.1:
+        pitch = 0
+    step = pitch or None
+    lines = config.vmem_bytes // L
+
+    def span(row_lines):            # lines from an operand's first line to its end
+        return (rows - 1) * (step or row_lines) + row_lines
+
+    src_span, dst_span = span(src_lines), span(dst_lines) if dst_lines else 0
+    while True:
+        src = int(rng.integers(0, lines - src_span + 1))
+        dst = int(rng.integers(0, lines - dst_span + 1))
+        if rng.random() < 0.25:     # one of them ends in VMEM's last line
+            if dst_lines and rng.integers(2):
+                dst = lines - dst_span
+            else:
+                src = lines - src_span
+        if dst + dst_span <= src or src + src_span <= dst:
+            return _mm(mode, rows, n, k, src, dst, addr, wide, pitch)
+
+
+def _check_tree_random(seed, config, data_width=128, count=40, misalign=(0,)):
+    """``count`` random tree-forward jobs (all OK) with at least one pitched job of
+    every mode and a LOGITS of several rows, plus a wide LOGITS and a wide RESADD of all
+    rows at a pitch (more rows than a pass holds)."""
+    rng = np.random.default_rng(seed)
+    memory, addrs = _blocks(rng, config, misalign=misalign)
+    jobs = [_random_tree_job(rng, config, addrs) for _ in range(count)]
+    a, pitch = addrs[(33, 17)], _lines(4 * 33) + 1
+    jobs += [_mm(LOGITS, config.rows, 33, 17, 3, 0, a, wide=True, pitch=pitch),
+             _mm(RESADD, config.rows, 33, 17, 1, 130, a, wide=True, pitch=pitch)]
+    errors = _check(rng, config, jobs, memory, data_width)
+    assert errors == [ErrorCode.OK] * len(jobs)
+    pitched = {(j["flags"] >> 1) & 3 for j in jobs if j["pitch"] and j["rows"] > 1}
+    assert pitched == {INT8, RESADD, LOGITS}
+    assert any((j["flags"] >> 1) & 3 == LOGITS and j["rows"] > 1 for j in jobs)
+    return jobs
+
+
+def test_tree_rows_tiny():
+    _check_tree_random(21, TINY, count=80)
+
+
+def test_tree_rows_16_lanes():
+    """RESADD rows of four lines at a pitch: the residual's lines follow the pitch."""
+    _check_tree_random(22, TINY.with_changes(lanes=16), count=40)
+
+
+def test_tree_rows_32_lanes_wide_bus():
+    """Four rows of 32 lanes on a 256-bit bus, weights on and off the bus alignment:
+    INT8 rows of two lines, RESADD rows of eight, LOGITS of up to four rows (two passes
+    when wide)."""
+    _check_tree_random(23, TINY.with_changes(lanes=32, reduce=4, rows=4), data_width=256,
+                       count=40, misalign=(16, 0, 8))
+
+
+def test_tree_rows_reduce_32_eight_rows():
+    """Eight rows at reduce 32 (the Alveo presets' rows and reduce) on a 256-bit bus."""
+    _check_tree_random(24, TINY.with_changes(reduce=32, rows=8), data_width=256, count=30,
+                       misalign=(0, 16))
+
+
+def test_tree_rows_at_vmems_end():
+    """A pitched operand whose last row ends with VMEM is inside; one line further it is
+    outside (BAD_ADDRESS), for the source, the INT8 and the int32 RESADD destination, and
+    whatever the rows' own stride would give; rows 1 ignore the pitch."""
+    config = TINY.with_changes(lanes=16)
+    rng = np.random.default_rng(25)
+    memory, addrs = _blocks(rng, config, shapes=((40, 40), (7, 5)))
+    a, b = addrs[(40, 40)], addrs[(7, 5)]
+    last = config.vmem_bytes // L       # one past the last line
+    # 40 × 40: source rows 3 lines, INT8 rows 3, RESADD rows 10; pitch 11
+    jobs = [
+        _mm(INT8, 2, 40, 40, last - 11 - 3, 0, a, pitch=11),         # src ends with VMEM
+        _mm(INT8, 2, 40, 40, last - 11 - 2, 0, a, pitch=11),         # ... a line further
+        _mm(INT8, 2, 40, 40, 0, last - 11 - 3, a, pitch=11),         # INT8 dst ends with VMEM
+        _mm(INT8, 2, 40, 40, 0, last - 11 - 2, a, pitch=11),
+        _mm(RESADD, 2, 40, 40, 0, last - 11 - 10, a, pitch=11),      # RESADD dst ends with VMEM
+        _mm(RESADD, 2, 40, 40, 0, last - 11 - 9, a, pitch=11),
+        _mm(LOGITS, 2, 40, 40, last - 11 - 3, 5, a, pitch=11),       # LOGITS' source too
+        _mm(LOGITS, 2, 40, 40, last - 11 - 2, 0, a, pitch=11),
+        _mm(INT8, 1, 40, 40, last - 3, last - 3, a, wide=False, pitch=40),  # rows 1: no pitch
+        _mm(INT8, 2, 7, 5, last - 41, 0, b, pitch=40),               # pitch past the stride: in
+        _mm(INT8, 2, 7, 5, last - 40, 0, b, pitch=40),               # ... and out
+        _mm(RESADD, 2, 7, 5, 0, last - 22, b, wide=True, pitch=20),  # wide, dst at the end
+    ]
+    errors = _check(rng, config, jobs, memory)
+    assert errors == [ErrorCode.OK, ErrorCode.BAD_ADDRESS] * 4 + [ErrorCode.OK, ErrorCode.OK,
+                                                                  ErrorCode.BAD_ADDRESS, ErrorCode.OK]
+
+
+def test_tree_rows_timing():
+    """A pitch equal to the source rows' own stride loads them as one span (the chain's
+    cycles); any other pitch as a span per row, MATMUL_ROW_SPAN more per row after the
+    first (the model, which the random tests hold to the RTL, is what says so here)."""
+    config = TINY.with_changes(rows=4)
+    rng = np.random.default_rng(26)
+    memory, addrs = _blocks(rng, config, shapes=((40, 40),))
+    a = addrs[(40, 40)]
+    jobs = [_mm(INT8, 4, 40, 40, 0, 100, a), _mm(INT8, 4, 40, 40, 0, 100, a, pitch=3),
+            _mm(INT8, 4, 40, 40, 0, 100, a, pitch=5)]
+    cycles = [model_cycles(config, 128, job) for job in jobs]
+    assert cycles[0] == cycles[1] == cycles[2] - 3 * tm.MATMUL_ROW_SPAN
+    assert _check(rng, config, jobs, memory) == [ErrorCode.OK] * 3
