@@ -41,7 +41,7 @@ from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 
 __all__ = ["TokenSampler", "Rng32", "RngInput", "SamplerRequest", "LogitBeat", "SamplerResult",
-           "PROB_WIDTH"]
+           "RecordWord", "TopList", "select", "PROB_WIDTH"]
 
 #: Width of a reported probability: units of 2^-24, and ``p = 2^24`` exactly when k = 1.
 PROB_WIDTH = nx.PROB_BITS + 1
@@ -56,7 +56,7 @@ def _bits(n: int) -> int:
     return max(1, int(n).bit_length())
 
 
-def _mux(values, index):
+def select(values, index):
     """``values[index]``, 0 past the end; padded so every index value has a case (lint-clean)."""
     values = list(values)
     values += [C(0, 1)] * ((1 << len(index)) - len(values))
@@ -166,6 +166,28 @@ class SamplerResult(data.StructLayout):
         })
 
 
+class RecordWord(data.StructLayout):
+    """One 32-bit word of a drafted token's result record (:meth:`DraftedToken.record
+    <dfvg_hw.spec.descriptors.DraftedToken.record>`), as a SAMPLE hands it to the result.
+
+    Fields
+    ------
+    word : unsigned(32)
+        The record word.
+    k : unsigned
+        The record's top-k list length (the result header's ``topk``).
+    last : unsigned(1)
+        The record's final word.
+    final : unsigned(1)
+        The SAMPLE's final word: its only record's ``last`` in a chain, the last node's in
+        a tree level (docs/isa.md §9.2).
+    """
+
+    def __init__(self, topk_max: int):
+        super().__init__({"word": unsigned(32), "k": unsigned(topk_max.bit_length()), "last": 1,
+                          "final": 1})
+
+
 # -- RNG -------------------------------------------------------------------------------
 def _xorshift(x, s: int):
     return x ^ (x >> s)
@@ -229,18 +251,21 @@ def _rng32_pipeline(m, advance, valid, seed, counter):
 
 
 # -- insertion lists -------------------------------------------------------------------
-class _TopList:
-    """``depth`` registered entries (valid, value, index), sorted best first.
+class TopList:
+    """``depth`` registered entries (valid, value, index), sorted best first: the sampler's
+    top-k lists and the tree expander's best candidates (:mod:`dfvg_hw.tree_expander`).
 
     Valid entries always form a prefix. ``by_index=False`` is for candidates that arrive
-    in increasing index order (a value displaces only strictly smaller ones);
+    in increasing index order (a value displaces only strictly smaller ones, so equal
+    values keep their arrival order and ``index`` may be any payload);
     ``by_index=True`` compares (value, −index) and is order-independent.
     """
 
-    def __init__(self, depth: int, idx_shape, name: str, by_index: bool):
+    def __init__(self, depth: int, idx_shape, name: str, by_index: bool,
+                 value_shape=signed(nx.LOGIT_BITS)):
         self.depth, self.by_index = depth, by_index
         self.vld = [Signal(name=f"{name}_vld{i}") for i in range(depth)]
-        self.val = [Signal(signed(nx.LOGIT_BITS), name=f"{name}_val{i}") for i in range(depth)]
+        self.val = [Signal(value_shape, name=f"{name}_val{i}") for i in range(depth)]
         self.idx = [Signal(idx_shape, name=f"{name}_idx{i}") for i in range(depth)]
 
     def insert(self, m, valid, value, index):
@@ -271,7 +296,7 @@ class _TopList:
                     with m.Elif(beats[i]):                     # the new entry lands here
                         m.d.sync += [self.vld[i].eq(1), self.val[i].eq(value), self.idx[i].eq(index)]
 
-    def copy_from(self, m, other: "_TopList"):
+    def copy_from(self, m, other: "TopList"):
         for i in range(self.depth):
             m.d.sync += [self.vld[i].eq(other.vld[i]), self.val[i].eq(other.val[i]),
                          self.idx[i].eq(other.idx[i])]
@@ -361,8 +386,8 @@ class TokenSampler(wiring.Component):
                                             init=[int(v) for v in nx.EXP2_LUT])
         rom_rd = rom.read_port()
 
-        lanes = [_TopList(K, idx_shape, f"lane{l}", by_index=False) for l in range(L)]
-        final = _TopList(K, idx_shape, "top", by_index=True) if L > 1 else lanes[0]
+        lanes = [TopList(K, idx_shape, f"lane{l}", by_index=False) for l in range(L)]
+        final = TopList(K, idx_shape, "top", by_index=True) if L > 1 else lanes[0]
 
         phase = Signal(_Phase)
         in_phase = {p: Signal(name=f"in_{p.name.lower()}") for p in _Phase}
@@ -423,8 +448,8 @@ class TokenSampler(wiring.Component):
             with m.If(in_phase[_Phase.MERGE]):
                 for l in range(L):
                     lanes[l].copy_from(m, lanes[(l + 1) % L])
-                final.insert(m, _mux(lanes[0].vld, mrank), _mux(lanes[0].val, mrank),
-                             _mux(lanes[0].idx, mrank))
+                final.insert(m, select(lanes[0].vld, mrank), select(lanes[0].val, mrank),
+                             select(lanes[0].idx, mrank))
                 m.d.sync += mlane.eq(Mux(mlane == L - 1, 0, mlane + 1))
                 with m.If(mlane == L - 1):
                     m.d.sync += mrank.eq(mrank + 1)
@@ -434,7 +459,7 @@ class TokenSampler(wiring.Component):
         # ---- exp pipeline: issue j -> d -> d·t_mult -> u -> ROM (+ shift) -> Σe ----------
         j = Signal(range(K + 1))                 # issued so far; k_eff once EXP ends
         issue = Signal()
-        m.d.comb += issue.eq(in_phase[_Phase.EXP] & (j < k_req) & _mux(final.vld, j))
+        m.d.comb += issue.eq(in_phase[_Phase.EXP] & (j < k_req) & select(final.vld, j))
         ev1, ev2, ev3, ev4 = (Signal(name=f"ev{s}") for s in range(1, 5))
         d1 = Signal(16)
         prod2 = Signal(32)
@@ -454,7 +479,7 @@ class TokenSampler(wiring.Component):
             e_new.eq(Mux(nsh4 >= _EXP_ZERO_SHIFT, 0, rom_rd.data >> nsh4)),
         ]
         m.d.sync += [
-            ev1.eq(issue), d1.eq(final.val[0] - _mux(final.val, j)),   # ≥ 0: the list is sorted
+            ev1.eq(issue), d1.eq(final.val[0] - select(final.val, j)),   # ≥ 0: the list is sorted
             ev2.eq(ev1), prod2.eq(d1 * t_mult),
             ev3.eq(ev2), u3.eq(u_wide),
             ev4.eq(ev3), nsh4.eq(Mux(int_part >= _EXP_ZERO_SHIFT, _EXP_ZERO_SHIFT, int_part)),
@@ -525,8 +550,8 @@ class TokenSampler(wiring.Component):
             keep = k_eff > i
             m.d.comb += [op.ids[i].eq(Mux(keep, final.idx[i], 0)),
                          op.probs[i].eq(Mux(keep, p_arr[i], 0))]
-        m.d.comb += [op.token.eq(Mux(k_eff != 0, _mux(final.idx, sel), 0)),
-                     op.prob.eq(Mux(k_eff != 0, _mux(p_arr, sel), 0))]
+        m.d.comb += [op.token.eq(Mux(k_eff != 0, select(final.idx, sel), 0)),
+                     op.prob.eq(Mux(k_eff != 0, select(p_arr, sel), 0))]
         out_done = Signal()
         m.d.comb += out_done.eq(self.o.valid & self.o.ready)
         with m.If(out_done):

@@ -173,6 +173,17 @@ def sampler_latency(lanes: int, k: int, k_eff: int) -> int:
 #: streams its first tile.
 SAMPLE_START = 2
 
+# SAMPLE: tree rows and expansion (sample_sequencer.py, tree_expander.py)
+#: A tree SAMPLE's request cycle (SAMPLE_REQ): the sequencer takes the level and checks it
+#: before the first pass's request to the sampler.
+TREE_SAMPLE_ACCEPT = 1
+#: A refused tree SAMPLE (a greedy level with fewer candidates than rows): SAMPLE_REQ,
+#: then the cycle the controller sees ``error`` and faults.
+TREE_SAMPLE_REFUSED = 2
+#: TreeExpander: after the last pass's list is taken, its last candidate's score register
+#: before it enters the list (the first record word follows in the next cycle).
+TREE_PICK_SETTLE = 1
+
 # -- controller: dfvg_hw/controller.py -------------------------------------------------------------
 #: FETCH + DECODE: charged at DECODE; a control instruction costs just this.
 ISSUE = 2
