@@ -357,8 +357,8 @@ class MatmulSequencer(wiring.Component):
 
                 def outside(line, row_bytes):
                     # pitched rows: the operand ends with its last row, at line + (rows − 1)·pitch
-                    return Mux(pitched,
-                               vmem_span_outside(c, line + (job.rows - 1) * job.pitch, 1, row_bytes),
+                    last_row = line + (job.rows - 1) * job.pitch
+                    return Mux(pitched, vmem_span_outside(c, last_row, 1, row_bytes),
                                vmem_span_outside(c, line, job.rows, row_bytes))
                 with m.If(job.rows > M):
                     m.d.sync += self.error.eq(ErrorCode.PROGRAM)

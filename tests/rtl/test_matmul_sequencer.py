@@ -391,7 +391,7 @@ def test_lint():
     assert ok, log
 
 
-# -- tree forwards: rows a pitch apart, LOGITS of several rows --------------------------------------
+# -- tree forwards: rows a pitch apart, LOGITS of several rows -------------------------------------
 
 def _operand_lines(mode, k, n, wide) -> tuple[int, int]:
     """VMEM lines of one source row and one destination row (LOGITS: none)."""
@@ -497,10 +497,13 @@ def test_tree_rows_at_vmems_end():
         _mm(INT8, 2, 7, 5, last - 41, 0, b, pitch=40),               # pitch past the stride: in
         _mm(INT8, 2, 7, 5, last - 40, 0, b, pitch=40),               # ... and out
         _mm(RESADD, 2, 7, 5, 0, last - 22, b, wide=True, pitch=20),  # wide, dst at the end
+        _mm(RESADD, 2, 7, 0, 0, 50, b, pitch=9),                     # k = 0: no row is loaded
+        _mm(INT8, 2, 0, 5, 0, 50, b, pitch=9),                       # n = 0: nothing written
+        _mm(LOGITS, 2, 0, 5, 0, 0, b, pitch=9),                      # ... two empty logit rows
     ]
     errors = _check(rng, config, jobs, memory)
-    assert errors == [ErrorCode.OK, ErrorCode.BAD_ADDRESS] * 4 + [ErrorCode.OK, ErrorCode.OK,
-                                                                  ErrorCode.BAD_ADDRESS, ErrorCode.OK]
+    ok, outside = ErrorCode.OK, ErrorCode.BAD_ADDRESS
+    assert errors == [ok, outside] * 4 + [ok, ok, outside] + [ok] * 4
 
 
 def test_tree_rows_timing():
