@@ -446,10 +446,18 @@ class Attention(wiring.Component):
     gone to the normaliser. Grouped-query attention
     streams the same K/V for every query head of the group.
 
+    A tree row's path (docs/isa.md §9.2) comes after its positions as groups of one row
+    each (row 0, ``keep = 1``): they lie in any bank. The sums are the same in any
+    grouping, so only the number of groups changes: ``G = ceil(prefix / B) + path``.
+
     Parameters
     ----------
     config : EngineConfig
         ``head_dim`` (D), ``kv_positions`` (largest T) and ``kv_banks`` (B).
+    path_entries : int, optional
+        The most one-row groups a head's rows may end with (a tree row's path); the score
+        buffer holds ``min(kv_positions, ceil(kv_positions / B) + path_entries)`` groups
+        (T ≤ kv_positions still). Default 0: positions only.
 
     Members
     -------
@@ -458,7 +466,8 @@ class Attention(wiring.Component):
     k : In(stream.Signature(StructLayout({"row": ArrayLayout(signed(8), D), "last": 1})))
         K rows 0 … T−1, ``last`` on row T−1. With ``B ≥ 2``: ``{"rows": ArrayLayout(
         ArrayLayout(signed(8), D), B), "keep": unsigned(B), "last": 1}``, groups of rows
-        ``g·B … g·B + B − 1``, ``keep`` marking the rows ``< T`` (at least row ``g·B``).
+        ``g·B … g·B + B − 1``, ``keep`` marking the rows ``< T`` (at least row ``g·B``,
+        lane 0; a path row is a group of its own in lane 0).
     v : In(stream.Signature(ArrayLayout(signed(8), D)))
         V rows 0 … T−1 (taken after all K rows); with ``B ≥ 2``
         ``ArrayLayout(ArrayLayout(signed(8), D), B)``, the same groups (rows not kept
@@ -467,10 +476,12 @@ class Attention(wiring.Component):
         The attention output (int8 sign-extended unless wide).
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, path_entries: int = 0):
         self.head_dim = d = config.head_dim
         self.banks = b = config.kv_banks
         self.max_t = config.kv_positions
+        #: score buffer groups: the positions' ceil(T / B), and a path's one row a group
+        self.depth = min(self.max_t, -(-self.max_t // b) + path_entries)
         self.score_bits = ceil_log2(d) + 2 * nx.ACT_BITS    # |s| ≤ D·2^14
         self.sum_bits = (self.max_t * nx.EXP_ONE).bit_length()
         self.num_bits = (self.max_t * nx.EXP_ONE * 128).bit_length() + 1
@@ -506,7 +517,7 @@ class Attention(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         d, sb, B = self.head_dim, self.score_bits, self.banks
-        depth = -(-self.max_t // B)                 # score groups
+        depth = self.depth                          # score groups
         ex = m.submodules.exp = SoftmaxExp(B, sb)
         rc = m.submodules.recip = Reciprocal(self.sum_bits)
         nm = m.submodules.norm = Normalizer(d, self.num_bits)

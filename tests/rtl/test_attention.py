@@ -209,32 +209,37 @@ def test_normalizer_random(lanes):
 
 
 # -- attention --------------------------------------------------------------------------
-def groups(rows, banks, rng):
+def groups(rows, banks, rng, path=0):
     """K or V rows in groups of ``banks`` (one per KV bank): (rows, keep) per group, the
-    rows past the end random (stale KV that the keep mask must hide)."""
+    rows past the end random (stale KV that the keep mask must hide); the last ``path``
+    rows (a tree row's path) a group each, in lane 0."""
     out = []
-    for g in range(0, len(rows), banks):
-        chunk = [ints(r) for r in rows[g:g + banks]]
+    prefix, stale = len(rows) - path, lambda: ints(rng.integers(-128, 128, len(rows[0])))
+    for g in range(0, prefix, banks):
+        chunk = [ints(r) for r in rows[g:min(g + banks, prefix)]]
         keep = (1 << len(chunk)) - 1
-        chunk += [ints(rng.integers(-128, 128, len(rows[0]))) for _ in range(banks - len(chunk))]
+        chunk += [stale() for _ in range(banks - len(chunk))]
         out.append((chunk, keep))
+    out += [([ints(r)] + [stale() for _ in range(banks - 1)], 1) for r in rows[prefix:]]
     return out
 
 
-def simulate_attention(dut, heads, v_stall=(1,), o_stall=(1,), seed=0):
+def simulate_attention(dut, heads, v_stall=(1,), o_stall=(1,), seed=0, paths=None):
     """heads: list of (q, k, v, mult, shift, wide) → list of outputs (int16 when wide).
-    With ``dut.banks ≥ 2`` the rows go in groups, stale rows past the end."""
+    With ``dut.banks ≥ 2`` the rows go in groups, stale rows past the end; ``paths[i]``
+    of head ``i``'s last rows go a group each (a tree row's path)."""
     got = []
     B = dut.banks
     rng = np.random.default_rng(seed)
     k_beats, v_beats = [], []
-    for q, k, v, *_ in heads:
+    for i, (q, k, v, *_) in enumerate(heads):
         if B == 1:
             k_beats.append([{"row": ints(k[t]), "last": int(t == len(k) - 1)}
                             for t in range(len(k))])
             v_beats.append([ints(row) for row in v])
         else:
-            kg, vg = groups(k, B, rng), groups(v, B, rng)
+            path = paths[i] if paths else 0
+            kg, vg = groups(k, B, rng, path), groups(v, B, rng, path)
             k_beats.append([{"rows": rows, "keep": keep, "last": int(i == len(kg) - 1)}
                             for i, (rows, keep) in enumerate(kg)])
             v_beats.append([rows for rows, _ in vg])
@@ -358,6 +363,28 @@ def test_banked_attention_random(cfg):
     for (q, k, v, mult, shift, wide), o in zip(heads, got):
         np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift, 16 if wide else 8))
     assert sum(len(o) for o in got) >= 400
+
+
+@pytest.mark.parametrize("cfg", BANKED[1:], ids=BANKED_IDS[1:])
+def test_banked_attention_with_paths(cfg):
+    """A tree row's heads (docs/isa.md §9.2): the prefix's groups, then each path row a
+    group of its own in lane 0 (stale rows beside it); up to the fullest score buffer,
+    ``kv_positions − L`` positions and the longest path ``L`` the unit is built for."""
+    rng = np.random.default_rng(200 + cfg.kv_banks)
+    d, B, P, L = cfg.head_dim, cfg.kv_banks, cfg.kv_positions, 12
+    dut = Attention(cfg, path_entries=L)
+    assert dut.depth == -(-P // B) + L
+    lengths = [(1, 1), (B, 3), (B + 1, 1), (2 * B - 1, L), (P - L, L), (P - 5, 5), (3, 0)]
+    heads, paths = [], []
+    for prefix, path in lengths:
+        t = prefix + path
+        heads.append((rng.integers(-128, 128, d), rng.integers(-128, 128, (t, d)),
+                      rng.integers(-128, 128, (t, d)), int(rng.integers(20000, 60000)),
+                      int(rng.integers(18, 26)), bool(rng.random() < 0.5)))
+        paths.append(path)
+    got = simulate_attention(dut, heads, v_stall=(1, 0), o_stall=(1, 0), seed=B, paths=paths)
+    for (q, k, v, mult, shift, wide), o in zip(heads, got):
+        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift, 16 if wide else 8))
 
 
 def test_banked_attention_mutation_is_caught(monkeypatch):
