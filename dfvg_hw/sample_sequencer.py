@@ -144,11 +144,12 @@ class SampleSequencer(wiring.Component):
         n_rows = Signal(range(R + 1))
         wr_tile = [Signal(range(tiles + 1), name=f"wr_tile{r}") for r in range(R)]
         tile = self.logits.payload
+        tile_row = tile.row[:max(1, (R - 1).bit_length())]       # a row of this buffer
         m.d.comb += [self.logits.ready.eq(1), wp.en.eq(self.logits.valid),
-                     wp.addr.eq(tile.row * tiles + select(wr_tile, tile.row)),
+                     wp.addr.eq(tile_row * tiles + select(wr_tile, tile_row)),
                      wp.data.eq(tile.data)]
         with m.If(self.logits.valid):
-            with m.Switch(tile.row):
+            with m.Switch(tile_row):
                 for r in range(R):
                     with m.Case(r):
                         m.d.sync += wr_tile[r].eq(wr_tile[r] + 1)
