@@ -40,12 +40,29 @@ sequencers of :func:`unit_sequencers` (the KV sequencer also takes the request h
 :class:`~dfvg_hw.op_port.OpSequencerSignature` (the MATMUL sequencer adds the logit
 buffer's write side, the EMBED sequencer the TOKEN register's inputs).
 
+**Tree requests** (docs/isa.md §9; an engine built with ``tree_width`` ≥ 1, which it
+reports in ``P_TREE_WIDTH``). After the token scan the request's compaction runs on the
+KV sequencer (its ``compact`` port), charged to the request. A tree forward (the program
+flow's ``tree_forward``: NEXT entered it at ``tree_pc``) runs EMBED, KVAPPEND, ATTN,
+RMSNORM, ROPE and ACTMUL of ``rows`` rows as one single-row job per row, the last row
+first, row ``r``'s ``src`` and ``dst`` ``r · row_pitch`` lines on (so the sequencers see
+one row at a time, and a span past VMEM is refused in the first job, before anything
+moves); EMBED's token is the row's node's, KVAPPEND writes at the node's storage
+position, ATTN attends to the committed context (``prefix`` = ``P0``) and the row's path
+(``path_len`` = TREE_LEVEL, its positions through the KV sequencer's path port); a level
+whose last node lies past the KV buffer makes the first job's position overflow, so the
+sequencer faults ``KV_OVERFLOW`` where the functional model does, after its earlier
+checks. MATMUL takes all rows at once with the request's ``row_pitch``. The
+:class:`~dfvg_hw.tree_registers.TreeRegisters` hold the level's tokens and paths; a
+SAMPLE of a tree request writes the next level's records and updates them.
+
 The parts, each its own component: the :class:`~dfvg_hw.request_front_end.RequestFrontEnd`
 (request header, checks, token scan), the unit sequencers, the
 :class:`~dfvg_hw.result_writer.ResultWriter` (the result buffer, assembled on chip and
-written in one burst) and the :class:`~dfvg_hw.op_cycle_counters.OpCycleCounters`. The
-controller itself keeps the host commands, the program load, fetch and decode, SAMPLE,
-and lends the shared ports (memory port, VMEM) to the part whose turn it is.
+written in one burst), the :class:`~dfvg_hw.tree_registers.TreeRegisters` and the
+:class:`~dfvg_hw.op_cycle_counters.OpCycleCounters`. The controller itself keeps the host
+commands, the program load, fetch and decode, SAMPLE, and lends the shared ports (memory
+port, VMEM) to the part whose turn it is.
 """
 
 from __future__ import annotations
@@ -58,7 +75,7 @@ from amaranth.lib.wiring import In, Out
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.decoder import InstructionDecoder
 from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, ErrorCode, watchdog_budget
-from dfvg_hw.spec.isa import CONTROL_OPS, INSTRUCTION_BYTES, Op
+from dfvg_hw.spec.isa import CONTROL_OPS, INSTRUCTION_BYTES, MatmulMode, Op
 from dfvg_hw.layouts import flags_view
 from dfvg_hw.embed_sequencer import EmbedSequencer
 from dfvg_hw.matmul_sequencer import MatmulSequencer
@@ -69,6 +86,7 @@ from dfvg_hw.request_front_end import RequestFrontEnd
 from dfvg_hw.result_writer import ResultWriter
 from dfvg_hw.sample_sequencer import SampleSequencer
 from dfvg_hw.program_flow import ProgramFlow
+from dfvg_hw.tree_registers import POSITION_BITS, TreeRegisters
 from dfvg_hw.vmem import VectorMemory
 
 __all__ = ["Controller", "MemoryClientSignature", "BEAT_BITS"]
@@ -78,6 +96,12 @@ __all__ = ["Controller", "MemoryClientSignature", "BEAT_BITS"]
 #: wider beat (the 32-channel Alveo presets' 16384 bits) needs the non-matrix units fed
 #: through a narrower path first (issue #14).
 BEAT_BITS = (128, 256, 512)
+
+#: Opcodes a tree forward runs as one single-row job per row (the others take all rows).
+SPLIT_OPS = (Op.EMBED, Op.RMSNORM, Op.ROPE, Op.KVAPPEND, Op.ATTN, Op.ACTMUL)
+#: Opcodes whose rows are a tree's branches: 1 in a chain forward, the tree's width in a
+#: tree forward (with MATMUL in LOGITS mode).
+BRANCH_OPS = (Op.EMBED, Op.KVAPPEND, Op.ATTN)
 
 class MemoryClientSignature(wiring.Signature):
     """The controller's side of the :class:`~dfvg_hw.memory_port.MemoryPort` (members named
@@ -117,6 +141,9 @@ class Controller(wiring.Component):
     config : EngineConfig
     data_width : int
         Device-memory bus width in bits (the memory port's), a multiple of 128.
+    tree_width : int
+        The widest tree the engine drafts (``P_TREE_WIDTH``), 0 … ``config.rows``; 0
+        refuses tree requests.
 
     Members
     -------
@@ -135,14 +162,16 @@ class Controller(wiring.Component):
         cache through ``units["kv"].kv_buffer``.
     front_end : RequestFrontEnd
     result_writer : ResultWriter
+    tree_registers : TreeRegisters
     op_counters : OpCycleCounters
     """
 
-    def __init__(self, config: EngineConfig, data_width: int = 128):
+    def __init__(self, config: EngineConfig, data_width: int = 128, tree_width: int = 0):
         if data_width not in BEAT_BITS:
             raise ValueError(f"data_width must be 128, 256 or 512 bits, got {data_width}")
         self.config = config
         self.data_width = data_width
+        self.tree_width = tree_width
         super().__init__(wiring.Signature({
             "ctrl": In(EngineControlSignature()),
             "status": Out(EngineStatusSignature()),
@@ -154,8 +183,9 @@ class Controller(wiring.Component):
         self.program_flow = ProgramFlow()
         self.vmem = VectorMemory(config)
         self.sample_unit = SampleSequencer(config)
-        self.front_end = RequestFrontEnd(config, data_width)
+        self.front_end = RequestFrontEnd(config, data_width, tree_width)
         self.result_writer = ResultWriter(config, data_width)
+        self.tree_registers = TreeRegisters(config)
         self.op_counters = OpCycleCounters()
         # unit-instruction sequencers with the common OpSequencerSignature (op_port.py)
         sequencers = unit_sequencers() + [((Op.EMBED,), "embed", EmbedSequencer)]
@@ -179,6 +209,7 @@ class Controller(wiring.Component):
         front = m.submodules.request = self.front_end
         writer = m.submodules.result = self.result_writer
         counters = m.submodules.op_counters = self.op_counters
+        tree = m.submodules.tree_registers = self.tree_registers
         # each unit is reset (ResetInserter) when a fault stops the request under it. MATMUL's
         # also writes the logit buffer (wired in its RUN state), EMBED's reads TOKEN.
         op_units = []
@@ -187,9 +218,7 @@ class Controller(wiring.Component):
             m.submodules[name] = ResetInserter({"sync": cancel})(unit)
             m.d.comb += [unit.peek_data.eq(vmem.peek_data), unit.vmem_error.eq(vmem.error),
                          unit.vmem_wr_done.eq(vmem.wr_done)]
-            # EMBED has one row; the others up to the engine's rows
-            max_rows = 1 if name == "embed" else c.rows
-            op_units.append((self.unit_opcodes[name], name.upper(), unit, cancel, max_rows))
+            op_units.append((self.unit_opcodes[name], name.upper(), unit, cancel))
         mm, kv, embed = self.units.get("matmul"), self.units.get("kv"), self.units["embed"]
 
         # -- host commands arrive as pulses; keep them until their turn ----------------------
@@ -218,6 +247,9 @@ class Controller(wiring.Component):
         count = Signal(32)                   # instructions of the program load
         token = Signal(16)                   # the current forward's token (EMBED, SAMPLE)
         ins = dec.fields
+        # a tree forward's instruction split into single-row jobs: the row running (the
+        # last first) and whether it is split at all
+        split, row = Signal(), Signal(range(c.rows))
         busy = Signal()
         # STATUS.BUSY: a request runs, or a command is pending or in progress (docs/registers.md)
         m.d.comb += st.cycles.eq(cycles)
@@ -226,13 +258,18 @@ class Controller(wiring.Component):
 
         m.d.comb += [imem_r.addr.eq(seq.pc), dec.word.eq(imem_r.data)]
         mem_failed = mem.error.as_value().any()
+        tree_forward = seq.tree_forward
         m.d.comb += [front.mem_error.eq(mem_failed),
-                     embed.token_is_drafted.eq(seq.token_is_drafted),
-                     embed.drafted_token.eq(seq.drafted_token),
+                     # a tree forward embeds the row's node: its token, nothing to read
+                     embed.token_is_drafted.eq(seq.token_is_drafted | tree_forward),
+                     embed.drafted_token.eq(Mux(tree_forward, tree.token, seq.drafted_token)),
                      embed.token_addr.eq(front.base + 4 * REQUEST_HEADER_WORDS + 4 * seq.in_idx)]
+        m.d.comb += [tree.row.eq(row), tree.level.eq(seq.tree_level)]
         if kv is not None:
             # the request's sequence's first KV slot (the header holds until the next START)
             m.d.comb += kv.slot_base.eq(header.kv_slot_base)
+            if "path_index" in kv.signature.members:
+                m.d.comb += [tree.path_index.eq(kv.path_index), kv.path_pos.eq(tree.path_pos)]
         # the result's fields, as the controller knows them at the end of a request
         m.d.comb += [writer.seq.eq(header.seq), writer.status.eq(code),
                      writer.end_pos.eq(Mux(started, seq.pos, header.start_pos)),
@@ -365,14 +402,42 @@ class Controller(wiring.Component):
                     with m.If(front.error != ErrorCode.OK):
                         fault(front.error)
                     with m.Else():
+                        # P0, the position after the last input: past 16 bits it only
+                        # has to overflow the KV buffer
+                        tree_base = header.start_pos + header.n_in
                         m.d.comb += [seq.start.valid.eq(1),
                                      seq.start.payload.start_pos.eq(header.start_pos),
                                      seq.start.payload.n_tokens.eq(header.n_in),
-                                     seq.start.payload.n_draft.eq(header.n_draft)]
+                                     seq.start.payload.n_draft.eq(header.n_draft),
+                                     seq.start.payload.tree_width.eq(header.tree_width),
+                                     seq.start.payload.tree_pc.eq(header.tree_pc),
+                                     tree.start.eq(1), tree.width.eq(header.tree_width),
+                                     tree.base.eq(Mux(tree_base >> POSITION_BITS != 0,
+                                                      (1 << POSITION_BITS) - 1, tree_base))]
                         m.d.sync += [started.eq(1),
                                      budget.eq(watchdog_budget(header.n_in, header.n_draft,
                                                                program_len))]
-                        m.next = "FETCH"
+                        with m.If(header.compact_len != 0):
+                            m.next = "COMPACT"
+                        with m.Else():
+                            m.next = "FETCH"
+
+            # -- the request's compaction (isa §9.3), before the program: the KV sequencer's --
+            with m.State("COMPACT"):
+                if kv is not None and "compact" in kv.signature.members:
+                    job = kv.compact.payload
+                    m.d.comb += [kv.compact.valid.eq(1),
+                                 job.base.eq(header.compact_from), job.width.eq(header.compact_width),
+                                 job.count.eq(header.compact_len), job.rows.eq(header.compact_rows),
+                                 job.slot_base.eq(header.kv_slot_base),
+                                 job.slots.eq(header.compact_slots)]
+                    with m.If(kv.compact.ready):
+                        m.next = "COMPACT_RUN"
+                else:
+                    m.next = "FETCH"
+            with m.State("COMPACT_RUN"):
+                with m.If(kv is None or "compact" not in kv.signature.members or kv.compact_done):
+                    m.next = "FETCH"
 
             # -- execution ------------------------------------------------------------------------
             with m.State("FETCH"):
@@ -400,11 +465,23 @@ class Controller(wiring.Component):
                 with m.Elif(control | (ins.opcode == Op.NOP)):
                     retire()
                     m.next = "FETCH"
-                for opcodes, name, unit, _, max_rows in op_units:
-                    with m.Elif(Cat(*(ins.opcode == op for op in opcodes)).any()):
-                        with m.If(ins.rows > max_rows):
+                # the rows a tree's branches must have: the tree's width in a tree forward
+                is_op = lambda *ops: Cat(*(ins.opcode == op for op in ops)).any()
+                branches = is_op(*BRANCH_OPS) | (
+                    (ins.opcode == Op.MATMUL) & (flags_view(ins.flags).mode == MatmulMode.LOGITS))
+                rows_expected = Mux(tree_forward, header.tree_width, 1)
+                # rows a row pitch apart (or one row) become single-row jobs; several rows
+                # without one (a tree of width 1 has none) keep the operand's own stride
+                split_now = (tree_forward & is_op(*SPLIT_OPS)
+                             & ((ins.rows == 1) | (header.row_pitch != 0)))
+                for opcodes, name, unit, _ in op_units:
+                    with m.Elif(is_op(*opcodes)):
+                        with m.If(branches & (ins.rows != rows_expected)):
+                            fault(ErrorCode.PROGRAM)
+                        with m.Elif(ins.rows > c.rows):
                             fault(ErrorCode.PROGRAM)
                         with m.Else():
+                            m.d.sync += [split.eq(split_now), row.eq(Mux(split_now, ins.rows - 1, 0))]
                             m.next = f"{name}_JOB"
                 with m.Elif(ins.opcode == Op.SAMPLE):
                     with m.If((samp.n_logits == 0) | (ins.n != samp.n_logits)):
@@ -420,19 +497,35 @@ class Controller(wiring.Component):
                 m.next = "FETCH"
 
             # -- unit instructions: their sequencers own the shared ports meanwhile --------------
-            for opcodes, name, unit, cancel, _ in op_units:
+            # a split job's row ``row``: ``row · row_pitch`` lines on (a line past 16 bits
+            # is outside VMEM: it saturates to the last line)
+            def row_line(line):
+                at = line + row * header.row_pitch
+                return Mux(split, Mux(at >> 16 != 0, 0xFFFF, at), line)
+            # a tree level's KV: node (d, row) stored at S(d, row); ATTN over P0 positions
+            # then the row's path of d. A level past the buffer overflows the first job.
+            last_position = (1 << 16) - 1
+            tree_kv_pos = Mux(tree.level_overflow | (tree.storage >> 16 != 0), last_position,
+                              tree.storage)
+            tree_prefix = Mux(tree.level_overflow, (1 << 17) - 1, tree.p0)
+            for opcodes, name, unit, cancel in op_units:
                 with m.State(f"{name}_JOB"):
                     lrel = flags_view(ins.flags).layer_relative
                     job = unit.job.payload
                     m.d.comb += [unit.job.valid.eq(1),
                                  job.opcode.eq(ins.opcode), job.flags.eq(ins.flags),
-                                 job.rows.eq(ins.rows), job.dst.eq(ins.dst), job.src.eq(ins.src),
+                                 job.rows.eq(Mux(split, 1, ins.rows)),
+                                 job.dst.eq(row_line(ins.dst)), job.src.eq(row_line(ins.src)),
                                  job.n.eq(ins.n), job.k.eq(ins.k),
                                  job.addr.eq(ctrl.image_base + ins.addr
                                              + Mux(lrel, seq.layer * seq.lstride, 0)),
                                  job.pos.eq(seq.pos), job.layer.eq(seq.layer),
+                                 # several rows of a tree forward lie row_pitch lines apart
+                                 job.pitch.eq(Mux(tree_forward & ~split, header.row_pitch, 0)),
                                  # a chain forward's KV: write at POS, attend to 0 … POS
-                                 job.kv_pos.eq(seq.pos), job.prefix.eq(seq.pos + 1)]
+                                 job.kv_pos.eq(Mux(tree_forward, tree_kv_pos, seq.pos)),
+                                 job.prefix.eq(Mux(tree_forward, tree_prefix, seq.pos + 1)),
+                                 job.path_len.eq(Mux(tree_forward, seq.tree_level, 0))]
                     if unit is embed:
                         lend_memory_reads(embed)    # it reads the input token as it takes the job
                     with m.If(unit.job.ready):
@@ -451,6 +544,9 @@ class Controller(wiring.Component):
                             m.d.sync += token.eq(embed.token)
                         with m.If(unit.error != ErrorCode.OK):
                             fault(unit.error)
+                        with m.Elif(split & (row != 0)):
+                            m.d.sync += row.eq(row - 1)
+                            m.next = f"{name}_JOB"
                         with m.Else():
                             m.next = "RETIRE"
 
@@ -477,7 +573,7 @@ class Controller(wiring.Component):
             # -- the result descriptor --------------------------------------------------------------
             with m.State("FINISH"):
                 m.d.comb += vmem.cancel.eq(1)
-                m.d.comb += [cancel.eq(1) for *_, cancel, _ in op_units]
+                m.d.comb += [cancel.eq(1) for *_, cancel in op_units]
                 m.d.sync += [result_cycles.eq(cycles), want_abort.eq(0)]
                 m.next = "DRAIN"
             with m.State("DRAIN"):

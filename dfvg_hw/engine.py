@@ -51,6 +51,9 @@ class DraftEngine(wiring.Component):
         ``mem_port_bits`` (128 for ``tiny``: one 16-byte VMEM line per beat; 256 for an
         Alveo HBM pseudo-channel), which is what the cycle model assumes. The engine beat
         is ``config.mem_ports`` times it.
+    tree_width : int, optional
+        The widest tree the engine drafts, 0 … ``config.rows`` (``P_TREE_WIDTH``, docs/isa.md
+        §9.4; 0: chains only, tree requests are refused); by default 0.
 
     Members
     -------
@@ -71,9 +74,13 @@ class DraftEngine(wiring.Component):
     memory_port : StripedMemoryPort
     """
 
-    def __init__(self, config: EngineConfig, data_width: int | None = None):
+    def __init__(self, config: EngineConfig, data_width: int | None = None,
+                 tree_width: int | None = None):
         self.config = config
         self.data_width = data_width = data_width or config.mem_port_bits
+        self.tree_width = 0 if tree_width is None else tree_width
+        if not 0 <= self.tree_width <= config.rows:
+            raise ValueError(f"tree_width {self.tree_width} is not in 0 … rows = {config.rows}")
         self.axil = AXI4LiteSignature(register_space_bits())
         self.axi = AXI4Signature(data_width, 64)
         self.axi_prefixes = [master_prefix(p, config.mem_ports) for p in range(config.mem_ports)]
@@ -85,10 +92,10 @@ class DraftEngine(wiring.Component):
             **masters,
             "irq": Out(1),
         }))
-        self.registers = RegisterFile(config)
+        self.registers = RegisterFile(config, tree_width=self.tree_width)
         self.memory_port = StripedMemoryPort(config, port_width=data_width)
         #: co-simulation reaches the engine's state through it (``controller.units``)
-        self.controller = Controller(config, self.memory_port.data_width)
+        self.controller = Controller(config, self.memory_port.data_width, self.tree_width)
 
     def elaborate(self, platform):
         m = Module()

@@ -165,6 +165,8 @@ class RegisterFile(wiring.Component):
         Byte-address width of the bus; ``None`` (default) is the smallest that covers the
         register map (``regmap.register_space_bits()``, 8 today). Offsets beyond the
         map are unmapped.
+    tree_width : int
+        The widest tree the engine drafts: ``P_TREE_WIDTH`` (0: chains only).
 
     Members
     -------
@@ -178,7 +180,7 @@ class RegisterFile(wiring.Component):
         Level interrupt: ``IRQ_STATUS & IRQ_ENABLE ≠ 0``, registered.
     """
 
-    def __init__(self, config: EngineConfig, addr_width: int | None = None):
+    def __init__(self, config: EngineConfig, addr_width: int | None = None, *, tree_width: int = 0):
         needed = register_space_bits()
         addr_width = needed if addr_width is None else addr_width
         if addr_width < needed:
@@ -186,6 +188,7 @@ class RegisterFile(wiring.Component):
                              f"register; it needs {needed}")
         self.config = config
         self.addr_width = addr_width
+        self.tree_width = tree_width
         super().__init__({
             "bus": In(AXI4LiteSignature(addr_width)),
             "ctrl": Out(EngineControlSignature()),
@@ -223,7 +226,7 @@ class RegisterFile(wiring.Component):
         status_word = Cat(*status_bits)
 
         readable = {Reg.ID: ENGINE_ID, Reg.VERSION: ENGINE_VERSION,
-                    **engine_params(self.config),
+                    **engine_params(self.config, tree_width=self.tree_width),
                     Reg.CONTROL: 0,                       # W1S: the bits clear themselves
                     Reg.STATUS: status_word,
                     Reg.ERROR: status.error_code, Reg.ERROR_PC: status.error_pc,

@@ -63,6 +63,8 @@ class TreeRegisters(wiring.Component):
         The request's ``W``.
     base : In(POSITION_BITS)
         Its ``P0`` (saturated: a value past 16 bits only needs to overflow).
+    p0 : Out(POSITION_BITS)
+        The running request's ``P0``: ATTN's committed context in a tree forward.
     row : In(range(rows))
         The row a tree forward's job runs: ``token``, ``storage`` and the path port are
         that row's.
@@ -92,6 +94,7 @@ class TreeRegisters(wiring.Component):
             "start": In(1),
             "width": In(8),
             "base": In(POSITION_BITS),
+            "p0": Out(POSITION_BITS),
             "row": In(range(rows)),
             "level": In(range(MAX_DRAFT + 1)),
             "token": Out(16),
@@ -118,6 +121,7 @@ class TreeRegisters(wiring.Component):
             m.d.sync += [width.eq(self.width), base.eq(self.base)]
 
         m.d.comb += [
+            self.p0.eq(base),
             self.token.eq(tokens[self.row]),
             self.storage.eq(base + (self.level - 1) * width + self.row),
             self.level_overflow.eq(base + self.level * width > c.kv_positions),
