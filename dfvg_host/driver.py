@@ -24,6 +24,16 @@ engine runs one at a time; the two buffers let the host write the next request w
 one runs), so the host can verify round n on the target while the engine drafts round
 n + 1 (:class:`~dfvg_host.pipelined.PipelinedDecoder`).
 
+Token trees (docs/isa.md §9): :meth:`DraftDevice.submit_tree` (or :meth:`~DraftDevice.draft_tree`)
+drafts a tree of ``levels`` levels of :attr:`DraftDevice.tree_width` nodes in one request,
+on a device and a compiled program that draft trees (:attr:`~DraftDevice.tree_width` > 0;
+the RTL of this revision drafts chains only and is refused on the host). After it the
+committed, logically ordered KV ends at the tree's ``P0`` (the position after its inputs)
+and the driver remembers the tree; :meth:`~DraftDevice.commit_tree_path` takes the path
+the target accepted, and the next request of the sequence carries the
+:class:`~dfvg_hw.spec.descriptors.Compaction` that moves the path's KV into place
+(``committed = P0 + c``). Chain requests are unchanged.
+
 Sequences: one engine holds the KV of :attr:`DraftDevice.max_sequences` sequences at once
 (``kv_slots // (layers · KV heads)``), sequence ``i`` in KV slots ``i · slots_per_sequence``
 onwards (the request's ``kv_slot_base``, docs/isa.md §1.4). :meth:`DraftDevice.select_sequence`
@@ -41,16 +51,17 @@ import operator
 import time
 from dataclasses import dataclass
 
-from dfvg_hw.spec.descriptors import (MAX_DRAFT, DraftedToken, DraftRequest, DraftResult, ErrorCode,
-                                 result_bytes)
-from dfvg_hw.spec.numerics import PROB_BITS, host_temperature
+from dfvg_hw.spec.descriptors import (MAX_COMPACT, MAX_DRAFT, Compaction, DraftedToken, DraftRequest,
+                                      DraftResult, ErrorCode, result_bytes)
+from dfvg_hw.spec.numerics import PROB_BITS, TREE_SCORE_ROOT, host_temperature, tree_expand_greedy
 from dfvg_hw.spec.regmap import (ENGINE_ID, ENGINE_VERSION, PARAM_REGS, Control, Irq, MemoryMap, Reg,
                             Status)
 from dfvg_host.compiler import CompiledDraft
 from dfvg_host.transport import (LinkedTransport, RetryingTransport, Transport, TransportError,
                                  open_transport)
 
-__all__ = ["DraftDevice", "DraftOutput", "PendingDraft", "CYCLE_SOURCES", "cycle_source", "DraftDeviceError", "DeviceTimeout", "DeviceFault",
+__all__ = ["DraftDevice", "DraftOutput", "PendingDraft", "CYCLE_SOURCES", "cycle_source", "read_tree_width",
+           "tree_unavailable", "DraftDeviceError", "DeviceTimeout", "DeviceFault",
            "EngineMismatch", "MalformedResult", "ContextFull", "DeviceLinkError"]
 
 
@@ -136,15 +147,67 @@ def _link_errors(method):
 
 @dataclass
 class DraftOutput:
-    """What one draft request returned."""
+    """What one draft request returned. A tree request's (``tree_width`` > 0) tokens are
+    its ``levels · tree_width`` nodes in record order, each with its ``parent`` (record
+    index, -1 for the root)."""
     tokens: list[DraftedToken]
     cycles: int
     end_pos: int
     n_forward: int
+    tree_width: int = 0
 
     @property
     def ids(self) -> list[int]:
         return [t.token for t in self.tokens]
+
+    @property
+    def parents(self) -> list[int]:
+        return [t.parent for t in self.tokens]
+
+    @property
+    def levels(self) -> int:
+        """A tree's levels (a chain's tokens)."""
+        return len(self.tokens) // max(self.tree_width, 1)
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """A tree drafted for a sequence whose accepted path is not committed yet."""
+    base: int                     # P0: the position after the request's inputs
+    width: int
+    levels: int
+    parents: tuple[int, ...]
+
+
+#: Engine version minor that introduced tree requests and ``P_TREE_WIDTH`` (regmap).
+_TREE_VERSION_MINOR = 4
+
+
+def read_tree_width(transport: Transport) -> int:
+    """The widest token tree the engine behind ``transport`` drafts (``P_TREE_WIDTH``; 0:
+    chains only, as the RTL of this revision and engines older than trees)."""
+    if transport.read32(Reg.VERSION) & 0xFFFF < _TREE_VERSION_MINOR:
+        return 0                        # no P_TREE_WIDTH register before trees
+    return transport.read32(Reg.P_TREE_WIDTH)
+
+
+def tree_unavailable(engine_width: int, compiled: CompiledDraft) -> str:
+    """Why an engine drafting trees up to ``engine_width`` wide cannot draft trees with
+    ``compiled`` (one line, with what to do instead), or ``""`` when it can."""
+    program = compiled.tree.width
+    if engine_width == 0:
+        return ("the draft device drafts chains only (P_TREE_WIDTH = 0: the RTL engine of this "
+                "revision, or a card built without trees); draft trees on a sim:// device (the "
+                "functional model drafts them) or draft chains (--strategy chain)")
+    if program == 0:
+        return (f"the compiled draft has no tree forward (preset '{compiled.manifest['engine']['name']}' "
+                "has one row, its VMEM cannot hold a row per branch, or the draft was compiled "
+                "before trees); compile it for a preset with rows >= 2, e.g. alveo-u55c, or draft "
+                "chains (--strategy chain)")
+    if engine_width < program:
+        return (f"the engine drafts trees up to {engine_width} wide, the draft was compiled for trees "
+                f"{program} wide; recompile the draft with the device's preset")
+    return ""
 
 
 @dataclass(eq=False)
@@ -208,6 +271,12 @@ class DraftDevice:
         KV entries the host has accepted for the current sequence; its next request
         starts here. Setting it below ``kv_length`` (``rollback``) is O(1): nothing moves
         on the device.
+    tree_width : int
+        Width of the token trees :meth:`submit_tree` drafts (docs/isa.md §9); 0 when the
+        engine (``P_TREE_WIDTH``) or the compiled program drafts chains only.
+    tree
+        The current sequence's last tree until :meth:`commit_tree_path` commits its
+        accepted path (then the next request compacts that path's KV), or None.
     """
 
     ABORT_GRACE_S = 1.0   #: how long a timed-out request may take to stop after ABORT
@@ -233,6 +302,7 @@ class DraftDevice:
         self._kv_lengths = [0] * self.max_sequences
         self._committed = [0] * self.max_sequences
         self._pending: PendingDraft | None = None
+        self._engine_tree_width: int | None = None      # P_TREE_WIDTH, read on first use
         self.clock_hz = 0.0
         self.check_engine()
         self.load()
@@ -277,6 +347,8 @@ class DraftDevice:
         """Every sequence's KV is gone (a soft reset empties the engine's KV)."""
         self._kv_lengths = [0] * self.max_sequences
         self._committed = [0] * self.max_sequences
+        self._trees: list[_Tree | None] = [None] * self.max_sequences
+        self._compactions: list[Compaction | None] = [None] * self.max_sequences
         self._pending = None
 
     @property
@@ -287,6 +359,35 @@ class DraftDevice:
     def transport_retries(self) -> int:
         """Accesses retried so far (each after a transient :class:`TransportError`)."""
         return self.io.retried
+
+    # -- token trees: the capability -------------------------------------------------------
+    @property
+    def engine_tree_width(self) -> int:
+        """The widest tree the engine drafts (``P_TREE_WIDTH``; 0: chains only, as the RTL of
+        this revision and engines older than trees). Read from the device on first use, so
+        a caller that drafts chains only sends exactly the register accesses it always did."""
+        if self._engine_tree_width is None:
+            self._engine_tree_width = self._read_tree_width()
+        return self._engine_tree_width
+
+    @_link_errors
+    def _read_tree_width(self) -> int:
+        return read_tree_width(self.io)
+
+    @property
+    def tree_width(self) -> int:
+        """Width of the token trees this device drafts with the loaded program (docs/isa.md
+        §9): the compiled program's tree width (``compiled.tree.width``) when the engine
+        drafts trees that wide (:attr:`engine_tree_width`), else 0 (chains only). A
+        request's width must be the program's, so the engine's width caps it and the two
+        are never mixed."""
+        program = self.compiled.tree.width
+        return program if program and self.engine_tree_width >= program else 0
+
+    def tree_unavailable(self) -> str:
+        """Why this device drafts no trees (one line, with what to do instead), or ``""``
+        (:func:`tree_unavailable`)."""
+        return tree_unavailable(self.engine_tree_width, self.compiled)
 
     @classmethod
     def open(cls, url: str, compiled: CompiledDraft, **kwargs) -> "DraftDevice":
@@ -384,6 +485,14 @@ class DraftDevice:
         if not 0 <= length <= self.kv_length:
             raise ValueError(f"cannot commit {length} KV entries: the engine holds {self.kv_length}")
         self.committed = length
+        # An uncommitted tree is forgotten; a path compaction still to come keeps only the
+        # levels below the new length.
+        i = self._current
+        self._trees[i] = None
+        comp = self._compactions[i]
+        if comp is not None and length < comp.base + len(comp.rows):
+            keep = comp.rows[:max(0, length - comp.base)]
+            self._compactions[i] = Compaction(comp.base, comp.width, keep, comp.slots) if keep else None
 
     commit = rollback
 
@@ -427,9 +536,7 @@ class DraftDevice:
         :class:`DeviceLinkError` (the descriptor or ``START`` did not get through; reset
         the device).
         """
-        if self._pending is not None:
-            raise RuntimeError("a draft request is already in flight: collect() it before "
-                               "submitting another (the engine runs one request at a time)")
+        self._check_idle()
         limit = self.compiled.context_limit
         need = self.committed + len(tokens) + max(n_draft - 1, 0)
         if need > limit:
@@ -439,15 +546,33 @@ class DraftDevice:
         if not tokens or len(tokens) > MemoryMap.MAX_INPUT_TOKENS or not 0 <= n_draft <= MAX_DRAFT:
             raise ValueError(f"a request takes 1..{MemoryMap.MAX_INPUT_TOKENS} input tokens and "
                              f"0..{MAX_DRAFT} drafts (got {len(tokens)} and {n_draft})")
+        self._check_tokens(tokens)
+        return self._start(tokens, n_draft, sample=sample, temperature=temperature, topk=topk,
+                           seed=seed, counter=counter)
+
+    def _check_idle(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError("a draft request is already in flight: collect() it before "
+                               "submitting another (the engine runs one request at a time)")
+
+    def _check_tokens(self, tokens: list[int]) -> None:
         vocab = self.compiled.shape.vocab
         if any(not 0 <= t < vocab for t in tokens):
             raise ValueError(f"token ids must be in 0..{vocab - 1} (the draft's vocabulary)")
+
+    def _start(self, tokens: list[int], n_draft: int, *, sample: bool, temperature: float, topk: int,
+               seed: int, counter: int, **tree) -> "PendingDraft":
+        """Write the request (with the sequence's pending path compaction, if any) into the
+        next ping-pong buffer and start it. A tree not committed by now is forgotten: the
+        request overwrites its nodes' KV."""
+        self._trees[self._current] = None
         t_mult, t_shift = host_temperature(temperature)
         self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
         request = DraftRequest(tokens=list(tokens), start_pos=self.committed, n_draft=n_draft,
                                topk=min(max(topk, 1), self.topk_max), sample=sample,
                                t_mult=t_mult, t_shift=t_shift, seed=seed, counter=counter, seq=self._seq,
-                               kv_slot_base=self._current * self.slots_per_sequence)
+                               kv_slot_base=self._current * self.slots_per_sequence,
+                               compaction=self._compactions[self._current], **tree)
         buf = self._buf
         self._buf ^= 1
         t = self.io
@@ -456,6 +581,98 @@ class DraftDevice:
         t.write32(Reg.CONTROL, Control.START | (Control.BUF if buf else 0))
         self._pending = PendingDraft(request, buf, self._current, self.resets)
         return self._pending
+
+    # -- token trees (docs/isa.md §9) -------------------------------------------------------
+    def draft_tree(self, tokens: list[int], levels: int, *, sample: bool = False,
+                   temperature: float = 1.0, topk: int | None = None, seed: int = 0,
+                   counter: int = 0) -> DraftOutput:
+        """Feed ``tokens`` after the committed KV and draft a token tree of ``levels`` levels
+        of :attr:`tree_width` nodes in one request: :meth:`submit_tree` then :meth:`collect`.
+        Raises what :meth:`draft` raises."""
+        return self.collect(self.submit_tree(tokens, levels, sample=sample, temperature=temperature,
+                                             topk=topk, seed=seed, counter=counter))
+
+    @_link_errors
+    def submit_tree(self, tokens: list[int], levels: int, *, sample: bool = False,
+                    temperature: float = 1.0, topk: int | None = None, seed: int = 0,
+                    counter: int = 0) -> "PendingDraft":
+        """Start a tree request (docs/isa.md §9.2) and return without waiting, as
+        :meth:`submit`: ``levels`` levels (``n_draft``) of :attr:`tree_width` nodes, node
+        ``(d, r)`` drawn with RNG counter ``counter + (d − 1)·W + r``. Greedy (``sample``
+        false) expands by path score and needs ``topk ≥`` the width (default: the width,
+        which the expansion needs no more than); sampled trees draw level 1 as ``W``
+        i.i.d. samples and continue each row's branch (default ``topk``: ``topk_max``).
+
+        Checked on the host, nothing sent: ``ValueError`` when the device or the program
+        drafts no trees (:meth:`tree_unavailable`), for ``levels`` outside ``1 …
+        64 // W`` and for bad inputs; :class:`ContextFull` when the tree's KV would reach
+        past the draft's context limit (``committed + len(tokens) + (levels − 1)·W``
+        positions: level ``d < levels`` is stored ``W`` wide above ``P0``).
+        """
+        reason = self.tree_unavailable()
+        if reason:
+            raise ValueError(f"cannot draft a token tree: {reason}")
+        self._check_idle()
+        width, program = self.tree_width, self.compiled.tree
+        most = MAX_DRAFT // width
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= most:
+            raise ValueError(f"a tree {width} wide has 1..{most} levels ({MAX_DRAFT} nodes per request), "
+                             f"got {levels!r}")
+        if not tokens or len(tokens) > MemoryMap.MAX_INPUT_TOKENS:
+            raise ValueError(f"a request takes 1..{MemoryMap.MAX_INPUT_TOKENS} input tokens (got "
+                             f"{len(tokens)})")
+        limit = self.compiled.context_limit
+        need = self.committed + len(tokens) + (levels - 1) * width
+        if need > limit:
+            raise ContextFull(f"this tree request stores KV up to position {need} ({levels - 1} "
+                              f"level(s) of {width} nodes above its inputs), the draft's context "
+                              f"limit is {limit}; draft a shallower tree, shorten the prompt or "
+                              "--max-new-tokens, or use a preset with more kv_positions")
+        self._check_tokens(tokens)
+        if topk is None:
+            topk = self.topk_max if sample else width
+        if not sample:
+            topk = max(topk, width)     # the greedy expansion needs W candidates per source
+        return self._start(tokens, levels, sample=sample, temperature=temperature, topk=topk,
+                           seed=seed, counter=counter, tree_width=width, tree_pc=program.pc,
+                           row_pitch=program.row_pitch)
+
+    @property
+    def tree(self) -> "_Tree | None":
+        """The current sequence's last tree, while its accepted path is not committed."""
+        return self._trees[self._current]
+
+    def commit_tree_path(self, path: list[int]) -> int:
+        """Commit the accepted path of the current sequence's last tree: ``path`` holds the
+        record indices of its nodes from level 1 down (possibly empty). The first ``c =
+        min(len(path), levels − 1, 16)`` of them have KV on the engine (level ``levels`` has
+        none; a request compacts at most 16 levels); the next request of this sequence
+        carries the :class:`~dfvg_hw.spec.descriptors.Compaction` that moves their KV to
+        ``P0 … P0 + c − 1``, and ``committed = kv_length = P0 + c`` from now. Returns
+        ``c``: the caller feeds ``path[c:]``'s tokens (and what follows) as the next
+        request's inputs. ``ValueError`` for a path that is not one of the tree's, or with
+        no tree to commit."""
+        tree = self._trees[self._current]
+        if tree is None:
+            raise ValueError("no tree to commit a path of: draft_tree() first (a tree's path is "
+                             "committed once, and a rollback forgets the tree)")
+        if self._pending is not None and self._pending.sequence == self._current:
+            raise RuntimeError("cannot commit a path while a draft request of this sequence is in "
+                               "flight: collect() it first")
+        parent = -1
+        for level, node in enumerate(path):
+            if not (level * tree.width <= node < (level + 1) * tree.width and node < len(tree.parents)
+                    and tree.parents[node] == parent):
+                raise ValueError(f"{list(path)} is not a root-to-node path of the tree (parents "
+                                 f"{list(tree.parents)})")
+            parent = node
+        c = min(len(path), tree.levels - 1, MAX_COMPACT)
+        rows = tuple(node - level * tree.width for level, node in enumerate(path[:c]))
+        i = self._current
+        self._trees[i] = None
+        self._compactions[i] = Compaction(tree.base, tree.width, rows, self.slots_per_sequence) if c else None
+        self._kv_lengths[i] = self._committed[i] = tree.base + c
+        return c
 
     @_link_errors
     def collect(self, pending: "PendingDraft") -> DraftOutput:
@@ -470,11 +687,28 @@ class DraftDevice:
                                "device was reset since it was submitted)")
         try:
             return self._collect(pending)
+        except BaseException:
+            self._failed(pending)
+            raise
         finally:
             self._pending = None
 
+    def _failed(self, pending: "PendingDraft") -> None:
+        """After a tree request or a path compaction failed: only what the engine surely
+        holds stays committed. A tree request leaves no logically ordered KV past its inputs;
+        a compaction may or may not have run, so the path's levels fall back to ``P0``
+        (a chain request without compaction changes nothing here)."""
+        request, i = pending.request, pending.sequence
+        if request.tree_width:
+            self._kv_lengths[i] = min(self._kv_lengths[i], request.start_pos + len(request.tokens))
+        comp = request.compaction
+        if comp is not None:
+            self._compactions[i] = None
+            self._kv_lengths[i] = min(self._kv_lengths[i], comp.base)
+            self._committed[i] = min(self._committed[i], comp.base)
+
     def _collect(self, pending: "PendingDraft") -> DraftOutput:
-        request, buf, n_draft, index = pending.request, pending.buffer, pending.request.n_draft, pending.sequence
+        request, buf, n_draft, index = pending.request, pending.buffer, pending.request.n_records, pending.sequence
         t = self.io
         try:
             self._wait()
@@ -496,11 +730,22 @@ class DraftDevice:
             # The result says OK, the register says otherwise: one of them is wrong.
             raise DeviceFault(error, t.read32(Reg.ERROR_PC), [])
         if len(result.tokens) != n_draft:
+            what = (f"{n_draft} nodes ({request.n_draft} levels of {request.tree_width})"
+                    if request.tree_width else f"{n_draft}")
             raise MalformedResult(f"the engine drafted {len(result.tokens)} tokens for a request of "
-                                  f"{n_draft} without an error status; the device is misbehaving")
+                                  f"{what} without an error status; the device is misbehaving")
         self._check_records(result, request, buf)
-        self._kv_lengths[index] = self._committed[index] = result.end_pos
-        return DraftOutput(result.tokens, result.cycles, result.end_pos, result.n_forward)
+        self._compactions[index] = None
+        if request.tree_width:
+            base = request.start_pos + len(request.tokens)
+            self._check_tree(result, request, buf)
+            self._kv_lengths[index] = self._committed[index] = base
+            self._trees[index] = _Tree(base, request.tree_width, request.n_draft,
+                                       tuple(t.parent for t in result.tokens))
+        else:
+            self._kv_lengths[index] = self._committed[index] = result.end_pos
+        return DraftOutput(result.tokens, result.cycles, result.end_pos, result.n_forward,
+                           request.tree_width)
 
     def _check_records(self, result: DraftResult, request: DraftRequest, buf: int) -> None:
         """Hold a result with status OK to the descriptor contract (docs/isa.md §5.2).
@@ -533,8 +778,50 @@ class DraftDevice:
             if probs[j] == 0 or probs[j] != d.prob:
                 raise bad(f"draft {i} (token {d.token}) reports probability {d.prob}, its top-k "
                           f"{probs[j]} (q(token) must be > 0 and equal)")
-            if not request.sample and j != 0:
+            if not request.sample and j != 0 and not request.tree_width:
                 raise bad(f"greedy draft {i} is candidate {j} of its top-k, not the argmax")
+
+    def _check_tree(self, result: DraftResult, request: DraftRequest, buf: int) -> None:
+        """Hold a tree result (its records already checked one by one) to docs/isa.md §9.2:
+        level 1's parent is the root and level d's parents lie in level d − 1; nodes with one
+        parent carry its one top-k list (siblings come from one q, which the lossless rule
+        needs); a sampled row continues its own branch; a greedy level is exactly the
+        expansion of its parents' lists by path score (:func:`~dfvg_hw.spec.numerics.
+        tree_expand_greedy`, over the parents whose lists the records show)."""
+        def bad(why: str) -> MalformedResult:
+            return MalformedResult(f"result buffer {buf} breaks the tree contract: {why}; the "
+                                   "device or the PCIe link corrupted it — reset the device")
+
+        width, nodes = request.tree_width, result.tokens
+        lists: dict[int, tuple] = {}                 # parent -> the top-k its children came from
+        for i, d in enumerate(nodes):
+            level, row = divmod(i, width)
+            first = (level - 1) * width
+            if level == 0 and d.parent != -1 or level > 0 and not first <= d.parent < first + width:
+                raise bad(f"node {i} (level {level + 1}, row {row}) has parent {d.parent}, "
+                          + ("not the root" if level == 0 else f"not a node of level {level}"))
+            if request.sample and level > 0 and d.parent != first + row:
+                raise bad(f"sampled node {i} has parent {d.parent}, not its row's node {first + row}")
+            source = (tuple(d.topk_ids), tuple(d.topk_probs))
+            if lists.setdefault(d.parent, source) != source:
+                raise bad(f"node {i} reports another top-k than its siblings under parent {d.parent}")
+        if request.sample:
+            return
+        scores = {-1: TREE_SCORE_ROOT}
+        for level in range(len(nodes) // width):
+            sources = [-1] if level == 0 else list(range((level - 1) * width, level * width))
+            probs = [list(lists[s][1]) if s in lists else [] for s in sources]
+            rows = nodes[level * width:(level + 1) * width]
+            try:
+                want = tree_expand_greedy([scores[s] for s in sources], probs, width)
+            except ValueError as exc:
+                raise bad(f"level {level + 1}: {exc}") from None
+            got = [(sources.index(d.parent), lists[d.parent][0].index(d.token)) for d in rows]
+            if got != [(s, j) for s, j, _ in want]:
+                raise bad(f"greedy level {level + 1} is (source, candidate) {got}, the expansion by "
+                          f"path score gives {[(s, j) for s, j, _ in want]}")
+            for r, (_, _, score) in enumerate(want):
+                scores[level * width + r] = score
 
     def _wait_idle(self, what: str) -> int:
         """Poll STATUS until BUSY clears (commands other than START raise no interrupt on
