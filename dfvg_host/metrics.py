@@ -40,6 +40,12 @@ class SpecDecodeMetrics:
     ``hidden_draft_seconds`` is the engine and PCIe time that ran behind verification
     (per round ``min(T_continuation, T_verify)``: modelled engine + PCIe against measured
     target), counted once in ``projected_seconds``; all 0 for ``schedule == "serial"``.
+
+    Token trees drafted by the engine (:mod:`dfvg_host.tree_drafting`): ``tree_width`` is
+    the trees' width (0: chains), ``tree_nodes`` the nodes verified; ``gamma``,
+    ``drafted_tokens`` and the per-position counts are then in *levels* (a round that
+    drafted a tree of depth D counts D drafted, and its accepted path's length accepted),
+    so acceptance per position is the share of rounds whose path reached that level.
     """
     gamma: int = 0                         # the fixed γ; 0 with gamma_mode "auto"
     rounds: int = 0
@@ -71,6 +77,8 @@ class SpecDecodeMetrics:
     hidden_draft_seconds: float = 0.0      # modelled: engine+PCIe overlapped with verification
     gamma_mode: str = "fixed"              # "fixed" or "auto" (dfvg_host.adaptive)
     gamma_per_round: list[int] = field(default_factory=list)   # drafts of each round (0: none)
+    tree_width: int = 0                    # engine trees' width (0: chains)
+    tree_nodes: int = 0                    # tree nodes verified (tree drafting)
 
     def record_fault(self, kind: str) -> None:
         self.device_faults += 1
@@ -112,6 +120,12 @@ class SpecDecodeMetrics:
             if g > 0:
                 hist[g] = hist.get(g, 0) + 1
         return dict(sorted(hist.items()))
+
+    @property
+    def mean_tree_nodes(self) -> float:
+        """Tree nodes verified per round that drafted a tree (0 for chains)."""
+        used = sum(1 for g in self.gamma_per_round if g > 0)
+        return self.tree_nodes / used if used and self.tree_width else 0.0
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -158,7 +172,7 @@ class SpecDecodeMetrics:
                  device_seconds=self.device_seconds, projected_seconds=self.projected_seconds,
                  draft_seconds=self.draft_seconds, hidden_draft_share=self.hidden_draft_share,
                  pipeline_hit_rate=self.pipeline_hit_rate, mean_gamma=self.mean_gamma,
-                 gamma_histogram=self.gamma_histogram,
+                 gamma_histogram=self.gamma_histogram, mean_tree_nodes=self.mean_tree_nodes,
                  labels=dict(verifier_seconds="measured", host_seconds="measured",
                              simulator_seconds="measured (simulator wall, not in projection)",
                              device_seconds=self.device_cycle_source, pcie_seconds="modelled (link model)",
@@ -183,9 +197,11 @@ class SpecDecodeMetrics:
         pos = " ".join(f"{a:.2f}" for a in self.acceptance_per_position)
         proj = self.projected_seconds
         tps = self.emitted_tokens / proj if proj else 0.0
+        gamma = "auto" if self.gamma_mode == "auto" else self.gamma
         return "\n".join([
             f"tokens           {self.emitted_tokens} in {self.rounds} rounds "
-            f"(gamma {'auto' if self.gamma_mode == 'auto' else self.gamma})",
+            + (f"(gamma {gamma})" if not self.tree_width else
+               f"(engine trees {self.tree_width} wide, depth {gamma})"),
             f"acceptance       {self.acceptance_rate:.3f}  ({self.accepted_tokens} of "
             f"{self.drafted_tokens} drafted)",
             f"accepted length  {self.mean_accepted_length:.2f} tokens per round (incl. bonus)",
@@ -202,7 +218,10 @@ class SpecDecodeMetrics:
             f"simulator        {self.simulator_seconds:8.4f} s  [measured wall of the functional "
             f"model; stands in for the FPGA, not counted above]",
             f"faults           {self.faults_line()}",
-        ] + ([f"gamma            auto: mean {self.mean_gamma:.2f}; rounds by gamma "
+        ] + ([f"tree             {self.mean_tree_nodes:.1f} nodes per round (width {self.tree_width}, "
+              f"mean depth {self.mean_gamma:.2f}), {self.mean_accepted_length:.2f} tokens per target "
+              "forward; acceptance and per position count levels"]
+             if self.tree_width else []) + ([f"gamma            auto: mean {self.mean_gamma:.2f}; rounds by gamma "
               + " ".join(f"{g}:{n}" for g, n in self.gamma_histogram.items())]
              if self.gamma_mode == "auto" else []) + ([f"pipeline         {self.pipeline_hits} hits, {self.pipeline_misses} misses; "
               f"{self.hidden_draft_seconds:.4f} s of drafting hidden behind verification = "

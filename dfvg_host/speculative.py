@@ -151,14 +151,18 @@ class DraftCursor:
             head = device.draft(self.inputs[:limit], 0)
             metrics.device_cycles += head.cycles
             self.inputs = self.inputs[limit:]
+        return self._request(device, n, sampling)
+
+    def _request(self, device: DraftDevice, n: int, sampling: SamplingParams) -> PendingDraft:
+        """Start the request that feeds :attr:`inputs` (short enough) and drafts ``n``."""
         return device.submit(self.inputs, n, counter=self.counter,
                              **self.request_options(device, sampling))
 
     def collect(self, device: DraftDevice, pending: PendingDraft) -> DraftOutput:
         """Wait for ``pending`` (what :meth:`submit` started); the RNG counter moves past
-        its drafts only when it succeeds, so a replay draws the same tokens."""
+        its drafts (a tree's nodes) only when it succeeds, so a replay draws the same tokens."""
         out = device.collect(pending)
-        self.counter += pending.request.n_draft
+        self.counter += pending.request.n_records
         return out
 
     def advance(self, device: DraftDevice, n: int, drafts: list[int], verdict: Verdict, *,
@@ -325,6 +329,8 @@ class SpeculativeDecoder:
     # -- the parts of a generation, shared with PipelinedDecoder ------------------------
     #: The schedule this decoder's metrics and timeline report.
     schedule = "serial"
+    #: Where a sequence stands on the engine (a subclass drafting otherwise brings its own).
+    cursor_class = DraftCursor
 
     def _begin(self, prompt: list[int]) -> GenerationRun:
         """Check the prompt, start the metrics, timeline and the counters' snapshots."""
@@ -424,11 +430,30 @@ class SpeculativeDecoder:
                              round=round_no, drafts=len(drafts))
             if start is None:
                 run.timeline.now = at + seconds
+        self._note_invalid_q(run, verdict)
+        return verdict, seconds
+
+    @staticmethod
+    def _note_invalid_q(run: GenerationRun, verdict) -> None:
+        """Count a round that ended at a draft with q(token) = 0 as a malformed result."""
         if verdict.invalid_q:
             run.metrics.record_fault("malformed")
             run.faults.append(f"verification: draft {verdict.accepted} has q(token) = 0; the "
                               "round ended there with a token from the target")
-        return verdict, seconds
+
+    def _verify_output(self, run: GenerationRun, d: DraftOutput | None,
+                       round_no: int) -> tuple[list[int], Verdict, float]:
+        """Verify what the round drafted (``None``: nothing) and commit the target's KV:
+        (the drafted tokens in the order the verdict counts them, the verdict, the
+        measured seconds). Raises what the target raises."""
+        drafts, q_tokens = (d.ids, d.tokens) if d is not None else ([], [])
+        verdict, seconds = self._verify(run, drafts, q_tokens, round_no=round_no)
+        return drafts, verdict, seconds
+
+    def _advance(self, state: DraftCursor, n: int, d: DraftOutput | None, drafts: list[int],
+                 verdict: Verdict) -> None:
+        """Keep the engine's KV of what the target accepted; queue the rest."""
+        state.advance(self.draft, n, drafts, verdict)
 
     def _emit(self, run: GenerationRun, out: list[int], seq: list[int], n: int, drafts: list[int],
               verdict: Verdict, remaining: int, use_device: bool,
@@ -515,7 +540,7 @@ class SpeculativeDecoder:
         limit = self.draft.compiled.context_limit
         out: list[int] = []
         seq = list(prompt)                     # the committed sequence: prompt + out
-        state = DraftCursor(inputs=list(prompt))
+        state = self.cursor_class(inputs=list(prompt))
         stop, message, error = "max_new_tokens", "", None
         use_device, failed = self._open(run, prompt, state, max_new_tokens)
         if failed:
@@ -541,14 +566,13 @@ class SpeculativeDecoder:
             if not use_device and not self.fallback:
                 stop, message = "device_error", run.fallback_reason
                 break
-            drafts, q_tokens = (d.ids, d.tokens) if d is not None else ([], [])
             try:
-                verdict, t_verify = self._verify(run, drafts, q_tokens, round_no=round_no)
+                drafts, verdict, t_verify = self._verify_output(run, d, round_no)
             except Exception as exc:         # noqa: BLE001 - returned, not lost
                 stop, message, error = "verifier_error", verifier_message(exc, len(out)), exc
                 break
             if use_device:
-                state.advance(self.draft, n, drafts, verdict)
+                self._advance(state, n, d, drafts, verdict)
             eos = self._emit(run, out, seq, n, drafts, verdict, remaining, use_device, on_tokens)
             host = self._host_span(run, t_round, sim0, verifier0, round_no)
             if use_device:
