@@ -12,7 +12,13 @@
    controller serves the whole run (warm-up included), as a server would keep one, so it
    carries what it learnt from prompt to prompt. Its speedup is reported over target-only
    and over the best fixed γ of serial DFVG in the same run.
-6. With several drafters (``--draft`` given more than once; Smurfs,
+6. **dfvg-engine-tree** — the engine drafts a token tree per round (docs/isa.md §9: γ
+   levels of the preset's rows, 4 wide on the Alveo presets) and the target verifies it
+   in one forward (:class:`~dfvg_host.tree_drafting.TreeDecoder`), at every γ (= depth)
+   whose tree fits a request; skipped when the device or the program drafts no trees.
+   Its rows carry the tokens verified per target forward (the tree's nodes) next to the
+   tokens committed per forward, to set against the chain at as many verified tokens.
+7. With several drafters (``--draft`` given more than once; Smurfs,
    :mod:`dfvg_host.multi_draft`): **dfvg[NAME]**, each further drafter alone (``dfvg`` is
    the first), **dfvg-vote** (weighted-majority voting) and **dfvg-tree** (every draft
    verified as one tree) at every γ, and **dfvg-vote-adaptive** (voting with γ chosen per
@@ -49,6 +55,7 @@ from typing import Callable
 
 import torch
 
+from dfvg_hw.spec.descriptors import MAX_DRAFT
 from dfvg_host.adaptive import AdaptiveLength
 from dfvg_host.demo import REPO_ROOT
 from dfvg_host.driver import DraftDevice
@@ -56,6 +63,7 @@ from dfvg_host.efficiency import EfficiencyRow
 from dfvg_host.multi_draft import MultiDraftDecoder
 from dfvg_host.pipelined import PipelinedDecoder
 from dfvg_host.speculative import SpeculativeDecoder
+from dfvg_host.tree_drafting import TreeDecoder
 from dfvg_host.verifier import Verifier
 
 __all__ = ["BenchError", "BenchPrompt", "BenchSettings", "QUICK", "FULL", "DEFAULT_PROMPT_SET",
@@ -67,6 +75,8 @@ ALL_TASKS = "all"
 MULTI_METHODS = {"dfvg-vote": "vote", "dfvg-tree": "tree", "dfvg-vote-adaptive": "vote"}
 #: Methods whose γ is chosen per round.
 ADAPTIVE_METHODS = ("dfvg-adaptive", "dfvg-vote-adaptive")
+#: The engine's token trees (dfvg_host.tree_drafting): γ is the tree's depth in levels.
+ENGINE_TREE = "dfvg-engine-tree"
 
 
 class BenchError(ValueError):
@@ -132,6 +142,11 @@ class BenchSettings:
     several : bool
         With several drafters, also run each alone, voting, the merged tree and voting
         with an adaptive γ.
+    engine_tree : bool
+        Also run the engine's token trees (``dfvg-engine-tree``) at every γ (the depth)
+        whose tree fits a request, when the device drafts trees. On in :data:`FULL` and
+        :data:`QUICK` (``dfvg bench``; ``--no-engine-tree`` leaves it out), off in a bare
+        ``BenchSettings()`` so that a caller's set of rows stays what it was.
     """
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     max_new_tokens: int = 128
@@ -142,10 +157,11 @@ class BenchSettings:
     adaptive: bool = True
     adaptive_gamma_max: int = 16
     several: bool = True
+    engine_tree: bool = False
 
 
-FULL = BenchSettings()
-QUICK = BenchSettings(gammas=(1, 2, 3, 4, 6), max_new_tokens=64, per_task=2)
+FULL = BenchSettings(engine_tree=True)
+QUICK = BenchSettings(gammas=(1, 2, 3, 4, 6), max_new_tokens=64, per_task=2, engine_tree=True)
 
 
 # -- measuring -----------------------------------------------------------------------------
@@ -219,6 +235,7 @@ class Tally:
     pipeline_misses: int = 0
     gamma_histogram: dict[int, int] = field(default_factory=dict)   # γ -> rounds (DFVG)
     drafters: dict[str, list[int]] = field(default_factory=dict)  # name -> [judged, matched, chosen]
+    tree_nodes: int = 0               # tokens verified as tree nodes (engine trees, dfvg-tree)
 
     @property
     def key(self) -> str:
@@ -231,7 +248,7 @@ class Tally:
     def add(self, other: "Tally") -> None:
         for name in ("prompts", "tokens", "rounds", "drafted", "accepted", "target_s", "host_s",
                      "draft_s", "pcie_s", "simulator_s", "matches_target_only", "hidden_s",
-                     "pipeline_hits", "pipeline_misses"):
+                     "pipeline_hits", "pipeline_misses", "tree_nodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
                              (self.accepted_per_position, other.accepted_per_position)):
@@ -250,6 +267,13 @@ class Tally:
         """Drafts per round over the rounds that drafted (DFVG)."""
         rounds = sum(self.gamma_histogram.values())
         return sum(g * n for g, n in self.gamma_histogram.items()) / rounds if rounds else None
+
+    @property
+    def verified_per_forward(self) -> float | None:
+        """Draft tokens each target forward that verified drafts checked: a tree's nodes,
+        a chain's γ (DFVG)."""
+        rounds = sum(self.gamma_histogram.values())
+        return (self.tree_nodes or self.drafted) / rounds if rounds else None
 
     @property
     def seconds(self) -> float:
@@ -298,7 +322,9 @@ class Tally:
                  "assisted": f"measured (float draft forward passes on {verifier_device})",
                  }.get(self.method, "modelled (cycle model at the preset clock)"
                        + ("; per round the slowest of the drafters, which draft at once"
-                          if self.method in MULTI_METHODS else ""))
+                          if self.method in MULTI_METHODS else "")
+                       + ("; a tree request's cycles (docs/isa.md §9.5: the plan for the RTL, "
+                          "not yet checked against it)" if self.method == ENGINE_TREE else ""))
         return dict(target_s="measured (target forward passes)",
                     host_s="measured (wall time outside the target and draft forward passes)",
                     draft_s=draft, pcie_s="modelled (link model)" if self.is_dfvg else "none",
@@ -311,7 +337,8 @@ class Tally:
                                   "measured target+host + modelled FPGA+PCIe; pipelined: overlap "
                                   "counted once"),
                     acceptance=("derived from forward-pass counts" if self.method == "assisted"
-                                else "counted per round"))
+                                else "counted per round; per tree level for dfvg-engine-tree"
+                                if self.method == ENGINE_TREE else "counted per round"))
 
     def to_dict(self, verifier_device: str) -> dict:
         return dict(key=self.key, method=self.method, gamma=self.gamma, task=self.task,
@@ -327,7 +354,9 @@ class Tally:
                     host_share=self.host_share, matches_target_only=self.matches_target_only,
                     hidden_s=self.hidden_s, hidden_share=self.hidden_share,
                     pipeline_hits=self.pipeline_hits, pipeline_misses=self.pipeline_misses,
-                    mean_gamma=self.mean_gamma,
+                    mean_gamma=self.mean_gamma, tree_nodes=self.tree_nodes,
+                    verified_per_forward=self.verified_per_forward,
+                    tokens_per_forward=self.mean_accepted_length,
                     gamma_histogram={str(g): n for g, n in sorted(self.gamma_histogram.items())} or None,
                     drafters={name: dict(judged=j, matched=m, match_rate=m / j if j else None, chosen=c)
                               for name, (j, m, c) in self.drafters.items()} or None,
@@ -456,7 +485,22 @@ class BenchRunner:
             raise BenchError(f"{method} stopped early at γ={gamma} ({out.stop_reason}): {out.message}")
         tally = self._dfvg_tally(out.metrics, method, gamma)
         tally.drafters = {d.name: [d.judged, d.matched, d.chosen] for d in out.drafters}
+        tally.tree_nodes = out.tree_nodes
         return out.tokens, tally
+
+    def engine_tree(self, prompt: list[int], max_new_tokens: int, depth: int) -> tuple[list[int], Tally]:
+        """The engine's token trees, ``depth`` levels of the device's width per round."""
+        decoder = TreeDecoder(self.device, self.verifier, depth=depth, eos_token_id=None, fallback=False)
+        out = decoder.generate(prompt, max_new_tokens)
+        if out.stop_reason != "max_new_tokens":
+            raise BenchError(f"{ENGINE_TREE} stopped early at depth {depth} ({out.stop_reason}): "
+                             f"{out.message}")
+        return out.tokens, self._dfvg_tally(out.metrics, ENGINE_TREE, depth)
+
+    def tree_depths(self, settings: BenchSettings) -> tuple[int, ...]:
+        """The γ (depths) the engine's trees run at: none when the device drafts no trees."""
+        width = self.device.tree_width if settings.engine_tree else 0
+        return tuple(g for g in settings.gammas if width and g * width <= MAX_DRAFT)
 
     @staticmethod
     def _dfvg_tally(m, method: str, gamma: int | None) -> Tally:
@@ -470,7 +514,7 @@ class BenchRunner:
                      simulator_s=m.simulator_seconds,
                      hidden_s=min(m.hidden_draft_seconds, m.draft_seconds),
                      pipeline_hits=m.pipeline_hits, pipeline_misses=m.pipeline_misses,
-                     gamma_histogram=m.gamma_histogram)
+                     gamma_histogram=m.gamma_histogram, tree_nodes=m.tree_nodes)
 
     def methods(self, settings: BenchSettings) -> list[tuple[str, int | None]]:
         """(method, γ) in the order each prompt runs them."""
@@ -478,8 +522,10 @@ class BenchRunner:
         if settings.assisted_hf_defaults:
             runs.append(("assisted", None))
         several = settings.several and self.extra_drafters
+        depths = self.tree_depths(settings)
         for g in settings.gammas:
             runs += [("assisted", g), ("dfvg", g)] + ([("dfvg-pipelined", g)] if settings.pipelined else [])
+            runs += [(ENGINE_TREE, g)] if g in depths else []
             if several:
                 runs += [(f"dfvg[{name}]", g) for name, _ in self.extra_drafters]
                 runs += [("dfvg-vote", g), ("dfvg-tree", g)]
@@ -500,6 +546,8 @@ class BenchRunner:
             return self.dfvg(prompt, n, "auto", gamma_max=gamma_max)
         if method in MULTI_METHODS:
             return self.several(prompt, n, method, gamma, gamma_max)
+        if method == ENGINE_TREE:
+            return self.engine_tree(prompt, n, gamma)
         if method.startswith("dfvg["):
             device = dict(self.extra_drafters)[method[len("dfvg["):-1]]
             return self.dfvg(prompt, n, gamma, device=device, method=method)
@@ -608,7 +656,7 @@ class BenchResult:
                                                     if adaptive else None),
                     dfvg_adaptive_over_best_fixed=(self.speedup(adaptive, dfvg)
                                                    if adaptive and dfvg else None),
-                    **self.several_headline(),
+                    **self.several_headline(), **self.engine_tree_headline(),
                     label="ratios of tokens/s within this run; DFVG's is projected (measured "
                           "target+host + modelled FPGA+PCIe), the others' measured")
 
@@ -633,6 +681,25 @@ class BenchResult:
                 best_single_drafter=single.key if single else None)
         return out
 
+    def engine_tree_headline(self) -> dict:
+        """The engine's trees at their best γ (depth) against target-only and the best
+        chain (empty when they did not run)."""
+        best = self.best(ENGINE_TREE)
+        if best is None:
+            return {}
+        chain = self.best("dfvg")
+        return dict(dfvg_engine_tree=dict(
+            key=best.key, mean_accepted_length=best.mean_accepted_length,
+            verified_per_forward=best.verified_per_forward,
+            over_target_only=self.speedup(best, self.baseline()),
+            over_best_dfvg=self.speedup(best, chain), best_dfvg=chain.key if chain else None))
+
+    def chain_at_nodes(self, tree: Tally) -> Tally | None:
+        """The chain row (``dfvg``) that verifies as many draft tokens per forward as the
+        engine tree row ``tree`` (γ = depth × width), if the sweep ran it."""
+        width = self.setup.get("engine_tree_width") or 0
+        return self.get("dfvg", tree.gamma * width, tree.task) if width and tree.gamma else None
+
     def to_dict(self) -> dict:
         dev = self.setup.get("verifier_device", "?")
         base = {task: self.baseline(task) for task in [ALL_TASKS] + self.tasks}
@@ -646,6 +713,11 @@ class BenchResult:
                 d["speedup_over_best_fixed_dfvg"] = self.speedup(t, self.best("dfvg", t.task))
             if t.method in MULTI_METHODS:
                 d["speedup_over_best_single_drafter"] = self.speedup(t, self.best_single_drafter(t.task))
+            if t.method == ENGINE_TREE:
+                d["speedup_over_dfvg_same_gamma"] = self.speedup(t, self.get("dfvg", t.gamma, t.task))
+                same = self.chain_at_nodes(t)
+                d["dfvg_same_verified"] = same.key if same else None
+                d["speedup_over_dfvg_same_verified"] = self.speedup(t, same)
             return d
 
         return dict(setup=self.setup, headline=self.headline(),
@@ -718,6 +790,8 @@ def run_benchmark(*, target_dir: Path, draft_dir: Path, device: DraftDevice, dev
                  prompt_mix=", ".join(f"{task} {n}" for task, n in mix.items()),
                  prompt_tokens=[len(ids) for _, ids in encoded],
                  max_new_tokens=settings.max_new_tokens, gammas=list(settings.gammas),
+                 engine_tree_width=device.tree_width if runner.tree_depths(settings) else 0,
+                 engine_tree_depths=list(runner.tree_depths(settings)),
                  adaptive_gamma_max=settings.adaptive_gamma_max if settings.adaptive else None,
                  per_task=settings.per_task, torch=torch.__version__,
                  transformers=transformers.__version__, torch_threads=torch.get_num_threads(),

@@ -6,10 +6,10 @@ Every column header says whether its figure is measured on this host or modelled
 
 from __future__ import annotations
 
-from dfvg_host.bench import ALL_TASKS, MULTI_METHODS, BenchResult, Tally
+from dfvg_host.bench import ALL_TASKS, ENGINE_TREE, MULTI_METHODS, BenchResult, Tally
 
 __all__ = ["format_result", "speed_table", "task_table", "position_table", "efficiency_table",
-           "adaptive_table"]
+           "adaptive_table", "engine_tree_table"]
 
 
 def _num(x: float | None, fmt: str, empty: str = "-") -> str:
@@ -70,6 +70,9 @@ def speed_table(result: BenchResult) -> str:
               "verify time and the modelled draft time (projected like dfvg).",
               "accept: drafted tokens accepted (assisted: derived from forward-pass counts); "
               "len: tokens committed per target forward pass.",
+              *(["dfvg-engine-tree: the engine drafts a token tree of γ levels per round, verified in "
+                 "one target forward; accept counts levels (projected like dfvg)."]
+                if result.rows(ALL_TASKS, ENGINE_TREE) else []),
               "host/round: measured time outside the forward passes, per target forward, and as a "
               "share of the method's time.",
               f"The functional model stood in for the FPGA for {sim:.1f} s of measured wall time, "
@@ -171,6 +174,37 @@ def several_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def engine_tree_table(result: BenchResult) -> str:
+    """The engine's token trees at each depth next to the chain at the same γ and at as
+    many verified tokens per forward."""
+    rows = result.rows(ALL_TASKS, ENGINE_TREE)
+    if not rows:
+        return ""
+    width = result.setup.get("engine_tree_width")
+    w = _key_width(result)
+    lines = [f"Engine token trees: the engine drafts a tree of γ levels x {width} rows per request "
+             "(docs/isa.md §9), the target verifies it in one forward", "",
+             f"{'method':<{w}}{'tok/s':>8}{'verified':>10}{'tokens':>8}{'accept':>8}{'x target':>10}"
+             f"{'x chain':>9}{'x chain':>11}  chain at as many verified",
+             f"{'':<{w}}{'proj.':>8}{'/fwd':>10}{'/fwd':>8}{'levels':>8}{'-only':>10}{'same γ':>9}"
+             f"{'same ver.':>11}"]
+    for t in rows:
+        chain = result.get("dfvg", t.gamma)
+        same = result.chain_at_nodes(t)
+        lines.append(f"{t.key:<{w}}{t.tokens_per_s:>8.1f}{_num(t.verified_per_forward, '10.1f'):>10}"
+                     f"{t.mean_accepted_length:>8.2f}{_num(t.acceptance_rate, '8.3f'):>8}"
+                     f"{_ratio(result.speedup(t, result.baseline())):>10}"
+                     f"{_ratio(result.speedup(t, chain)):>9}{_ratio(result.speedup(t, same)):>11}  "
+                     + (f"{same.key}: {same.mean_accepted_length:.2f} tokens/fwd, "
+                        f"{same.tokens_per_s:.1f} tok/s" if same else "-"))
+    lines += ["", "verified/fwd: draft tokens each verifying target forward checked (the tree's nodes; "
+              "a chain's γ); tokens/fwd: tokens committed per target forward (accepted + 1). accept: "
+              "levels the accepted path reached / levels drafted.",
+              "tok/s projected as dfvg's: measured target + host, modelled engine (the cycle model's "
+              "tree request, docs/isa.md §9.5) + PCIe."]
+    return "\n".join(lines)
+
+
 def position_table(result: BenchResult) -> str:
     rows = [t for t in result.rows(ALL_TASKS, "dfvg")]
     width = max((len(t.acceptance_per_position) for t in rows), default=0)
@@ -222,6 +256,9 @@ def format_result(result: BenchResult) -> str:
     several = several_table(result)
     if several:
         parts.insert(1 + bool(piped) + bool(adaptive), several)
+    trees = engine_tree_table(result)
+    if trees:
+        parts.insert(1 + bool(piped) + bool(adaptive) + bool(several), trees)
     if h["best_dfvg"]:
         parts.append(f"Headline: DFVG at its best γ ({h['best_dfvg']}) runs "
                      f"{_ratio(h['dfvg_over_target_only'])} target-only decoding and "
@@ -241,6 +278,11 @@ def format_result(result: BenchResult) -> str:
                                f"{_ratio(v['over_best_single_drafter'])} the best drafter alone "
                                f"({v['best_single_drafter']})."
                                for k, v in h.items() if k.replace("_", "-") in MULTI_METHODS)
+                     + (f" Engine trees at their best ({h['dfvg_engine_tree']['key']}, "
+                        f"{h['dfvg_engine_tree']['mean_accepted_length']:.2f} tokens per target forward): "
+                        f"{_ratio(h['dfvg_engine_tree']['over_target_only'])} target-only, "
+                        f"{_ratio(h['dfvg_engine_tree']['over_best_dfvg'])} the best chain "
+                        f"({h['dfvg_engine_tree']['best_dfvg']})." if h.get("dfvg_engine_tree") else "")
                      + "\n[" + h["label"] + "]")
     eff = efficiency_table(result)
     if eff:

@@ -304,25 +304,75 @@ def _several_options(args, drafters: int) -> list[float | None]:
     return [temps[0] if len(temps) == 1 else temps[i] for i in range(drafters)] if temps else [None] * drafters
 
 
+def _strategy_options(args, drafters: int) -> None:
+    """``--strategy tree`` drafts with one engine's token trees, serially."""
+    if args.strategy != "tree":
+        return
+    if drafters > 1:
+        raise CliError("--strategy tree drafts with one engine's token trees; several drafters merge "
+                       "their chains into one tree with --merge tree (drop --strategy)")
+    if args.schedule == "pipelined":
+        raise CliError("--strategy tree runs serially: the pipelined schedule drafts chain "
+                       "continuations (drop --schedule pipelined, or use --strategy chain)")
+
+
+def _tree_engine_width(opened: OpenedDraft) -> int:
+    """The widest tree the opened device drafts (``P_TREE_WIDTH``), read before anything
+    slow."""
+    from dfvg_host.driver import read_tree_width
+    from dfvg_host.transport import TransportError
+    try:
+        return read_tree_width(opened.transport)
+    except TransportError as exc:
+        raise CliError(f"{opened.url}: {exc}") from None
+
+
+def _check_tree(args, opened: OpenedDraft, compiled, engine_width: int) -> int:
+    """The width of the trees ``--strategy tree`` drafts with ``compiled`` on the opened
+    device, with ``--gamma`` (the depth) and ``--gamma-max`` checked against it; a
+    one-line error naming the fix when there are none."""
+    from dfvg_hw.spec.descriptors import MAX_DRAFT
+    from dfvg_host.driver import tree_unavailable
+
+    reason = tree_unavailable(engine_width, compiled)
+    if reason:
+        raise CliError(f"--strategy tree on {opened.url}: {reason}")
+    width = compiled.tree.width
+    most = MAX_DRAFT // width
+    for name, value in (("--gamma", args.gamma), ("--gamma-max", args.gamma_max)):
+        if isinstance(value, int) and value > most:
+            raise CliError(f"{name} {value}: with --strategy tree it is the tree's depth, and a tree "
+                           f"{width} wide has at most {most} levels ({MAX_DRAFT} nodes per request)")
+    return width
+
+
 def _decoder(args, opened: list[OpenedDraft], compiled: list, verifier, sampling, eos, temps):
-    """The decoder ``dfvg generate`` runs: chain (serial or pipelined) for one drafter,
+    """The decoder ``dfvg generate`` runs: chain (serial or pipelined) or the engine's
+    token trees (:class:`~dfvg_host.tree_drafting.TreeDecoder`) for one drafter,
     :class:`~dfvg_host.multi_draft.MultiDraftDecoder` for several."""
+    from dfvg_hw.spec.descriptors import MAX_DRAFT
     from dfvg_host.adaptive import AdaptiveLength
     from dfvg_host.driver import DraftDevice, cycle_source
     from dfvg_host.multi_draft import MultiDraftDecoder
     from dfvg_host.pipelined import PipelinedDecoder
     from dfvg_host.speculative import SpeculativeDecoder
+    from dfvg_host.tree_drafting import TreeDecoder
 
     devices = [DraftDevice(d.transport, c, timeout_s=args.timeout, cycle_source=cycle_source(d.url),
                            memory_base=d.memory_base) for d, c in zip(opened, compiled)]
-    adaptive = (AdaptiveLength(gamma_max=args.gamma_max or AdaptiveLength.DEFAULT_GAMMA_MAX)
-                if args.gamma == "auto" else None)
+    gamma_max = args.gamma_max or AdaptiveLength.DEFAULT_GAMMA_MAX
+    if args.strategy == "tree" and args.gamma_max is None:
+        gamma_max = min(gamma_max, MAX_DRAFT // devices[0].tree_width)
+    adaptive = AdaptiveLength(gamma_max=gamma_max) if args.gamma == "auto" else None
     if len(devices) > 1:
         merge = args.merge or ("vote" if sampling.greedy else "select")
         names = [f"{i}:{Path(d.source.model_dir).name}" for i, d in enumerate(opened)]
         return MultiDraftDecoder(devices, verifier, merge=merge, gamma=args.gamma, sampling=sampling,
                                  draft_temperatures=temps, names=names, eos_token_id=eos,
                                  adaptive=adaptive), adaptive
+    if args.strategy == "tree":
+        return TreeDecoder(devices[0], verifier, depth=args.gamma, sampling=sampling, eos_token_id=eos,
+                           adaptive=adaptive), adaptive
     decoder_class = PipelinedDecoder if args.schedule == "pipelined" else SpeculativeDecoder
     return decoder_class(devices[0], verifier, gamma=args.gamma, sampling=sampling, eos_token_id=eos,
                          adaptive=adaptive), adaptive
@@ -347,6 +397,7 @@ def cmd_generate(args) -> int:
             raise CliError(f"--trace {args.trace} is a directory; give a file name")
     plan = _drafter_plan(args)
     temps = _several_options(args, len(plan))
+    _strategy_options(args, len(plan))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     if len(plan) > 1 and args.merge == "vote" and not sampling.greedy:
         raise CliError("--merge vote picks a draft after seeing every drafter's samples, which is "
@@ -356,6 +407,9 @@ def cmd_generate(args) -> int:
     target_dir, target_config = _target(args)
     prompt_text = _read_prompt(args.prompt)
     opened, tok = _open_drafts(plan, target_dir, target_config)
+    tree_engine = _tree_engine_width(opened[0]) if args.strategy == "tree" else 0
+    if args.strategy == "tree" and opened[0].source.compiled is not None:
+        _check_tree(args, opened[0], opened[0].source.compiled, tree_engine)
     prompt = tok(prompt_text)["input_ids"]
     if not prompt:
         raise CliError("the prompt tokenises to nothing")
@@ -365,6 +419,7 @@ def cmd_generate(args) -> int:
                        f"{limit}. Shorten the prompt or use a preset with more kv_positions")
     compiled = [_compile_source(d.source, d.engine, args.calibration, log, target=target_dir, demo=d.demo)
                 for d in opened]
+    tree_width = _check_tree(args, opened[0], compiled[0], tree_engine) if args.strategy == "tree" else 0
     try:
         verifier = Verifier.from_pretrained(target_dir, device=args.verifier_device, dtype=args.dtype)
         decoder, adaptive = _decoder(args, opened, compiled, verifier, sampling, tok.eos_token_id, temps)
@@ -385,7 +440,9 @@ def cmd_generate(args) -> int:
     if not args.json:
         drafts = ", ".join(f"{d.source.model_dir} on {d.url}" for d in opened)
         how = f"{len(opened)} drafters, merge {decoder.merge}" if several else args.schedule
-        log(f"target {target_dir} on {verifier.device} | draft {drafts} | gamma {gamma_note} | {how} | "
+        shape = (f"engine trees {tree_width} wide, depth {gamma_note}" if tree_width
+                 else f"gamma {gamma_note}")
+        log(f"target {target_dir} on {verifier.device} | draft {drafts} | {shape} | {how} | "
             f"{'greedy' if sampling.greedy else f'T={args.temperature} top-k={args.top_k} seed={args.seed}'}\n")
         print(prompt_text, end="", flush=True)
     try:
@@ -401,12 +458,18 @@ def cmd_generate(args) -> int:
     if args.json:
         extra = dict(merge=result.merge, tree_nodes=result.tree_nodes,
                      drafters=[d.to_dict() for d in result.drafters]) if several else {}
+        m = result.metrics
+        if tree_width:
+            extra = dict(tree_width=tree_width, tree_nodes=m.tree_nodes, depth=args.gamma,
+                         mean_depth=m.mean_gamma, mean_tree_nodes=m.mean_tree_nodes,
+                         mean_accepted_length=m.mean_accepted_length)
         print(json.dumps(dict(prompt_ids=prompt, token_ids=result.tokens, text=tok.decode(result.tokens),
                               stop_reason=result.stop_reason, message=result.message,
                               degraded=result.degraded, fallback_reason=result.fallback_reason,
                               faults=result.faults, error=None if result.error is None else repr(result.error),
                               device=[d.url for d in opened] if several else args.device,
-                              schedule=args.schedule, trace=args.trace, gamma=args.gamma,
+                              schedule=args.schedule, strategy=args.strategy, trace=args.trace,
+                              gamma=args.gamma,
                               adaptive=adaptive.describe() if adaptive is not None else None,
                               metrics=result.metrics.to_dict(), **extra), indent=2))
     else:
@@ -724,6 +787,7 @@ def cmd_bench(args) -> int:
         max_new_tokens=args.max_new_tokens or base.max_new_tokens,
         per_task=args.per_task if args.per_task is not None else base.per_task,
         pipelined=not args.no_pipelined, adaptive=not args.no_adaptive,
+        engine_tree=base.engine_tree and not args.no_engine_tree,
         adaptive_gamma_max=args.gamma_max or base.adaptive_gamma_max)
     if settings.per_task < 1:
         raise CliError("--per-task must be at least 1")
@@ -877,8 +941,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="target top-k (0 = whole vocabulary)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--gamma", type=_gamma_option, default=4,
-                   help="draft tokens per round, or auto: chosen per round from the measured "
-                        "acceptance and verify/draft times (dfvg_host/adaptive.py)")
+                   help="draft tokens per round (with --strategy tree: the tree's depth in levels), "
+                        "or auto: chosen per round from the measured acceptance and verify/draft "
+                        "times (dfvg_host/adaptive.py)")
+    g.add_argument("--strategy", choices=["chain", "tree"], default="chain",
+                   help="chain (default): the engine drafts γ tokens per round; tree: it drafts a "
+                        "token tree of --gamma levels, as wide as the preset's rows (4 on the Alveo "
+                        "presets), verified in one target forward (a sim:// device; the RTL drafts "
+                        "chains only)")
     g.add_argument("--gamma-max", type=int, help="with --gamma auto: the largest γ tried (default 16)")
     g.add_argument("--dtype", default="float32", help="verifier dtype: float32, bfloat16, float16")
     g.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
@@ -964,6 +1034,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "drafting the next round during verification; run at every γ by default)")
     b.add_argument("--no-adaptive", action="store_true", help="skip adaptive DFVG (dfvg-adaptive: "
                    "serial, γ chosen per round; run once by default)")
+    b.add_argument("--no-engine-tree", action="store_true", help="skip the engine's token trees "
+                   "(dfvg-engine-tree: a tree of γ levels per round, verified in one forward; run at "
+                   "every γ by default where the device drafts trees)")
     b.add_argument("--gamma-max", type=int, help="the largest γ adaptive DFVG tries (default 16)")
     b.add_argument("--efficiency-presets", default="alveo-u55c,alveo-u280,alveo-u250",
                    help="presets of the engine-efficiency table (comma-separated)")

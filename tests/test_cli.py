@@ -113,6 +113,12 @@ def test_argparse_errors_exit_2():
         assert dfvg("generate", "--prompt", "a", *bad).returncode == 2
 
 
+def test_strategy_takes_chain_or_tree_and_tree_runs_serially():
+    assert dfvg("generate", "--strategy", "forest", "--prompt", "a").returncode == 2
+    line = error_line(dfvg("generate", "--prompt", "a", "--strategy", "tree", "--schedule", "pipelined"))
+    assert "--strategy tree runs serially" in line
+
+
 def test_gamma_max_needs_gamma_auto():
     assert "give it with --gamma auto" in error_line(dfvg("generate", "--prompt", "a", "--gamma-max", 8))
 
