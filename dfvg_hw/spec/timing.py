@@ -305,3 +305,10 @@ def actmul_writer_lag(lanes: int) -> int:
         raise ConfigError(
             f"lanes = {lanes}: the cycle model has no ACTMUL writer-stall bound for this lane "
             f"count (derived for lanes in {sorted(ACTMUL_WRITER_LAG)})") from None
+
+# controller: tree forwards (controller.py, isa.md §9.2)
+#: A tree forward's row job after the first (an instruction split into one job per row):
+#: the controller goes from a row's ``done`` straight to the next row's ``<UNIT>_JOB``.
+TREE_ROW_HANDOVER = JOB_HANDOVER
+#: COMPACT: the compaction's hand-over to the KV sequencer, after the token scan.
+COMPACT_HANDOVER = 1
