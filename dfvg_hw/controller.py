@@ -534,7 +534,8 @@ class Controller(wiring.Component):
                     _lend_shared_ports(m, unit, mem, vmem)
                     if unit is mm:
                         # the MATMUL sequencer also owns the logit buffer's write side
-                        m.d.comb += [samp.begin.eq(mm.logits_begin), samp.begin_n.eq(mm.logits_n)]
+                        m.d.comb += [samp.begin.eq(mm.logits_begin), samp.begin_n.eq(mm.logits_n),
+                                     samp.begin_rows.eq(mm.logits_rows)]
                         wiring.connect(m, mm.logits, samp.logits)
                     with m.If(mem_failed):
                         m.d.comb += cancel.eq(1)         # a refused read brings no data
@@ -550,7 +551,10 @@ class Controller(wiring.Component):
                         with m.Else():
                             m.next = "RETIRE"
 
-            # -- SAMPLE: the sampler over the logit buffer; the record into the result -----------
+            # -- SAMPLE: the sampler over the logit buffer; the records into the result ---------
+            # (a tree request's SAMPLE makes a level: W records, and a node per row for the
+            # tree registers, whose new paths take over with the last record)
+            m.d.comb += tree.expand_level.eq(seq.tree_level)
             with m.State("SAMPLE_REQ"):
                 h = header
                 m.d.comb += [samp.req.valid.eq(1),
@@ -559,15 +563,21 @@ class Controller(wiring.Component):
                              samp.req.payload.t_shift.eq(h.t_shift[:6]),
                              samp.req.payload.sample.eq(h.flags.sample),
                              samp.req.payload.seed.eq(h.seed),
-                             samp.req.payload.counter.eq(h.counter + seq.n_drafted)]
+                             samp.req.payload.counter.eq(h.counter),
+                             samp.req.payload.n_drafted.eq(seq.n_drafted),
+                             samp.req.payload.tree_width.eq(h.tree_width)]
                 with m.If(samp.req.ready):
                     m.next = "SAMPLE_RECORD"
             with m.State("SAMPLE_RECORD"):
                 wiring.connect(m, samp.record, writer.record)
-                with m.If(samp.record.valid):
+                wiring.connect(m, samp.expansion, tree.expand)
+                with m.If(samp.error):
+                    fault(ErrorCode.PROGRAM)        # a greedy level short of candidates
+                with m.Elif(samp.record.valid):
                     with m.If(writer.word == 0):
                         m.d.sync += token.eq(samp.record.payload.word)   # the drafted token
-                    with m.If(samp.record.payload.last):
+                    with m.If(samp.record.payload.final):
+                        m.d.comb += tree.commit.eq(1)
                         m.next = "RETIRE"
 
             # -- the result descriptor --------------------------------------------------------------

@@ -12,7 +12,8 @@ position after the request's last input) come the KV positions of tree drafting:
 * ATTN row ``r``'s path port: entry ``j`` (level ``j + 1``) of its path is at KV position
   ``P0 + j·W + a(j + 1)`` (``path_pos`` answers ``path_index`` in the same cycle).
 
-A SAMPLE makes the next level: the sampler sends one :class:`TreeNode` per new row ``r``
+A SAMPLE makes the next level: the sampler sends one
+:class:`~dfvg_hw.tree_expander.TreeNode` per new row ``r``
 (its source row ``s`` and its token), and row ``r``'s path becomes source ``s``'s path
 with entry ``expand_level`` (the level being fed, 0 at the root) set to ``r``. The new
 paths are built beside the old ones, since a later node may still read the source that an
@@ -24,26 +25,16 @@ from __future__ import annotations
 from amaranth import Module, Signal, unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
-from amaranth.utils import ceil_log2
 
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import MAX_DRAFT
+from dfvg_hw.tree_expander import TreeNode
 
-__all__ = ["TreeRegisters", "TreeNode", "POSITION_BITS"]
+__all__ = ["TreeRegisters", "POSITION_BITS"]
 
 #: Bits of a KV position the registers compute in: a ``P0`` or a storage position past
 #: 16 bits only has to compare as past the buffer (``kv_positions`` ≤ 2^16).
 POSITION_BITS = 17
-
-
-class TreeNode(data.StructLayout):
-    """One node of the level a SAMPLE makes: its ``row``, the ``source`` row of the level
-    fed (its parent; 0 at the root) and its ``token``."""
-
-    def __init__(self, rows: int):
-        super().__init__({"row": unsigned(max(1, ceil_log2(rows))),
-                          "source": unsigned(max(1, ceil_log2(rows))),
-                          "token": unsigned(16)})
 
 
 class TreeRegisters(wiring.Component):

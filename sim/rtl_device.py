@@ -50,6 +50,8 @@ class RtlDevice:
         ``mem_port_bits``).
     timing : MemoryTiming, optional
         Each channel's memory timing (default: the preset's latency and per-port rate).
+    tree_width : int, optional
+        The widest tree the engine drafts (``DraftEngine``'s default if None).
 
     Members
     -------
@@ -62,11 +64,12 @@ class RtlDevice:
     """
 
     def __init__(self, config: EngineConfig, *, data_width: int | None = None,
-                 timing: MemoryTiming | None = None):
+                 timing: MemoryTiming | None = None, tree_width: int | None = None):
         self.config = config
         self.memory = DeviceMemory(config.mem_bytes)
         # a card with several cores: each its register window, one memory (DraftCores)
-        self.engine = (DraftCores if config.draft_cores > 1 else DraftEngine)(config, data_width)
+        self.engine = (DraftCores(config, data_width) if config.draft_cores > 1
+                       else DraftEngine(config, data_width, tree_width))
 
         timing = timing or MemoryTiming.for_config(config, data_width)
         striping = Striping(config.mem_ports, self.engine.data_width // 8,

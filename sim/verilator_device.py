@@ -41,7 +41,8 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("DFVG_CACHE", Path.home() / ".cache" / "dfvg")) / "verilator"
 
 
-def _build_key(config: EngineConfig, data_width: int | None, verilator_version: str) -> str:
+def _build_key(config: EngineConfig, data_width: int | None, verilator_version: str,
+               tree_width: int | None = None) -> str:
     """16 hex digits over what the harness binary depends on: the generator's sources
     (the Verilog is a function of them, the configuration and Amaranth), the harness and
     the Verilator version. Hashing the sources, not the generated Verilog, spares every
@@ -53,7 +54,7 @@ def _build_key(config: EngineConfig, data_width: int | None, verilator_version: 
     for source in sorted(Path(dfvg_hw.__file__).parent.rglob("*.py")):
         h.update(source.read_bytes())
     h.update(repr((sorted(config.to_dict().items()), data_width, amaranth.__version__,
-                   verilator_version)).encode())
+                   verilator_version) + ((tree_width,) if tree_width is not None else ())).encode())
     h.update(HARNESS.read_bytes())
     return h.hexdigest()[:16]
 
@@ -68,14 +69,16 @@ def _ports_header(prefixes: list[str]) -> str:
             f"#define DFVG_FOR_EACH_PORT(X) {each}\n")
 
 
-def build_harness(config: EngineConfig, data_width: int | None = None, log=None) -> Path:
-    """The harness binary for ``config`` (built unless the cache has it)."""
+def build_harness(config: EngineConfig, data_width: int | None = None, log=None,
+                  tree_width: int | None = None) -> Path:
+    """The harness binary for ``config`` (built unless the cache has it); ``tree_width``
+    is the engine's (``DraftEngine``'s default if None)."""
     exe = shutil.which("verilator")
     if exe is None:
         raise FileNotFoundError("verilator is not installed (Debian package 'verilator'; the "
                                 "README's test setup installs it)")
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    out = _cache_dir() / _build_key(config, data_width, version)
+    out = _cache_dir() / _build_key(config, data_width, version, tree_width)
     binary = out / "obj_dir" / "harness"
     out.mkdir(parents=True, exist_ok=True)
     # Processes building one key (pytest-xdist workers) take turns: the later ones wait
@@ -84,7 +87,7 @@ def build_harness(config: EngineConfig, data_width: int | None = None, log=None)
         fcntl.flock(lock, fcntl.LOCK_EX)
         if binary.exists():
             return binary
-        engine = DraftEngine(config, data_width)
+        engine = DraftEngine(config, data_width, tree_width)
         (out / f"{TOP}.v").write_text(to_verilog(engine, TOP))
         (out / "ports.h").write_text(_ports_header(engine.axi_prefixes))
         if log:
@@ -100,7 +103,8 @@ def build_harness(config: EngineConfig, data_width: int | None = None, log=None)
 
 
 class VerilatorDevice:
-    """The engine in Verilator, offering the transport operations.
+    """The engine in Verilator, offering the transport operations. ``tree_width``: the
+    widest tree the engine drafts (``DraftEngine``'s default if None).
 
     Members
     -------
@@ -112,9 +116,9 @@ class VerilatorDevice:
     """
 
     def __init__(self, config: EngineConfig, *, data_width: int | None = None,
-                 timing: MemoryTiming | None = None, log=None):
+                 timing: MemoryTiming | None = None, log=None, tree_width: int | None = None):
         self.config = config
-        binary = build_harness(config, data_width, log)
+        binary = build_harness(config, data_width, log, tree_width)
         timing = timing or MemoryTiming.for_config(config, data_width)
         self._dir = tempfile.TemporaryDirectory(prefix="dfvg-verilator-")
         path = Path(self._dir.name) / "device-memory"
