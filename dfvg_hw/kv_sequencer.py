@@ -4,8 +4,9 @@
 :class:`KvSequencer` owns the :class:`~dfvg_hw.kv_buffer.KVBuffer` — the KV cache is state
 of the engine and survives from job to job (a controller reset of the sequencer clears
 its registers, never the memories) — and the :class:`~dfvg_hw.attention.Attention` unit.
-Every job first sets the buffer's position register to the job's ``pos`` (ROLLBACK),
-since the controller's POS register is the one source of truth.
+Every job first sets the buffer's position register (ROLLBACK) from the job, since the
+controller's registers are the one source of truth: KVAPPEND writes at ``kv_pos``, ATTN
+reads ``0 … prefix − 1`` (a chain job: ``kv_pos = pos``, ``prefix = pos + 1``).
 
 **Slots.** The buffer holds ``kv_slots`` (layer, KV head) pairs; KV head ``h`` of layer
 ``layer`` is slot ``base + layer · G + h``, where ``G`` is the job's own KV-head count:
@@ -17,25 +18,45 @@ added to it (and, once the check passes, its low bits to ``layer · G`` for the 
 
 **KVAPPEND** (``rows = 1``; ``n`` KV heads of ``k`` int8 for K, then the same for V, in one
 VMEM row at ``src``). Checks in the model's order: ``rows ≠ 1``; ``base + (layer + 1) · n >
-kv_slots`` or ``k > head_dim`` (PROGRAM); ``pos ≥ kv_positions`` (KV_OVERFLOW); the
+kv_slots`` or ``k > head_dim`` (PROGRAM); ``kv_pos ≥ kv_positions`` (KV_OVERFLOW); the
 ``2·n·k``-byte row outside VMEM (BAD_ADDRESS). Then per head ``h`` the K bytes at
 ``h·k`` and the V bytes at ``n·k + h·k`` are gathered and appended at slot
-``base + layer · n + h``, position ``pos``; bytes ``k … head_dim − 1`` of the entry keep
+``base + layer · n + h``, position ``kv_pos``; bytes ``k … head_dim − 1`` of the entry keep
 their contents.
 
 **ATTN** (``rows = 1``; ``n`` query heads of ``k`` int8 at ``src``). Checks: ``rows ≠ 1``;
-``k > head_dim`` (PROGRAM); ``pos ≥ kv_positions`` (KV_OVERFLOW); the 16-byte parameter
+``k > head_dim``, ``prefix = 0`` or ``path_len > PATH_ENTRIES`` (PROGRAM: a tree's
+``P0 ≥ 1``, its depth ≤ ``MAX_DRAFT``); ``prefix + path_len > kv_positions``
+(KV_OVERFLOW; a chain's ``pos ≥ kv_positions``, and for a tree row the controller has
+checked the level's largest storage position already); the 16-byte parameter
 block at ``addr`` (past device memory: the memory port refuses it, BAD_ADDRESS through
 the controller's reset); its ``G = kv_heads`` word 0, ``base + (layer + 1) · G > kv_slots`` or
 ``G`` not dividing ``n`` (PROGRAM; ``n / G`` by a 16-step divider); ``q`` or the output
 (``n·k`` bytes, ``2·n·k`` with WIDE) outside VMEM (BAD_ADDRESS). Then per head ``h``:
 gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add nothing to
-a score), stream slot ``base + layer · G + h // (n / G)``, positions ``0 … pos``, through the
-attention unit (K words packed into rows, then V rows), and scatter the ``k`` outputs
+a score), stream slot ``base + layer · G + h // (n / G)``, positions ``0 … prefix − 1`` and
+then the ``path_len`` path positions, through the attention unit (K words packed into
+rows, then V rows), and scatter the ``k`` outputs
 (int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap: QUERY hands ``q[h]``
 to the attention unit as soon as it has passed head ``h − 1`` to its reciprocal, then
 READ_KV starts head ``h``'s K/V stream, and while it runs the sequencer takes head
 ``h − 1``'s output, scatters it and gathers ``q[h + 1]``.
+
+**Tree rows** (docs/isa.md §9.2). The controller issues a tree forward's KVAPPEND and
+ATTN one row at a time (``rows = 1``, ``src``/``dst`` at the row): KVAPPEND at the node's
+storage position ``kv_pos = S(d, r)``; ATTN with ``prefix = P0`` and ``path_len = d``.
+The KV buffer reads the path entry by entry during each of a head's K and V passes,
+asking the ``path_index`` → ``path_pos`` port (the controller's table of the row's
+ancestors, combinational); a path entry is a beat of its own (banked: a group with one
+row), so a head streams ``ceil(prefix / B) + path_len`` groups, ``W`` words a group
+with one bank.
+
+**Compaction** (§9.3). A ``compact`` job (before the program, no job running) copies,
+for each level ``d < count`` in order and each slot ``slot_base … slot_base + slots −
+1``, the whole K and V entry at ``base + d·width + rows[d]`` to ``base + d``: a ROLLBACK
+to the destination per level, a KV-buffer COPY per entry (``W + 2`` cycles), then
+``compact_done``. The front end has checked the fields (BAD_REQUEST); positions or slots
+past the buffer still copy nothing there (the buffer's range and overflow checks).
 
 **Clear.** ``clear`` (the controller's soft reset; the functional model zeroes KV there)
 writes zeros over every entry: APPENDs of all-zero entries, position by position. It is
@@ -61,7 +82,7 @@ row into bank ``pos mod B``). :mod:`sim.attention_timing` has the exact counts.
 from __future__ import annotations
 
 from amaranth import Cat, Module, Mux, Signal
-from amaranth.lib import wiring
+from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec import timing
@@ -69,8 +90,8 @@ from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
 from dfvg_hw.spec.isa import Op
-from dfvg_hw.kv_buffer import KVBuffer, KVOp
-from dfvg_hw.layouts import flags_view
+from dfvg_hw.kv_buffer import KVBuffer, KVOp, PATH_ENTRIES
+from dfvg_hw.layouts import CompactJob, flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import BlockReader, VmemWindow, vmem_span_outside, window_request
 from dfvg_hw.attention import Attention
@@ -100,7 +121,8 @@ class KvSequencer(wiring.Component):
     job : In(stream.Signature(OpJob()))
         A KVAPPEND or ATTN (any other opcode finishes at once with PROGRAM): ``flags``
         (WIDE), ``rows``, ``dst``, ``src``, ``n``, ``k``, ``addr`` (ATTN's parameter
-        block), ``pos``, ``layer``.
+        block), ``layer``, ``kv_pos`` (KVAPPEND), ``prefix`` and ``path_len`` (ATTN).
+        Not ready while a clear or a compaction is pending.
     done : Out(1)
         One-cycle pulse when the job is finished; ``error`` holds its outcome then.
     error : Out(8)
@@ -119,12 +141,23 @@ class KvSequencer(wiring.Component):
         The request's ``kv_slot_base`` (its header's word 10): the first KV slot of the
         request's sequence, added to every job's slots. Taken with the job; 0 where left
         undriven, the slot mapping without it.
+    path_index : Out(range(PATH_ENTRIES))
+        During an ATTN's path: the path entry the KV buffer reads (0-based), else 0.
+    path_pos : In(16)
+        The KV position of path entry ``path_index``, combinational (same cycle).
+    compact : In(stream.Signature(CompactJob()))
+        A request's compaction (``base``, ``width``, ``count``, ``rows``, ``slot_base``,
+        ``slots``); taken when idle, before any job.
+    compact_done : Out(1)
+        One-cycle pulse: the compaction is finished (its last copy written).
     """
 
     def __init__(self, config: EngineConfig, data_width: int):
         self.config, self.data_width = config, data_width
         members = dict(OpSequencerSignature(config, data_width).members)
-        members.update({"clear": In(1), "clearing": Out(1), "slot_base": In(16)})
+        members.update({"clear": In(1), "clearing": Out(1), "slot_base": In(16),
+                        "path_index": Out(range(PATH_ENTRIES)), "path_pos": In(16),
+                        "compact": In(stream.Signature(CompactJob())), "compact_done": Out(1)})
         super().__init__(wiring.Signature(members))
 
     def elaborate(self, platform):
@@ -134,7 +167,8 @@ class KvSequencer(wiring.Component):
         kv = m.submodules.kv = KVBuffer(c)
         self.kv_buffer = kv                     # co-simulation reads the KV through it
         WB, W, B = kv.word_bytes, kv.words, kv.banks
-        attn = m.submodules.attention = Attention(c)
+        attn = m.submodules.attention = Attention(c, path_entries=PATH_ENTRIES)
+        m.d.comb += [self.path_index.eq(kv.path_index), kv.path_pos.eq(self.path_pos)]
         params = m.submodules.params = BlockReader(c, self.data_width, ATTN_PARAM_BYTES)
         window = m.submodules.window = VmemWindow(c, 2 * D)      # a WIDE output head
         wiring.connect(m, params.read_cmd, wiring.flipped(self.read_cmd))
@@ -168,6 +202,12 @@ class KvSequencer(wiring.Component):
         clear_pos = Signal(range(c.kv_positions))
         v_phase = Signal()                  # the attention unit is taking V rows
         result = Signal(16 * D)
+        # compaction: the job, its level, the level's first storage position, the slot
+        compaction = Signal(CompactJob())
+        level = Signal(8)
+        level_first = Signal(26)            # base + level · width
+        copy_slot = Signal(18)              # slot_base + the slots copied so far
+        slots_left = Signal(16)
 
         m.d.comb += self.clearing.eq(clear_pending | clearing_kv)
         with m.If(self.clear):
@@ -222,11 +262,19 @@ class KvSequencer(wiring.Component):
 
         with m.FSM(name="kv"):
             with m.State("IDLE"):
-                m.d.comb += self.job.ready.eq(~clear_pending)
+                m.d.comb += [self.compact.ready.eq(~clear_pending),
+                             self.job.ready.eq(~clear_pending & ~self.compact.valid)]
                 with m.If(clear_pending):
                     m.d.sync += [clear_pending.eq(self.clear), clearing_kv.eq(1), clear_pos.eq(0),
                                  kv_slot.eq(0), kv_arg.eq(D), entry.eq(0)]
                     m.next = "CLEAR_POS"
+                with m.Elif(self.compact.valid):
+                    p = self.compact.payload
+                    m.d.sync += [compaction.eq(p), level.eq(0), level_first.eq(p.base)]
+                    with m.If((p.count == 0) | (p.slots == 0)):
+                        m.next = "COMPACT_END"
+                    with m.Else():
+                        m.next = "COMPACT_LEVEL"
                 with m.Elif(self.job.valid):
                     p = self.job.payload
                     wide_job = flags_view(p.flags).wide
@@ -248,9 +296,11 @@ class KvSequencer(wiring.Component):
                     finish(ErrorCode.PROGRAM)
                 with m.Elif(job.rows != 1):
                     finish(ErrorCode.PROGRAM)
-                with m.Elif((job.k > D) | (appending & slots_over)):
+                with m.Elif((job.k > D) | Mux(appending, slots_over,
+                                              (job.prefix == 0) | (job.path_len > PATH_ENTRIES))):
                     finish(ErrorCode.PROGRAM)
-                with m.Elif(job.pos >= c.kv_positions):
+                with m.Elif(Mux(appending, job.kv_pos >= c.kv_positions,
+                                job.prefix + job.path_len > c.kv_positions)):
                     finish(ErrorCode.KV_OVERFLOW)
                 with m.Elif(appending):
                     with m.If(vmem_span_outside(c, job.src, 1, 2 * head_bytes)):
@@ -298,7 +348,8 @@ class KvSequencer(wiring.Component):
                     m.next = "SET_POS"
 
             with m.State("SET_POS"):            # the buffer's POS for APPEND / READ
-                m.d.comb += kv_command(KVOp.ROLLBACK, arg=job.pos)
+                m.d.comb += kv_command(KVOp.ROLLBACK, arg=Mux(job.opcode == Op.KVAPPEND,
+                                                              job.kv_pos, job.prefix - 1))
                 with m.If(kv.cmd.ready):
                     with m.If(job.n == 0):
                         finish(ErrorCode.OK)
@@ -357,7 +408,7 @@ class KvSequencer(wiring.Component):
                 with m.If(attn.q.ready):
                     m.next = "READ_KV"
             with m.State("READ_KV"):
-                m.d.comb += kv_command(KVOp.READ, slot=kv_slot)
+                m.d.comb += kv_command(KVOp.READ, slot=kv_slot, arg=job.path_len)
                 with m.If(kv.cmd.ready):
                     m.d.sync += [v_phase.eq(0), head.eq(head + 1),
                                  in_offset.eq(in_offset + job.k), in_group.eq(in_group + 1)]
@@ -401,6 +452,36 @@ class KvSequencer(wiring.Component):
                     with m.If(clear_pos == c.kv_positions - 1):
                         m.d.sync += clearing_kv.eq(0)
                         m.next = "IDLE"
+
+            # -- compaction: per level a ROLLBACK to its destination, then a COPY per slot --
+            def clamped(value, limit):
+                """``value`` as a command field: ``limit`` (past the buffer) when larger."""
+                return Mux(value > limit, limit, value)
+
+            with m.State("COMPACT_LEVEL"):
+                m.d.comb += kv_command(KVOp.ROLLBACK,
+                                       arg=clamped(compaction.base + level, 0xFFFF))
+                with m.If(kv.cmd.ready):
+                    m.d.sync += [copy_slot.eq(compaction.slot_base),
+                                 slots_left.eq(compaction.slots)]
+                    m.next = "COMPACT_COPY"
+            with m.State("COMPACT_COPY"):
+                row = compaction.rows.word_select(level[:4], 4)
+                m.d.comb += kv_command(KVOp.COPY, slot=clamped(copy_slot, c.kv_slots),
+                                       arg=clamped(level_first + row, 0xFFFF))
+                with m.If(kv.cmd.ready):
+                    m.d.sync += [copy_slot.eq(copy_slot + 1), slots_left.eq(slots_left - 1)]
+                    with m.If(slots_left == 1):
+                        m.d.sync += [level.eq(level + 1),
+                                     level_first.eq(level_first + compaction.width)]
+                        with m.If(level + 1 == compaction.count):
+                            m.next = "COMPACT_END"
+                        with m.Else():
+                            m.next = "COMPACT_LEVEL"
+            with m.State("COMPACT_END"):        # the last copy written
+                with m.If(~kv.busy):
+                    m.d.comb += self.compact_done.eq(1)
+                    m.next = "IDLE"
 
             with m.State("DONE"):
                 m.d.comb += self.done.eq(1)

@@ -15,7 +15,7 @@ from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
 from sim.timing_common import LINE, PortTiming, window_cycles
 
-__all__ = ["kvappend_cycles", "attn_cycles"]
+__all__ = ["kvappend_cycles", "attn_cycles", "attn_job_cycles", "compaction_cycles"]
 
 UNIT_OVERHEAD = tm.UNIT_OVERHEAD
 READ_OVERHEAD = tm.MEM_READ_OVERHEAD
@@ -27,14 +27,15 @@ def _kv_words(config: EngineConfig) -> int:
     return kvt.kv_words(config.reduce, config.head_dim, config.kv_banks)
 
 
-#: Compaction (docs/isa.md §9.3, §9.5; modelled, no RTL yet): a start, then one K and one
-#: V entry read and written per (slot, level), two a cycle.
-COMPACTION_START, COMPACTION_PER_ENTRY = 4, 2
-
-
 def compaction_cycles(config: EngineConfig, levels: int, slots: int) -> int:
-    """Cycles of a request's compaction, before its program (docs/isa.md §9.3)."""
-    return COMPACTION_START + COMPACTION_PER_ENTRY * levels * slots
+    """Cycles of a request's compaction (docs/isa.md §9.3), from the KV sequencer taking it
+    to ``compact_done``: per level a ROLLBACK to its destination, then per slot a KV
+    buffer COPY of the entry's ``W`` words (K and V side by side); nothing but the start
+    without a level or a slot."""
+    if not levels or not slots:
+        return tm.COMPACT_START
+    copy = tm.KV_COPY_STATES + _kv_words(config)
+    return tm.COMPACT_START + levels * (tm.COMPACT_LEVEL_STATES + slots * copy)
 
 
 def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
@@ -49,18 +50,28 @@ def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
 
 def attn_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src: int, dst: int, pos: int,
           wide: bool, addr: int) -> int:
-    """kv_sequencer.py + attention.Attention, heads overlapped (:func:`_overlapped_heads`):
-    per head the K rows stream at one KV word a cycle (W·T) — with ``B = kv_banks ≥ 2``
-    a group of B rows a cycle (``G = ceil(T / B)`` groups) — the scores go through the dot-product
+    """A chain's ATTN at ``POS = pos``: :func:`attn_job_cycles` over positions ``0 … pos``
+    (``prefix = pos + 1``), no path."""
+    return attn_job_cycles(port, config, n, k, src, dst, pos + 1, 0, wide, addr)
+
+
+def attn_job_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src: int, dst: int,
+                    prefix: int, path_len: int, wide: bool, addr: int) -> int:
+    """One ATTN job (a chain's, or one row of a tree forward's: ``prefix = P0``,
+    ``path_len = d``, ``src``/``dst`` the row's lines), from the job's hand-over to
+    ``done`` plus the unit overhead. kv_sequencer.py + attention.Attention, heads
+    overlapped (:func:`_overlapped_heads`): per head the K rows stream at one KV word a
+    cycle (W·T) — with ``B = kv_banks ≥ 2`` a group of B rows a cycle (``ceil(prefix /
+    B)`` groups), and each path entry a group of its own (``G = ceil(prefix / B) +
+    path_len``; one bank: ``T = prefix + path_len`` rows) — the scores go through the dot-product
     tree (and the B-lane max tree) and exp, the V rows stream again (the gearbox holds
     one row, so V cannot be fetched ahead), then the B-lane column sums, reciprocal and
     normaliser. Banked, the beats skip the gearbox (``row_packing``): a cycle less a
     head. ``ATTN_HEAD_TAIL`` counts the one-bank gearbox among its hand-offs.
     ``per_head_kv`` is one head alone, q to its output taken."""
     w = _kv_words(config)
-    t = pos + 1
     banks = config.kv_banks
-    g = kvt.kv_groups(t, banks)
+    g = kvt.kv_groups(prefix, banks) + path_len
     levels = kvt.bank_tree_levels(banks)
     out_bytes = 2 * k if wide else k
     beats = ceil((addr % port.bus_bytes + ATTN_PARAM_BYTES) / port.bus_bytes)

@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from amaranth import Module, Signal
+from amaranth import Module, Mux, Signal
 from amaranth.lib import wiring
+from amaranth.lib.memory import Memory
 
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
 from dfvg_hw.spec.isa import Flag, Instruction, Op
+from dfvg_hw.kv_buffer import PATH_ENTRIES
 from dfvg_hw.kv_sequencer import KvSequencer
+from dfvg_hw.spec.descriptors import Compaction
 from dfvg_hw.op_port import OpSequencerSignature
+from sim.attention_timing import attn_job_cycles, compaction_cycles, kvappend_cycles
+from sim.cycle_model import CycleModel, UNIT_OVERHEAD
 from sim.functional import FunctionalEngine
+from sim.tree_state import TreeState
 from sim.memory import DeviceMemory
 from sim.op_bench import functional_reference, run_jobs
 from sequencer_cases import model_cycles
@@ -117,11 +123,13 @@ def _run(rng, jobs, memory, *, clear_adapter=False, config=TINY, data_width=128,
     cycles = []
     bases = [job.get("slot_base", 0) for job in jobs]
     jobs = [{name: value for name, value in job.items() if name != "slot_base"} for job in jobs]
+    # a chain job's KV registers, as the controller sets them: write at POS, attend to 0 … POS
+    chain = [chain_kv_fields(job) for job in jobs]
     if any(bases):                              # each job's kv_slot_base in addr bits 48-63
         dut = SlotBaseInAddr(sequencer)
-        rtl_jobs = [job | {"addr": job.get("addr", 0) | base << 48} for job, base in zip(jobs, bases)]
+        rtl_jobs = [job | {"addr": job.get("addr", 0) | base << 48} for job, base in zip(chain, bases)]
     else:
-        dut, rtl_jobs = ClearOnNop(sequencer) if clear_adapter else sequencer, jobs
+        dut, rtl_jobs = ClearOnNop(sequencer) if clear_adapter else sequencer, chain
     after, errors = run_jobs(config, dut, vmem, memory, rtl_jobs, data_width=data_width,
                              cycles=cycles)
     if timed:
@@ -147,6 +155,13 @@ def _run(rng, jobs, memory, *, clear_adapter=False, config=TINY, data_width=128,
     assert errors == expected
     np.testing.assert_array_equal(after, engine.vmem)
     return errors
+
+
+def chain_kv_fields(job: dict) -> dict:
+    """``job`` with the KV fields a chain forward's controller gives it (``kv_pos = pos``,
+    ``prefix = pos + 1``, no path) where it has none of its own."""
+    pos = job.get("pos", 0)
+    return {"kv_pos": pos, "prefix": pos + 1, "path_len": 0} | job
 
 
 def _append(n, k, src, pos, layer=0, rows=1, base=0):
@@ -311,3 +326,301 @@ def test_slot_base_sequences_and_their_boundary():
     errors = _run(rng, jobs, _memory(rng))
     assert errors == [OK] * (ok + 6) + [PROGRAM] * 7 + [KV_OVERFLOW]
     assert _outputs(jobs, errors) >= 1000
+
+
+# -- tree rows and compaction (docs/isa.md §9.2, §9.3) --------------------------------------
+#: the marker opcode of a compaction job in :class:`TreeAdapter`
+COMPACT = Op.HALT
+#: tree configurations: tiny's KV (2 layers × 2 KV heads) at 1, 2 and 4 banks; 4 rows, so
+#: the functional model takes a tree forward of up to 4 rows
+TREE = {"b1": TINY.with_changes(rows=4), "b2": BANKED["b2"].with_changes(rows=4),
+        "b4": BANKED["b4"].with_changes(rows=4)}
+
+
+class TreeAdapter(wiring.Component):
+    """Test adapter standing in for the controller around a tree forward: job ``i``'s
+    path port answers from ``paths[i]`` (the positions of its path, as the controller's
+    ancestor table does); a job's ``slot_base`` comes from bits 48-63 of its ``addr``; a
+    ``COMPACT`` job is a compaction instead (``kv_pos`` → base, ``n`` → width, ``k`` →
+    count, ``addr`` → rows, ``dst`` → slot_base, ``src`` → slots), its ``done`` the
+    sequencer's ``compact_done``."""
+
+    def __init__(self, sequencer: KvSequencer, paths: list, config=TINY):
+        self.sequencer, self.paths = sequencer, paths
+        super().__init__(OpSequencerSignature(config, 128))
+
+    def elaborate(self, platform):
+        m = Module()
+        seq = m.submodules.sequencer = self.sequencer
+        _pass_through_but_job(m, self, seq)
+        p = self.job.payload
+        compact = p.opcode == COMPACT
+        m.d.comb += [seq.job.payload.eq(p), seq.job.payload.addr.eq(p.addr[:48]),
+                     seq.slot_base.eq(p.addr[48:]),
+                     seq.job.valid.eq(self.job.valid & ~compact),
+                     seq.compact.valid.eq(self.job.valid & compact),
+                     seq.compact.payload.base.eq(p.kv_pos), seq.compact.payload.width.eq(p.n),
+                     seq.compact.payload.count.eq(p.k), seq.compact.payload.rows.eq(p.addr),
+                     seq.compact.payload.slot_base.eq(p.dst), seq.compact.payload.slots.eq(p.src),
+                     self.job.ready.eq(Mux(compact, seq.compact.ready, seq.job.ready)),
+                     self.done.eq(seq.done | seq.compact_done),
+                     self.error.eq(Mux(seq.compact_done, OK, seq.error))]
+        flat = [pos for path in self.paths for pos in (list(path) + [0] * PATH_ENTRIES)[:PATH_ENTRIES]]
+        table = m.submodules.paths = Memory(shape=16, depth=max(len(flat), 1), init=flat)
+        port = table.read_port(domain="comb")
+        jobs = Signal(range(len(self.paths) + 2))
+        with m.If(self.job.valid & self.job.ready):
+            m.d.sync += jobs.eq(jobs + 1)
+        m.d.comb += [port.addr.eq((jobs - 1) * PATH_ENTRIES + seq.path_index),
+                     seq.path_pos.eq(port.data)]
+        return m
+
+
+def _tree_model_cycles(config, job: dict) -> int:
+    """The cycle model's count for one job of :class:`TreeAdapter` as the op bench counts
+    it (from the hand-over to ``done``): a compaction's
+    :func:`~sim.attention_timing.compaction_cycles`, a KVAPPEND's or ATTN's (any
+    ``kv_pos``, ``prefix``, ``path_len``) less the controller's unit overhead."""
+    if job["opcode"] == COMPACT:
+        return compaction_cycles(config, job["k"], job["src"])
+    if job["opcode"] == Op.KVAPPEND:
+        return kvappend_cycles(config, job["n"], job["k"], job["src"]) - UNIT_OVERHEAD
+    port = CycleModel(config.with_changes(mem_port_bits=128)).port
+    return attn_job_cycles(port, config, job["n"], job["k"], job["src"], job["dst"],
+                           job["prefix"], job["path_len"], bool(job.get("flags", 0) & Flag.WIDE),
+                           job["addr"] & ((1 << 48) - 1)) - UNIT_OVERHEAD
+
+
+class TreeRun:
+    """Steps of a tree test: each is the RTL's jobs (a tree forward's rows one job each,
+    as the controller issues them) and what the functional model does for the same step
+    (``FunctionalEngine._unit`` over all rows with the tree's registers, or ``_compact``),
+    with the error codes the RTL jobs must end with."""
+
+    def __init__(self, config):
+        self.config = config
+        self.jobs, self.paths, self.expected, self.references = [], [], [], []
+
+    def _add(self, jobs, reference, errors=None):
+        self.jobs += jobs
+        self.paths += [job.pop("path", ()) for job in jobs]
+        self.expected += errors or [OK] * len(jobs)
+        self.references.append(reference)
+
+    def chain(self, job, base=0, error=OK):
+        """A chain job (``pos`` its POS) that ends with ``error`` in the model too."""
+        base = job.pop("slot_base", base)
+        job = chain_kv_fields(job)
+
+        def reference(engine):
+            engine.kv_slot_base = base
+            ins = Instruction(Op(job["opcode"]), flags=job.get("flags", 0), rows=1,
+                              dst=job.get("dst", 0), src=job["src"], n=job["n"], k=job["k"],
+                              addr=job.get("addr", 0))
+            assert functional_reference(engine, ins, pos=job["pos"], layer=job["layer"]) == error
+        self._add([job | {"addr": job.get("addr", 0) | base << 48}], reference, [error])
+
+    def level(self, opcode, tree: TreeState, pitch, layer, n, k, src, dst=0, addr=0,
+              wide=False):
+        """A tree forward's KVAPPEND or ATTN of level ``tree.level``: ``W`` single-row jobs
+        (row ``r`` at ``src + r·pitch``, KV at ``S(d, r)``, ATTN over ``P0`` positions and
+        the row's path)."""
+        d, W, P0 = tree.level, tree.width, tree.base
+        flags = Flag.WIDE if wide else 0
+        jobs = [dict(opcode=opcode, flags=flags, rows=1, n=n, k=k, src=src + r * pitch,
+                     dst=dst + r * pitch, addr=addr, pos=P0 + d - 1, layer=layer,
+                     kv_pos=tree.storage(d, r), prefix=P0, path_len=d,
+                     path=tree.attended(r)[P0:]) for r in range(W)]
+        snapshot = TreeState(W, P0, d, [0] * W, [list(p) for p in tree.paths], [0] * W)
+
+        def reference(engine):
+            engine.kv_slot_base = 0
+            ins = Instruction(opcode, flags=flags, rows=W, dst=dst, src=src, n=n, k=k, addr=addr)
+            assert functional_reference(engine, ins, pos=P0 + d - 1, layer=layer, pitch=pitch,
+                                        tree=snapshot) == OK
+        self._add(jobs, reference)
+
+    def compaction(self, comp: Compaction, slot_base=0):
+        fields = comp.fields()
+        job = dict(opcode=COMPACT, rows=0, kv_pos=comp.base, n=comp.width, k=len(comp.rows),
+                   addr=fields["compact_rows"], dst=slot_base, src=comp.slots)
+
+        def reference(engine):
+            engine.kv_slot_base = slot_base
+            engine._compact(comp)
+        self._add([job], reference)
+
+    def check(self, rng, memory, min_attn=0):
+        """Run the RTL jobs and the model's steps from the same random VMEM; compare the
+        error codes, VMEM and every OK job's cycles with the cycle model's."""
+        c = self.config
+        vmem = rng.integers(0, 256, c.vmem_bytes, dtype=np.uint8)
+        dut = TreeAdapter(KvSequencer(c, 128), self.paths, c)
+        cycles = []
+        after, errors = run_jobs(c, dut, vmem, memory, self.jobs, cycles=cycles)
+        assert errors == self.expected
+        engine = FunctionalEngine(c, memory)
+        engine.vmem[:] = vmem
+        for reference in self.references:
+            reference(engine)
+        np.testing.assert_array_equal(after, engine.vmem)
+        timed = [(job, got) for job, got, e in zip(self.jobs, cycles, errors) if e == OK]
+        assert [got for _, got in timed] == [_tree_model_cycles(c, job) for job, _ in timed]
+        attn = sum(j["opcode"] == Op.ATTN and e == OK for j, e in zip(self.jobs, errors))
+        assert attn >= min_attn, attn
+        return errors
+
+
+def _grow(tree: TreeState, rng) -> None:
+    """The next level of ``tree``: each row's parent a random row of the current level."""
+    W = tree.width
+    parents = [int(rng.integers(0, W)) for _ in range(W)] if tree.level else [0] * W
+    tree.paths = [(tree.paths[p] if tree.level else []) + [r] for r, p in enumerate(parents)]
+    tree.level += 1
+
+
+def _tree_request(run: TreeRun, rng, W, P0, levels, pitch=12):
+    """One tree request's KV work: chain KVAPPENDs of both layers for positions 0 … P0 − 1
+    (every tenth one followed by an ATTN), then for levels 1 … ``levels`` the tree
+    forward's KVAPPEND and ATTN rows of both layers (random paths, 2 or 4 query heads
+    over 2 KV heads or 1, narrow or wide, sometimes a short k); returns the tree."""
+    for pos in range(P0):
+        for layer in range(LAYERS):
+            run.chain(_append(KV_HEADS, 16, int(rng.integers(0, 200)), pos, layer))
+        if pos % 10 == 9:
+            run.chain(_attn(2, 16, 30, 150, pos, GQA2, layer=int(rng.integers(LAYERS))))
+    tree = TreeState(W, P0)
+    for _ in range(levels):
+        _grow(tree, rng)
+        for layer in range(LAYERS):
+            k = TINY.head_dim if rng.random() < 0.8 else int(rng.integers(5, TINY.head_dim))
+            run.level(Op.KVAPPEND, tree, pitch, layer, KV_HEADS, k, int(rng.integers(0, 60)))
+        for layer in range(LAYERS):
+            n, addr = [(2, GQA2), (4, GQA2_ODD), (2, MHA1), (4, GQA2)][int(rng.integers(4))]
+            k = TINY.head_dim if rng.random() < 0.8 else int(rng.integers(3, TINY.head_dim))
+            run.level(Op.ATTN, tree, pitch, layer, n, k, int(rng.integers(0, 60)),
+                      int(rng.integers(110, 256 - 8 - 3 * pitch)), addr,
+                      wide=bool(rng.random() < 0.5))
+    return tree
+
+
+@pytest.mark.parametrize("name", ["b1", "b2", "b4"])
+def test_tree_rows_random(name):
+    """Random tree requests against the functional model's tree forward: the chain
+    inputs, then each level's KVAPPEND rows at S(d, r) and ATTN rows over P0 positions and
+    their random root-to-node paths (every path entry read through the path port, in any
+    bank), W = 1 … 4; then the accepted path's compaction and chain ATTNs over the
+    compacted context. Every job's cycles equal the cycle model's."""
+    config = TREE[name]
+    rng = np.random.default_rng(30 + config.kv_banks)
+    run = TreeRun(config)
+    for W, P0, levels in [(int(rng.integers(2, 5)), int(rng.integers(1, 12)), int(rng.integers(2, 5))),
+                          (int(rng.integers(1, 5)), int(rng.integers(1, 20)), int(rng.integers(1, 4)))]:
+        tree = _tree_request(run, rng, W, P0, levels)
+        accepted = [int(rng.integers(0, W)) for _ in range(int(rng.integers(1, levels + 1)))]
+        run.compaction(Compaction(P0, W, tuple(accepted), LAYERS * KV_HEADS))
+        for layer in range(LAYERS):
+            run.chain(_attn(4, 16, 20, 200, P0 + len(accepted) - 1, GQA2, layer, wide=True))
+        # positions past the compacted ones keep the tree's entries
+        run.chain(_attn(2, 16, 20, 220, tree.storage(levels, W - 1), GQA2, 1))
+    run.check(rng, _memory(rng), min_attn=16)
+
+
+def test_tree_edges_and_faults():
+    """A tree whose last level ends at the last KV position (KVAPPEND at kv_positions − 1,
+    ATTN with prefix + path_len = kv_positions is OK); then the faults: KVAPPEND at
+    kv_pos = kv_positions, ATTN one position over (KV_OVERFLOW); ATTN with prefix 0 or a
+    path longer than PATH_ENTRIES (PROGRAM, before the overflow); each leaves the KV as it
+    was (the last ATTN reads it all). Compactions of no level and of no slot do nothing."""
+    config = TREE["b2"]
+    rng = np.random.default_rng(33)
+    P = config.kv_positions
+    run = TreeRun(config)
+    W, levels = 3, 2
+    P0 = P - (levels * W)                 # level 2's last row at P − 1
+    tree = _tree_request(run, rng, W, P0, levels, pitch=10)
+    assert tree.storage(levels, W - 1) == P - 1
+    row = dict(opcode=Op.ATTN, flags=0, rows=1, n=2, k=16, src=12, dst=160, addr=GQA2, pos=0,
+               layer=1)
+    # prefix + path_len = kv_positions exactly, the path's last entry the last position
+    run._add([dict(row, prefix=P - 2, path_len=2, path=(P - 4, P - 1))],
+             _same_as_row(row, P - 2, (P - 4, P - 1)))
+    faults = [dict(opcode=Op.KVAPPEND, rows=1, n=2, k=16, src=3, pos=0, layer=0, kv_pos=P),
+              dict(row, prefix=P - 1, path_len=2, path=(P - 3, P - 1)),
+              dict(row, prefix=0, path_len=1, path=(5,)),
+              dict(row, prefix=P, path_len=PATH_ENTRIES + 1),
+              dict(row, prefix=70000 - P, path_len=3)]
+    run._add(faults, lambda engine: None, [KV_OVERFLOW, KV_OVERFLOW, PROGRAM, PROGRAM, KV_OVERFLOW])
+    for comp in (Compaction(P0, W, (), 4), Compaction(P0, W, (2, 1), 0)):
+        run.compaction(comp)
+    run.chain(_attn(4, 16, 20, 200, P - 1, GQA2, 0, wide=True))
+    run.chain(_attn(2, 16, 30, 220, P - 1, MHA1, 1))
+    run.check(rng, _memory(rng))
+
+
+def _same_as_row(row, prefix, path):
+    """The functional model's step for one extra ATTN row: numerics.attention of each
+    head over positions ``0 … prefix − 1`` and ``path``, written at the row's ``dst``."""
+    from dfvg_hw.spec import numerics as nx
+
+    def reference(engine):
+        positions = list(range(prefix)) + list(path)
+        block = engine.memory.view(row["addr"], ATTN_PARAM_BYTES).view("<u4")
+        mult, shift, groups = int(block[0]) & 0xFFFF, int(block[0]) >> 16 & 0x3F, int(block[1])
+        n, k = row["n"], row["k"]
+        q = engine.vmem[row["src"] * L:row["src"] * L + n * k].view(np.int8).reshape(n, k)
+        slot = row["layer"] * groups
+        out = [nx.attention(q[h], engine.kv_k[slot + h // (n // groups), positions, :k],
+                            engine.kv_v[slot + h // (n // groups), positions, :k], mult, shift, 8)
+               for h in range(n)]
+        engine.vmem[row["dst"] * L:row["dst"] * L + n * k] = np.concatenate(out).astype(np.int8).view(np.uint8)
+    return reference
+
+
+@pytest.mark.parametrize("name", ["b1", "b4"])
+def test_compaction_random(name):
+    """Random compactions against FunctionalEngine._compact: KV filled by chain KVAPPENDs
+    at every position, then compactions of random base, width (1 … 16), levels (1 … 16),
+    rows, and slot ranges (kv_slot_base and slots, the other slots untouched), each
+    followed by ATTNs over every position of both layers (every K and V byte of every
+    entry counts); cycles equal to compaction_cycles."""
+    config = TREE[name].with_changes(kv_positions=40)      # fewer positions to fill and read
+    rng = np.random.default_rng(34 + config.kv_banks)
+    P, S = config.kv_positions, config.kv_slots
+    run = TreeRun(config)
+    for pos in range(P):
+        for layer in range(LAYERS):
+            run.chain(_append(KV_HEADS, 16, int(rng.integers(0, 200)), pos, layer))
+    for i in range(8):
+        width = int(rng.choice([1, 2, 3, int(rng.integers(1, 17))]))
+        levels = int(rng.integers(1, 17))
+        while True:
+            base = int(rng.integers(0, P))
+            rows = tuple(int(r) for r in rng.integers(0, width, levels))
+            if Compaction(base, width, rows, 1).moves()[-1][0] < P:
+                break
+            levels = max(1, levels - 1)
+        slot_base = int(rng.integers(0, S))
+        slots = int(rng.integers(1, S - slot_base + 1))
+        run.compaction(Compaction(base, width, rows, slots), slot_base)
+        for layer in range(LAYERS):
+            run.chain(_attn(2 if i % 2 else 4, 16, 20, 200 + 8 * layer, P - 1, GQA2, layer,
+                            wide=bool(i % 2)))
+    run.check(rng, _memory(rng))
+
+
+def test_a_path_mutation_is_caught(monkeypatch):
+    """The tree check can fail: a path read one entry off (path_index + 1) gives other
+    ATTN outputs than the functional model's."""
+    import dfvg_hw.kv_buffer as kv_module
+    from sequencer_cases import mutant
+    config = TREE["b1"]
+    rng = np.random.default_rng(35)
+    run = TreeRun(config)
+    _tree_request(run, rng, 2, 3, 1)
+    run.check(np.random.default_rng(36), _memory(np.random.default_rng(37)))
+    bad = mutant(kv_module, "m.d.comb += self.path_index.eq(path_i)",
+                 "m.d.comb += self.path_index.eq(path_i + 1)")
+    monkeypatch.setattr("dfvg_hw.kv_sequencer.KVBuffer", bad.KVBuffer)
+    with pytest.raises(AssertionError):
+        run.check(np.random.default_rng(36), _memory(np.random.default_rng(37)))
