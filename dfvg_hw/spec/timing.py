@@ -312,3 +312,13 @@ def actmul_writer_lag(lanes: int) -> int:
 TREE_ROW_HANDOVER = JOB_HANDOVER
 #: COMPACT: the compaction's hand-over to the KV sequencer, after the token scan.
 COMPACT_HANDOVER = 1
+
+# KV sequencer: tree rows and compaction
+#: KvSequencer, a compaction (isa.md §9.3) from its hand-over to ``compact_done``, besides
+#: its levels: COMPACT_END once the KV buffer is idle (the last copy's trailing write).
+COMPACT_START = 1
+#: ... per level: COMPACT_LEVEL, the ROLLBACK to the level's destination position.
+COMPACT_LEVEL_STATES = 1
+#: ... per (level, slot) besides the entry's ``W`` words: the KV buffer takes the COPY
+#: and sets up its two addresses (COPY_SETUP).
+KV_COPY_STATES = 2
