@@ -63,7 +63,7 @@ writes zeros over every entry: APPENDs of all-zero entries, position by position
 an extra member rather than a job because a soft reset is no instruction: it has no
 fields, no error and no ``done`` in the instruction flow.
 
-Cycles (measured on ``tiny``, 128-bit bus; ``T = pos + 1``, ``W = head_dim /
+Cycles (measured on ``tiny``, 128-bit bus; ``T = prefix + path_len``, ``W = head_dim /
 gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND about ``5 + 14·n`` for
 line-aligned heads (n = 2, k = 16: 33); ATTN about ``40 + n·(2·W·T + ceil(log2 D) + 55)``
 including the parameter read (n = 4, k = 16: 293 at T = 1, 533 at T = 16, 1301 at
