@@ -299,9 +299,8 @@ class DraftDevice:
         self._seq = 0
         self._buf = 0
         self._current = 0
-        self._kv_lengths = [0] * self.max_sequences
-        self._committed = [0] * self.max_sequences
         self._pending: PendingDraft | None = None
+        self._forget_sequences()
         self._engine_tree_width: int | None = None      # P_TREE_WIDTH, read on first use
         self.clock_hz = 0.0
         self.check_engine()
