@@ -475,7 +475,9 @@ class FunctionalEngine:
             return [DraftedToken(0, 0, [], [])]   # the controller faults it (seq.drafted)
         if h["sample"]:
             first = tree.level * tree.width          # the new level's first record index
-            draws = [draw(sources[0 if tree.level == 0 else r], first + r) for r in range(tree.width)]
+            # each row draws from its own source row; from row 0 when the buffer holds one
+            # (the root's, or a tree forward that computed no logits of its own)
+            draws = [draw(sources[r if len(sources) > 1 else 0], first + r) for r in range(tree.width)]
         try:
             return tree.expand(sources, draws)
         except ValueError as exc:

@@ -74,13 +74,15 @@ class TreeState:
     def expand(self, sources: list[SampledRow], draws: list[int] | None) -> list[DraftedToken]:
         """Make the next level from the sampled source rows (one per row of the level being
         fed, or the root's one row): greedy by path score when ``draws`` is None, else row
-        ``r`` takes entry ``draws[r]`` of source ``r`` (source 0 for level 1). Returns the
+        ``r`` takes entry ``draws[r]`` of source ``r`` (source 0 when there is one). Returns the
         new nodes' records in row order."""
         parent_level = self.level
         if draws is None:
             picks = nx.tree_expand_greedy(self.scores, [s.probs for s in sources], self.width)
         else:
-            picks = [(0 if parent_level == 0 else r, draws[r], 0) for r in range(self.width)]
+            # row r continues source row r; every row draws from the one row there is at the
+            # root (or after a tree forward whose program computed no logits of its own)
+            picks = [(r if len(sources) > 1 else 0, draws[r], 0) for r in range(self.width)]
         records, paths, tokens, scores = [], [], [], []
         for s, j, score in picks:
             source = sources[s]

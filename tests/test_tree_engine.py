@@ -226,3 +226,18 @@ def test_cycle_estimate_of_a_tree_request_equals_the_functional_count(fresh, tre
                            sample=sample, compaction=comp or (0, 0))
     assert s.engine.counts.by_op == est.by_op and s.engine.counts.total == est.total
     assert r.n_forward == 3 + 3 and r.end_pos == (6 if comp else 0) + 3 + 3
+
+
+def test_a_sampled_tree_forward_without_its_own_logits_draws_from_the_one_row(tiny_engine, tiny_compiled, tree):
+    """A tree forward whose program skips its LOGITS leaves the root's one row in the
+    buffer: every row draws from it (as the RTL's sampler does), no bare exception."""
+    from dfvg_hw.spec.isa import Instruction, MatmulMode, encode
+    program = list(tiny_compiled.program)
+    at = next(i for i in range(tree.pc, len(program))
+              if decode(program[i]).opcode == Op.MATMUL and decode(program[i]).mode == MatmulMode.LOGITS)
+    program[at] = encode(Instruction(Op.NOP))
+    s = FunctionalSession(tiny_engine, tiny_compiled.image, program)
+    nodes = ok(s.run(tree_request(tree, prompt(3), 3, sample=True, seed=5, **T1)))
+    w = tree.width
+    assert [n.parent for n in nodes[w:]] == [(level - 1) * w for level in (1, 2) for _ in range(w)]
+    assert all(n.topk_ids == nodes[0].topk_ids for n in nodes)      # all from the root's row
