@@ -70,7 +70,7 @@ def cmd_compile(args) -> int:
     shape = compiled.shape
     report = compile_report(engine, compiled.program, model=shape.describe(),
                             image_bytes=len(compiled.image), context_limit=compiled.context_limit,
-                            context=args.context)
+                            context=args.context, tree=compiled.tree)
     (Path(args.output) / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     (Path(args.output) / "report.txt").write_text(report.text() + "\n")
     if args.json:
