@@ -268,8 +268,8 @@ class Controller(wiring.Component):
         if kv is not None:
             # the request's sequence's first KV slot (the header holds until the next START)
             m.d.comb += kv.slot_base.eq(header.kv_slot_base)
-            if "path_index" in kv.signature.members:
-                m.d.comb += [tree.path_index.eq(kv.path_index), kv.path_pos.eq(tree.path_pos)]
+            # ATTN's tree rows ask for their paths' positions
+            m.d.comb += [tree.path_index.eq(kv.path_index), kv.path_pos.eq(tree.path_pos)]
         # the result's fields, as the controller knows them at the end of a request
         m.d.comb += [writer.seq.eq(header.seq), writer.status.eq(code),
                      writer.end_pos.eq(Mux(started, seq.pos, header.start_pos)),
@@ -424,7 +424,7 @@ class Controller(wiring.Component):
 
             # -- the request's compaction (isa §9.3), before the program: the KV sequencer's --
             with m.State("COMPACT"):
-                if kv is not None and "compact" in kv.signature.members:
+                if kv is not None:
                     job = kv.compact.payload
                     m.d.comb += [kv.compact.valid.eq(1),
                                  job.base.eq(header.compact_from), job.width.eq(header.compact_width),
@@ -436,7 +436,7 @@ class Controller(wiring.Component):
                 else:
                     m.next = "FETCH"
             with m.State("COMPACT_RUN"):
-                with m.If(kv is None or "compact" not in kv.signature.members or kv.compact_done):
+                with m.If(kv is None or kv.compact_done):
                     m.next = "FETCH"
 
             # -- execution ------------------------------------------------------------------------

@@ -26,7 +26,7 @@ instruction fields, addresses and the KV position. All figures it produces are
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import ceil
 
 from dfvg_hw.spec import timing as tm
@@ -34,22 +34,24 @@ from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words, watchdog_budget
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
-from sim.attention_timing import attn_cycles, compaction_cycles, kvappend_cycles
+from sim.attention_timing import attn_cycles, attn_job_cycles, compaction_cycles, kvappend_cycles
 from sim.sample_timing import tree_sample_cycles
 from sim.elementwise_timing import actmul_cycles, rmsnorm_cycles, rope_cycles
 from sim.matmul_timing import matmul_cycles, ReadPath
 from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, LineSplitter, PortTiming
 
 __all__ = ["CycleModel", "CycleCounts", "TreeTiming", "estimate_request", "BEFORE_FINISH", "ISSUE",
-           "UNIT_OVERHEAD"]
+           "UNIT_OVERHEAD", "SPLIT_OPS"]
 
 #: The latencies and fixed overheads below are the RTL's own (:mod:`dfvg_hw.spec.timing`).
 ISSUE, BEFORE_FINISH = tm.ISSUE, tm.BEFORE_FINISH
+#: The opcodes a tree forward runs as one single-row job per row (controller.py).
+SPLIT_OPS = (Op.EMBED, Op.RMSNORM, Op.ROPE, Op.KVAPPEND, Op.ATTN, Op.ACTMUL)
 
 
 @dataclass(frozen=True)
 class TreeTiming:
-    """What prices a tree request's instructions (docs/isa.md §9.5; modelled, no RTL yet).
+    """What prices a tree request's instructions (docs/isa.md §9.5).
 
     Members
     -------
@@ -124,9 +126,10 @@ class CycleModel:
         c, port = self.config, self.port
         op = ins.opcode
         addr = ins.addr if addr is None else addr
-        if tree is not None and (op == Op.SAMPLE or (
-                tree.level and op in (Op.EMBED, Op.KVAPPEND, Op.ATTN))):
-            return self._tree_instruction(ins, tree, topk, addr)
+        if tree is not None and op == Op.SAMPLE:
+            return tree_sample_cycles(c, ins.n, topk, tree.sources, tree.width, tree.sampled), 0
+        if tree is not None and tree.level and op in SPLIT_OPS and (ins.rows == 1 or tree.pitch):
+            return self._tree_rows(ins, tree, pos, addr)
         rows = max(ins.rows, 1)
         if op == Op.MATMUL:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
@@ -154,33 +157,34 @@ class CycleModel:
             return self._sample(ins.n, topk), 0
         return ISSUE, 0      # NOP, HALT, LOOP, ENDLOOP, BRANCH, NEXT
 
-    def _tree_instruction(self, ins: Instruction, tree: TreeTiming, topk: int,
-                          addr: int) -> tuple[int, int]:
-        """A tree forward's EMBED, KVAPPEND and ATTN, and a tree request's SAMPLE
-        (docs/isa.md §9.5): the single-row sequence once per row, less the unit overhead of
-        every row after the first; SAMPLE one top-k pass per source row, the expansion and
-        a record per node."""
+    def _tree_rows(self, ins: Instruction, tree: TreeTiming, pos: int, addr: int) -> tuple[int, int]:
+        """A tree forward's EMBED, RMSNORM, ROPE, KVAPPEND, ATTN or ACTMUL (controller.py):
+        one single-row job per row, row ``r``'s ``src`` and ``dst`` ``r · pitch`` on, each
+        the unit's own cost; the controller's FETCH, DECODE and RETIRE once, and a
+        hand-over per job. EMBED embeds the row's node (no token read); ATTN attends to
+        the ``P0`` committed positions and the row's path of ``level`` entries."""
         c, op = self.config, ins.opcode
-        if op == Op.SAMPLE:
-            return tree_sample_cycles(c, ins.n, topk, tree.sources, tree.width, tree.sampled), 0
         lines = tree.pitch // LINE
-        if op == Op.EMBED:
-            cycles, nbytes = self._embed(ins.n, False)
-            per_row = cycles - ISSUE - tm.EMBED_TOKEN - tm.RETIRE
-            return cycles + (tree.width - 1) * per_row, tree.width * nbytes
-        path_end = tree.base + tree.level - 1     # a row attends to P0 + level positions
-        rows = []
-        for r in range(tree.width):
-            if op == Op.KVAPPEND:
-                rows.append(kvappend_cycles(c, ins.n, ins.k, ins.src + r * lines))
+        costs = []
+        for r in range(ins.rows):
+            row = replace(ins, rows=1, src=ins.src + r * lines, dst=ins.dst + r * lines)
+            if op == Op.EMBED:
+                costs.append(self._embed(ins.n, False))
+            elif op == Op.KVAPPEND:
+                costs.append((kvappend_cycles(c, ins.n, ins.k, row.src), 0))
+            elif op == Op.ATTN:
+                costs.append((attn_job_cycles(self.port, c, ins.n, ins.k, row.src, row.dst, tree.base,
+                                              tree.level, bool(ins.wide), addr), ATTN_PARAM_BYTES))
             else:
-                rows.append(attn_cycles(self.port, c, ins.n, ins.k, ins.src + r * lines,
-                                        ins.dst + r * lines, path_end, bool(ins.wide), addr))
-        return sum(rows) - (tree.width - 1) * UNIT_OVERHEAD, (ATTN_PARAM_BYTES if op == Op.ATTN else 0)
+                costs.append(self.instruction(row, pos=pos, addr=addr))
+        cycles = (UNIT_OVERHEAD + sum(cost - UNIT_OVERHEAD for cost, _ in costs)
+                  + (len(costs) - 1) * tm.TREE_ROW_HANDOVER)
+        return cycles, sum(nbytes for _, nbytes in costs)
 
     def compaction(self, levels: int, slots: int) -> int:
-        """Cycles of a request's compaction (docs/isa.md §9.3, §9.5; modelled)."""
-        return compaction_cycles(self.config, levels, slots)
+        """Cycles of a request's compaction (docs/isa.md §9.3): the controller's hand-over,
+        then the KV sequencer's copies, before the program."""
+        return tm.COMPACT_HANDOVER + compaction_cycles(self.config, levels, slots)
 
     def _embed(self, n: int, token_from_request: bool) -> tuple[int, int]:
         """controller.py EMBED_*: read the token (one beat) if it comes from the request,
