@@ -141,9 +141,9 @@ class Controller(wiring.Component):
     config : EngineConfig
     data_width : int
         Device-memory bus width in bits (the memory port's), a multiple of 128.
-    tree_width : int
+    tree_width : int, optional
         The widest tree the engine drafts (``P_TREE_WIDTH``), 0 … ``config.rows``; 0
-        refuses tree requests.
+        refuses tree requests. By default ``config.rows``.
 
     Members
     -------
@@ -166,12 +166,12 @@ class Controller(wiring.Component):
     op_counters : OpCycleCounters
     """
 
-    def __init__(self, config: EngineConfig, data_width: int = 128, tree_width: int = 0):
+    def __init__(self, config: EngineConfig, data_width: int = 128, tree_width: int | None = None):
         if data_width not in BEAT_BITS:
             raise ValueError(f"data_width must be 128, 256 or 512 bits, got {data_width}")
         self.config = config
         self.data_width = data_width
-        self.tree_width = tree_width
+        self.tree_width = config.rows if tree_width is None else tree_width
         super().__init__(wiring.Signature({
             "ctrl": In(EngineControlSignature()),
             "status": Out(EngineStatusSignature()),
@@ -183,7 +183,7 @@ class Controller(wiring.Component):
         self.program_flow = ProgramFlow()
         self.vmem = VectorMemory(config)
         self.sample_unit = SampleSequencer(config)
-        self.front_end = RequestFrontEnd(config, data_width, tree_width)
+        self.front_end = RequestFrontEnd(config, data_width, self.tree_width)
         self.result_writer = ResultWriter(config, data_width)
         self.tree_registers = TreeRegisters(config)
         self.op_counters = OpCycleCounters()

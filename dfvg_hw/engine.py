@@ -53,7 +53,8 @@ class DraftEngine(wiring.Component):
         is ``config.mem_ports`` times it.
     tree_width : int, optional
         The widest tree the engine drafts, 0 … ``config.rows`` (``P_TREE_WIDTH``, docs/isa.md
-        §9.4; 0: chains only, tree requests are refused); by default 0.
+        §9.4; 0: chains only, tree requests are refused); by default ``config.rows``
+        (:meth:`default_tree_width`).
 
     Members
     -------
@@ -78,7 +79,7 @@ class DraftEngine(wiring.Component):
                  tree_width: int | None = None):
         self.config = config
         self.data_width = data_width = data_width or config.mem_port_bits
-        self.tree_width = 0 if tree_width is None else tree_width
+        self.tree_width = self.default_tree_width(config) if tree_width is None else tree_width
         if not 0 <= self.tree_width <= config.rows:
             raise ValueError(f"tree_width {self.tree_width} is not in 0 … rows = {config.rows}")
         self.axil = AXI4LiteSignature(register_space_bits())
@@ -96,6 +97,12 @@ class DraftEngine(wiring.Component):
         self.memory_port = StripedMemoryPort(config, port_width=data_width)
         #: co-simulation reaches the engine's state through it (``controller.units``)
         self.controller = Controller(config, self.memory_port.data_width, self.tree_width)
+
+    @staticmethod
+    def default_tree_width(config: EngineConfig) -> int:
+        """The tree width an engine of ``config`` drafts unless told otherwise: its rows
+        (a tree forward feeds a level's nodes as the matrix unit's rows)."""
+        return config.rows
 
     def elaborate(self, platform):
         m = Module()

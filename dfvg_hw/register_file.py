@@ -165,8 +165,9 @@ class RegisterFile(wiring.Component):
         Byte-address width of the bus; ``None`` (default) is the smallest that covers the
         register map (``regmap.register_space_bits()``, 8 today). Offsets beyond the
         map are unmapped.
-    tree_width : int
-        The widest tree the engine drafts: ``P_TREE_WIDTH`` (0: chains only).
+    tree_width : int, optional
+        The widest tree the engine drafts: ``P_TREE_WIDTH`` (0: chains only); by default
+        ``config.rows``, as the engine drafts.
 
     Members
     -------
@@ -180,7 +181,8 @@ class RegisterFile(wiring.Component):
         Level interrupt: ``IRQ_STATUS & IRQ_ENABLE ≠ 0``, registered.
     """
 
-    def __init__(self, config: EngineConfig, addr_width: int | None = None, *, tree_width: int = 0):
+    def __init__(self, config: EngineConfig, addr_width: int | None = None, *,
+                 tree_width: int | None = None):
         needed = register_space_bits()
         addr_width = needed if addr_width is None else addr_width
         if addr_width < needed:
@@ -188,7 +190,7 @@ class RegisterFile(wiring.Component):
                              f"register; it needs {needed}")
         self.config = config
         self.addr_width = addr_width
-        self.tree_width = tree_width
+        self.tree_width = config.rows if tree_width is None else tree_width
         super().__init__({
             "bus": In(AXI4LiteSignature(addr_width)),
             "ctrl": Out(EngineControlSignature()),

@@ -42,7 +42,7 @@ def _cache_dir() -> Path:
 
 
 def _build_key(config: EngineConfig, data_width: int | None, verilator_version: str,
-               tree_width: int | None = None) -> str:
+               tree_width: int) -> str:
     """16 hex digits over what the harness binary depends on: the generator's sources
     (the Verilog is a function of them, the configuration and Amaranth), the harness and
     the Verilator version. Hashing the sources, not the generated Verilog, spares every
@@ -54,7 +54,7 @@ def _build_key(config: EngineConfig, data_width: int | None, verilator_version: 
     for source in sorted(Path(dfvg_hw.__file__).parent.rglob("*.py")):
         h.update(source.read_bytes())
     h.update(repr((sorted(config.to_dict().items()), data_width, amaranth.__version__,
-                   verilator_version) + ((tree_width,) if tree_width is not None else ())).encode())
+                   verilator_version, tree_width)).encode())
     h.update(HARNESS.read_bytes())
     return h.hexdigest()[:16]
 
@@ -78,6 +78,7 @@ def build_harness(config: EngineConfig, data_width: int | None = None, log=None,
         raise FileNotFoundError("verilator is not installed (Debian package 'verilator'; the "
                                 "README's test setup installs it)")
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    tree_width = DraftEngine.default_tree_width(config) if tree_width is None else tree_width
     out = _cache_dir() / _build_key(config, data_width, version, tree_width)
     binary = out / "obj_dir" / "harness"
     out.mkdir(parents=True, exist_ok=True)

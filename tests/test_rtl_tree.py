@@ -105,7 +105,7 @@ def _sessions(compiled, config, device, scripts: int, seed: int):
 
 @pytest.fixture(scope="module")
 def verilator_tiny():
-    device = VerilatorDevice(TINY, tree_width=TINY.rows)
+    device = VerilatorDevice(TINY)          # the engine drafts trees as wide as its rows
     yield device
     device.close()
 
@@ -124,7 +124,7 @@ def test_tree_sessions_at_tiny_hbm(tiny_draft_dir):
     hbm = get_preset("tiny-hbm")
     assert hbm.kv_banks >= 2
     compiled = compile_draft(tiny_draft_dir, hbm)
-    device = VerilatorDevice(hbm, tree_width=hbm.rows)
+    device = VerilatorDevice(hbm)
     try:
         bad, seen = _sessions(compiled, hbm, device, scripts=5, seed=2)
     finally:
@@ -140,6 +140,6 @@ def test_a_tree_on_the_amaranth_engine(tiny_compiled):
     request = DraftRequest([5, 17], 0, 2, topk=3, tree_width=tree.width, tree_pc=tree.pc,
                            row_pitch=tree.row_pitch, seq=9)
     want = tree_cases.run_script(SimDevice(TINY), tiny_compiled, [request])
-    got = tree_cases.run_script(RtlDevice(TINY, tree_width=TINY.rows), tiny_compiled, [request])
+    got = tree_cases.run_script(RtlDevice(TINY), tiny_compiled, [request])
     assert want[0].result.status == ErrorCode.OK and len(want[0].result.tokens) == 2 * tree.width
     assert tree_cases.compare_runs(tiny_compiled, got, want) == []

@@ -5,7 +5,10 @@ exception but the engine's faults, on
 * every disagreement the fuzzer found, as an explicit case (the cause is in each case's
   comment; the sim-side halves are in tests/test_fuzz_functional.py), and
 * a bounded seeded sample of random cases at ``tiny`` (``scripts/fuzz_functional.py
-  --rtl N`` runs longer ones).
+  --rtl N`` runs longer ones), and
+* model-shaped programs as trees of width 1 (NEXT re-enters the program as its tree
+  forward, docs/isa.md §9.2): the tree's KV positions and paths, and the row pitch that
+  splits RMSNORM, ROPE and ACTMUL of two rows into single-row jobs.
 
 One Verilator device serves the module: making one generates the engine's Verilog (to
 find its cached build), which costs more than the cases themselves.
@@ -13,11 +16,14 @@ find its cached build), which costs more than the cases themselves.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
 from dfvg_hw.spec.config import get_preset
-from dfvg_hw.spec.descriptors import DraftRequest
+from dfvg_hw.spec.descriptors import (REQUEST_FIELDS, REQUEST_HEADER_WORDS, DraftRequest, pack_fields,
+                                      unpack_fields)
 from dfvg_hw.spec.isa import Cond, Instruction as I, MatmulMode, Op, encode
 from sim import fuzz
 from sim.verilator_device import VerilatorDevice
@@ -121,3 +127,30 @@ def test_random_cases(runner):
     assert rtl.ends == ref.ends and skipped < CASES // 10
     assert rtl.ends["OK"] >= CASES // 5 and len(rtl.ends) >= 5
     assert [op.name for op in Op if op != Op.NOP and not rtl.ran[op.name]] == []
+
+
+def _as_tree(case: fuzz.FuzzCase, row_pitch: int) -> fuzz.FuzzCase:
+    """``case`` with a request for a tree of width 1 entered at PC 0, rows ``row_pitch``
+    lines apart."""
+    words = list(struct.unpack(f"<{len(case.request) // 4}I", case.request))
+    header = unpack_fields(REQUEST_FIELDS, words[:REQUEST_HEADER_WORDS])
+    header.update(tree_width=1, tree_pc=0, row_pitch=row_pitch)
+    words[:REQUEST_HEADER_WORDS] = pack_fields(REQUEST_FIELDS, REQUEST_HEADER_WORDS, header)
+    return fuzz.FuzzCase(case.program, case.image, struct.pack(f"<{len(words)}I", *words), case.n_draft)
+
+
+def test_random_trees_of_width_one(runner):
+    """Model-shaped programs drafting trees of width 1: every drafted forward is a tree
+    forward, its KV stored at S(d, 0) and attended through its path. Row pitches of 0
+    (several rows keep their own stride) and of more lines than any row here: rows that
+    overlap are not held to the functional model, which reads every row of an operand
+    before it writes one, where the RTL's jobs go a row at a time."""
+    assert runner.tree_width() == TINY.rows
+    rng = np.random.default_rng(3)
+    cases = [(i, _as_tree(fuzz.random_forward_case(rng, TINY, mutations=int(rng.choice([0, 0, 1]))),
+                          int(rng.choice([0, 40, 200]))))
+             for i in range(60)]
+    rtl, ref, bad, skipped = fuzz.fuzz_rtl(TINY, cases, runner, log=lambda line: None,
+                                           max_model_cycles=40_000)
+    assert bad == [] and skipped < 6
+    assert rtl.ends == ref.ends and rtl.ends["OK"] >= 20 and rtl.ran["SAMPLE"] >= 10
