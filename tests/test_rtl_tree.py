@@ -143,3 +143,28 @@ def test_a_tree_on_the_amaranth_engine(tiny_compiled):
     got = tree_cases.run_script(RtlDevice(TINY), tiny_compiled, [request])
     assert want[0].result.status == ErrorCode.OK and len(want[0].result.tokens) == 2 * tree.width
     assert tree_cases.compare_runs(tiny_compiled, got, want) == []
+
+
+def test_the_driver_drafts_trees_on_the_rtl_engine(tiny_compiled, verilator_tiny):
+    """``DraftDevice.draft_tree`` and ``commit_tree_path`` through the Verilator engine: the
+    driver reads the engine's tree width, its checks of the tree hold, and every tree and
+    the compacted KV behind the next one equal the sim device's."""
+    from dfvg_host.driver import DraftDevice
+
+    def session(device):
+        dev = DraftDevice(device, tiny_compiled, timeout_s=600)
+        trees = [dev.draft_tree([5, 17, 99], 3)]
+        nodes, path = trees[0].tokens, [2 * tiny_compiled.tree.width - 1]    # level 2's last row
+        while nodes[path[0]].parent != -1:
+            path.insert(0, nodes[path[0]].parent)
+        c = dev.commit_tree_path(path)
+        trees.append(dev.draft_tree([nodes[path[-1]].token, 42], 3, sample=True, temperature=0.8,
+                                    seed=3, counter=11))
+        dev.commit_tree_path([0])
+        trees.append(dev.draft([7], 4))
+        return c, [(t.tokens, t.end_pos, t.n_forward, t.cycles) for t in trees], dev.kv_length
+
+    tree_cases.soft_reset(verilator_tiny)
+    want = session(SimDevice(TINY))
+    assert want[0] == 2 and len(want[1][0][0]) == 3 * tiny_compiled.tree.width
+    assert session(verilator_tiny) == want
