@@ -323,8 +323,8 @@ class Tally:
                  }.get(self.method, "modelled (cycle model at the preset clock)"
                        + ("; per round the slowest of the drafters, which draft at once"
                           if self.method in MULTI_METHODS else "")
-                       + ("; a tree request's cycles (docs/isa.md §9.5: the plan for the RTL, "
-                          "not yet checked against it)" if self.method == ENGINE_TREE else ""))
+                       + ("; a tree request's cycles (docs/isa.md §9.5, exact against the RTL)"
+                          if self.method == ENGINE_TREE else ""))
         return dict(target_s="measured (target forward passes)",
                     host_s="measured (wall time outside the target and draft forward passes)",
                     draft_s=draft, pcie_s="modelled (link model)" if self.is_dfvg else "none",

@@ -947,8 +947,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--strategy", choices=["chain", "tree"], default="chain",
                    help="chain (default): the engine drafts γ tokens per round; tree: it drafts a "
                         "token tree of --gamma levels, as wide as the preset's rows (4 on the Alveo "
-                        "presets), verified in one target forward (a sim:// device; the RTL drafts "
-                        "chains only)")
+                        "presets), verified in one target forward")
     g.add_argument("--gamma-max", type=int, help="with --gamma auto: the largest γ tried (default 16)")
     g.add_argument("--dtype", default="float32", help="verifier dtype: float32, bfloat16, float16")
     g.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")

@@ -27,7 +27,7 @@ n + 1 (:class:`~dfvg_host.pipelined.PipelinedDecoder`).
 Token trees (docs/isa.md §9): :meth:`DraftDevice.submit_tree` (or :meth:`~DraftDevice.draft_tree`)
 drafts a tree of ``levels`` levels of :attr:`DraftDevice.tree_width` nodes in one request,
 on a device and a compiled program that draft trees (:attr:`~DraftDevice.tree_width` > 0;
-the RTL of this revision drafts chains only and is refused on the host). After it the
+a chain-only engine, ``P_TREE_WIDTH`` = 0, is refused on the host). After it the
 committed, logically ordered KV ends at the tree's ``P0`` (the position after its inputs)
 and the driver remembers the tree; :meth:`~DraftDevice.commit_tree_path` takes the path
 the target accepted, and the next request of the sequence carries the
@@ -185,7 +185,7 @@ _TREE_VERSION_MINOR = 4
 
 def read_tree_width(transport: Transport) -> int:
     """The widest token tree the engine behind ``transport`` drafts (``P_TREE_WIDTH``; 0:
-    chains only, as the RTL of this revision and engines older than trees)."""
+    chains only, as an engine built with ``tree_width=0`` and engines older than trees)."""
     if transport.read32(Reg.VERSION) & 0xFFFF < _TREE_VERSION_MINOR:
         return 0                        # no P_TREE_WIDTH register before trees
     return transport.read32(Reg.P_TREE_WIDTH)
@@ -196,9 +196,9 @@ def tree_unavailable(engine_width: int, compiled: CompiledDraft) -> str:
     ``compiled`` (one line, with what to do instead), or ``""`` when it can."""
     program = compiled.tree.width
     if engine_width == 0:
-        return ("the draft device drafts chains only (P_TREE_WIDTH = 0: the RTL engine of this "
-                "revision, or a card built without trees); draft trees on a sim:// device (the "
-                "functional model drafts them) or draft chains (--strategy chain)")
+        return ("the draft device drafts chains only (P_TREE_WIDTH = 0: an engine or card "
+                "built without trees); draft trees on a device that reports its rows (sim://, "
+                "rtl://, or a card built with trees) or draft chains (--strategy chain)")
     if program == 0:
         return (f"the compiled draft has no tree forward (preset '{compiled.manifest['engine']['name']}' "
                 "has one row, its VMEM cannot hold a row per branch, or the draft was compiled "
@@ -362,8 +362,8 @@ class DraftDevice:
     # -- token trees: the capability -------------------------------------------------------
     @property
     def engine_tree_width(self) -> int:
-        """The widest tree the engine drafts (``P_TREE_WIDTH``; 0: chains only, as the RTL of
-        this revision and engines older than trees). Read from the device on first use, so
+        """The widest tree the engine drafts (``P_TREE_WIDTH``; 0: chains only, as an engine
+        built without trees and engines older than trees). Read from the device on first use, so
         a caller that drafts chains only sends exactly the register accesses it always did."""
         if self._engine_tree_width is None:
             self._engine_tree_width = self._read_tree_width()

@@ -24,8 +24,8 @@ a failed request resets the device and replays, with the same RNG counter (a req
 takes ``depth · W`` counters), then the target goes on alone; no token is lost.
 
 Time: the target and the host are measured; the engine's tree request (its cycles from
-the device: the cycle model on ``sim://``, docs/isa.md §9.5, a plan for the RTL not yet
-checked against it) and PCIe (link model) are modelled.
+the device: the cycle model on ``sim://``, docs/isa.md §9.5, exact against the RTL) and
+PCIe (link model) are modelled.
 """
 
 from __future__ import annotations

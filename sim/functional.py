@@ -226,7 +226,7 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.BAD_REQUEST, f"compaction of {n} levels of width "
                               f"{comp.width} with rows {list(comp.rows)} is not a tree path")
         if max(src for src, _ in comp.moves()) >= c.kv_positions \
-                or self.kv_slot_base + comp.slots > c.kv_slots:
+                or h["kv_slot_base"] + comp.slots > c.kv_slots:
             raise EngineFault(ErrorCode.BAD_REQUEST, "compaction outside the KV buffer")
 
     def _compact(self, comp: Compaction) -> None:

@@ -23,7 +23,7 @@ TESTS = Path(__file__).resolve().parent
 
 #: Tests that run the Amaranth simulator or Verilator, besides everything under tests/rtl/:
 #: whole modules by file name, single tests by "file::name".
-RTL_MODULES = {"test_rtl_device.py", "test_rtl_driver.py"}
+RTL_MODULES = {"test_rtl_device.py", "test_rtl_driver.py", "test_rtl_tree.py"}
 RTL_TESTS = {"test_vivado_flow.py::test_engine_ports_lint_and_match_the_block_design",
              "test_multi_draft.py::test_two_rtl_cores_of_one_card_draft_for_two_drafters"}
 
@@ -31,6 +31,9 @@ RTL_TESTS = {"test_vivado_flow.py::test_engine_ports_lint_and_match_the_block_de
 #: machine under load): "file::name" marks every parametrisation of the test,
 #: "file::name[id]" one of them. ``pytest -m "not slow"`` is the quick loop.
 SLOW_TESTS = {
+    # whole engines drafting trees: the Amaranth-simulated engine, and tiny-hbm's build
+    "test_rtl_tree.py::test_a_tree_on_the_amaranth_engine",
+    "test_rtl_tree.py::test_tree_sessions_at_tiny_hbm",
     "test_matmul_sequencer.py::test_32_lanes_wide_bus",
     "test_matmul_sequencer.py::test_16_lanes",
     "test_matmul_sequencer.py::test_tiny_random_jobs",
