@@ -168,6 +168,8 @@ def test_the_parent_travels_in_record_word_zero():
      ErrorCode.BAD_REQUEST, "not a tree path"),
     (dict(compact_len=1, compact_from=2, compact_width=2, compact_rows=1, compact_slots=99),
      ErrorCode.BAD_REQUEST, "outside the KV buffer"),
+    (dict(compact_len=1, compact_from=2, compact_width=2, compact_rows=1, compact_slots=4,
+          kv_slot_base=2), ErrorCode.BAD_REQUEST, "outside the KV buffer"),
     (dict(compact_len=0, compact_slots=4), ErrorCode.BAD_REQUEST, "without compact_len"),
 ])
 def test_bad_tree_requests_fault_with_their_code(fresh, tree, change, code, why):
