@@ -42,7 +42,8 @@ class SpecDecodeMetrics:
     target), counted once in ``projected_seconds``; all 0 for ``schedule == "serial"``.
 
     Token trees drafted by the engine (:mod:`dfvg_host.tree_drafting`): ``tree_width`` is
-    the trees' width (0: chains), ``tree_nodes`` the nodes verified; ``gamma``,
+    the trees' width (0: chains), ``tree_nodes`` the nodes verified, ``tree_budget`` the
+    most verified per round (0: whole trees); ``gamma``,
     ``drafted_tokens`` and the per-position counts are then in *levels* (a round that
     drafted a tree of depth D counts D drafted, and its accepted path's length accepted),
     so acceptance per position is the share of rounds whose path reached that level.
@@ -79,6 +80,7 @@ class SpecDecodeMetrics:
     gamma_per_round: list[int] = field(default_factory=list)   # drafts of each round (0: none)
     tree_width: int = 0                    # engine trees' width (0: chains)
     tree_nodes: int = 0                    # tree nodes verified (tree drafting)
+    tree_budget: int = 0                   # nodes verified per tree at most (0: the whole tree)
 
     def record_fault(self, kind: str) -> None:
         self.device_faults += 1
@@ -218,8 +220,10 @@ class SpecDecodeMetrics:
             f"simulator        {self.simulator_seconds:8.4f} s  [measured wall of the functional "
             f"model; stands in for the FPGA, not counted above]",
             f"faults           {self.faults_line()}",
-        ] + ([f"tree             {self.mean_tree_nodes:.1f} nodes per round (width {self.tree_width}, "
-              f"mean depth {self.mean_gamma:.2f}), {self.mean_accepted_length:.2f} tokens per target "
+        ] + ([f"tree             {self.mean_tree_nodes:.1f} nodes verified per round (width {self.tree_width}, "
+              f"mean depth {self.mean_gamma:.2f}"
+              + (f", budget {self.tree_budget}" if self.tree_budget else "") + "), "
+              f"{self.mean_accepted_length:.2f} tokens per target "
               "forward; acceptance and per position count levels"]
              if self.tree_width else []) + ([f"gamma            auto: mean {self.mean_gamma:.2f}; rounds by gamma "
               + " ".join(f"{g}:{n}" for g, n in self.gamma_histogram.items())]

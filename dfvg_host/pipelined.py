@@ -79,11 +79,11 @@ from dfvg_host.driver import ContextFull, DeviceFault, DraftDeviceError, DraftOu
 from dfvg_host.speculative import (DraftCursor, GenerationOutput, SpeculativeDecoder, GenerationRun,
                                    verifier_message)
 
-__all__ = ["PipelinedDecoder"]
+__all__ = ["PipelinedDecoder", "Continuation", "unrecoverable"]
 
 
 @dataclass
-class _Continuation:
+class Continuation:
     """A speculative continuation: submitted before verification, collected after.
 
     Members
@@ -109,7 +109,7 @@ class _Continuation:
     replayed: bool = field(default=False)
 
 
-def _unrecoverable(exc: DraftDeviceError) -> bool:
+def unrecoverable(exc: DraftDeviceError) -> bool:
     return isinstance(exc, ContextFull) or (isinstance(exc, DeviceFault) and exc.request_caused)
 
 
@@ -125,7 +125,7 @@ class PipelinedDecoder(SpeculativeDecoder):
     schedule = "pipelined"
 
     # -- the continuation ----------------------------------------------------------------
-    def _timed_device(self, run: GenerationRun, c: _Continuation, fn):
+    def _timed_device(self, run: GenerationRun, c: Continuation, fn):
         stats = self.draft.transport.stats
         link0, t0 = stats.seconds, time.perf_counter()
         try:
@@ -134,10 +134,11 @@ class PipelinedDecoder(SpeculativeDecoder):
             run.sim_s += time.perf_counter() - t0
             c.pcie_s += stats.seconds - link0
 
-    def _submit_continuation(self, run: GenerationRun, state: DraftCursor, seq: list[int], drafts: list[int],
-                             remaining: int) -> _Continuation | None:
+    def _submit_continuation(self, run: GenerationRun, state: DraftCursor, seq: list[int], d: DraftOutput,
+                             remaining: int) -> Continuation | None:
         """Start the next round's drafts from the optimistic path, or None when a hit
         would leave nothing to draft."""
+        drafts = d.ids
         n = len(drafts)
         # What the next round drafts after a full acceptance (γ + 1 tokens emitted), by the
         # serial rule: the engine then holds KV up to d_{γ-1} and is fed dγ and the bonus.
@@ -145,7 +146,7 @@ class PipelinedDecoder(SpeculativeDecoder):
         n_next = min(self._choose_gamma(), remaining - (n + 1) - 1, room)
         if n_next < 1:
             return None
-        c = _Continuation(counter=state.counter, n_next=n_next, end=self.draft.committed,
+        c = Continuation(counter=state.counter, n_next=n_next, end=self.draft.committed,
                           optimistic=seq + drafts)
         state.counter += n_next + 1          # consumed, hit or miss (module docstring)
         try:
@@ -156,12 +157,12 @@ class PipelinedDecoder(SpeculativeDecoder):
             self._continuation_fault(run, c, exc)
         return c
 
-    def _continuation_fault(self, run: GenerationRun, c: _Continuation, exc: DraftDeviceError) -> None:
+    def _continuation_fault(self, run: GenerationRun, c: Continuation, exc: DraftDeviceError) -> None:
         self._fault(run, exc, "continuation")
         c.fault = exc
         self._device_suspect = True          # untrusted until a reset
 
-    def _collect_continuation(self, run: GenerationRun, c: _Continuation) -> None:
+    def _collect_continuation(self, run: GenerationRun, c: Continuation) -> None:
         if c.pending is None:
             return
         try:
@@ -175,11 +176,11 @@ class PipelinedDecoder(SpeculativeDecoder):
         hz = run.metrics.device_clock_hz
         c.engine_s = c.output.cycles / hz if hz else 0.0
 
-    def _replay_continuation(self, run: GenerationRun, c: _Continuation, round_no: int) -> DraftOutput | None:
+    def _replay_continuation(self, run: GenerationRun, c: Continuation, round_no: int) -> DraftOutput | None:
         """After a failed continuation in a round that accepted everything: reset and draft
         it again synchronously, same counter; None when the device is given up."""
         exc = c.fault
-        if _unrecoverable(exc):
+        if unrecoverable(exc):
             self._give_up(run, f"{exc} (a reset cannot help: the engine would refuse the same "
                                "request again)")
             return None
@@ -202,12 +203,12 @@ class PipelinedDecoder(SpeculativeDecoder):
         limit = self.draft.compiled.context_limit
         out: list[int] = []
         seq = list(prompt)
-        state = DraftCursor(inputs=list(prompt))
+        state = self.cursor_class(inputs=list(prompt))
         stop, message, error = "max_new_tokens", "", None
         use_device, failed = self._open(run, prompt, state, max_new_tokens)
         if failed:
             (stop, message, error), max_new_tokens = failed, 0
-        ready: DraftOutput | None = None     # this round's drafts, drafted during the last verify
+        ready = None                         # this round's drafts, drafted during the last verify
         while len(out) < max_new_tokens:
             t_round, sim0, verifier0 = time.perf_counter(), run.sim_s, self.verifier.seconds
             round_no = m.rounds + 1
@@ -215,7 +216,7 @@ class PipelinedDecoder(SpeculativeDecoder):
             n, d, requests = 0, None, ()
             if ready is not None:
                 d, ready = ready, None
-                n = len(d.tokens)
+                n = self._ready_drafts(d)
             else:
                 if use_device:
                     room = self._room(state)
@@ -233,11 +234,10 @@ class PipelinedDecoder(SpeculativeDecoder):
             if not use_device and not self.fallback:
                 stop, message = "device_error", run.fallback_reason
                 break
-            drafts, q_tokens = (d.ids, d.tokens) if d is not None else ([], [])
-            c = self._submit_continuation(run, state, seq, drafts, remaining) if d is not None else None
+            c = self._submit_continuation(run, state, seq, d, remaining) if d is not None else None
             t0 = run.timeline.now
             try:
-                verdict, t_verify = self._verify(run, drafts, q_tokens, start=t0, round_no=round_no)
+                drafts, verdict, t_verify = self._verify_output(run, d, round_no)
             except Exception as exc:         # noqa: BLE001 - returned, not lost
                 if c is not None:            # leave no request in flight
                     self._collect_continuation(run, c)
@@ -259,32 +259,10 @@ class PipelinedDecoder(SpeculativeDecoder):
             eos = self._emit(run, out, seq, n, drafts, verdict, remaining, use_device, on_tokens)
             going_on = not eos and len(out) < max_new_tokens
             if c is not None:
-                all_accepted = verdict.accepted == n
-                if c.fault is not None and all_accepted and going_on:
-                    c.output = self._replay_continuation(run, c, round_no)
-                    if c.output is None:
-                        use_device = False
-                if (c.output is not None and all_accepted and going_on
-                        and verdict.next_token == c.output.tokens[0].token):
-                    m.pipeline_hits += 1
-                    ready = DraftOutput(c.output.tokens[1:], 0, c.output.end_pos, c.output.n_forward)
-                    state.inputs = []
-                else:
-                    m.pipeline_misses += 1
-                    if use_device and going_on:
-                        if c.fault is not None and not c.replayed:
-                            if _unrecoverable(c.fault):
-                                self._give_up(run, f"{c.fault} (a reset cannot help: the engine "
-                                                   "would refuse the same request again)")
-                                use_device = False
-                            else:
-                                use_device = self._device_step(
-                                    run, f"reset {round_no}",
-                                    lambda: self._recover(run, state, seq, str(c.fault)))
-                        else:
-                            state.advance(self.draft, n, drafts, verdict, end=c.end)
+                ready, use_device = self._settle(run, state, seq, c, n, d, verdict, going_on,
+                                                 use_device, round_no)
             elif use_device:
-                state.advance(self.draft, n, drafts, verdict)
+                self._advance(state, n, d, drafts, verdict)
             host = self._host_span(run, t_round, sim0, verifier0, round_no)
             if d is not None or (use_device and n == 0):
                 self._observe(n, verdict, t_verify, host, requests)
@@ -292,3 +270,48 @@ class PipelinedDecoder(SpeculativeDecoder):
                 stop = "eos"
                 break
         return self._finish(run, out, stop, message, error)
+
+    # -- hooks of the round loop (a tree decoder overrides them) ---------------------------
+    @staticmethod
+    def _ready_drafts(ready: DraftOutput) -> int:
+        """Drafts of a round whose drafts the last continuation made."""
+        return len(ready.tokens)
+
+    def _settle(self, run: GenerationRun, state: DraftCursor, seq: list[int], c: Continuation,
+                n: int, d: DraftOutput, verdict, going_on: bool, use_device: bool,
+                round_no: int) -> tuple[DraftOutput | None, bool]:
+        """After round ``round_no`` is verified and emitted: a hit makes the next round's
+        drafts of the continuation, a miss discards it and keeps the engine's KV of what
+        the target accepted (or resets a faulted device). Returns (the next round's
+        drafts on a hit, else None; whether the device is still used)."""
+        m = run.metrics
+        drafts = d.ids
+        all_accepted = verdict.accepted == n
+        if c.fault is not None and all_accepted and going_on:
+            c.output = self._replay_continuation(run, c, round_no)
+            if c.output is None:
+                use_device = False
+        if (c.output is not None and all_accepted and going_on
+                and verdict.next_token == c.output.tokens[0].token):
+            m.pipeline_hits += 1
+            state.inputs = []
+            return DraftOutput(c.output.tokens[1:], 0, c.output.end_pos, c.output.n_forward), use_device
+        m.pipeline_misses += 1
+        if use_device and going_on:
+            if c.fault is not None and not c.replayed:
+                use_device = self._reset_after(run, state, seq, c.fault, round_no)
+            else:
+                state.advance(self.draft, n, drafts, verdict, end=c.end)
+        return None, use_device
+
+    def _reset_after(self, run: GenerationRun, state: DraftCursor, seq: list[int],
+                     fault: DraftDeviceError, round_no: int) -> bool:
+        """After a continuation failed: reset the device and point ``state`` at the whole
+        committed sequence, or give the device up when a reset cannot help; whether the
+        device is still used."""
+        if unrecoverable(fault):
+            self._give_up(run, f"{fault} (a reset cannot help: the engine would refuse the same "
+                               "request again)")
+            return False
+        return self._device_step(run, f"reset {round_no}",
+                                 lambda: self._recover(run, state, seq, str(fault)))

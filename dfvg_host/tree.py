@@ -52,12 +52,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 
 from dfvg_hw.spec.descriptors import DraftedToken
 from dfvg_host.acceptance import draft_distribution
 
-__all__ = ["ROOT", "TreeNode", "DraftTree", "TreeSort"]
+__all__ = ["ROOT", "TreeNode", "DraftTree", "TreeSort", "most_probable_nodes", "descendants", "subtree"]
 
 #: The parent index of a node that continues the pending token (the tree's root).
 ROOT = -1
@@ -267,3 +269,54 @@ class DraftTree:
 
     def __repr__(self) -> str:
         return f"DraftTree(tokens={self.tokens}, parents={self.parents})"
+
+
+def most_probable_nodes(parents: list[int], probs: list[float], budget: int) -> list[int]:
+    """The ``budget`` nodes whose root-to-node paths are the most probable, ascending.
+
+    A path's probability is the product of its tokens' draft probabilities ``probs``
+    (each in ``0 … 1``); ties go to the lower index. ``parents`` as in
+    :meth:`DraftTree.from_parents`. What comes back is ancestor-closed: a node's path is
+    never more probable than its parent's, and the parent's index is the lower, so a node
+    is chosen only after its parent. This is the re-ranking of EAGLE-2: draft a tree
+    wider and deeper than the target will verify, then verify the ``budget`` nodes most
+    likely to be accepted — a deep chain where the draft is sure, branches where it is not.
+    Greedy decoding only: which siblings survive depends on their tokens, which breaks
+    the i.i.d. draws lossless tree sampling needs.
+    """
+    log_path: list[float] = []
+    for i, (parent, p) in enumerate(zip(parents, probs)):
+        if parent >= i:
+            raise ValueError(f"node {i}'s parent {parent} must come before it")
+        here = math.log(p) if p > 0 else -math.inf
+        log_path.append(here + (log_path[parent] if parent != ROOT else 0.0))
+    ranked = sorted(range(len(parents)), key=lambda i: (-log_path[i], i))
+    return sorted(ranked[:max(budget, 0)])
+
+
+def descendants(parents: list[int], root: int = ROOT) -> list[int]:
+    """The nodes below ``root`` (a node index or :data:`ROOT`: all of them), ascending."""
+    inside, out = {root}, []
+    for i, parent in enumerate(parents):
+        if parent in inside:
+            inside.add(i)
+            out.append(i)
+    return out
+
+
+def subtree(parents: list[int], keep: list[int], root: int = ROOT) -> list[int]:
+    """The parents of the nodes ``keep`` (ascending indices into ``parents``, closed under
+    ancestors up to ``root``) renumbered as a tree of their own: ``keep[i]`` becomes node
+    ``i`` and ``root``'s children the new tree's level 1. ``ValueError`` when a kept node's
+    parent is neither kept nor ``root``."""
+    where = {old: new for new, old in enumerate(keep)}
+    out = []
+    for old in keep:
+        parent = parents[old]
+        if parent == root:
+            out.append(ROOT)
+        elif parent in where:
+            out.append(where[parent])
+        else:
+            raise ValueError(f"node {old} is kept without its parent {parent}")
+    return out

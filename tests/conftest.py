@@ -77,6 +77,8 @@ SLOW_TESTS = {
     "test_draft_cores.py::test_two_cores_draft_alone_and_at_once",
     # ~20-30 s: 1 000 tree generations for the chi-square
     "test_tree_drafting.py::test_sampling_is_lossless",
+    # ~40 s: 1 200 pipelined tree generations for the chi-square
+    "test_pipelined_tree.py::test_sampling_is_lossless",
 }
 
 

@@ -22,7 +22,8 @@ from conftest import make_tiny_llama
 from dfvg_host.acceptance import (SamplingParams, accept_tree_greedy, accept_tree_rejection,
                                   target_distribution, verify_tree)
 from dfvg_host.compiler import load_model
-from dfvg_host.tree import ROOT, DraftTree
+from dfvg_host.tree import ROOT, DraftTree, descendants, most_probable_nodes, subtree
+from dfvg_host.tree_drafting import RankAcceptance, record_path
 from dfvg_host.verifier import Verifier
 from sampling_checks import chi_square_p, first_two_distribution
 
@@ -117,6 +118,62 @@ def test_tree_from_engine_records():
     tree = DraftTree(vocab=8)
     i = tree.add(3, ROOT, rec)
     assert torch.equal(tree.q(i), torch.tensor([0, 0, 0, .5, 0, .5, 0, 0], dtype=torch.float64))
+
+
+def brute_force_best(parents, probs, budget):
+    """The ancestor-closed node set of ``budget`` nodes with the largest sum of path
+    probabilities, by enumeration (the greedy top-k of path probability maximises it)."""
+    def path_prob(i):
+        p = 1.0
+        while i != ROOT:
+            p, i = p * probs[i], parents[i]
+        return p
+    closed = [set(c) for c in itertools.combinations(range(len(parents)), budget)
+              if all(parents[i] == ROOT or parents[i] in c for i in c)]
+    return max(sum(path_prob(i) for i in c) for c in closed), path_prob
+
+
+def test_most_probable_nodes_is_the_best_ancestor_closed_budget():
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        n = int(rng.integers(2, 9))
+        parents = [ROOT] + [int(rng.integers(-1, i)) for i in range(1, n)]
+        probs = [float(p) for p in rng.random(n)]
+        budget = int(rng.integers(1, n + 1))
+        chosen = most_probable_nodes(parents, probs, budget)
+        assert chosen == sorted(chosen) and len(chosen) == budget
+        assert all(parents[i] == ROOT or parents[i] in chosen for i in chosen)
+        best, path_prob = brute_force_best(parents, probs, budget)
+        assert sum(path_prob(i) for i in chosen) == pytest.approx(best)
+    # ties go to the lower index; a zero probability ranks last; a budget past the tree takes it all
+    assert most_probable_nodes([ROOT, ROOT, ROOT], [0.5, 0.5, 0.5], 2) == [0, 1]
+    assert most_probable_nodes([ROOT, 0, ROOT], [1.0, 0.0, 0.1], 2) == [0, 2]
+    assert most_probable_nodes([ROOT, 0], [0.3, 0.9], 5) == [0, 1]
+    with pytest.raises(ValueError, match="before"):
+        most_probable_nodes([ROOT, 2, 0], [0.5] * 3, 2)
+
+
+def test_descendants_subtree_and_record_paths():
+    parents = [ROOT, ROOT, 0, 1, 2, 1]
+    assert descendants(parents) == list(range(6))
+    assert descendants(parents, 1) == [3, 5] and descendants(parents, 0) == [2, 4]
+    assert subtree(parents, [0, 2, 4]) == [ROOT, 0, 1]
+    assert subtree(parents, [3, 5], root=1) == [ROOT, ROOT]
+    assert record_path(parents, 4) == [0, 2, 4] and record_path(parents, ROOT) == []
+    with pytest.raises(ValueError, match="without its parent"):
+        subtree(parents, [0, 4])
+
+
+def test_rank_acceptance_learns_what_the_target_chooses():
+    ranks = RankAcceptance()
+    prior = ranks.probability(0, 0.3)
+    assert prior == pytest.approx(RankAcceptance.PRIOR[0]) and ranks.probability(1, 0.3) < prior
+    for _ in range(200):              # the target always takes the draft's second choice at q ~ 0.3
+        ranks.observe([10, 11, 12], [0.4, 0.3, 0.3], 11)
+    assert ranks.probability(1, 0.31) > 0.95 and ranks.probability(0, 0.45) < 0.05
+    assert ranks.probability(0, 0.95) == pytest.approx(RankAcceptance.PRIOR[0])   # another cell
+    ranks.observe([10, 11], [0.6, 0.4], 99)                                         # outside the top-k
+    assert ranks.probability(0, 0.6) < RankAcceptance.PRIOR[0] and ranks.probability(1, 0.4) < 1
 
 
 # -- one target forward over a tree --------------------------------------------------------

@@ -364,7 +364,6 @@ def test_generate_tree_with_a_program_without_trees_is_one_line(demo_compiled, t
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--schedule", "pipelined"], "--strategy tree runs serially"),
     (["--device", "sim://alveo-u55c", "--device", "sim://alveo-u55c"], "several drafters merge"),
     (["--gamma", "17"], "a tree 4 wide has at most 16 levels"),
     (["--gamma", "auto", "--gamma-max", "20"], "--gamma-max 20"),
