@@ -18,6 +18,12 @@
    whose tree fits a request; skipped when the device or the program drafts no trees.
    Its rows carry the tokens verified per target forward (the tree's nodes) next to the
    tokens committed per forward, to set against the chain at as many verified tokens.
+   With a budget (``BenchSettings.tree_budget``, ``dfvg bench --tree-budget N``) the
+   target verifies at most N of each tree's nodes (the likeliest accepted, greedy).
+   **dfvg-engine-tree-pipelined** — the same trees with the engine drafting round n+1's
+   tree while the target verifies round n's
+   (:class:`~dfvg_host.pipelined_tree.PipelinedTreeDecoder`), at the same depths, when
+   pipelined DFVG runs too; its overlap is modelled as dfvg-pipelined's.
 7. With several drafters (``--draft`` given more than once; Smurfs,
    :mod:`dfvg_host.multi_draft`): **dfvg[NAME]**, each further drafter alone (``dfvg`` is
    the first), **dfvg-vote** (weighted-majority voting) and **dfvg-tree** (every draft
@@ -32,7 +38,7 @@ What is measured and what is modelled
 host's own work around them, and, for assisted generation, the float draft's forward
 passes. *modelled* is the draft engine's time (cycle model at the preset clock) and
 PCIe (link model). DFVG tokens/s adds the four parts sequentially, as ``dfvg generate``
-projects it; pipelined DFVG takes the modelled overlap of drafting with verification once
+projects it; pipelined DFVG (chains and trees) takes the modelled overlap of drafting with verification once
 (``hidden_s``: per round min(continuation engine+PCIe, verify), modelled — the sim device
 runs synchronously, so the overlap is not observed). The functional model's own wall time
 stands in for the FPGA and is reported but not counted. Speedups are ratios between methods run on the
@@ -66,7 +72,7 @@ from dfvg_host.speculative import SpeculativeDecoder
 from dfvg_host.tree_drafting import TreeDecoder
 from dfvg_host.verifier import Verifier
 
-__all__ = ["BenchError", "BenchPrompt", "BenchSettings", "QUICK", "FULL", "DEFAULT_PROMPT_SET",
+__all__ = ["ENGINE_TREE", "ENGINE_TREE_PIPELINED", "BenchError", "BenchPrompt", "BenchSettings", "QUICK", "FULL", "DEFAULT_PROMPT_SET",
            "Tally", "BenchResult", "ForwardClock", "BenchRunner", "load_prompt_set", "pick_prompts"]
 
 DEFAULT_PROMPT_SET = REPO_ROOT / "benchmarks" / "prompts" / "multitask.json"
@@ -77,6 +83,15 @@ MULTI_METHODS = {"dfvg-vote": "vote", "dfvg-tree": "tree", "dfvg-vote-adaptive":
 ADAPTIVE_METHODS = ("dfvg-adaptive", "dfvg-vote-adaptive")
 #: The engine's token trees (dfvg_host.tree_drafting): γ is the tree's depth in levels.
 ENGINE_TREE = "dfvg-engine-tree"
+#: The same trees, pipelined (dfvg_host.pipelined_tree).
+ENGINE_TREE_PIPELINED = "dfvg-engine-tree-pipelined"
+#: The engine's trees, serial and pipelined.
+ENGINE_TREE_METHODS = (ENGINE_TREE, ENGINE_TREE_PIPELINED)
+#: Methods whose engine drafts round n+1 while the target verifies round n (overlap modelled).
+PIPELINED_METHODS = ("dfvg-pipelined", ENGINE_TREE_PIPELINED)
+#: The headline's strategies x schedules, each at its best γ: (method, strategy, schedule).
+STRATEGY_SCHEDULES = (("dfvg", "chain", "serial"), (ENGINE_TREE, "tree", "serial"),
+                      ("dfvg-pipelined", "chain", "pipelined"), (ENGINE_TREE_PIPELINED, "tree", "pipelined"))
 
 
 class BenchError(ValueError):
@@ -146,7 +161,11 @@ class BenchSettings:
         Also run the engine's token trees (``dfvg-engine-tree``) at every γ (the depth)
         whose tree fits a request, when the device drafts trees. On in :data:`FULL` and
         :data:`QUICK` (``dfvg bench``; ``--no-engine-tree`` leaves it out), off in a bare
-        ``BenchSettings()`` so that a caller's set of rows stays what it was.
+        ``BenchSettings()`` so that a caller's set of rows stays what it was. With
+        :attr:`pipelined` also pipelined (``dfvg-engine-tree-pipelined``), at the same depths.
+    tree_budget : int or None
+        Nodes the engine trees' target forward verifies at most (None: the whole tree of
+        γ levels x the device's width).
     """
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     max_new_tokens: int = 128
@@ -158,6 +177,7 @@ class BenchSettings:
     adaptive_gamma_max: int = 16
     several: bool = True
     engine_tree: bool = False
+    tree_budget: int | None = None
 
 
 FULL = BenchSettings(engine_tree=True)
@@ -289,7 +309,7 @@ class Tally:
     def hidden_share(self) -> float | None:
         """Share of the engine + PCIe time hidden behind verification (pipelined)."""
         total = self.draft_s + self.pcie_s
-        return min(1.0, self.hidden_s / total) if self.method == "dfvg-pipelined" and total else None
+        return min(1.0, self.hidden_s / total) if self.method in PIPELINED_METHODS and total else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -324,21 +344,21 @@ class Tally:
                        + ("; per round the slowest of the drafters, which draft at once"
                           if self.method in MULTI_METHODS else "")
                        + ("; a tree request's cycles (docs/isa.md §9.5, exact against the RTL)"
-                          if self.method == ENGINE_TREE else ""))
+                          if self.method in ENGINE_TREE_METHODS else ""))
         return dict(target_s="measured (target forward passes)",
                     host_s="measured (wall time outside the target and draft forward passes)",
                     draft_s=draft, pcie_s="modelled (link model)" if self.is_dfvg else "none",
                     simulator_s="measured wall of the functional model; not counted",
                     hidden_s=("modelled: per round min(continuation engine+PCIe, verify)"
-                              if self.method == "dfvg-pipelined" else "none"),
+                              if self.method in PIPELINED_METHODS else "none"),
                     tokens_per_s=("measured" if not self.is_dfvg else
                                   "measured target+host + modelled FPGA+PCIe, unpipelined"
-                                  if self.method != "dfvg-pipelined" else
+                                  if self.method not in PIPELINED_METHODS else
                                   "measured target+host + modelled FPGA+PCIe; pipelined: overlap "
                                   "counted once"),
                     acceptance=("derived from forward-pass counts" if self.method == "assisted"
-                                else "counted per round; per tree level for dfvg-engine-tree"
-                                if self.method == ENGINE_TREE else "counted per round"))
+                                else f"counted per round; per tree level for {self.method}"
+                                if self.method in ENGINE_TREE_METHODS else "counted per round"))
 
     def to_dict(self, verifier_device: str) -> dict:
         return dict(key=self.key, method=self.method, gamma=self.gamma, task=self.task,
@@ -488,14 +508,22 @@ class BenchRunner:
         tally.tree_nodes = out.tree_nodes
         return out.tokens, tally
 
-    def engine_tree(self, prompt: list[int], max_new_tokens: int, depth: int) -> tuple[list[int], Tally]:
-        """The engine's token trees, ``depth`` levels of the device's width per round."""
-        decoder = TreeDecoder(self.device, self.verifier, depth=depth, eos_token_id=None, fallback=False)
+    def engine_tree(self, prompt: list[int], max_new_tokens: int, depth: int, pipelined: bool = False,
+                    budget: int | None = None) -> tuple[list[int], Tally]:
+        """The engine's token trees, ``depth`` levels of the device's width per round, at
+        most ``budget`` nodes verified (None: all), serially or ``pipelined``."""
+        if pipelined:
+            from dfvg_host.pipelined_tree import PipelinedTreeDecoder as decoder_class
+        else:
+            decoder_class = TreeDecoder
+        method = ENGINE_TREE_PIPELINED if pipelined else ENGINE_TREE
+        decoder = decoder_class(self.device, self.verifier, depth=depth, budget=budget, eos_token_id=None,
+                                fallback=False)
         out = decoder.generate(prompt, max_new_tokens)
         if out.stop_reason != "max_new_tokens":
-            raise BenchError(f"{ENGINE_TREE} stopped early at depth {depth} ({out.stop_reason}): "
+            raise BenchError(f"{method} stopped early at depth {depth} ({out.stop_reason}): "
                              f"{out.message}")
-        return out.tokens, self._dfvg_tally(out.metrics, ENGINE_TREE, depth)
+        return out.tokens, self._dfvg_tally(out.metrics, method, depth)
 
     def tree_depths(self, settings: BenchSettings) -> tuple[int, ...]:
         """The γ (depths) the engine's trees run at: none when the device drafts no trees."""
@@ -526,6 +554,7 @@ class BenchRunner:
         for g in settings.gammas:
             runs += [("assisted", g), ("dfvg", g)] + ([("dfvg-pipelined", g)] if settings.pipelined else [])
             runs += [(ENGINE_TREE, g)] if g in depths else []
+            runs += [(ENGINE_TREE_PIPELINED, g)] if g in depths and settings.pipelined else []
             if several:
                 runs += [(f"dfvg[{name}]", g) for name, _ in self.extra_drafters]
                 runs += [("dfvg-vote", g), ("dfvg-tree", g)]
@@ -537,7 +566,8 @@ class BenchRunner:
 
     def run_one(self, method: str, gamma: int | None, prompt: list[int], n: int,
                 settings: BenchSettings | None = None) -> tuple[list[int], Tally]:
-        gamma_max = (settings or BenchSettings()).adaptive_gamma_max
+        settings = settings or BenchSettings()
+        gamma_max = settings.adaptive_gamma_max
         if method == "target-only":
             return self.target_only(prompt, n)
         if method == "assisted":
@@ -546,8 +576,9 @@ class BenchRunner:
             return self.dfvg(prompt, n, "auto", gamma_max=gamma_max)
         if method in MULTI_METHODS:
             return self.several(prompt, n, method, gamma, gamma_max)
-        if method == ENGINE_TREE:
-            return self.engine_tree(prompt, n, gamma)
+        if method in ENGINE_TREE_METHODS:
+            return self.engine_tree(prompt, n, gamma, pipelined=method == ENGINE_TREE_PIPELINED,
+                                    budget=settings.tree_budget)
         if method.startswith("dfvg["):
             device = dict(self.extra_drafters)[method[len("dfvg["):-1]]
             return self.dfvg(prompt, n, gamma, device=device, method=method)
@@ -657,6 +688,7 @@ class BenchResult:
                     dfvg_adaptive_over_best_fixed=(self.speedup(adaptive, dfvg)
                                                    if adaptive and dfvg else None),
                     **self.several_headline(), **self.engine_tree_headline(),
+                    **self.strategies_headline(),
                     label="ratios of tokens/s within this run; DFVG's is projected (measured "
                           "target+host + modelled FPGA+PCIe), the others' measured")
 
@@ -683,22 +715,54 @@ class BenchResult:
 
     def engine_tree_headline(self) -> dict:
         """The engine's trees at their best γ (depth) against target-only and the best
-        chain (empty when they did not run)."""
+        chain; the pipelined trees against those and the best pipelined chain (empty when
+        they did not run)."""
         best = self.best(ENGINE_TREE)
         if best is None:
             return {}
         chain = self.best("dfvg")
-        return dict(dfvg_engine_tree=dict(
+        out = dict(dfvg_engine_tree=dict(
             key=best.key, mean_accepted_length=best.mean_accepted_length,
             verified_per_forward=best.verified_per_forward,
             over_target_only=self.speedup(best, self.baseline()),
             over_best_dfvg=self.speedup(best, chain), best_dfvg=chain.key if chain else None))
+        piped = self.best(ENGINE_TREE_PIPELINED)
+        if piped is not None:
+            piped_chain = self.best("dfvg-pipelined")
+            out["dfvg_engine_tree_pipelined"] = dict(
+                key=piped.key, mean_accepted_length=piped.mean_accepted_length,
+                verified_per_forward=piped.verified_per_forward, hidden_share=piped.hidden_share,
+                over_target_only=self.speedup(piped, self.baseline()),
+                over_best_engine_tree=self.speedup(piped, best),
+                over_best_dfvg_pipelined=self.speedup(piped, piped_chain),
+                best_dfvg_pipelined=piped_chain.key if piped_chain else None)
+        return out
 
-    def chain_at_nodes(self, tree: Tally) -> Tally | None:
-        """The chain row (``dfvg``) that verifies as many draft tokens per forward as the
-        engine tree row ``tree`` (γ = depth × width), if the sweep ran it."""
+    def strategies_headline(self) -> dict:
+        """Chain and tree, serial and pipelined (:data:`STRATEGY_SCHEDULES`), each at its
+        best γ, against target-only, and the fastest of them (empty when no chain ran)."""
+        rows = {}
+        for method, strategy, schedule in STRATEGY_SCHEDULES:
+            best = self.best(method)
+            if best is not None:
+                rows[method] = dict(strategy=strategy, schedule=schedule, key=best.key,
+                                    tokens_per_s=best.tokens_per_s,
+                                    over_target_only=self.speedup(best, self.baseline()))
+        if not rows:
+            return {}
+        fastest = max(rows, key=lambda m: rows[m]["tokens_per_s"])
+        return dict(strategies=rows, best_strategy=rows[fastest]["key"])
+
+    def chain_at_nodes(self, tree: Tally, chain: str = "dfvg") -> Tally | None:
+        """The chain row (``chain``: ``dfvg`` or ``dfvg-pipelined``) that verifies as many
+        draft tokens per forward as the engine tree row ``tree`` (γ = depth × width, or the
+        tree budget when smaller), if the sweep ran it."""
         width = self.setup.get("engine_tree_width") or 0
-        return self.get("dfvg", tree.gamma * width, tree.task) if width and tree.gamma else None
+        if not (width and tree.gamma):
+            return None
+        nodes = tree.gamma * width
+        budget = self.setup.get("engine_tree_budget")
+        return self.get(chain, min(nodes, budget) if budget else nodes, tree.task)
 
     def to_dict(self) -> dict:
         dev = self.setup.get("verifier_device", "?")
@@ -718,6 +782,14 @@ class BenchResult:
                 same = self.chain_at_nodes(t)
                 d["dfvg_same_verified"] = same.key if same else None
                 d["speedup_over_dfvg_same_verified"] = self.speedup(t, same)
+            if t.method == ENGINE_TREE_PIPELINED:
+                d["speedup_over_engine_tree_same_gamma"] = self.speedup(
+                    t, self.get(ENGINE_TREE, t.gamma, t.task))
+                d["speedup_over_dfvg_pipelined_same_gamma"] = self.speedup(
+                    t, self.get("dfvg-pipelined", t.gamma, t.task))
+                same = self.chain_at_nodes(t, "dfvg-pipelined")
+                d["dfvg_pipelined_same_verified"] = same.key if same else None
+                d["speedup_over_dfvg_pipelined_same_verified"] = self.speedup(t, same)
             return d
 
         return dict(setup=self.setup, headline=self.headline(),
@@ -792,6 +864,7 @@ def run_benchmark(*, target_dir: Path, draft_dir: Path, device: DraftDevice, dev
                  max_new_tokens=settings.max_new_tokens, gammas=list(settings.gammas),
                  engine_tree_width=device.tree_width if runner.tree_depths(settings) else 0,
                  engine_tree_depths=list(runner.tree_depths(settings)),
+                 engine_tree_budget=settings.tree_budget if runner.tree_depths(settings) else None,
                  adaptive_gamma_max=settings.adaptive_gamma_max if settings.adaptive else None,
                  per_task=settings.per_task, torch=torch.__version__,
                  transformers=transformers.__version__, torch_threads=torch.get_num_threads(),

@@ -1,7 +1,8 @@
 """PNG plots of a ``dfvg bench`` result (its JSON form), with matplotlib (``pip install 'dfvg[bench]'``).
 
-Three figures: acceptance vs γ (per task), speedup over target-only vs γ, and DFVG's
-acceptance per draft position. Each says which figures are measured and which are
+Three figures: acceptance vs γ (per task), speedup over target-only vs γ (chains, and the
+engine's trees serial and pipelined with γ their depth), and DFVG's acceptance per draft
+position. Each says which figures are measured and which are
 modelled. Replot a saved result without rerunning it::
 
     python -m dfvg_host.bench_plots benchmarks/results/quick.json -o benchmarks/plots
@@ -18,9 +19,13 @@ __all__ = ["plot_results"]
 
 _TASK_STYLE = {"all": dict(color="black", linewidth=2.4)}
 _METHOD_STYLE = {"dfvg": dict(marker="o", linestyle="-"), "assisted": dict(marker="s", linestyle="--"),
-                 "dfvg-pipelined": dict(marker="^", linestyle="-.")}
+                 "dfvg-pipelined": dict(marker="^", linestyle="-."),
+                 "dfvg-engine-tree": dict(marker="D", linestyle="-"),
+                 "dfvg-engine-tree-pipelined": dict(marker="v", linestyle="-.")}
 _METHOD_NAME = {"dfvg": "DFVG (int8 draft on sim FPGA)", "assisted": "HF assisted (float draft)",
-                "dfvg-pipelined": "DFVG pipelined (overlap modelled)"}
+                "dfvg-pipelined": "DFVG pipelined (overlap modelled)",
+                "dfvg-engine-tree": "DFVG engine trees (γ = depth)",
+                "dfvg-engine-tree-pipelined": "DFVG engine trees pipelined (γ = depth, overlap modelled)"}
 
 
 def _swept(rows: list[dict], method: str) -> list[dict]:
@@ -74,9 +79,12 @@ def _acceptance_vs_gamma(plt, result: dict, out: Path) -> Path:
 def _speedup_vs_gamma(plt, result: dict, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.6))
     rows = result["rows"]
-    colors = {"dfvg": "C0", "assisted": "C1", "dfvg-pipelined": "C2"}
+    colors = {"dfvg": "C0", "assisted": "C1", "dfvg-pipelined": "C2", "dfvg-engine-tree": "C4",
+              "dfvg-engine-tree-pipelined": "C5"}
     for method, what in (("dfvg", "projected: measured target+host + modelled FPGA+PCIe"),
                          ("dfvg-pipelined", "projected, modelled overlap counted once"),
+                         ("dfvg-engine-tree", "projected like DFVG"),
+                         ("dfvg-engine-tree-pipelined", "projected, modelled overlap counted once"),
                          ("assisted", "measured wall time")):
         pts = _swept(rows, method)
         if pts:
@@ -103,7 +111,9 @@ def _speedup_vs_gamma(plt, result: dict, out: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     _footer(fig, result["setup"], "DFVG serial: draft, PCIe and verify times are added; pipelined: "
-            "the modelled overlap of drafting with verifying is counted once.")
+            "the modelled overlap of drafting with verifying is counted once. Engine trees: γ is the "
+            "tree's depth" + (f", at most {result['setup']['engine_tree_budget']} nodes verified"
+                              if result["setup"].get("engine_tree_budget") else "") + ".")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     path = out / "speedup_vs_gamma.png"
     fig.savefig(path, dpi=130)

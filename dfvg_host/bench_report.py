@@ -6,10 +6,11 @@ Every column header says whether its figure is measured on this host or modelled
 
 from __future__ import annotations
 
-from dfvg_host.bench import ALL_TASKS, ENGINE_TREE, MULTI_METHODS, BenchResult, Tally
+from dfvg_host.bench import (ALL_TASKS, ENGINE_TREE, ENGINE_TREE_PIPELINED, MULTI_METHODS, BenchResult,
+                             Tally)
 
 __all__ = ["format_result", "speed_table", "task_table", "position_table", "efficiency_table",
-           "adaptive_table", "engine_tree_table"]
+           "adaptive_table", "engine_tree_table", "strategies_line"]
 
 
 def _num(x: float | None, fmt: str, empty: str = "-") -> str:
@@ -73,6 +74,9 @@ def speed_table(result: BenchResult) -> str:
               *(["dfvg-engine-tree: the engine drafts a token tree of γ levels per round, verified in "
                  "one target forward; accept counts levels (projected like dfvg)."]
                 if result.rows(ALL_TASKS, ENGINE_TREE) else []),
+              *(["dfvg-engine-tree-pipelined: the same trees, the engine drafting the next round's "
+                 "tree while the target verifies (overlap modelled, counted once, like dfvg-pipelined)."]
+                if result.rows(ALL_TASKS, ENGINE_TREE_PIPELINED) else []),
               "host/round: measured time outside the forward passes, per target forward, and as a "
               "share of the method's time.",
               f"The functional model stood in for the FPGA for {sim:.1f} s of measured wall time, "
@@ -175,34 +179,61 @@ def several_table(result: BenchResult) -> str:
 
 
 def engine_tree_table(result: BenchResult) -> str:
-    """The engine's token trees at each depth next to the chain at the same γ and at as
-    many verified tokens per forward."""
-    rows = result.rows(ALL_TASKS, ENGINE_TREE)
+    """The engine's token trees at each depth, serial and pipelined, next to the chain of
+    the same schedule at the same γ and at as many verified tokens per forward."""
+    rows = result.rows(ALL_TASKS, ENGINE_TREE) + result.rows(ALL_TASKS, ENGINE_TREE_PIPELINED)
     if not rows:
         return ""
     width = result.setup.get("engine_tree_width")
+    budget = result.setup.get("engine_tree_budget")
     w = _key_width(result)
     lines = [f"Engine token trees: the engine drafts a tree of γ levels x {width} rows per request "
-             "(docs/isa.md §9), the target verifies it in one forward", "",
-             f"{'method':<{w}}{'tok/s':>8}{'verified':>10}{'tokens':>8}{'accept':>8}{'x target':>10}"
-             f"{'x chain':>9}{'x chain':>11}  chain at as many verified",
-             f"{'':<{w}}{'proj.':>8}{'/fwd':>10}{'/fwd':>8}{'levels':>8}{'-only':>10}{'same γ':>9}"
-             f"{'same ver.':>11}"]
+             "(docs/isa.md §9), the target verifies "
+             + (f"at most {budget} of its nodes (the likeliest accepted)" if budget else "all of it")
+             + " in one forward", "",
+             f"{'method':<{w}}{'tok/s':>8}{'verified':>10}{'tokens':>8}{'accept':>8}{'hits':>6}"
+             f"{'misses':>8}{'hidden':>8}{'x target':>10}{'x chain':>9}{'x chain':>11}  chain at as many "
+             "verified",
+             f"{'':<{w}}{'proj.':>8}{'/fwd':>10}{'/fwd':>8}{'levels':>8}{'':>6}{'':>8}{'% mod.':>8}"
+             f"{'-only':>10}{'same γ':>9}{'same ver.':>11}"]
     for t in rows:
-        chain = result.get("dfvg", t.gamma)
-        same = result.chain_at_nodes(t)
+        piped = t.method == ENGINE_TREE_PIPELINED
+        chain_method = "dfvg-pipelined" if piped else "dfvg"
+        chain = result.get(chain_method, t.gamma)
+        same = result.chain_at_nodes(t, chain_method)
         lines.append(f"{t.key:<{w}}{t.tokens_per_s:>8.1f}{_num(t.verified_per_forward, '10.1f'):>10}"
                      f"{t.mean_accepted_length:>8.2f}{_num(t.acceptance_rate, '8.3f'):>8}"
+                     f"{_num(t.pipeline_hits if piped else None, 'd'):>6}"
+                     f"{_num(t.pipeline_misses if piped else None, 'd'):>8}"
+                     f"{_num(100 * t.hidden_share if t.hidden_share is not None else None, '.1f'):>7}"
+                     f"{'%' if t.hidden_share is not None else ' '}"
                      f"{_ratio(result.speedup(t, result.baseline())):>10}"
                      f"{_ratio(result.speedup(t, chain)):>9}{_ratio(result.speedup(t, same)):>11}  "
                      + (f"{same.key}: {same.mean_accepted_length:.2f} tokens/fwd, "
                         f"{same.tokens_per_s:.1f} tok/s" if same else "-"))
-    lines += ["", "verified/fwd: draft tokens each verifying target forward checked (the tree's nodes; "
-              "a chain's γ); tokens/fwd: tokens committed per target forward (accepted + 1). accept: "
-              "levels the accepted path reached / levels drafted.",
+    lines += ["", "verified/fwd: draft tokens each verifying target forward checked (the tree's nodes"
+              + (f", at most the budget of {budget}" if budget else "") + "; a chain's γ); tokens/fwd: "
+              "tokens committed per target forward (accepted + 1). accept: levels the accepted path "
+              "reached / levels drafted.",
+              "x chain: over the chain of the same schedule (dfvg for the serial trees, dfvg-pipelined "
+              "for the pipelined ones); same ver.: the chain whose γ is the tree's verified nodes "
+              "(depth x width" + (", or the budget when smaller" if budget else "") + ").",
               "tok/s projected as dfvg's: measured target + host, modelled engine (the cycle model's "
-              "tree request, docs/isa.md §9.5) + PCIe."]
+              "tree request, docs/isa.md §9.5) + PCIe; pipelined rows count the modelled overlap once "
+              "(hits: rounds whose next tree was ready when verification ended; hidden: engine + PCIe "
+              "time that overlapped verification, modelled)."]
     return "\n".join(lines)
+
+
+def strategies_line(result: BenchResult) -> str:
+    """Chain and tree, serial and pipelined, each at its best γ, as x target-only."""
+    h = result.strategies_headline()
+    if not h:
+        return ""
+    cells = [f"{v['strategy']} {v['schedule']} {_ratio(v['over_target_only'])} ({v['key']})"
+             for v in h["strategies"].values()]
+    return ("Strategies and schedules at their best γ, x target-only: " + "; ".join(cells)
+            + f". Fastest: {h['best_strategy']}.")
 
 
 def position_table(result: BenchResult) -> str:
@@ -283,6 +314,13 @@ def format_result(result: BenchResult) -> str:
                         f"{_ratio(h['dfvg_engine_tree']['over_target_only'])} target-only, "
                         f"{_ratio(h['dfvg_engine_tree']['over_best_dfvg'])} the best chain "
                         f"({h['dfvg_engine_tree']['best_dfvg']})." if h.get("dfvg_engine_tree") else "")
+                     + (f" Pipelined engine trees at their best ({h['dfvg_engine_tree_pipelined']['key']}): "
+                        f"{_ratio(h['dfvg_engine_tree_pipelined']['over_target_only'])} target-only, "
+                        f"{_ratio(h['dfvg_engine_tree_pipelined']['over_best_engine_tree'])} the serial "
+                        f"trees at their best, {_ratio(h['dfvg_engine_tree_pipelined']['over_best_dfvg_pipelined'])} "
+                        f"the best pipelined chain ({h['dfvg_engine_tree_pipelined']['best_dfvg_pipelined']})."
+                        if h.get("dfvg_engine_tree_pipelined") else "")
+                     + ("\n" + strategies_line(result) if h.get("strategies") else "")
                      + "\n[" + h["label"] + "]")
     eff = efficiency_table(result)
     if eff:

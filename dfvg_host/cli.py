@@ -305,15 +305,16 @@ def _several_options(args, drafters: int) -> list[float | None]:
 
 
 def _strategy_options(args, drafters: int) -> None:
-    """``--strategy tree`` drafts with one engine's token trees, serially."""
+    """``--strategy tree`` drafts with one engine's token trees (serially, or pipelined);
+    ``--tree-budget`` goes with it alone."""
     if args.strategy != "tree":
+        if args.tree_budget is not None:
+            raise CliError("--tree-budget caps the nodes of the engine's token trees the target "
+                           "verifies per round: give it with --strategy tree")
         return
     if drafters > 1:
         raise CliError("--strategy tree drafts with one engine's token trees; several drafters merge "
                        "their chains into one tree with --merge tree (drop --strategy)")
-    if args.schedule == "pipelined":
-        raise CliError("--strategy tree runs serially: the pipelined schedule drafts chain "
-                       "continuations (drop --schedule pipelined, or use --strategy chain)")
 
 
 def _tree_engine_width(opened: OpenedDraft) -> int:
@@ -348,8 +349,10 @@ def _check_tree(args, opened: OpenedDraft, compiled, engine_width: int) -> int:
 
 def _decoder(args, opened: list[OpenedDraft], compiled: list, verifier, sampling, eos, temps):
     """The decoder ``dfvg generate`` runs: chain (serial or pipelined) or the engine's
-    token trees (:class:`~dfvg_host.tree_drafting.TreeDecoder`) for one drafter,
-    :class:`~dfvg_host.multi_draft.MultiDraftDecoder` for several."""
+    token trees (:class:`~dfvg_host.tree_drafting.TreeDecoder`, or
+    :class:`~dfvg_host.pipelined_tree.PipelinedTreeDecoder` pipelined; ``--tree-budget``
+    nodes verified per round) for one drafter, :class:`~dfvg_host.multi_draft.MultiDraftDecoder`
+    for several."""
     from dfvg_hw.spec.descriptors import MAX_DRAFT
     from dfvg_host.adaptive import AdaptiveLength
     from dfvg_host.driver import DraftDevice, cycle_source
@@ -371,8 +374,12 @@ def _decoder(args, opened: list[OpenedDraft], compiled: list, verifier, sampling
                                  draft_temperatures=temps, names=names, eos_token_id=eos,
                                  adaptive=adaptive), adaptive
     if args.strategy == "tree":
-        return TreeDecoder(devices[0], verifier, depth=args.gamma, sampling=sampling, eos_token_id=eos,
-                           adaptive=adaptive), adaptive
+        if args.schedule == "pipelined":
+            from dfvg_host.pipelined_tree import PipelinedTreeDecoder as tree_class
+        else:
+            tree_class = TreeDecoder
+        return tree_class(devices[0], verifier, depth=args.gamma, budget=args.tree_budget,
+                          sampling=sampling, eos_token_id=eos, adaptive=adaptive), adaptive
     decoder_class = PipelinedDecoder if args.schedule == "pipelined" else SpeculativeDecoder
     return decoder_class(devices[0], verifier, gamma=args.gamma, sampling=sampling, eos_token_id=eos,
                          adaptive=adaptive), adaptive
@@ -440,8 +447,9 @@ def cmd_generate(args) -> int:
     if not args.json:
         drafts = ", ".join(f"{d.source.model_dir} on {d.url}" for d in opened)
         how = f"{len(opened)} drafters, merge {decoder.merge}" if several else args.schedule
-        shape = (f"engine trees {tree_width} wide, depth {gamma_note}" if tree_width
-                 else f"gamma {gamma_note}")
+        shape = (f"engine trees {tree_width} wide, depth {gamma_note}, "
+                 + (f"at most {args.tree_budget} nodes verified per round" if args.tree_budget
+                    else "every node verified") if tree_width else f"gamma {gamma_note}")
         log(f"target {target_dir} on {verifier.device} | draft {drafts} | {shape} | {how} | "
             f"{'greedy' if sampling.greedy else f'T={args.temperature} top-k={args.top_k} seed={args.seed}'}\n")
         print(prompt_text, end="", flush=True)
@@ -460,7 +468,8 @@ def cmd_generate(args) -> int:
                      drafters=[d.to_dict() for d in result.drafters]) if several else {}
         m = result.metrics
         if tree_width:
-            extra = dict(tree_width=tree_width, tree_nodes=m.tree_nodes, depth=args.gamma,
+            extra = dict(tree_width=tree_width, tree_nodes=m.tree_nodes, tree_budget=args.tree_budget,
+                         depth=args.gamma,
                          mean_depth=m.mean_gamma, mean_tree_nodes=m.mean_tree_nodes,
                          mean_accepted_length=m.mean_accepted_length)
         print(json.dumps(dict(prompt_ids=prompt, token_ids=result.tokens, text=tok.decode(result.tokens),
@@ -787,12 +796,15 @@ def cmd_bench(args) -> int:
         max_new_tokens=args.max_new_tokens or base.max_new_tokens,
         per_task=args.per_task if args.per_task is not None else base.per_task,
         pipelined=not args.no_pipelined, adaptive=not args.no_adaptive,
-        engine_tree=base.engine_tree and not args.no_engine_tree,
+        engine_tree=base.engine_tree and not args.no_engine_tree, tree_budget=args.tree_budget,
         adaptive_gamma_max=args.gamma_max or base.adaptive_gamma_max)
     if settings.per_task < 1:
         raise CliError("--per-task must be at least 1")
     if args.gamma_max is not None and args.no_adaptive:
         raise CliError("--gamma-max bounds the adaptive method's γ; it has no use with --no-adaptive")
+    if args.tree_budget is not None and args.no_engine_tree:
+        raise CliError("--tree-budget caps the nodes the engine's token trees verify per forward; it "
+                       "has no use with --no-engine-tree")
     if args.threads is not None:
         if args.threads < 1:
             raise CliError("--threads must be at least 1")
@@ -947,7 +959,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--strategy", choices=["chain", "tree"], default="chain",
                    help="chain (default): the engine drafts γ tokens per round; tree: it drafts a "
                         "token tree of --gamma levels, as wide as the preset's rows (4 on the Alveo "
-                        "presets), verified in one target forward")
+                        "presets), verified in one target forward (serially or --schedule pipelined)")
+    g.add_argument("--tree-budget", type=int, metavar="N",
+                   help="with --strategy tree: the target verifies at most N of the tree's nodes per "
+                        "round (greedy: those most likely accepted; sampled: the first N drafted); "
+                        "default, or N >= width x depth: the whole tree")
     g.add_argument("--gamma-max", type=int, help="with --gamma auto: the largest γ tried (default 16)")
     g.add_argument("--dtype", default="float32", help="verifier dtype: float32, bfloat16, float16")
     g.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
@@ -955,7 +971,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
     g.add_argument("--schedule", choices=["serial", "pipelined"], default="serial",
                    help="serial: draft, then verify; pipelined: the engine drafts the next round "
-                        "while the target verifies (overlap modelled on a sim device)")
+                        "(chain or tree) while the target verifies (overlap modelled on a sim device)")
     g.add_argument("--trace", metavar="FILE", help="write the per-round timeline (projected clock) "
                    "as a Chrome trace JSON to FILE (chrome://tracing, ui.perfetto.dev)")
     g.add_argument("--json", action="store_true", help="print token ids and metrics as one JSON object")
@@ -1030,12 +1046,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
     b.add_argument("--no-efficiency", action="store_true", help="skip the engine-efficiency table")
     b.add_argument("--no-pipelined", action="store_true", help="skip pipelined DFVG (the engine "
-                   "drafting the next round during verification; run at every γ by default)")
+                   "drafting the next round during verification: dfvg-pipelined, and "
+                   "dfvg-engine-tree-pipelined with the engine's trees; run at every γ by default)")
     b.add_argument("--no-adaptive", action="store_true", help="skip adaptive DFVG (dfvg-adaptive: "
                    "serial, γ chosen per round; run once by default)")
     b.add_argument("--no-engine-tree", action="store_true", help="skip the engine's token trees "
                    "(dfvg-engine-tree: a tree of γ levels per round, verified in one forward; run at "
-                   "every γ by default where the device drafts trees)")
+                   "every γ by default where the device drafts trees; pipelined too, as "
+                   "dfvg-engine-tree-pipelined, unless --no-pipelined)")
+    b.add_argument("--tree-budget", type=int, metavar="N", help="the engine trees' rows verify at "
+                   "most N nodes per target forward (depth = the row's γ; default: the whole tree)")
     b.add_argument("--gamma-max", type=int, help="the largest γ adaptive DFVG tries (default 16)")
     b.add_argument("--efficiency-presets", default="alveo-u55c,alveo-u280,alveo-u250",
                    help="presets of the engine-efficiency table (comma-separated)")
@@ -1081,7 +1101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("max_new_tokens", "gamma", "gamma_max", "context", "positions", "segment",
-                 "max_num_seqs", "max_tokens"):
+                 "max_num_seqs", "max_tokens", "tree_budget"):
         value = getattr(args, name, 1)
         if value is not None and value != "auto" and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

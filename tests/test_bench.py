@@ -166,6 +166,67 @@ def test_plots_are_written(tiny_run, tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
 
 
+def test_engine_trees_serial_and_pipelined_with_a_budget(demo_pair, demo_compiled, tmp_path):
+    """dfvg-engine-tree and dfvg-engine-tree-pipelined at the same depths, at most
+    tree_budget nodes verified per forward; the strategies x schedules headline."""
+    from dfvg_host.bench import ENGINE_TREE, ENGINE_TREE_PIPELINED
+
+    draft_dir, target_dir, _ = demo_pair
+    budget = 3
+    settings = BenchSettings(gammas=(1, 3), max_new_tokens=6, per_task=1, warmup_tokens=2,
+                             assisted_hf_defaults=False, adaptive=False, engine_tree=True,
+                             tree_budget=budget)
+    result = run_benchmark(target_dir=target_dir, draft_dir=draft_dir,
+                           device=DraftDevice.open("sim://alveo-u55c", demo_compiled),
+                           device_url="sim://alveo-u55c",
+                           prompts=pick_prompts(load_prompt_set(DEFAULT_PROMPT_SET), 1), settings=settings,
+                           prompt_set=DEFAULT_PROMPT_SET, verifier_device="cpu")
+    data = result.to_dict()
+    rows = {r["key"]: r for r in data["rows"]}
+    assert set(rows) == {"target-only"} | {f"{m} γ={g}" for g in (1, 3) for m in (
+        "assisted", "dfvg", "dfvg-pipelined", ENGINE_TREE, ENGINE_TREE_PIPELINED)}
+    assert data["setup"]["engine_tree_budget"] == budget and data["setup"]["engine_tree_width"] == 4
+    for r in data["rows"]:
+        assert r["matches_target_only"] == 3 and r["tokens"] == 18, r["key"]
+    for g in (1, 3):
+        for method in (ENGINE_TREE, ENGINE_TREE_PIPELINED):
+            t = rows[f"{method} γ={g}"]
+            # a drafted round verifies min(budget, depth x width) nodes (fewer near the end)
+            assert 0 < t["verified_per_forward"] <= min(budget, 4 * g) and t["tree_nodes"] > 0
+            assert "§9.5" in t["labels"]["draft_s"] and "tree level" in t["labels"]["acceptance"]
+        p = rows[f"{ENGINE_TREE_PIPELINED} γ={g}"]
+        assert p["pipeline_hits"] + p["pipeline_misses"] <= p["rounds"]
+        assert 0 <= p["hidden_s"] <= p["draft_s"] + p["pcie_s"] and 0 <= p["hidden_share"] <= 1
+        assert p["seconds"] == pytest.approx(p["target_s"] + p["host_s"] + p["draft_s"] + p["pcie_s"]
+                                             - p["hidden_s"])
+        assert "overlap counted once" in p["labels"]["tokens_per_s"] and "modelled" in p["labels"]["hidden_s"]
+        assert rows[f"{ENGINE_TREE} γ={g}"]["hidden_share"] is None
+        # the budget, not depth x width, sets the chain at as many verified tokens
+        assert p["dfvg_pipelined_same_verified"] == "dfvg-pipelined γ=3"
+        assert rows[f"{ENGINE_TREE} γ={g}"]["dfvg_same_verified"] == "dfvg γ=3"
+        assert p["speedup_over_engine_tree_same_gamma"] == pytest.approx(
+            p["tokens_per_s"] / rows[f"{ENGINE_TREE} γ={g}"]["tokens_per_s"])
+    h = data["headline"]
+    strategies = h["strategies"]
+    assert [(v["strategy"], v["schedule"]) for v in strategies.values()] == [
+        ("chain", "serial"), ("tree", "serial"), ("chain", "pipelined"), ("tree", "pipelined")]
+    for method, v in strategies.items():
+        best = max((r for r in data["rows"] if r["method"] == method), key=lambda r: r["tokens_per_s"])
+        assert v["key"] == best["key"] and v["over_target_only"] == pytest.approx(best["speedup_over_target_only"])
+    assert h["best_strategy"] == max(strategies.values(), key=lambda v: v["tokens_per_s"])["key"]
+    assert h["dfvg_engine_tree_pipelined"]["key"] == strategies[ENGINE_TREE_PIPELINED]["key"]
+    text = format_result(result)
+    for needle in ("Engine token trees", f"at most {budget} of its nodes", "dfvg-engine-tree-pipelined γ=3",
+                   "Strategies and schedules at their best γ, x target-only: chain serial",
+                   "tree pipelined", "Pipelined engine trees at their best", "Engine trees at their best",
+                   "overlap modelled, counted once"):
+        assert needle in text, needle
+    json.dumps(data)
+    if __import__("importlib").util.find_spec("matplotlib"):
+        from dfvg_host.bench_plots import plot_results
+        assert len(plot_results(data, tmp_path)) == 3
+
+
 SMALL = DraftShape("small-test", hidden=256, layers=2, heads=4, intermediate=512, vocab=4096)
 
 
@@ -235,6 +296,8 @@ def test_bad_prompt_set_is_a_clear_error(tmp_path):
     (["--per-task", "0"], "--per-task must be at least 1"),
     (["--gamma-max", "4", "--no-adaptive"], "no use with --no-adaptive"),
     (["--gamma-max", "0"], "--gamma-max must be at least 1"),
+    (["--tree-budget", "0"], "--tree-budget must be at least 1"),
+    (["--tree-budget", "8", "--no-engine-tree"], "no use with --no-engine-tree"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--prompts", "/nonexistent/prompts.json"], "does not exist"),
     (["--draft", "models/demo-draft"], "give both --draft and --target"),

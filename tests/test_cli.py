@@ -113,10 +113,53 @@ def test_argparse_errors_exit_2():
         assert dfvg("generate", "--prompt", "a", *bad).returncode == 2
 
 
-def test_strategy_takes_chain_or_tree_and_tree_runs_serially():
+def test_strategy_takes_chain_or_tree_and_tree_takes_one_drafter():
     assert dfvg("generate", "--strategy", "forest", "--prompt", "a").returncode == 2
-    line = error_line(dfvg("generate", "--prompt", "a", "--strategy", "tree", "--schedule", "pipelined"))
-    assert "--strategy tree runs serially" in line
+    line = error_line(dfvg("generate", "--prompt", "a", "--strategy", "tree",
+                           "--device", "sim://alveo-u55c", "--device", "sim://alveo-u55c"))
+    assert "--strategy tree drafts with one engine's token trees" in line and "--merge tree" in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tree-budget", 8], "--tree-budget caps the nodes of the engine's token trees the target "
+                           "verifies per round: give it with --strategy tree"),
+    (["--tree-budget", 8, "--strategy", "chain", "--schedule", "pipelined"], "give it with --strategy tree"),
+])
+def test_tree_budget_needs_strategy_tree(args, message):
+    assert message in error_line(dfvg("generate", "--prompt", "a", *args))
+
+
+def test_tree_budget_is_at_least_one():
+    proc = dfvg("generate", "--prompt", "a", "--strategy", "tree", "--tree-budget", 0)
+    assert proc.returncode == 2 and "--tree-budget must be at least 1" in proc.stderr.splitlines()[-1]
+
+
+def test_generate_pipelined_tree_with_a_budget_is_the_targets_greedy_decoding(demo_pair):
+    """--strategy tree --schedule pipelined --tree-budget: the pipelined tree decoder, at
+    most the budget's nodes verified per round, the target's greedy tokens."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dfvg_host.compiler import load_model
+
+    _, target_dir, _ = demo_pair
+    prompt = "import os\n\ndef main():\n"
+    proc = dfvg("generate", "--prompt", prompt, "--max-new-tokens", 12, "--gamma", 3, "--strategy", "tree",
+                "--schedule", "pipelined", "--tree-budget", 5, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    m = out["metrics"]
+    assert out["strategy"] == "tree" and out["schedule"] == m["schedule"] == "pipelined"
+    assert out["tree_budget"] == m["tree_budget"] == 5 and out["depth"] == 3 and out["tree_width"] == 4
+    drafted_rounds = sum(1 for g in m["gamma_per_round"] if g)
+    assert 0 < m["tree_nodes"] <= 5 * drafted_rounds and m["mean_tree_nodes"] <= 5
+    assert m["labels"]["projected_seconds"].endswith("pipelined: overlap counted once")
+    assert m["pipeline_hits"] + m["pipeline_misses"] <= m["rounds"] and 0 <= m["hidden_draft_share"] <= 1
+    ids = torch.tensor([AutoTokenizer.from_pretrained(target_dir)(prompt)["input_ids"]])
+    with torch.no_grad():
+        ref = load_model(target_dir).generate(ids, max_new_tokens=12, do_sample=False,
+                                              attention_mask=torch.ones_like(ids))[0, ids.shape[1]:]
+    assert len(out["token_ids"]) == 12 and out["token_ids"] == ref.tolist()
 
 
 def test_gamma_max_needs_gamma_auto():
