@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dfvg_hw.spec.descriptors import MAX_DRAFT
 from dfvg_host.driver import DraftDeviceError
 from dfvg_host.pipelined import Continuation, PipelinedDecoder
 from dfvg_host.speculative import DraftCursor, GenerationRun, matched_prefix
@@ -122,10 +123,11 @@ class PipelinedTreeDecoder(TreeDecoder, PipelinedDecoder):
         base = self.draft.tree.base
         width = self.width
         # After a full hit: the engine holds the path's KV from base on, and the next round
-        # emits at most its depth + 1 tokens; level d < levels of the continuation takes W slots.
+        # emits at most its depth + 1 tokens; level d < levels of the continuation takes W
+        # slots; a request holds 64 nodes, so the deepest trees continue one level shallower.
         room_levels = (self.draft.compiled.context_limit - (base + len(path))) // width + 1
         after_hit = remaining - (len(path) - len(prefix) + 1)
-        n_next = min(self._choose_gamma(), after_hit - 1, room_levels - 1)
+        n_next = min(self._choose_gamma(), after_hit - 1, room_levels - 1, MAX_DRAFT // width - 1)
         if n_next < 1:
             return None
         c = TreeContinuation(counter=state.counter, n_next=n_next, end=0,

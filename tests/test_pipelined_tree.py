@@ -113,6 +113,24 @@ def test_greedy_is_exact_and_the_engine_holds_what_it_should(tiny_compiled, rand
     assert hits > 0
 
 
+def test_the_deepest_trees_on_the_demo_pair(demo_pair, demo_compiled):
+    """Depth 16 at width 4 fills a request (64 nodes): the continuation, one level more
+    than the next round's tree, drafts 16 levels for a 15-level round."""
+    from transformers import AutoTokenizer
+    _, target_dir, data = demo_pair
+    model = load_model(target_dir)
+    prompt = AutoTokenizer.from_pretrained(target_dir)((data / "heldout.txt").read_text())["input_ids"][:24]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
+    decoder = PipelinedTreeDecoder(DraftDevice.open("sim://alveo-u55c", demo_compiled),
+                                   Verifier(model, torch.device("cpu")), depth=16, budget=8)
+    out = decoder.generate(prompt, 64)
+    m = out.metrics
+    assert out.tokens == want.tolist() and not out.faults
+    assert m.pipeline_hits > 0 and max(m.gamma_per_round) == 16 and 15 in m.gamma_per_round
+
+
 def test_budget_verifies_the_most_likely_nodes(tiny_compiled, target, reference):
     decoder = decoder_on(tiny_compiled, target, TreeDecoder, depth=6, budget=4)
     out = decoder.generate(PROMPTS[0], NEW)
