@@ -674,6 +674,17 @@ class DraftDevice:
         return c
 
     @_link_errors
+    def poll(self, pending: "PendingDraft") -> bool:
+        """Whether ``pending`` has finished, so that :meth:`collect` returns without waiting:
+        one ``STATUS`` read (``DONE``, which ``START`` clears), nothing waited for and
+        nothing committed. A host overlapping drafting with verification polls between
+        its own work; ``RuntimeError`` for a request that is not in flight."""
+        if pending is not self._pending or pending.resets != self.resets:
+            raise RuntimeError("this draft request is not in flight (collected already, or the "
+                               "device was reset since it was submitted)")
+        return bool(self.io.read32(Reg.STATUS) & Status.DONE)
+
+    @_link_errors
     def collect(self, pending: "PendingDraft") -> DraftOutput:
         """Wait for the interrupt of ``pending`` (what :meth:`submit` returned), read its
         result, check it against the descriptor contract, and commit its KV

@@ -296,6 +296,48 @@ def test_submit_then_collect_equals_draft(tiny_compiled):
         assert (split.kv_length, split.committed) == (sync.kv_length, sync.committed)
 
 
+def test_poll_says_when_a_request_has_finished(tiny_engine, tiny_compiled):
+    """poll() reads STATUS once and waits for nothing: False while the engine runs, True
+    once it is done; collect() then gives what draft() gives."""
+    class Slow(SimDevice):
+        """Runs a started request only at the third STATUS read (or an interrupt wait)."""
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.started, self.reads = None, 0
+
+        def _start(self, buf):
+            self.started, self.reads = buf, 0
+            self._regs[Reg.STATUS] = (self._regs[Reg.STATUS] & Status.PROGRAM_LOADED) | Status.BUSY
+
+        def _run(self):
+            if self.started is not None:
+                buf, self.started = self.started, None
+                super()._start(buf)
+
+        def read32(self, offset):
+            if offset == Reg.STATUS:
+                self.reads += 1
+                if self.reads >= 3:
+                    self._run()
+            return super().read32(offset)
+
+        def wait_irq(self, timeout_s):
+            self._run()
+            return super().wait_irq(timeout_s)
+
+    dev = DraftDevice(Slow(tiny_engine), tiny_compiled)
+    dev.load()
+    want = DraftDevice.open("sim://tiny", tiny_compiled).draft(PROMPT, 3)
+    pending = dev.submit(PROMPT, 3)
+    assert [dev.poll(pending) for _ in range(3)] == [False, False, True]
+    assert dev.committed == 0 and dev.collect(pending).tokens == want.tokens
+    with pytest.raises(RuntimeError, match="not in flight"):
+        dev.poll(pending)
+    pending = dev.submit([4], 1)
+    assert not dev.poll(pending)
+    dev.collect(pending)                         # waits (the interrupt) for what poll saw running
+
+
 def test_one_request_in_flight(tiny_compiled):
     dev = DraftDevice.open("sim://tiny", tiny_compiled)
     first = dev.submit(PROMPT, 2)
