@@ -14,6 +14,7 @@ from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.regmap import (ENGINE_ID, ENGINE_VERSION, OP_CYCLE_BUCKETS, Control, Irq, Reg, Status,
                             engine_params, op_cycles_offset, register_space_bits)
+from sim.blas_threads import limit_numpy_blas_threads
 from sim.functional import EngineFault, FunctionalEngine
 from sim.memory import DeviceMemory, MemoryError_
 
@@ -29,6 +30,8 @@ class SimDevice:
 
     Requests run to completion inside the START register write (the model is
     synchronous), so the completion interrupt is pending as soon as the write returns.
+    It runs in the host's process, so it keeps numpy's BLAS to one thread
+    (:mod:`sim.blas_threads`): a card takes none of the host's cores from the target.
 
     Members
     -------
@@ -39,6 +42,7 @@ class SimDevice:
 
     def __init__(self, config: EngineConfig, memory: DeviceMemory | None = None, *,
                  tree_width: int | None = None):
+        limit_numpy_blas_threads()
         self.config = config
         self.memory = memory if memory is not None else DeviceMemory(config.mem_bytes)
         self.engine = FunctionalEngine(config, self.memory, tree_width=tree_width)
