@@ -412,6 +412,7 @@ class BenchRunner:
         # one decoder per multi-drafter method and γ, made on first use: its weights (and
         # adaptive controller) learn over the whole run, as a server's would
         self._multi: dict[tuple[str, int | None], MultiDraftDecoder] = {}
+        self._tree_decoders: dict[tuple[str, int, int | None], TreeDecoder] = {}
         # What transformers would use for the assistant when told nothing.
         self._assistant_defaults = copy.deepcopy(self.draft_model.generation_config)
 
@@ -517,9 +518,13 @@ class BenchRunner:
         else:
             decoder_class = TreeDecoder
         method = ENGINE_TREE_PIPELINED if pipelined else ENGINE_TREE
-        decoder = decoder_class(self.device, self.verifier, depth=depth, budget=budget, eos_token_id=None,
-                                fallback=False)
-        out = decoder.generate(prompt, max_new_tokens)
+        key = (method, depth, budget)
+        if key not in self._tree_decoders:
+            # One decoder per row for the whole run: a budgeted tree's acceptance model
+            # learns from prompt to prompt, as a server's would.
+            self._tree_decoders[key] = decoder_class(self.device, self.verifier, depth=depth, budget=budget,
+                                                     eos_token_id=None, fallback=False)
+        out = self._tree_decoders[key].generate(prompt, max_new_tokens)
         if out.stop_reason != "max_new_tokens":
             raise BenchError(f"{method} stopped early at depth {depth} ({out.stop_reason}): "
                              f"{out.message}")

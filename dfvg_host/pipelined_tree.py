@@ -14,7 +14,8 @@ being ``W`` guesses of the target's next token and levels 2 … ``D' + 1`` the n
 tree. Then the target verifies round n, then the decoder collects the continuation.
 
 * **Hit** — the target accepted exactly the anchor's path and its next token is one of
-  level 1's tokens, at row ``r`` (the first such row): round n+1's tree is the
+  level 1's tokens, at row ``r`` (the first such row), with nodes below it (a greedy
+  level 2 may put all of its rows under other guesses): round n+1's tree is the
   continuation's nodes below ``(1, r)`` (:class:`~dfvg_host.tree_drafting.SubTree`),
   drafted already, cut to the budget as any round's. The engine then holds exactly what
   a serial round n+1 would have compacted and fed, and ``(1, r)``'s KV in the tree's
@@ -159,7 +160,8 @@ class PipelinedTreeDecoder(TreeDecoder, PipelinedDecoder):
         if c.output is not None and going_on and accepted == c.path:
             level1 = c.output.tokens[:c.output.tree_width]
             row = next((r for r, t in enumerate(level1) if t.token == verdict.next_token), None)
-            if row is not None:
+            # A greedy level 2 may hold nothing below that guess: nothing drafted, a miss.
+            if row is not None and row in c.output.parents:
                 m.pipeline_hits += 1
                 state.inputs = []
                 return SubTree(c.output, row, c.output.levels - 1), use_device

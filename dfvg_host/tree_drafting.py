@@ -41,7 +41,8 @@ from dfvg_host.speculative import DraftCursor, GenerationRun, SpeculativeDecoder
 from dfvg_host.tree import ROOT, DraftTree, descendants, most_probable_nodes, subtree
 from dfvg_host.verifier import Verifier
 
-__all__ = ["TreeCursor", "TreeDecoder", "RankAcceptance", "SubTree", "record_path", "STRATEGIES"]
+__all__ = ["TreeCursor", "TreeDecoder", "RankAcceptance", "SubTree", "VerifiedTree", "record_path",
+           "verified_levels", "STRATEGIES"]
 
 #: What ``dfvg generate --strategy`` drafts: the engine's chains, or its token trees.
 STRATEGIES = ("chain", "tree")
@@ -78,6 +79,20 @@ def record_path(parents: list[int], node: int) -> list[int]:
         out.append(node)
         node = parents[node]
     return out[::-1]
+
+
+@dataclass
+class VerifiedTree(TreeVerdict):
+    """A tree round's verdict (the path as record indices of the request) and the levels
+    of the tree the target verified: what the metrics and the adaptive depth count as
+    drafted — a budget, or a pipelined round's subtree, may verify fewer levels than were
+    requested."""
+    levels: int = 0
+
+
+def verified_levels(n: int, verdict) -> int:
+    """Levels a round drafted for the metrics: the verified tree's, or ``n`` (chains)."""
+    return verdict.levels if isinstance(verdict, VerifiedTree) else n
 
 
 class TreeCursor(DraftCursor):
@@ -161,13 +176,16 @@ class TreeDecoder(SpeculativeDecoder):
     width : int
         The trees' width: the device's :attr:`~dfvg_host.driver.DraftDevice.tree_width`.
     depth : int
-        Levels per tree; with an adaptive depth its upper bound.
+        Levels per tree; with an adaptive depth its upper bound. The metrics count the
+        levels of the tree verified (:class:`VerifiedTree`), which a budget may make fewer.
+    ranks : RankAcceptance
+        The greedy acceptance model a budget ranks nodes by; it learns over generations.
     budget : int or None
         Nodes the target verifies per round (None: the whole tree). Greedy, the ``budget``
-        nodes with the most probable paths (:func:`~dfvg_host.tree.most_probable_nodes`,
-        the product of the records' draft probabilities): the engine drafts wider and
-        deeper than the target verifies, and the verified tree takes the draft's
-        confidence's shape. Sampled, the first ``budget`` records (whole levels, then the
+        nodes whose paths are the most likely to be accepted
+        (:func:`~dfvg_host.tree.most_probable_nodes` of the chances :attr:`ranks` learnt):
+        the engine drafts wider and deeper than the target verifies, and the verified tree
+        takes the draft's confidence's shape. Sampled, the first ``budget`` records (whole levels, then the
         first rows of the next): a choice that does not look at the drawn tokens, which
         keeps recursive rejection lossless.
     """
@@ -259,8 +277,15 @@ class TreeDecoder(SpeculativeDecoder):
         path = [records[i] for i in verdict.path]
         if greedy:
             self._learn_ranks(d, root, path, verdict.next_token)
-        return ([d.ids[i] for i in path], TreeVerdict(path, verdict.next_token, verdict.invalid_q),
-                seconds)
+        return ([d.ids[i] for i in path],
+                VerifiedTree(path, verdict.next_token, verdict.invalid_q, levels=tree.depth), seconds)
+
+    def _emit(self, run, out, seq, n, drafts, verdict, remaining, use_device, on_tokens) -> bool:
+        return super()._emit(run, out, seq, verified_levels(n, verdict), drafts, verdict, remaining,
+                             use_device, on_tokens)
+
+    def _observe(self, drafted, verdict, verify_s, host_s, draft_requests) -> None:
+        super()._observe(verified_levels(drafted, verdict), verdict, verify_s, host_s, draft_requests)
 
     def _learn_ranks(self, d: DraftOutput, root: int, path: list[int], next_token: int) -> None:
         """Tell :attr:`ranks` where the target's tokens stood among the draft's candidates

@@ -30,8 +30,10 @@ def numpy_openblas() -> list[str]:
     maps = Path("/proc/self/maps")
     if not maps.exists():
         return []
-    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "openblas" in line.lower()}
-    return sorted(p for p in paths if "numpy" in p or "scipy_openblas" in p)
+    # A line is "address perms offset dev inode pathname"; the pathname may hold spaces.
+    fields = (line.split(maxsplit=5) for line in maps.read_text().splitlines())
+    paths = {f[5].strip() for f in fields if len(f) == 6 and "openblas" in f[5].lower()}
+    return sorted(p for p in paths if ("numpy" in p or "scipy_openblas" in p) and not p.endswith("(deleted)"))
 
 
 def limit_numpy_blas_threads(threads: int = 1) -> bool:
@@ -42,7 +44,10 @@ def limit_numpy_blas_threads(threads: int = 1) -> bool:
         import numpy  # noqa: F401 - loads the library whose threads are set
         _done = False
         for path in numpy_openblas():
-            lib = ctypes.CDLL(path)
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:         # not loadable by that name: leave the threads alone
+                continue
             setter = next((getattr(lib, name) for name in _SETTERS if hasattr(lib, name)), None)
             if setter is not None:
                 setter(ctypes.c_int(threads))

