@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 __all__ = ["plot_results"]
@@ -34,10 +35,16 @@ def _swept(rows: list[dict], method: str) -> list[dict]:
                   key=lambda r: r["gamma"])
 
 
-def _footer(fig, setup: dict, note: str) -> None:
-    fig.text(0.01, 0.01, f"{setup['prompts']} prompts ({setup['prompt_mix']}) x {setup['max_new_tokens']} "
-             f"tokens, greedy; target {setup['target']} on {setup['verifier_device']}; "
-             f"{setup['date']}\n{note}", fontsize=7, color="0.3", va="bottom")
+def _footer(fig, setup: dict, note: str) -> float:
+    """Write the run's setup and ``note`` under the axes, wrapped to the figure's width;
+    returns the share of the figure's height it takes (for ``tight_layout``'s rect)."""
+    width = int(fig.get_figwidth() * 19)          # characters of 7-point text per line
+    text = "\n".join([textwrap.fill(f"{setup['prompts']} prompts ({setup['prompt_mix']}) x "
+                                     f"{setup['max_new_tokens']} tokens, greedy; target {setup['target']} "
+                                     f"on {setup['verifier_device']}; {setup['date']}", width),
+                      textwrap.fill(note, width)])
+    fig.text(0.01, 0.01, text, fontsize=7, color="0.3", va="bottom")
+    return 0.02 + 0.13 / fig.get_figheight() * (text.count("\n") + 1)
 
 
 def _acceptance_vs_gamma(plt, result: dict, out: Path) -> Path:
@@ -67,9 +74,9 @@ def _acceptance_vs_gamma(plt, result: dict, out: Path) -> Path:
     first = ax.legend(handles=task_handles, title="task", fontsize=8, loc="lower left")
     ax.add_artist(first)
     ax.legend(handles=method_handles, title="method", fontsize=8, loc="upper right")
-    _footer(fig, result["setup"], "Assisted: derived from forward-pass counts. The int8 (DFVG) and float "
+    bottom = _footer(fig, result["setup"], "Assisted: derived from forward-pass counts. The int8 (DFVG) and float "
             "(assisted) drafts mostly agree, so their curves nearly coincide.")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     path = out / "acceptance_vs_gamma.png"
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -77,7 +84,7 @@ def _acceptance_vs_gamma(plt, result: dict, out: Path) -> Path:
 
 
 def _speedup_vs_gamma(plt, result: dict, out: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4.6))
+    fig, ax = plt.subplots(figsize=(9, 6.4))
     rows = result["rows"]
     colors = {"dfvg": "C0", "assisted": "C1", "dfvg-pipelined": "C2", "dfvg-engine-tree": "C4",
               "dfvg-engine-tree-pipelined": "C5"}
@@ -109,12 +116,12 @@ def _speedup_vs_gamma(plt, result: dict, out: Path) -> Path:
     ax.set_ylim(0, 1.15 * max([1.0] + [r["speedup_over_target_only"] for r in rows]))
     ax.set_title("Speedup vs γ (ratios within one run, same prompts)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    _footer(fig, result["setup"], "DFVG serial: draft, PCIe and verify times are added; pipelined: "
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
+    bottom = _footer(fig, result["setup"], "DFVG serial: draft, PCIe and verify times are added; pipelined: "
             "the modelled overlap of drafting with verifying is counted once. Engine trees: γ is the "
             "tree's depth" + (f", at most {result['setup']['engine_tree_budget']} nodes verified"
                               if result["setup"].get("engine_tree_budget") else "") + ".")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     path = out / "speedup_vs_gamma.png"
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -133,8 +140,8 @@ def _acceptance_per_position(plt, result: dict, out: Path) -> Path:
     ax.set_title("DFVG acceptance per draft position, all tasks (measured: counted)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, title="draft length")
-    _footer(fig, result["setup"], "A position counts as accepted only if every earlier draft in its round was.")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    bottom = _footer(fig, result["setup"], "A position counts as accepted only if every earlier draft in its round was.")
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     path = out / "acceptance_per_position.png"
     fig.savefig(path, dpi=130)
     plt.close(fig)
