@@ -163,11 +163,13 @@ def second_third_distribution(target_dir, prompt, params):
     return torch.einsum("a,ab,abc->bc", p1, p2, p3).numpy()
 
 
-def sample_second_third(target_dir, n):
+def sample_second_third(target_dir, n, make=lambda device, verifier: PipelinedDecoder(device, verifier, gamma=1)):
     """γ = 1, 4 tokens: round 1 emits 1 or 2 tokens and submits a continuation (e1, e2);
-    on a hit round 2's draft is e2, so tokens 2 and 3 come through the hit path."""
+    on a hit round 2's draft is e2, so tokens 2 and 3 come through the hit path. ``make``
+    builds the decoder from the device and the verifier; (the counts of tokens 2 and 3,
+    the pipeline's hits)."""
     device = DraftDevice.open("sim://tiny", compile_draft(target_dir, get_preset("tiny")))
-    decoder = PipelinedDecoder(device, Verifier(load_model(target_dir), torch.device("cpu")), gamma=1)
+    decoder = make(device, Verifier(load_model(target_dir), torch.device("cpu")))
     counts, hits = Counter(), 0
     for seed in range(n):
         decoder.sampling = SamplingParams(PARAMS.temperature, PARAMS.top_k, seed)

@@ -8,7 +8,6 @@ The drafts are tiny Llamas on ``sim://tiny`` (trees 2 wide).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
@@ -17,39 +16,17 @@ import torch
 import dfvg_host.tree as tree_module
 from conftest import make_tiny_llama
 from sampling_checks import chi_square_p
-from test_pipelined import second_third_distribution
-from dfvg_hw.spec.config import get_preset
+from test_pipelined import sample_second_third as chain_samples, second_third_distribution
+from test_tree_drafting import DEAD, NEW, PROMPTS, random_draft, reference, target  # noqa: F401 - fixtures
 from dfvg_hw.spec.regmap import MemoryMap
 from dfvg_host.acceptance import SamplingParams
-from dfvg_host.compiler import compile_draft, load_model
+from dfvg_host.compiler import load_model
 from dfvg_host.driver import DraftDevice
 from dfvg_host.fault_injection import Fault, FaultInjectingTransport, FaultKind
 from dfvg_host.pipelined_tree import PipelinedTreeDecoder
 from dfvg_host.tree_drafting import TreeCursor, TreeDecoder
 from dfvg_host.verifier import Verifier
 from sim.device import SimDevice
-
-PROMPTS = [[5, 17, 99, 3, 42, 7], [100, 4, 61, 9], [33, 200, 12, 77, 150]]
-NEW = 24
-
-
-@pytest.fixture(scope="module")
-def target(tiny_draft_dir):
-    return load_model(tiny_draft_dir)
-
-
-@pytest.fixture(scope="module")
-def random_draft(tmp_path_factory):
-    return compile_draft(make_tiny_llama(tmp_path_factory.mktemp("ptree-random") / "d", seed=21),
-                         get_preset("tiny"))
-
-
-@pytest.fixture(scope="module")
-def reference(target):
-    with torch.no_grad():
-        return {tuple(p): target.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                                          eos_token_id=1, pad_token_id=2)[0, len(p):].tolist()
-                for p in PROMPTS}
 
 
 def records(out) -> list:
@@ -161,10 +138,6 @@ def test_short_generations_and_the_context_limit(tiny_compiled, target, referenc
     assert out.tokens == want.tolist()
 
 
-#: A device whose link is dead for good.
-DEAD = [Fault(FaultKind.DROP, op, repeat=math.inf) for op in ("read32", "write32", "start", "dma_write")]
-
-
 @pytest.mark.parametrize("plan", [[Fault(FaultKind.CORRUPT, "dma_read", at=4)],
                                   [Fault(FaultKind.ERROR, "start", at=3)],
                                   [Fault(FaultKind.ERROR, "start", at=4)], DEAD],
@@ -198,17 +171,8 @@ def sample_second_third(target_dir, n):
     """Depth 1, 4 tokens: round 1 verifies level 1 (2 i.i.d. draws) and submits a
     continuation whose level 1 guesses the next token; on a hit round 2 verifies the
     continuation's level 2 below it, so tokens 2 and 3 come through the hit path."""
-    device = DraftDevice.open("sim://tiny", compile_draft(target_dir, get_preset("tiny")))
-    decoder = PipelinedTreeDecoder(device, Verifier(load_model(target_dir), torch.device("cpu")),
-                                   depth=1)
-    counts, hits = Counter(), 0
-    for seed in range(n):
-        decoder.sampling = SamplingParams(PARAMS.temperature, PARAMS.top_k, seed)
-        decoder._generator.manual_seed(seed ^ 0x5EED)
-        out = decoder.generate(PROMPT, 4)
-        counts[tuple(out.tokens[1:3])] += 1
-        hits += out.metrics.pipeline_hits
-    return counts, hits
+    return chain_samples(target_dir, n, make=lambda device, verifier: PipelinedTreeDecoder(device, verifier,
+                                                                                           depth=1))
 
 
 def test_sampling_is_lossless(small_vocab_target):
