@@ -87,6 +87,7 @@ DRIVER_TESTS = [
     "test_select_sequence_checks_its_index",
     "test_reset_forgets_every_sequence",
     "test_submit_then_collect_equals_draft",
+    "test_poll_says_when_a_request_has_finished",
     "test_collect_raises_what_draft_raises",
     "test_one_request_in_flight",
 ]
