@@ -185,9 +185,9 @@ class TreeDecoder(SpeculativeDecoder):
         nodes whose paths are the most likely to be accepted
         (:func:`~dfvg_host.tree.most_probable_nodes` of the chances :attr:`ranks` learnt):
         the engine drafts wider and deeper than the target verifies, and the verified tree
-        takes the draft's confidence's shape. Sampled, the first ``budget`` records (whole levels, then the
-        first rows of the next): a choice that does not look at the drawn tokens, which
-        keeps recursive rejection lossless.
+        takes the draft's confidence's shape. Sampled, the first ``budget`` records (whole
+        levels, then the first rows of the next): a choice that does not look at the drawn
+        tokens, which keeps recursive rejection lossless.
     """
 
     cursor_class = TreeCursor
