@@ -104,10 +104,11 @@ class PipelinedTreeDecoder(TreeDecoder, PipelinedDecoder):
         """Of ``records`` (the nodes to verify below ``root``), the leaf whose path from
         ``root`` is the most likely to be accepted; ties to the lower record."""
         chance = dict(zip(records, self._step_chances(d, records)))
+        parents = d.parents
         path_chance: dict[int, float] = {root: 1.0}
         for i in records:
-            path_chance[i] = path_chance[d.parents[i]] * chance[i]
-        has_child = {d.parents[i] for i in records}
+            path_chance[i] = path_chance[parents[i]] * chance[i]
+        has_child = {parents[i] for i in records}
         leaves = [i for i in records if i not in has_child]
         return max(leaves, key=lambda i: (path_chance[i], -i))
 

@@ -291,8 +291,11 @@ class TreeDecoder(SpeculativeDecoder):
         """Tell :attr:`ranks` where the target's tokens stood among the draft's candidates
         along the accepted path (where the tree holds the candidates)."""
         chosen = [d.ids[i] for i in path] + [next_token]
+        first_child: dict[int, int] = {}
+        for i, p in enumerate(d.parents):
+            first_child.setdefault(p, i)
         for parent, token in zip([root] + path, chosen):
-            child = next((i for i, p in enumerate(d.parents) if p == parent), None)
+            child = first_child.get(parent)
             if child is None:
                 break
             record = d.tokens[child]

@@ -166,21 +166,26 @@ def test_plots_are_written(tiny_run, tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
 
 
+def demo_bench(demo_pair, demo_compiled, settings: BenchSettings):
+    """``settings`` run on the demo pair, one prompt per task, the draft on sim://alveo-u55c."""
+    draft_dir, target_dir, _ = demo_pair
+    return run_benchmark(target_dir=target_dir, draft_dir=draft_dir,
+                         device=DraftDevice.open("sim://alveo-u55c", demo_compiled),
+                         device_url="sim://alveo-u55c",
+                         prompts=pick_prompts(load_prompt_set(DEFAULT_PROMPT_SET), 1), settings=settings,
+                         prompt_set=DEFAULT_PROMPT_SET, verifier_device="cpu")
+
+
 def test_engine_trees_serial_and_pipelined_with_a_budget(demo_pair, demo_compiled, tmp_path):
     """dfvg-engine-tree and dfvg-engine-tree-pipelined at the same depths, at most
     tree_budget nodes verified per forward; the strategies x schedules headline."""
     from dfvg_host.bench import ENGINE_TREE, ENGINE_TREE_PIPELINED
 
-    draft_dir, target_dir, _ = demo_pair
     budget = 3
     settings = BenchSettings(gammas=(1, 3), max_new_tokens=6, per_task=1, warmup_tokens=2,
                              assisted_hf_defaults=False, adaptive=False, engine_tree=True,
                              tree_budget=budget)
-    result = run_benchmark(target_dir=target_dir, draft_dir=draft_dir,
-                           device=DraftDevice.open("sim://alveo-u55c", demo_compiled),
-                           device_url="sim://alveo-u55c",
-                           prompts=pick_prompts(load_prompt_set(DEFAULT_PROMPT_SET), 1), settings=settings,
-                           prompt_set=DEFAULT_PROMPT_SET, verifier_device="cpu")
+    result = demo_bench(demo_pair, demo_compiled, settings)
     data = result.to_dict()
     rows = {r["key"]: r for r in data["rows"]}
     assert set(rows) == {"target-only"} | {f"{m} γ={g}" for g in (1, 3) for m in (

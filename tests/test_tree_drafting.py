@@ -375,17 +375,13 @@ def test_bad_tree_arguments_are_one_line_errors(argv, message, capsys):
 
 
 def test_bench_runs_the_engine_trees_next_to_the_chains(demo_pair, demo_compiled):
-    from dfvg_host.bench import DEFAULT_PROMPT_SET, BenchSettings, load_prompt_set, pick_prompts, run_benchmark
+    from dfvg_host.bench import BenchSettings
     from dfvg_host.bench_report import format_result
+    from test_bench import demo_bench
 
-    draft_dir, target_dir, _ = demo_pair
     settings = BenchSettings(gammas=(1, 4), max_new_tokens=6, per_task=1, warmup_tokens=2,
                              assisted_hf_defaults=False, pipelined=False, adaptive=False, engine_tree=True)
-    result = run_benchmark(target_dir=target_dir, draft_dir=draft_dir,
-                           device=DraftDevice.open("sim://alveo-u55c", demo_compiled),
-                           device_url="sim://alveo-u55c",
-                           prompts=pick_prompts(load_prompt_set(DEFAULT_PROMPT_SET), 1), settings=settings,
-                           prompt_set=DEFAULT_PROMPT_SET, verifier_device="cpu")
+    result = demo_bench(demo_pair, demo_compiled, settings)
     data = result.to_dict()
     rows = {r["key"]: r for r in data["rows"]}
     assert set(rows) == {"target-only", "assisted γ=1", "assisted γ=4", "dfvg γ=1", "dfvg γ=4",
