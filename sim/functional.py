@@ -18,7 +18,8 @@ from dfvg_hw.spec.descriptors import (MAX_COMPACT, MAX_DRAFT, REQUEST_HEADER_WOR
                                       RESULT_HEADER_WORDS, TREE_FIELDS, Compaction, DraftedToken,
                                       DraftRequest, DraftResult, ErrorCode, watchdog_budget)
 from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES,
-                           embed_row_stride, padded, unpack_qparams, untile_weights)
+                           embed_row_stride, padded, requant_record_bytes,
+                           unpack_requant_records, untile_weights)
 from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
 from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
 from sim.cycle_model import BEFORE_FINISH, ISSUE, UNIT_OVERHEAD, CycleCounts, CycleModel, TreeTiming
@@ -90,7 +91,7 @@ class FunctionalEngine:
         self.logits: np.ndarray | None = None
         self.cycle_model = CycleModel(config)
         self.counts = CycleCounts()
-        self._weights: dict[tuple[int, int, int], tuple] = {}
+        self._weights: dict[tuple[int, int, int, bool], tuple] = {}
         self.last_fault: Exception | None = None
         self.memory.on_write(self._invalidate)
 
@@ -323,7 +324,7 @@ class FunctionalEngine:
             self._dram(addr, NORM_PARAM_BYTES)      # gamma_shift is checked before gamma's read
         elif op == Op.MATMUL:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
-            self._dram(addr, npad * kpad + 4 * npad)
+            self._dram(addr, npad * kpad + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes))
             self._vspan(ins.src, rows, ins.k * wide_bytes)
             if ins.mode == MatmulMode.LOGITS:
                 if ins.n > c.vocab_max:
@@ -398,16 +399,18 @@ class FunctionalEngine:
 
     def _matmul(self, ins: Instruction, addr: int) -> None:
         c = self.config
-        key = (addr, ins.n, ins.k)
+        key = (addr, ins.n, ins.k, ins.bias)
         if key not in self._weights:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
             w = untile_weights(self._dram(addr, npad * kpad), ins.n, ins.k, c.lanes, c.reduce)
-            mult, shift = unpack_qparams(self._dram(addr + npad * kpad, 4 * npad).view("<u4")[:ins.n])
-            self._weights[key] = (w.astype(np.float64).T, mult, shift, npad * kpad + 4 * npad)
-        wt, mult, shift, _ = self._weights[key]
+            record_bytes = requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes)
+            mult, shift, bias = unpack_requant_records(self._dram(addr + npad * kpad, record_bytes),
+                                                       ins.n, c.lanes, ins.bias)
+            self._weights[key] = (w.astype(np.float64).T, mult, shift, bias, npad * kpad + record_bytes)
+        wt, mult, shift, bias, _ = self._weights[key]
         x = self._vload(ins.src, ins.rows, ins.k, np.int16 if ins.wide else np.int8)
         # float64 BLAS is exact: |int16 · int8| sums over k < 2^16 stay below 2^38 < 2^53.
-        acc = np.rint(x.astype(np.float64) @ wt).astype(np.int64)
+        acc = nx.add_bias(np.rint(x.astype(np.float64) @ wt).astype(np.int64), bias)
         mode = ins.mode
         if mode == MatmulMode.INT8:
             self._vstore(ins.dst, nx.requant(acc, mult, shift), np.int8)
@@ -566,7 +569,7 @@ class FunctionalEngine:
 
     def _invalidate(self, addr: int, nbytes: int) -> None:
         for key in [key for key, v in self._weights.items()
-                    if key[0] < addr + nbytes and addr < key[0] + v[3]]:
+                    if key[0] < addr + nbytes and addr < key[0] + v[-1]]:
             del self._weights[key]
 
     def _write_record(self, result_addr: int, index: int, token: DraftedToken) -> None:

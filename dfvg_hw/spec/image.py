@@ -28,7 +28,7 @@ import numpy as np
 __all__ = [
     "IMAGE_MAGIC", "IMAGE_VERSION", "HEADER_BYTES", "ALIGN", "ImageHeader",
     "padded", "embed_row_stride", "tile_weights", "untile_weights", "matmul_bytes", "pack_qparams",
-    "unpack_qparams", "NORM_PARAM_BYTES", "ATTN_PARAM_BYTES", "ACT_PARAM_BYTES",
+    "unpack_qparams", "requant_record_bytes", "pack_requant_records", "unpack_requant_records", "NORM_PARAM_BYTES", "ATTN_PARAM_BYTES", "ACT_PARAM_BYTES",
     "pack_norm_params", "pack_attn_params", "pack_act_params", "align",
 ]
 
@@ -124,9 +124,45 @@ def untile_weights(data: np.ndarray, n: int, k: int, lanes: int, reduce: int) ->
     return tiles.transpose(0, 2, 1, 3).reshape(npad, kpad)[:n, :k]
 
 
-def matmul_bytes(n: int, k: int, lanes: int, reduce: int) -> int:
-    """Bytes of one matmul operand block: tiles plus requantisation words."""
-    return align(padded(n, lanes) * padded(k, reduce) + 4 * padded(n, lanes))
+def requant_record_bytes(lanes: int, bias: bool) -> int:
+    """Bytes of one output group's requantisation record after the tiles: its ``lanes``
+    requant words, then (``BIAS``) its ``lanes`` int32 biases."""
+    return (8 if bias else 4) * lanes
+
+
+def matmul_bytes(n: int, k: int, lanes: int, reduce: int, bias: bool = False) -> int:
+    """Bytes of one matmul operand block: tiles plus requantisation records."""
+    return align(padded(n, lanes) * padded(k, reduce)
+                 + requant_record_bytes(lanes, bias) * (padded(n, lanes) // lanes))
+
+
+def pack_requant_records(mult: np.ndarray, shift: np.ndarray, bias: np.ndarray | None,
+                         n_padded: int, lanes: int) -> bytes:
+    """The requantisation records of a matmul block (isa.md §4.2): without a bias the
+    ``n_padded`` requant words; with one, per group of ``lanes`` channels its words and
+    then its int32 biases."""
+    words = pack_qparams(mult, shift, n_padded)
+    if bias is None:
+        return words.tobytes()
+    b = np.zeros(n_padded, dtype="<i4")
+    b[:len(bias)] = bias
+    groups = n_padded // lanes
+    return np.stack([words.view("<i4").reshape(groups, lanes), b.reshape(groups, lanes)],
+                    axis=1).tobytes()
+
+
+def unpack_requant_records(data: np.ndarray, n: int, lanes: int, bias: bool
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(mult, shift, bias)`` of the first ``n`` channels from a block's records (``data``:
+    the bytes after the tiles); the bias is 0 without ``BIAS``."""
+    records = np.asarray(data, dtype=np.uint8).view("<u4")
+    if not bias:
+        mult, shift = unpack_qparams(records[:n])
+        return mult, shift, np.zeros(n, dtype=np.int64)
+    groups = -(-n // lanes)
+    rec = records[:2 * lanes * groups].reshape(groups, 2, lanes)
+    mult, shift = unpack_qparams(rec[:, 0].reshape(-1)[:n])
+    return mult, shift, rec[:, 1].reshape(-1)[:n].view("<i4").astype(np.int64)
 
 
 def pack_qparams(mult: np.ndarray, shift: np.ndarray, n_padded: int) -> np.ndarray:

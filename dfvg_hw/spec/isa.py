@@ -69,7 +69,7 @@ CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
 #: order (BRANCH reads the whole field as its :class:`Cond`). :class:`Flag`, the
 #: :class:`Instruction` accessors and the RTL's ``InstructionFlags`` layout derive from it.
 FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (
-    ("layer_relative", 0, 1), ("mode", 1, 2), ("wide", 3, 1), ("reserved", 4, 4),
+    ("layer_relative", 0, 1), ("mode", 1, 2), ("wide", 3, 1), ("bias", 4, 1), ("reserved", 5, 3),
 )
 _FLAG_FIELD = {name: (lsb, width) for name, lsb, width in FLAG_FIELDS}
 
@@ -89,12 +89,15 @@ class Flag(enum.IntFlag):
     #: two int8 digit rows sharing each weight tile); RMSNORM, ACTMUL and ATTN write an
     #: int16 dst with 8 more fractional bits.
     WIDE = 1 << _FLAG_FIELD["wide"][0]
+    #: MATMUL adds a per-output-channel int32 bias to the accumulator before requantising:
+    #: the weight block holds a bias word beside each requant word (docs/isa.md §4.2).
+    BIAS = 1 << _FLAG_FIELD["bias"][0]
 
 
 class MatmulMode(enum.IntEnum):
     """MATMUL output mode, the ``mode`` sub-field of ``flags``."""
     INT8 = 0       #: dst(int8) := requant(acc)
-    RESADD = 1     #: dst(int16) := sat16(dst + requant16(acc)) — residual update
+    RESADD = 1     #: dst(int32) := sat32(dst + requant32(acc)) — residual update
     LOGITS = 2     #: logits(int16, Q7.8) := requant16(acc) into the sampler's buffer
 
 
@@ -115,7 +118,7 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
     Op.EMBED: (frozenset({"rows", "dst", "n", "addr"}), 0),
     Op.RMSNORM: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL | Flag.WIDE),
     Op.MATMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
-                Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE),
+                Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS),
     Op.ROPE: (frozenset({"rows", "dst", "src", "n", "k", "addr"}), 0),
     Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
     Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
@@ -171,6 +174,10 @@ class Instruction:
     @property
     def wide(self) -> bool:
         return self.opcode != Op.BRANCH and bool(flag_field(self.flags, "wide"))
+
+    @property
+    def bias(self) -> bool:
+        return self.opcode == Op.MATMUL and bool(flag_field(self.flags, "bias"))
 
     def validate(self, word: int | None = None) -> "Instruction":
         """Raise :class:`IllegalInstruction` unless every field is legal for the opcode."""

@@ -20,7 +20,7 @@ import numpy as np
 __all__ = [
     "ACT_BITS", "RES_BITS", "LOGIT_BITS", "LOGIT_FRAC", "PROB_BITS",
     "MULT_BITS", "EXP_FRAC", "RSQRT_INDEX_BITS", "RSQRT_BITS", "ROPE_FRAC", "RECIP_BITS",
-    "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "NORM_IN_BITS", "saturate", "round_shift", "requant",
+    "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "NORM_IN_BITS", "saturate", "round_shift", "requant", "add_bias",
     "residual_add", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
     "rope", "act_mul", "topk_select", "sampler_probs", "sample_index",
     "path_score", "TREE_SCORE_ROOT", "tree_expand_greedy",
@@ -74,6 +74,13 @@ def requant(acc, mult, shift, bits: int = ACT_BITS) -> np.ndarray:
     [0, 63]; both broadcast (per output channel or per tensor). |acc·mult| < 2^47.
     """
     return saturate(round_shift(_as_i64(acc) * _as_i64(mult), shift), bits)
+
+
+def add_bias(acc, bias) -> np.ndarray:
+    """A MATMUL with ``BIAS``: the per-output-channel int32 ``bias`` joins the accumulator
+    exactly, before requantisation (no saturation: |acc| < 2^39 with int16 inputs, so
+    |acc + bias| < 2^40 and |(acc + bias)·mult| < 2^56)."""
+    return _as_i64(acc) + _as_i64(bias)
 
 
 def wide_digits(x) -> tuple[np.ndarray, np.ndarray]:
