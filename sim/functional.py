@@ -363,9 +363,12 @@ class FunctionalEngine:
                 raise EngineFault(ErrorCode.PROGRAM, f"RMSNORM gamma_shift {int(head[1])} > "
                                   f"{nx.GAMMA_SHIFT_MAX}")
             gamma = self._dram(addr + NORM_PARAM_BYTES, 2 * ins.n).view("<i2")
-            x = self._vload(ins.src, rows, ins.n, np.int32)
+            # k ≥ 2: each row is k segments of n (heads), each normalised on its own
+            segments = max(ins.k, 1)
+            x = self._vload(ins.src, rows, segments * ins.n, np.int32).reshape(rows, segments, ins.n)
             bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
-            self._vstore(ins.dst, nx.rmsnorm(x, gamma, int(head[1]), int(head[0]), bits), dtype)
+            y = nx.rmsnorm(x, gamma, int(head[1]), int(head[0]), bits)
+            self._vstore(ins.dst, y.reshape(rows, segments * ins.n), dtype)
         elif op == Op.MATMUL:
             self._matmul(ins, addr)
         elif op == Op.ROPE:
@@ -417,6 +420,8 @@ class FunctionalEngine:
         elif mode == MatmulMode.RESADD:
             x_res = self._vload(ins.dst, ins.rows, ins.n, np.int32)
             self._vstore(ins.dst, nx.residual_add(x_res, acc, mult, shift), np.int32)
+        elif mode == MatmulMode.INT32:
+            self._vstore(ins.dst, nx.requant(acc, mult, shift, nx.RES_BITS), np.int32)
         else:  # LOGITS
             self.logit_rows = nx.requant(acc, mult, shift, nx.LOGIT_BITS).astype(np.int16)
             self.logits = self.logit_rows[0]

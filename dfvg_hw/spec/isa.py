@@ -50,7 +50,7 @@ class Op(enum.IntEnum):
     BRANCH = 0x04    # if cond(flags): pc := n
     NEXT = 0x05      # end of one forward step: POS += 1; next token; pc := n or fall through
     EMBED = 0x10     # dst(int16)[n] := table(addr)[TOKEN]
-    RMSNORM = 0x11   # dst(int8)[n] := rmsnorm(src(int16)[n]; params at addr)
+    RMSNORM = 0x11   # dst(int8)[k·n] := rmsnorm of each of k segments of src(int32)[k·n]; params at addr
     MATMUL = 0x12    # dst[n] := W(addr)[n, k] · src(int8)[k], output per flags.mode
     ROPE = 0x13      # dst(int8)[n heads × k] := rope(src; table(addr)[POS])
     KVAPPEND = 0x14  # KV[LAYER][h][POS] := src (K: n heads × k), then V right after K
@@ -99,6 +99,7 @@ class MatmulMode(enum.IntEnum):
     INT8 = 0       #: dst(int8) := requant(acc)
     RESADD = 1     #: dst(int32) := sat32(dst + requant32(acc)) — residual update
     LOGITS = 2     #: logits(int16, Q7.8) := requant16(acc) into the sampler's buffer
+    INT32 = 3      #: dst(int32) := requant32(acc) — an int32 row for RMSNORM (QK-norm)
 
 
 class Cond(enum.IntEnum):
@@ -116,7 +117,7 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
     Op.BRANCH: (frozenset({"flags", "n"}), 0xFF),
     Op.NEXT: (frozenset({"n"}), 0),
     Op.EMBED: (frozenset({"rows", "dst", "n", "addr"}), 0),
-    Op.RMSNORM: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL | Flag.WIDE),
+    Op.RMSNORM: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
     Op.MATMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
                 Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS),
     Op.ROPE: (frozenset({"rows", "dst", "src", "n", "k", "addr"}), 0),
