@@ -140,8 +140,10 @@ class CycleModel:
                                     ins.dst if ins.mode == MatmulMode.RESADD else 0, pitch)
             return cycles, npad * kpad + 4 * npad
         if op == Op.RMSNORM:
-            return (rmsnorm_cycles(port, c.lanes, ins.n, rows, bool(ins.wide), addr),
-                    NORM_PARAM_BYTES + rows * 2 * ins.n)
+            # k ≥ 2 segments (QK-norm heads) run as rows of their own
+            segment_rows = rows * max(ins.k, 1)
+            return (rmsnorm_cycles(port, c.lanes, ins.n, segment_rows, bool(ins.wide), addr),
+                    NORM_PARAM_BYTES + segment_rows * 2 * ins.n)
         if op == Op.ROPE:
             return rope_cycles(port, ins.n, ins.k, rows, addr, pos), 2 * ins.k
         if op == Op.KVAPPEND:

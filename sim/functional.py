@@ -321,6 +321,10 @@ class FunctionalEngine:
                 self._dram(row, 4 * ins.n)
             self._vspan(ins.dst, rows, 4 * ins.n)
         elif op == Op.RMSNORM:
+            if ins.k > 1 and ins.n % VMEM_LINE_BYTES:
+                # segments start on VMEM lines, in the int32 source and the int8 output alike
+                raise EngineFault(ErrorCode.PROGRAM, f"RMSNORM of {ins.k} segments of {ins.n}: "
+                                  f"a segment must be a multiple of {VMEM_LINE_BYTES} elements")
             self._dram(addr, NORM_PARAM_BYTES)      # gamma_shift is checked before gamma's read
         elif op == Op.MATMUL:
             npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)

@@ -109,3 +109,11 @@ def test_rmsnorm_segments_normalise_each_head_alone(wide):
     # ... which is what one RMSNORM per head computes
     whole = nx.rmsnorm(x, np.tile(gamma, segments), gamma_shift, eps, bits)
     assert not np.array_equal(got, whole)
+
+
+def test_rmsnorm_segments_off_the_line_fault_program():
+    engine = _engine(pack_norm_params(1, np.ones(12, np.int64), 0))
+    ins = Instruction(Op.RMSNORM, rows=1, dst=16, src=0, n=12, k=2, addr=0)
+    assert functional_reference(engine, ins) == ErrorCode.PROGRAM
+    ins = Instruction(Op.RMSNORM, rows=1, dst=16, src=0, n=12, k=1, addr=0)
+    assert functional_reference(engine, ins) == ErrorCode.OK
