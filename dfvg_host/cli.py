@@ -43,7 +43,7 @@ def _read_calibration(path: str | None, required_for: Path) -> tuple[str | None,
 
 
 def cmd_compile(args) -> int:
-    from dfvg_host.compiler import (check_fits, compile_draft, describe_model, load_config,
+    from dfvg_host.compiler import (FAMILIES, check_fits, compile_draft, describe_model, load_config,
                                     read_token_ids, require_tokenizer)
     from dfvg_host.report import compile_report
 
@@ -78,7 +78,17 @@ def cmd_compile(args) -> int:
     else:
         print(f"compiled {draft} -> {args.output} in {time.perf_counter() - t0:.1f} s "
               f"(weights: {'random, for sizing' if args.random_weights else 'int8 per channel'})")
+        print(f"family {shape.model_type}: {FAMILIES[shape.model_type]}")
         print(report.text())
+    return 0
+
+
+def cmd_families(args) -> int:
+    from dfvg_host.compiler import FAMILIES, NOT_YET
+    for name, what in FAMILIES.items():
+        print(f"{name:8s} supported: {what}")
+    for name, lacks in NOT_YET.items():
+        print(f"{name:8s} not yet: the engine lacks {lacks}")
     return 0
 
 
@@ -922,7 +932,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="compile a Hugging Face draft model for the draft engine")
-    c.add_argument("--draft", required=True, help="local Hugging Face model directory (Llama family)")
+    c.add_argument("--draft", required=True, help="local Hugging Face model directory (a Llama, "
+                   "Qwen2 or Qwen3 model: `dfvg families`)")
     c.add_argument("--preset", default="alveo-u55c", help=f"engine preset ({', '.join(preset_names())})")
     c.add_argument("-o", "--output", required=True, help="output directory")
     c.add_argument("--calibration", help="text file to calibrate activation scales "
@@ -1088,6 +1099,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("presets", help="list the engine presets")
     s.set_defaults(func=cmd_presets)
+    f = sub.add_parser("families", help="list the model families the compiler supports, and "
+                       "what the engine lacks for the others")
+    f.set_defaults(func=cmd_families)
     return p
 
 

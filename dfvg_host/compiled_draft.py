@@ -43,7 +43,8 @@ def _sha256(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the compiler needs to know of a Llama-family draft (the manifest's ``model``)."""
+    """What the compiler needs to know of a draft (the manifest's ``model``): a Llama-family
+    decoder (``model_type`` llama, qwen2 or qwen3)."""
     model_type: str
     hidden: int
     layers: int
@@ -56,10 +57,17 @@ class ModelShape:
     rms_norm_eps: float
     hidden_act: str
     tied_embeddings: bool
+    #: Qwen3's RMSNorm of q and k per head before RoPE
+    qk_norm: bool = False
 
     @property
     def qkv_out(self) -> int:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def qk_out(self) -> int:
+        """Channels of q and k together (the QK-norm's int32 row)."""
+        return (self.heads + self.kv_heads) * self.head_dim
 
     def describe(self) -> str:
         return (f"{self.model_type}: {self.layers} layers, hidden {self.hidden}, {self.heads} heads "

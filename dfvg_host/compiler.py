@@ -27,7 +27,7 @@ from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
 from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ALIGN, ATTN_PARAM_BYTES, HEADER_BYTES, NORM_PARAM_BYTES,
                            ImageHeader, align, embed_row_stride, matmul_bytes, pack_act_params, pack_attn_params,
-                           pack_norm_params, pack_qparams, padded, tile_weights)
+                           pack_norm_params, pack_requant_records, padded, tile_weights)
 from dfvg_hw.spec.regmap import MemoryMap
 from dfvg_hw.spec.isa import Cond, Flag, Instruction, MatmulMode, Op, encode
 from dfvg_host.checkpoints import TOKENIZER_FILES, has_tokenizer
@@ -36,7 +36,22 @@ from dfvg_host.compiled_draft import CompiledDraft, ModelShape
 __all__ = ["CompileError", "UnsupportedModel", "DoesNotFit", "ModelShape", "CompiledDraft",
            "describe_model", "check_fits", "calibrate", "compile_draft", "emit_program"]
 
-SUPPORTED = ("llama",)
+#: What the engine runs of each model family it compiles (``dfvg compile`` lists these).
+FAMILIES = {
+    "llama": "RMSNorm, RoPE, GQA, a gated MLP with any activation, optional biases on any "
+             "linear layer (attention_bias, mlp_bias), tied or separate lm_head",
+    "qwen2": "as llama, with the biases of q, k and v (Qwen2, Qwen2.5); full attention only",
+    "qwen3": "as llama, with QK-norm (RMSNorm of q and k per head before RoPE) and heads × "
+             "head_dim other than hidden (Qwen3); full attention only",
+}
+SUPPORTED = tuple(FAMILIES)
+#: Families the engine does not run yet, and what they need that it lacks.
+NOT_YET = {
+    "opt": "LayerNorm (mean subtraction and bias), a ReLU MLP without a gate and learned "
+           "position embeddings",
+    "gpt2": "LayerNorm (mean subtraction and bias), a GELU MLP without a gate and learned "
+            "position embeddings",
+}
 
 
 class CompileError(Exception):
@@ -52,14 +67,16 @@ class DoesNotFit(CompileError):
 
 
 def describe_model(hf_config) -> ModelShape:
-    """The shape of a supported HF config; anything else raises :class:`UnsupportedModel`."""
+    """The shape of a supported HF config; anything else raises :class:`UnsupportedModel`
+    naming what the engine lacks for it."""
     mt = getattr(hf_config, "model_type", "?")
-    if mt not in SUPPORTED:
-        raise UnsupportedModel(f"model_type '{mt}' is not supported (supported: "
+    if mt not in FAMILIES:
+        lacks = f": the engine lacks {NOT_YET[mt]}" if mt in NOT_YET else ""
+        raise UnsupportedModel(f"model_type '{mt}' is not supported{lacks} (supported: "
                                f"{', '.join(SUPPORTED)})")
-    for attr in ("attention_bias", "mlp_bias"):
-        if getattr(hf_config, attr, False):
-            raise UnsupportedModel(f"{attr}=True is not supported: the engine's matmuls have no bias")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise UnsupportedModel(f"{mt} with use_sliding_window=True is not supported: the engine "
+                               f"attends to the whole context")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return ModelShape(
@@ -68,7 +85,8 @@ def describe_model(hf_config) -> ModelShape:
         head_dim=head_dim, intermediate=hf_config.intermediate_size,
         vocab=hf_config.vocab_size, max_positions=hf_config.max_position_embeddings,
         rms_norm_eps=float(hf_config.rms_norm_eps), hidden_act=hf_config.hidden_act,
-        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qk_norm=mt == "qwen3")
 
 
 def check_fits(shape: ModelShape, engine: EngineConfig) -> None:
@@ -109,17 +127,18 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
     """Run the float model on ``token_ids`` sequences and record activation ranges."""
     import torch
 
-    cal = Calibration(layers=[dict(norm1=0.0, q=0.0, k=0.0, v=0.0, norm2=0.0, gate=np.zeros(shape.intermediate),
-                                   up=np.zeros(shape.intermediate), down_in=np.zeros(shape.intermediate))
+    cal = Calibration(layers=[dict(norm1=0.0, q=0.0, k=0.0, v=0.0, q32=0.0, k32=0.0, norm2=0.0,
+                                   gate=np.zeros(shape.intermediate), up=np.zeros(shape.intermediate),
+                                   down_in=np.zeros(shape.intermediate))
                               for _ in range(shape.layers)])
     hd = shape.head_dim
 
     def amax(t) -> float:
         return float(t.detach().abs().max())
 
-    def pair_norm_max(t, heads) -> float:
+    def pair_norm_max(t) -> float:
         # RoPE rotates (i, i + hd/2) pairs; their norm bounds every rotated element.
-        t = t.detach().reshape(*t.shape[:-1], heads, 2, hd // 2)
+        t = t.detach().reshape(-1, 2, hd // 2)
         return float(torch.sqrt((t ** 2).sum(dim=-2)).max())
 
     hooks = []
@@ -142,8 +161,12 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
         on(layer.post_attention_layernorm, lambda i, o, st=st: (
             setattr(cal, "residual", max(cal.residual, amax(i))), bump(st, "norm2", amax(o))))
         att, mlp = layer.self_attn, layer.mlp
-        on(att.q_proj, lambda i, o, st=st: bump(st, "q", pair_norm_max(o, shape.heads)))
-        on(att.k_proj, lambda i, o, st=st: bump(st, "k", pair_norm_max(o, shape.kv_heads)))
+        if shape.qk_norm:       # RoPE rotates the norms' outputs; the int32 rows hold the inputs
+            on(att.q_norm, lambda i, o, st=st: (bump(st, "q", pair_norm_max(o)), bump(st, "q32", amax(i))))
+            on(att.k_norm, lambda i, o, st=st: (bump(st, "k", pair_norm_max(o)), bump(st, "k32", amax(i))))
+        else:
+            on(att.q_proj, lambda i, o, st=st: bump(st, "q", pair_norm_max(o)))
+            on(att.k_proj, lambda i, o, st=st: bump(st, "k", pair_norm_max(o)))
         on(att.v_proj, lambda i, o, st=st: bump(st, "v", amax(o)))
         on(mlp.gate_proj, lambda i, o, st=st: bump_channels(st, "gate", o))
         on(mlp.up_proj, lambda i, o, st=st: bump_channels(st, "up", o))
@@ -165,13 +188,40 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
 
 
 # -- quantisation and layout ------------------------------------------------------------
-def _weight_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 per output channel: (int8 weights, per-row scale).
+def _weight_int8(w: np.ndarray, floor: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per output channel: (int8 weights, per-row scale), the scale at least
+    ``floor`` (per row) where one is given.
 
-    An all-zero row gets scale 0: its requantisation multiplier is then 0 as well."""
+    An all-zero row gets scale 0 (without a floor): its requantisation multiplier is then 0."""
     scale = np.abs(w).max(axis=1) / 127.0
+    if floor is not None:
+        scale = np.maximum(scale, floor)
     safe = np.where(scale > 0, scale, 1.0)
     return np.clip(np.round(w / safe[:, None]), -127, 127).astype(np.int8), scale
+
+
+#: The largest bias the compiler writes, in accumulator units (the BIAS word is int32).
+BIAS_LIMIT = 2 ** 30
+
+
+def _linear_block(w: np.ndarray, s_in: float, s_out, engine: EngineConfig,
+                  bias: np.ndarray | None = None) -> bytes:
+    """The MATMUL block of ``y = W·x (+ bias)``: int8 weights per output row, each row
+    requantised from its accumulator (units ``s_in·s_w``) to ``s_out`` (a scalar or one per
+    row), and the bias in accumulator units (docs/isa.md §4.2). A row whose bias would not
+    fit ``BIAS_LIMIT`` gets a coarser weight scale, so that every bias is exact to half an
+    accumulator unit."""
+    floor = None if bias is None else np.abs(bias) / (s_in * BIAS_LIMIT)
+    w8, sw = _weight_int8(w, floor)
+    mult, shift = nx.host_multiplier(s_in * sw / s_out)
+    npad = padded(w8.shape[0], engine.lanes)
+    bias_int = None
+    if bias is not None:
+        safe = np.where(sw > 0, sw, 1.0)
+        bias_int = np.where(sw > 0, np.round(bias / (s_in * safe)), 0).astype(np.int64)
+    records = pack_requant_records(mult, shift, bias_int, npad, engine.lanes)
+    block = tile_weights(w8, engine.lanes, engine.reduce).tobytes() + records
+    return block.ljust(matmul_bytes(*w8.shape, engine.lanes, engine.reduce, bias is not None), b"\0")
 
 
 def _act_scale(absmax: float, bits: int = 8) -> float:
@@ -269,6 +319,10 @@ class LayerScales:
     up: tuple[float, ...]
     h: float
     u: np.ndarray
+    #: the int32 q and k rows before QK-norm (0 without): RMSNORM cuts each head by its own
+    #: shift, so 24 bits for the calibrated maximum only set the eps's resolution
+    q32: float = 0.0
+    k32: float = 0.0
 
     @classmethod
     def calibrated(cls, c: dict, w_down: np.ndarray) -> "LayerScales":
@@ -284,17 +338,25 @@ class LayerScales:
                    n2=_act_scale(c["norm2"], 16), order=order, groups=groups,
                    gate=tuple(_act_scale(float(gate_max[a:b].max())) for a, b in spans),
                    up=tuple(_act_scale(float((up_max / u)[a:b].max())) for a, b in spans),
-                   h=_act_scale(float(np.max(h_max / u)), 16), u=u)
+                   h=_act_scale(float(np.max(h_max / u)), 16), u=u,
+                   q32=c["q32"] / 2 ** QK_ROW_BITS, k32=c["k32"] / 2 ** QK_ROW_BITS)
 
     def to_dict(self) -> dict:
+        qk = dict(q32=self.q32, k32=self.k32) if self.q32 else {}
         return dict(norm1=self.n1, q=self.q, k=self.k, v=self.v, norm2=self.n2, gate=list(self.gate),
-                    up=list(self.up), down_in=self.h, act_groups=list(self.groups))
+                    up=list(self.up), down_in=self.h, act_groups=list(self.groups), **qk)
 
 
-def _norm_block(gamma: np.ndarray, hidden: int, eps: float, s_x: float, s_out: float) -> bytes:
-    """RMSNORM parameters for a wide (int16) output at scale ``s_out``."""
+#: Bits of the int32 q/k rows (before QK-norm) below their calibrated maximum.
+QK_ROW_BITS = 24
+
+
+def _norm_block(gamma: np.ndarray, hidden: int, eps: float, s_x: float, s_out: float,
+                out_bits: int = 16) -> bytes:
+    """RMSNORM parameters for a wide (int16) output at scale ``s_out`` (int8 with
+    ``out_bits=8``); ``hidden`` is the normalised length (a head's for QK-norm)."""
     # numerics.rmsnorm keeps 8 more fractional bits for an int16 output: take them out of gamma.
-    real = math.sqrt(hidden) * gamma.astype(np.float64) / s_out / 2 ** (16 - nx.ACT_BITS)
+    real = math.sqrt(hidden) * gamma.astype(np.float64) / s_out / 2 ** (out_bits - nx.ACT_BITS)
     peak = float(np.abs(real).max()) or 1.0
     shift = min(int(math.floor(math.log2(32767.0 / peak))), nx.GAMMA_SHIFT_MAX)
     if shift < 0:
@@ -321,12 +383,12 @@ class ImageBuilder:
         return addr
 
 
-def _matmul_block(w_int8: np.ndarray, requant_real: np.ndarray, engine: EngineConfig) -> bytes:
-    n, k = w_int8.shape
-    mult, shift = nx.host_multiplier(requant_real)
-    tiles = tile_weights(w_int8, engine.lanes, engine.reduce).tobytes()
-    block = tiles + pack_qparams(mult, shift, padded(n, engine.lanes)).tobytes()
-    return block.ljust(matmul_bytes(n, k, engine.lanes, engine.reduce), b"\0")
+def _joined(*linears) -> np.ndarray | None:
+    """The bias of a fused matmul of ``(weight, bias)`` parts: their biases end to end
+    (zeros for a part without one), or None if no part has one."""
+    if all(b is None for _, b in linears):
+        return None
+    return np.concatenate([np.zeros(w.shape[0]) if b is None else b for w, b in linears])
 
 
 @dataclass
@@ -340,6 +402,7 @@ class Layout:
     final_norm: int = 0
     lm_head: int = 0
     vmem: dict = field(default_factory=dict)
+    biased: list = field(default_factory=list)  # layer blocks whose MATMUL adds a bias (BIAS)
 
 
 def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig):
@@ -373,7 +436,6 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     blocks = []
     for li in range(shape.layers):
         p = f"model.layers.{li}."
-        c = cal.layers[li]
         ls = layer_scales[li]
         qd, kd = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         parts = {}
@@ -381,30 +443,51 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
         # gains set each int8 row's range: measured 1.2 points of top-1 on SmolLM2-135M).
         parts["norm1"] = _norm_block(sd[p + "input_layernorm.weight"], shape.hidden,
                                      shape.rms_norm_eps, s_x, ls.n1)
-        wqkv = np.concatenate([sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"],
-                               sd[p + "self_attn.v_proj.weight"]])
-        w8, sw = _weight_int8(wqkv)
-        s_out = np.concatenate([np.full(qd, ls.q), np.full(kd, ls.k), np.full(kd, ls.v)])
-        parts["qkv"] = _matmul_block(w8, ls.n1 * sw / s_out, engine)
+        attn = {name: (sd[f"{p}self_attn.{name}_proj.weight"], sd.get(f"{p}self_attn.{name}_proj.bias"))
+                for name in "qkvo"}
+        mlp = {name: (sd[f"{p}mlp.{name}_proj.weight"], sd.get(f"{p}mlp.{name}_proj.bias"))
+               for name in ("gate", "up", "down")}
+
+        def linear(name, w, s_in, s_out, bias):
+            parts[name] = _linear_block(w, s_in, s_out, engine, bias)
+            if bias is not None and name not in lay.biased:
+                lay.biased.append(name)
+
+        if shape.qk_norm:
+            # q and k as int32 rows, each head normalised alone (RMSNORM segments), then int8
+            # (one scale per tensor, as a head is normalised as a whole; never finer than 2^-15
+            # of the accumulator's step, so that every multiplier fits 16 bits)
+            s32 = {name: max(scale, ls.n1 * float(np.abs(attn[name][0]).max()) / 127.0 / 2 ** 15)
+                   for name, scale in (("q", ls.q32), ("k", ls.k32))}
+            linear("qk", np.concatenate([attn["q"][0], attn["k"][0]]), ls.n1,
+                   np.concatenate([np.full(qd, s32["q"]), np.full(kd, s32["k"])]),
+                   _joined(attn["q"], attn["k"]))
+            linear("v", attn["v"][0], ls.n1, ls.v, attn["v"][1])
+            for name, s_out in (("q", ls.q), ("k", ls.k)):
+                parts[f"{name}norm"] = _norm_block(sd[f"{p}self_attn.{name}_norm.weight"], shape.head_dim,
+                                                   shape.rms_norm_eps, s32[name], s_out, nx.ACT_BITS)
+        else:
+            s_out = np.concatenate([np.full(qd, ls.q), np.full(kd, ls.k), np.full(kd, ls.v)])
+            linear("qkv", np.concatenate([attn[n][0] for n in "qkv"]), ls.n1, s_out,
+                   _joined(*(attn[n] for n in "qkv")))
         am, ash = nx.host_multiplier(ls.q * ls.k * scaling * math.log2(math.e) * (1 << nx.EXP_FRAC))
         parts["attn"] = pack_attn_params(int(am), int(ash), shape.kv_heads)
-        w8, sw = _weight_int8(sd[p + "self_attn.o_proj.weight"])
-        parts["o"] = _matmul_block(w8, ls.o * sw / s_x, engine)
+        linear("o", attn["o"][0], ls.o, s_x, attn["o"][1])
         parts["norm2"] = _norm_block(sd[p + "post_attention_layernorm.weight"], shape.hidden,
                                      shape.rms_norm_eps, s_x, ls.n2)
-        # gate/up rows in groups, [gate_0; up_0; gate_1; up_1; ...], channels permuted by ls.order
-        w_gate = sd[p + "mlp.gate_proj.weight"][ls.order]
-        w_up = sd[p + "mlp.up_proj.weight"][ls.order] / ls.u[:, None]
+        # gate/up rows in groups, [gate_0; up_0; gate_1; up_1; ...], channels permuted by
+        # ls.order, up (and its bias) divided by the smoothing factors u
+        gate = (mlp["gate"][0][ls.order], None if mlp["gate"][1] is None else mlp["gate"][1][ls.order])
+        up = (mlp["up"][0][ls.order] / ls.u[:, None], None if mlp["up"][1] is None else mlp["up"][1][ls.order] / ls.u)
         spans = _group_bounds(ls.groups)
-        w8, sw = _weight_int8(np.concatenate([w for a, b in spans for w in (w_gate[a:b], w_up[a:b])]))
+        grouped = [(w[a:b], None if bias is None else bias[a:b]) for a, b in spans for w, bias in (gate, up)]
         s_out = np.concatenate([np.repeat([ls.gate[i], ls.up[i]], b - a) for i, (a, b) in enumerate(spans)])
-        parts["gateup"] = _matmul_block(w8, ls.n2 * sw / s_out, engine)
+        linear("gateup", np.concatenate([w for w, _ in grouped]), ls.n2, s_out, _joined(*grouped))
         for i in range(len(spans)):
             lut, s_lut = nx.host_act_lut(lambda g: act_fn(torch.from_numpy(g)).numpy(), ls.gate[i])
             m, sh = nx.host_multiplier(s_lut * ls.up[i] / ls.h)
             parts[f"act{i}"] = pack_act_params(int(m), int(sh), lut)
-        w8, sw = _weight_int8(sd[p + "mlp.down_proj.weight"][:, ls.order] * ls.u)
-        parts["down"] = _matmul_block(w8, ls.h * sw / s_x, engine)
+        linear("down", mlp["down"][0][:, ls.order] * ls.u, ls.h, s_x, mlp["down"][1])
         blocks.append(parts)
         scales["layers"].append(ls.to_dict())
 
@@ -426,8 +509,7 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
                                          shape.rms_norm_eps, s_x, s_fn))
     # A tied lm_head has no entry of its own: quantise the embedding matrix per row.
     lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-    w8, sw = _weight_int8(lm)
-    lay.lm_head = b.place(_matmul_block(w8, s_fn * sw * (1 << nx.LOGIT_FRAC), engine))
+    lay.lm_head = b.place(_linear_block(lm, s_fn, 2.0 ** -nx.LOGIT_FRAC, engine, sd.get("lm_head.bias")))
     scales["final_norm"] = s_fn
 
     header = ImageHeader(
@@ -449,6 +531,8 @@ def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
     sizes = dict(x=4 * shape.hidden, xn=2 * shape.hidden, qkv=shape.qkv_out,
                  attn=2 * shape.heads * shape.head_dim, gateup=2 * shape.intermediate,
                  h=2 * shape.intermediate)
+    if shape.qk_norm:
+        sizes["qk32"] = 4 * shape.qk_out
     vmem, line = {}, 0
     for name, nbytes in sizes.items():
         vmem[name] = line
@@ -510,30 +594,56 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     wide = Flag.WIDE
     to_int8, to_residual = MatmulMode.INT8 << 1 | wide, MatmulMode.RESADD << 1 | wide
     lrel = Flag.LREL
+    bias = lambda name: Flag.BIAS if name in lay.biased else 0
     return [
         Instruction(Op.EMBED, rows=rows, dst=v["x"], n=s.hidden, addr=lay.embed),
         Instruction(Op.LOOP, n=s.layers, addr=lay.layer_stride),
         Instruction(Op.RMSNORM, flags=lrel | wide, rows=rows, dst=v["xn"], src=v["x"], n=s.hidden,
                     addr=L("norm1")),
-        Instruction(Op.MATMUL, flags=lrel | to_int8, rows=rows, dst=v["qkv"], src=v["xn"], n=s.qkv_out,
-                    k=s.hidden, addr=L("qkv")),
+        *_qkv(shape, lay, rows),
         Instruction(Op.ROPE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd, addr=lay.rope),
         Instruction(Op.ROPE, rows=rows, dst=k_line, src=k_line, n=s.kv_heads, k=hd, addr=lay.rope),
         Instruction(Op.KVAPPEND, rows=rows, src=k_line, n=s.kv_heads, k=hd),
         Instruction(Op.ATTN, flags=lrel | wide, rows=rows, dst=v["attn"], src=v["qkv"], n=s.heads, k=hd,
                     addr=L("attn")),
-        Instruction(Op.MATMUL, flags=lrel | to_residual, rows=rows, dst=v["x"], src=v["attn"], n=s.hidden,
-                    k=s.heads * hd, addr=L("o")),
+        Instruction(Op.MATMUL, flags=lrel | to_residual | bias("o"), rows=rows, dst=v["x"], src=v["attn"],
+                    n=s.hidden, k=s.heads * hd, addr=L("o")),
         Instruction(Op.RMSNORM, flags=lrel | wide, rows=rows, dst=v["xn"], src=v["x"], n=s.hidden,
                     addr=L("norm2")),
-        Instruction(Op.MATMUL, flags=lrel | to_int8, rows=rows, dst=v["gateup"], src=v["xn"],
-                    n=2 * s.intermediate, k=s.hidden, addr=L("gateup")),
+        Instruction(Op.MATMUL, flags=lrel | to_int8 | bias("gateup"), rows=rows, dst=v["gateup"],
+                    src=v["xn"], n=2 * s.intermediate, k=s.hidden, addr=L("gateup")),
         *[Instruction(Op.ACTMUL, flags=lrel | wide, rows=rows, dst=v["h"] + 2 * a // VMEM_LINE_BYTES,
                       src=v["gateup"] + 2 * a // VMEM_LINE_BYTES, n=b - a, addr=L(f"act{i}"))
           for i, (a, b) in enumerate(_group_bounds(act_groups(s.intermediate)))],
-        Instruction(Op.MATMUL, flags=lrel | to_residual, rows=rows, dst=v["x"], src=v["h"], n=s.hidden,
-                    k=s.intermediate, addr=L("down")),
+        Instruction(Op.MATMUL, flags=lrel | to_residual | bias("down"), rows=rows, dst=v["x"], src=v["h"],
+                    n=s.hidden, k=s.intermediate, addr=L("down")),
         Instruction(Op.ENDLOOP),
+    ]
+
+
+def _qkv(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
+    """q, k and v from the normed row into the ``qkv`` region (int8 ``[q | k | v]``): one
+    matmul, or with QK-norm an int32 ``[q | k]`` row whose heads RMSNORM normalises one by
+    one (segments), and v on its own."""
+    v, s, hd = lay.vmem, shape, shape.head_dim
+    L = lambda name: lay.layers_base + lay.sub[name]
+    flags = lambda mode, name: (Flag.LREL | Flag.WIDE | mode << 1
+                                | (Flag.BIAS if name in lay.biased else 0))
+    if not s.qk_norm:
+        return [Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "qkv"), rows=rows, dst=v["qkv"],
+                            src=v["xn"], n=s.qkv_out, k=s.hidden, addr=L("qkv"))]
+    k_line = v["qkv"] + s.heads * hd // VMEM_LINE_BYTES
+    v_line = k_line + s.kv_heads * hd // VMEM_LINE_BYTES
+    k32_line = v["qk32"] + 4 * s.heads * hd // VMEM_LINE_BYTES
+    return [
+        Instruction(Op.MATMUL, flags=flags(MatmulMode.INT32, "qk"), rows=rows, dst=v["qk32"], src=v["xn"],
+                    n=s.qk_out, k=s.hidden, addr=L("qk")),
+        Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "v"), rows=rows, dst=v_line, src=v["xn"],
+                    n=s.kv_heads * hd, k=s.hidden, addr=L("v")),
+        Instruction(Op.RMSNORM, flags=Flag.LREL, rows=rows, dst=v["qkv"], src=v["qk32"], n=hd, k=s.heads,
+                    addr=L("qnorm")),
+        Instruction(Op.RMSNORM, flags=Flag.LREL, rows=rows, dst=k_line, src=k32_line, n=hd, k=s.kv_heads,
+                    addr=L("knorm")),
     ]
 
 

@@ -1,6 +1,6 @@
 """Small inputs shared by the tests and the benchmarks, so neither reaches into the other.
 
-* :func:`make_tiny_llama` — a randomly initialised Llama that fits the ``tiny`` preset,
+* :func:`make_tiny_llama` — a randomly initialised Llama (or Qwen2, Qwen3) that fits the ``tiny`` preset,
   built and saved in seconds (torch and transformers are imported when it is called);
 * :func:`tiny_image` and :data:`TINY_FORWARD` — a register-level image and program for the
   ``tiny`` engine (one embed / up / down / logits / sample forward), what
@@ -20,23 +20,33 @@ __all__ = ["make_tiny_llama", "TINY", "TINY_EMBED", "TINY_WEIGHTS", "tiny_image"
 
 
 def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, intermediate=64,
-                    vocab=256, seed=0, tie=False, weight_scale=6.0, eos=1) -> Path:
-    """Save a randomly initialised Llama that fits the ``tiny`` preset."""
+                    vocab=256, seed=0, tie=False, weight_scale=6.0, eos=1, family="llama",
+                    head_dim=None, bias_scale=1.0) -> Path:
+    """Save a randomly initialised causal LM of ``family`` (llama, qwen2 or qwen3) that fits
+    the ``tiny`` preset. Qwen2's q/k/v biases are drawn at ``bias_scale`` (an initialised
+    model has zero biases, which would not exercise them); Qwen3's QK-norm gains around 1."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, intermediate_size=intermediate,
-                      vocab_size=vocab, max_position_embeddings=128, tie_word_embeddings=tie,
-                      bos_token_id=0, eos_token_id=eos, pad_token_id=2)
-    model = LlamaForCausalLM(cfg)
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                  vocab_size=vocab, max_position_embeddings=128, tie_word_embeddings=tie,
+                  bos_token_id=0, eos_token_id=eos, pad_token_id=2)
+    if head_dim is not None:
+        common["head_dim"] = head_dim
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family](**common)
+    model = AutoModelForCausalLM.from_config(config)
     # Random init gives near-uniform logits; larger weights make argmax decisions clear,
     # as in a trained model.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(weight_scale)
+            elif name.endswith("_proj.bias"):
+                p.copy_(torch.randn_like(p) * bias_scale)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1.0 + 0.5 * torch.randn_like(p))
     model.save_pretrained(path)
     return path
 

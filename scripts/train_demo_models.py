@@ -221,7 +221,27 @@ def make_config(kind: str, vocab_size: int) -> LlamaConfig:
             hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
             head_dim=64, intermediate_size=352, tie_word_embeddings=True, **common,
         )
+    if kind == "draft-qwen2":
+        # Qwen2's draft features (issue #17): biases on q, k and v, GQA, tied embeddings.
+        return transformers.Qwen2Config(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=352, tie_word_embeddings=True, use_sliding_window=False,
+            **{k: v for k, v in common.items() if k not in ("attention_bias", "mlp_bias")},
+        )
+    if kind == "draft-qwen3":
+        # Qwen3's: RMSNorm of q and k per head (QK-norm), GQA, tied embeddings, and
+        # heads × head_dim (4 × 64) wider than hidden (128), as in Qwen3-0.6B (16 × 128 > 1024).
+        return transformers.Qwen3Config(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, intermediate_size=352, tie_word_embeddings=True, use_sliding_window=False,
+            **{k: v for k, v in common.items() if k != "mlp_bias"},
+        )
     raise ValueError(kind)
+
+
+def new_model(config) -> torch.nn.Module:
+    """A freshly initialised causal LM of ``config``'s family."""
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def n_params(model: torch.nn.Module) -> int:
@@ -479,7 +499,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--drafter", metavar="NAME", help="train only one more drafter into OUT/NAME, "
                    "distilled from the existing OUT/demo-target (e.g. demo-draft-small)")
-    p.add_argument("--drafter-shape", choices=["draft", "draft-small"], default="draft-small",
+    p.add_argument("--drafter-shape", choices=["draft", "draft-small", "draft-qwen2", "draft-qwen3"],
+                   default="draft-small",
                    help="the extra drafter's shape (with --drafter)")
     return p.parse_args(argv)
 
@@ -499,7 +520,7 @@ def train_extra_drafter(args) -> dict:
     held_rows = chunk(torch.tensor(tokenizer(held_text, verbose=False)["input_ids"]), args.seq_len)
     target = LlamaForCausalLM.from_pretrained(out / "demo-target", dtype=torch.float32).eval().requires_grad_(False)
     torch.manual_seed(args.seed + 1)
-    draft = LlamaForCausalLM(make_config(args.drafter_shape, args.vocab_size))
+    draft = new_model(make_config(args.drafter_shape, args.vocab_size))
     loss = distill_loss_fn(target, args.temperature, args.alpha)
     stats = train_loop(args.drafter, draft, train_rows, args, args.draft_steps, args.draft_lr, loss, args.seed + 1)
     save_model(draft, tokenizer, out / args.drafter, torch.float32)
@@ -513,7 +534,7 @@ from it on the same training split and tokenizer as `demo-draft`, with another s
 
 Command: `{cmd}`
 
-- shape: {cfg.num_hidden_layers} layer(s) x hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, intermediate {cfg.intermediate_size}; {n_params(draft):,} parameters
+- shape: {cfg.model_type}, {cfg.num_hidden_layers} layer(s) x hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads ({cfg.num_key_value_heads} KV) x {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}, intermediate {cfg.intermediate_size}; {n_params(draft):,} parameters
 - training: {stats['steps']} steps, {stats['tokens']:,} tokens, {stats['seconds']:.0f} s on {args.threads} CPU thread(s); final loss {stats['final_loss']:.4f}
 - distillation: T={args.temperature}, alpha={args.alpha}; seed {args.seed}
 - wall time: {time.time() - t_start:.0f} s

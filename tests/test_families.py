@@ -1,0 +1,136 @@
+"""Draft families beyond Llama (issue #17): what the compiler accepts and refuses, Qwen2's
+q/k/v biases and Qwen3's QK-norm through the functional model, and speculative decoding
+with a draft and a target of each family, greedy-exact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from dfvg_host.accuracy import teacher_forced_agreement
+from dfvg_host.compiler import UnsupportedModel, compile_draft, describe_model, load_model
+from dfvg_host.driver import DraftDevice
+from dfvg_host.speculative import SpeculativeDecoder
+from dfvg_host.verifier import Verifier
+from dfvg_hw.spec.config import get_preset
+from dfvg_hw.spec.isa import Flag, Op, decode, encode
+
+TINY = get_preset("tiny")
+#: a shape of each family that fits ``tiny``; Qwen3's heads × head_dim (64) is twice hidden
+SHAPES = {"qwen2": dict(hidden=64, heads=4, kv_heads=2, intermediate=96, tie=True),
+          "qwen3": dict(hidden=32, heads=4, kv_heads=2, head_dim=16, intermediate=64, tie=True)}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def family_draft(request, tmp_path_factory):
+    family = request.param
+    path = make_tiny_llama(tmp_path_factory.mktemp(f"tiny-{family}"), family=family, seed=3,
+                           **SHAPES[family])
+    return family, path, compile_draft(path, TINY)
+
+
+def _segments(count=3, length=40, seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, length).tolist() for _ in range(count)]
+
+
+def test_each_family_follows_its_float_model(family_draft):
+    family, path, compiled = family_draft
+    agreement = teacher_forced_agreement(load_model(path), TINY, compiled.image, compiled.program,
+                                         _segments())
+    assert agreement.top1 >= 0.9, agreement
+    assert agreement.mean_cosine >= 0.999, agreement
+
+
+def test_the_program_uses_the_family_operations(family_draft):
+    family, _, compiled = family_draft
+    program = [decode(w) for w in compiled.program]
+    matmuls = [i for i in program if i.opcode == Op.MATMUL]
+    if family == "qwen2":
+        assert compiled.manifest["layout"]["biased"] == ["qkv"]
+        assert sum(bool(i.flags & Flag.BIAS) for i in matmuls) == 2      # chain and tree forward
+    else:
+        segmented = [i for i in program if i.opcode == Op.RMSNORM and i.k > 1]
+        assert [(i.n, i.k) for i in segmented[:2]] == [(16, 4), (16, 2)]  # q heads, then k heads
+
+
+def _without(compiled, strip):
+    """The program with ``strip(instruction)`` applied to every word."""
+    return [encode(strip(decode(w))) for w in compiled.program]
+
+
+def test_dropping_the_family_operation_breaks_the_draft(family_draft):
+    """The figures above depend on the new operations: without Qwen2's biases or Qwen3's
+    per-head norm the same image drafts far from the float model."""
+    from dataclasses import replace
+    family, path, compiled = family_draft
+    if family == "qwen2":
+        # records are 8N bytes: read without BIAS, the biases would be taken as the next
+        # groups' requant words, so instead zero the biases in the image
+        image = bytearray(compiled.image)
+        program = compiled.program
+        base, sub = compiled.manifest["layout"]["layers_base"], compiled.manifest["layout"]["sub"]
+        stride = compiled.manifest["layout"]["layer_stride"]
+        shape = compiled.shape
+        n, k = shape.qkv_out, shape.hidden
+        npad, kpad = -(-n // TINY.lanes) * TINY.lanes, -(-k // TINY.reduce) * TINY.reduce
+        for layer in range(shape.layers):
+            records = base + layer * stride + sub["qkv"] + npad * kpad
+            for g in range(npad // TINY.lanes):
+                at = records + 8 * TINY.lanes * g + 4 * TINY.lanes
+                image[at:at + 4 * TINY.lanes] = bytes(4 * TINY.lanes)
+        image = bytes(image)
+    else:
+        image = compiled.image
+        # one segment: each row normalised as a whole instead of head by head
+        program = _without(compiled, lambda i: replace(i, k=0, n=i.n * i.k)
+                           if i.opcode == Op.RMSNORM and i.k > 1 else i)
+    agreement = teacher_forced_agreement(load_model(path), TINY, image, program, _segments())
+    assert agreement.mean_cosine < 0.99, agreement
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_greedy_is_exact_with_a_draft_and_target_of_the_family(family, tmp_path):
+    shape = dict(SHAPES[family])
+    draft = make_tiny_llama(tmp_path / "draft", family=family, seed=5, **shape)
+    target = make_tiny_llama(tmp_path / "target", family=family, seed=6, layers=3, **shape)
+    device = DraftDevice.open("sim://tiny", compile_draft(draft, TINY))
+    model = load_model(target)
+    decoder = SpeculativeDecoder(device, Verifier(model, torch.device("cpu")), gamma=4)
+    for prompt in ([5, 9, 17, 33], [200, 7, 7, 64, 11, 3]):
+        out = decoder.generate(prompt, 24)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.tokens == ref
+
+
+def test_unsupported_families_name_what_the_engine_lacks(tmp_path):
+    from transformers import AutoConfig
+    opt = AutoConfig.for_model("opt", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               ffn_dim=128, vocab_size=256)
+    with pytest.raises(UnsupportedModel, match="LayerNorm .*learned position embeddings"):
+        describe_model(opt)
+    sliding = AutoConfig.for_model("qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   use_sliding_window=True, sliding_window=16)
+    with pytest.raises(UnsupportedModel, match="use_sliding_window"):
+        describe_model(sliding)
+    (tmp_path / "config.json").write_text(json.dumps(opt.to_dict()))
+    run = subprocess.run([sys.executable, "-m", "dfvg_host.cli", "compile", "--draft", str(tmp_path),
+                          "--random-weights", "-o", str(tmp_path / "out")], capture_output=True, text=True)
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and "model_type 'opt' is not supported" in run.stderr
+
+
+def test_families_command_lists_supported_and_missing():
+    run = subprocess.run([sys.executable, "-m", "dfvg_host.cli", "families"], capture_output=True, text=True)
+    assert run.returncode == 0
+    lines = run.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["llama", "qwen2", "qwen3", "opt", "gpt2"]
+    assert "QK-norm" in lines[2] and "not yet" in lines[3]
