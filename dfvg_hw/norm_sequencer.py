@@ -1,6 +1,6 @@
 """RMSNORM sequencing (docs/isa.md §3.3, ``FunctionalEngine._unit``): the parameter
-block from device memory, each int32 source row three times through
-:class:`~dfvg_hw.rmsnorm.RMSNorm`, the normalised rows into VMEM.
+block from device memory, each int32 source row (each segment of one, ``k ≥ 2``) three
+times through :class:`~dfvg_hw.rmsnorm.RMSNorm`, the normalised rows into VMEM.
 
 Per job:
 
@@ -11,8 +11,8 @@ Per job:
    GAMMA_SHIFT_MAX`` (``PROGRAM``); gamma past device memory, the source span, the
    destination span outside VMEM (all ``BAD_ADDRESS``). They are all made before VMEM's
    writer is given the destination span, so a refused instruction leaves VMEM untouched
-   and no port waiting. ``rows > config.rows`` (``PROGRAM``) is checked first of all,
-   as ``_unit`` does.
+   and no port waiting. ``rows > config.rows`` and segments off a line (below;
+   ``PROGRAM``) are checked first of all, as ``_check_operands`` does.
 3. **Rows.** The destination is one write span (``rows`` rows); each source row
    (``4n`` bytes: the int32 residual) is read from VMEM as a one-row span for pass 0
    (the row's shift ``p``), its x beats kept in the **row buffer**
@@ -25,10 +25,20 @@ Per job:
    hides behind passes 0 and 1; at a 2 KiB engine beat the head's beat alone is 128
    lines): no on-chip gamma buffer, which would have to hold ``vmem_bytes / 2`` bytes
    for the longest legal row; the cost is ``2n`` more bytes of device-memory traffic per
-   extra row (the cycle model counts gamma once). Gamma is ``2n`` bytes cut into beats of
+   extra row (the cycle model counts it per row too). Gamma is ``2n`` bytes cut into beats of
    ``2·lanes`` bytes, x ``4n`` bytes cut into beats of ``4·lanes``: below 8 lanes a row's
    last gamma line can give a beat or more past x's last one (padding lanes only), so
    the gamma cutter is emptied as each row starts.
+
+**Segments** (``k ≥ 2``: Qwen3's QK-norm, a row of heads each normalised on its own
+with the one gamma of ``n``). Each row is ``k`` segments of ``n`` elements, and ``n``
+must be a multiple of 16 (else ``PROGRAM``), so every segment starts on a VMEM line in
+the int32 source (``4n`` bytes) and in the int8 or int16 output (``n`` or ``2n``): the
+rows' segments lie end to end, and the job runs as ``rows·k`` rows of ``n`` — the
+checks, the row loop, the gamma read per row, the cycle model's price
+(``rmsnorm_cycles`` of ``rows·k`` rows). Only VMEM's write span stays ``rows`` rows of
+``k`` segments (the same lines; its ``rows`` field is 8 bits). ``k`` of 0 or 1 is one
+segment.
 
 Parameter blocks may sit at any byte address (:class:`~dfvg_hw.line_streams.UnalignedReader`):
 compiled images align them to 16 bytes, but a 256-bit bus needs 32, and gamma itself
@@ -61,7 +71,7 @@ from dfvg_hw.spec.image import NORM_PARAM_BYTES
 
 from dfvg_hw.line_streams import (RowWriteProgress, RowWriter, UnalignedReader, lines_of,
                                   read_request, span_request)
-from dfvg_hw.operand_access import job_spans_outside
+from dfvg_hw.operand_access import vmem_span_outside
 from dfvg_hw.layouts import flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.rmsnorm import RMSNorm
@@ -87,13 +97,14 @@ class NormSequencer(wiring.Component):
     -------
     job : In(stream.Signature(OpJob()))
         The RMSNORM: ``addr`` (parameter block), ``flags`` (``WIDE``), ``rows``, ``dst``,
-        ``src``, ``n``.
+        ``src``, ``n`` and ``k`` (segments per row).
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
         :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
     read_cmd, read_data : the memory port's read side (parameter head and gamma)
-    vmem_rd_cmd, vmem_rd : VMEM's span reader (one-row spans, each row three times)
+    vmem_rd_cmd, vmem_rd : VMEM's span reader (one-row spans, each segment-row once, or
+        three times when longer than the row buffer)
     vmem_wr_cmd, vmem_wr, vmem_wr_done : VMEM's span writer (one span per job)
     vmem_error : In(1)
         Unused: spans are checked before they are issued.
@@ -137,7 +148,13 @@ class NormSequencer(wiring.Component):
         gamma_bytes = Signal(17)                    # 2n
         out_bytes = Signal(17)                      # n, or 2n when wide
         eps, gamma_shift = Signal(32), Signal(32)
-        row = Signal(8)
+        # k ≥ 2: each row is k segments of n, each normalised on its own; a segment starts
+        # on a line in the source and the destination alike (n % 16 == 0, checked), so the
+        # job runs as rows·k rows of n laid end to end
+        segments = Mux(job.k > 1, job.k, 1)
+        segment_rows = Signal(len(job.rows) + len(job.k))
+        m.d.sync += segment_rows.eq(job.rows * segments)     # ready by CHECK
+        row = Signal.like(segment_rows)                       # the segment-row being normalised
         error = Signal(8)
         gamma_addr = job.addr + NORM_PARAM_BYTES
 
@@ -189,7 +206,7 @@ class NormSequencer(wiring.Component):
                                     wide=wide, row_bytes=out_bytes)
 
         def request_source_row():
-            """Source row ``row`` as a one-row span (each row is read three times)."""
+            """Source segment-row ``row`` as a one-row span (each is read up to three times)."""
             return span_request(self.vmem_rd_cmd, job.src + row * lines_of(in_bytes), 1, in_bytes)
 
         with m.FSM(name="rmsnorm"):
@@ -203,7 +220,7 @@ class NormSequencer(wiring.Component):
                                  error.eq(ErrorCode.OK), *progress.restart()]
                     m.next = "HEAD_CMD"
             with m.State("HEAD_CMD"):
-                with m.If(job.rows > c.rows):
+                with m.If((job.rows > c.rows) | ((job.k > 1) & (job.n[:4] != 0))):
                     m.d.sync += error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
                 with m.Else():
@@ -221,7 +238,8 @@ class NormSequencer(wiring.Component):
                     m.d.sync += error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
                 with m.Elif((gamma_addr + gamma_bytes > c.mem_bytes)
-                            | job_spans_outside(c, job, in_bytes, out_bytes)):
+                            | vmem_span_outside(c, job.src, segment_rows, in_bytes)
+                            | vmem_span_outside(c, job.dst, segment_rows, out_bytes)):
                     m.d.sync += error.eq(ErrorCode.BAD_ADDRESS)
                     m.next = "DONE"
                 with m.Elif(job.n == 0):                # nothing to read or write
@@ -229,7 +247,8 @@ class NormSequencer(wiring.Component):
                 with m.Else():
                     m.next = "WRITE_CMD"
             with m.State("WRITE_CMD"):
-                m.d.comb += span_request(self.vmem_wr_cmd, job.dst, job.rows, out_bytes)
+                # the same lines as rows·k rows of n: the span's rows field is 8 bits
+                m.d.comb += span_request(self.vmem_wr_cmd, job.dst, job.rows, segments * out_bytes)
                 with m.If(self.vmem_wr_cmd.ready):
                     m.d.sync += gamma_wanted.eq(1)
                     m.next = "PASS0_CMD"
@@ -259,8 +278,8 @@ class NormSequencer(wiring.Component):
                              replay_take.eq(both & norm.i.ready),
                              gamma_cut.o.ready.eq(replay_take)]
                 with m.If(replay_take & shown_last):
-                    progress.end_row(m, row, job.rows, next_row_state="PASS0_CMD")
-                    m.d.sync += gamma_wanted.eq(row + 1 != job.rows)
+                    progress.end_row(m, row, segment_rows, next_row_state="PASS0_CMD")
+                    m.d.sync += gamma_wanted.eq(row + 1 != segment_rows)
             with m.State("PASS1_CMD"):
                 m.d.comb += request_source_row()
                 with m.If(self.vmem_rd_cmd.ready):
@@ -279,7 +298,9 @@ class NormSequencer(wiring.Component):
                 m.d.comb += [norm.i.valid.eq(both), x_cut.o.ready.eq(take),
                              gamma_cut.o.ready.eq(take)]
                 with m.If(take & x_cut.o.p.last):
-                    progress.end_row(m, row, job.rows, next_row_state="PASS0_CMD")
-                    m.d.sync += gamma_wanted.eq(row + 1 != job.rows)
-            progress.add_finish_states(m, job.rows, self.done)
+                    progress.end_row(m, row, segment_rows, next_row_state="PASS0_CMD")
+                    m.d.sync += gamma_wanted.eq(row + 1 != segment_rows)
+            # the writer counts rows in 8 bits: once VMEM's wr_done has come, every
+            # segment-row but possibly the last has left it, so the low 8 bits tell
+            progress.add_finish_states(m, segment_rows[:8], self.done)
         return m

@@ -9,12 +9,13 @@ from dfvg_hw.spec.image import NORM_PARAM_BYTES, pack_norm_params
 from dfvg_hw.spec.isa import Op
 from dfvg_hw.norm_sequencer import NormSequencer
 from sim.memory import DeviceMemory
+from sim.op_bench import reference_jobs, run_jobs
+from sim.tree_state import TreeState
 from dfvg_hw.verilog import to_verilog
-# the row-job harness shared with the other row sequencer's tests (tests/rtl/)
 from sim.lint import verilator_lint
 # the row-job harness shared with the other row sequencer's tests (tests/rtl/)
 from sequencer_cases import (MAX_N, TINY, L, check_random_row_jobs, check_row_jobs,
-                             check_wide_lanes, row_job)
+                             check_wide_lanes, model_cycles, row_job)
 
 #: parameter blocks: bus-aligned, odd (the head and gamma at every byte offset), 8 mod 16
 BLOCKS = (0x1000, 0x2003, 0x3008, 0x400D)
@@ -24,6 +25,8 @@ BAD_SHIFT = 0x5000
 GAMMA_PAST_END = TINY.mem_bytes - NORM_PARAM_BYTES - 10
 #: a head past the end of memory (BAD_ADDRESS from the head read)
 HEAD_PAST_END = TINY.mem_bytes - 20
+#: blocks with eps 0 (an all-zero segment's rsqrt sees s = 0) and with the largest eps
+EPS_ZERO, EPS_MAX = 0x6000, 0x7000
 
 
 def _memory(rng) -> DeviceMemory:
@@ -34,11 +37,15 @@ def _memory(rng) -> DeviceMemory:
         memory.write(addr, pack_norm_params(eps, gamma, shift))
     memory.write(BAD_SHIFT, pack_norm_params(5, np.ones(MAX_N, np.int16), 17))
     memory.write(GAMMA_PAST_END, pack_norm_params(7, np.full(5, 300, np.int16), 9))
+    for addr, eps, shift in ((EPS_ZERO, 0, 9), (EPS_MAX, (1 << 32) - 1, 12)):
+        memory.write(addr, pack_norm_params(eps, rng.integers(-32768, 32768, MAX_N).astype(np.int16),
+                                            shift))
     return memory
 
 
-def _norm(rows, n, src, dst, addr=BLOCKS[0], wide=False):
-    return row_job(Op.RMSNORM, rows, n, src, dst, addr=addr, wide=wide)
+def _norm(rows, n, src, dst, addr=BLOCKS[0], wide=False, k=0):
+    """An RMSNORM job; ``k ≥ 2``: each row is ``k`` segments of ``n``."""
+    return row_job(Op.RMSNORM, rows, n, src, dst, addr=addr, wide=wide) | {"k": k}
 
 
 def _check(rng, jobs, data_width=128, config=TINY):
@@ -127,3 +134,129 @@ def test_rows_longer_than_the_buffer_read_vmem_three_times(monkeypatch):
             _norm(1, 4, 3, 5, addr=BLOCKS[3], wide=True)]
     assert _check(rng, jobs) == [ErrorCode.OK] * 3
     assert _check(rng, jobs + LONG_ROWS[:2], 256, TINY.with_changes(lanes=64)) == [ErrorCode.OK] * 5
+
+
+# -- segments (k ≥ 2: QK-norm, each head of a row normalised on its own) -------------------
+#: TINY with room for a few segmented jobs side by side (each its own source and destination)
+ROOMY = TINY.with_changes(vmem_bytes=16384)
+
+
+def _segments(rng, count, n, bits=None):
+    """``count`` int32 segments of ``n``, each of its own magnitude: all zero (``bits`` -1)
+    or random below ``±2^bits`` (``bits`` 0 … 31, so each has its own shift ``p`` from 0
+    to 16); ``bits`` random unless given."""
+    bits = rng.integers(-1, 32, count) if bits is None else bits
+    return np.concatenate([np.zeros(n, np.int64) if b < 0 else rng.integers(-(1 << b), 1 << b, n)
+                           for b in bits]).astype(np.int32)
+
+
+class _SegmentedJobs:
+    """Segmented RMSNORM jobs laid out one after the other in VMEM, each source planted
+    with segments of their own magnitudes and each destination apart from everything else
+    (or in place), so that every job's result stays in VMEM to be compared.
+
+    A tree forward's job (``pitch``: rows that many lines apart) runs on the sequencer
+    as the controller runs it: one single-row job per row, the last row first; the
+    functional model runs it as one instruction with the pitch."""
+
+    def __init__(self, rng, config):
+        self.rng, self.config = rng, config
+        self.vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+        self.line, self.rtl_jobs, self.ref_jobs, self.elements = 0, [], [], 0
+
+    def _take(self, lines):
+        start, self.line = self.line, self.line + lines
+        assert self.line <= self.config.vmem_bytes // L, "the jobs do not fit VMEM"
+        return start
+
+    def add(self, rows, k, n, wide=False, in_place=False, addr=EPS_MAX, pitch=0, bits=None):
+        src_lines, dst_lines = 4 * k * n // L, (2 if wide else 1) * k * n // L
+        stride = pitch or src_lines
+        src = self._take((rows - 1) * stride + src_lines)
+        dst = src if in_place else self._take((rows - 1) * (pitch or dst_lines) + dst_lines)
+        x = _segments(self.rng, rows * k, n, bits).reshape(rows, -1)
+        for r in range(rows):
+            at = (src + r * stride) * L
+            self.vmem[at:at + 4 * k * n] = x[r].view(np.uint8)
+        job = _norm(rows, n, src, dst, addr=addr, wide=wide, k=k)
+        if pitch:
+            self.rtl_jobs += [job | {"rows": 1, "src": src + r * pitch, "dst": dst + r * pitch}
+                              for r in reversed(range(rows))]
+            self.ref_jobs.append(job | {"pitch": pitch, "tree": TreeState(rows, 0, level=1)})
+        else:
+            self.rtl_jobs.append(job)
+            self.ref_jobs.append(job)
+        self.elements += rows * k * n
+
+    def check(self, data_width=128):
+        """Run the jobs on the sequencer and the functional model: every job OK, VMEM
+        the same, every job's cycles the cycle model's."""
+        c, memory = self.config, _memory(self.rng)
+        cycles = []
+        after, errors = run_jobs(c, NormSequencer(c, data_width), self.vmem, memory, self.rtl_jobs,
+                                 data_width=data_width, cycles=cycles, max_cycles=100_000)
+        expected, expected_errors = reference_jobs(c, self.vmem, memory, self.ref_jobs)
+        assert errors == [ErrorCode.OK] * len(self.rtl_jobs)
+        assert expected_errors == [ErrorCode.OK] * len(self.ref_jobs)
+        np.testing.assert_array_equal(after, expected)
+        assert cycles == [model_cycles(c, data_width, job) for job in self.rtl_jobs]
+
+
+def test_segments_of_their_own_magnitudes():
+    """Rows of 2 … 6 segments of 16 … 64, each segment its own shift p (zero segments
+    under eps 0 and the largest eps among them), int8 and int16, in place or apart,
+    several rows back to back and a tree forward's rows a pitch apart."""
+    rng = np.random.default_rng(10)
+    jobs = _SegmentedJobs(rng, ROOMY)
+    # big next to small next to zero: a shift or a sum carried over from the previous
+    # segment shows
+    jobs.add(1, 6, 16, bits=[30, 0, 20, -1, 31, 3], addr=EPS_ZERO)
+    jobs.add(2, 3, 32, wide=True, bits=[-1, 25, 1, 14, -1, 31], addr=EPS_MAX)
+    jobs.add(2, 2, 16, in_place=True, pitch=12, bits=[8, 28, 31, -1], addr=EPS_ZERO)
+    jobs.add(2, 4, 32, wide=True, pitch=40, addr=BLOCKS[2])
+    blocks = (*BLOCKS, EPS_ZERO, EPS_MAX)
+    while jobs.elements < 2000:
+        rows, k, n = int(rng.integers(1, 3)), int(rng.integers(2, 7)), 16 * int(rng.integers(1, 5))
+        pitch = 4 * k * n // L + int(rng.integers(0, 3)) if rows > 1 and rng.random() < 0.3 else 0
+        jobs.add(rows, k, n, wide=bool(rng.integers(2)), in_place=bool(rng.random() < 0.3),
+                 addr=blocks[int(rng.integers(len(blocks)))], pitch=pitch)
+    jobs.check()
+
+
+def test_segments_at_64_lanes():
+    """64 lanes on a 256-bit bus: a segment of 16 … 48 is one partial beat, whose surplus
+    result lines the writer drops segment by segment."""
+    rng = np.random.default_rng(11)
+    jobs = _SegmentedJobs(rng, ROOMY.with_changes(lanes=64))
+    for rows, k, n, wide in ((1, 4, 16, False), (2, 3, 48, True), (1, 2, 80, False),
+                             (2, 2, 64, True), (1, 5, 32, True)):
+        jobs.add(rows, k, n, wide=wide, addr=(EPS_ZERO, EPS_MAX)[rows - 1])
+    jobs.check(data_width=256)
+
+
+def test_more_segment_rows_than_the_writer_counts():
+    """260 segment-rows in one job: more than the row writer counts (8 bits)."""
+    rng = np.random.default_rng(12)
+    jobs = _SegmentedJobs(rng, TINY.with_changes(vmem_bytes=20992))
+    jobs.add(2, 130, 16, addr=BLOCKS[1])
+    jobs.check()
+
+
+def test_segment_errors_in_the_functional_models_order():
+    rng = np.random.default_rng(13)
+    last_line = TINY.vmem_bytes // L - 1
+    jobs = [
+        _norm(1, 8, 0, 40, k=2),                              # a segment off a line: PROGRAM ...
+        _norm(1, 17, 0, 40, addr=HEAD_PAST_END, k=3),         # ... before the head's read
+        _norm(1, 24, last_line, 40, addr=BAD_SHIFT, k=2),     # ... and any other check
+        _norm(1, 8, 0, 40, k=1),                              # one segment: any n
+        _norm(1, 16, 0, 40, addr=BAD_SHIFT, k=2),             # gamma_shift 17: PROGRAM
+        _norm(1, 16, last_line - 6, 100, k=2),                # 8 source lines: 1 too many
+        _norm(1, 16, 0, 100, k=65535),                        # 65535 segments: no wrap-round
+        _norm(2, 16, 0, last_line - 14, wide=True, k=4),      # 16 wide lines: 1 too many
+        _norm(2, 16, 0, last_line - 7, k=4),                  # the same narrow: inside
+        _norm(2, 0, last_line, last_line, k=5),               # n = 0: nothing moves
+        _norm(1, 32, 30, 60, addr=BLOCKS[1], k=3),            # and the engine still works
+    ]
+    P, B = ErrorCode.PROGRAM, ErrorCode.BAD_ADDRESS
+    assert _check(rng, jobs) == [P, P, P, 0, P, B, B, B, 0, 0, 0]
