@@ -50,27 +50,35 @@ def segments(token_ids: list[int], length: int, count: int) -> list[list[int]]:
 
 
 def teacher_forced_agreement(model, engine: EngineConfig, image: bytes, program: list[int],
-                             token_segments: list[list[int]]) -> Agreement:
+                             token_segments: list[list[int]], vocabulary=None) -> Agreement:
     """Run every segment from position 0 on the engine and on the float ``model``.
 
     Each position is one request of one token with ``n_draft = 1``: the engine extends its
     KV cache exactly as in drafting, and its logit buffer holds that position's logits.
+    With a draft ``vocabulary`` (:class:`~dfvg_host.draft_vocab.DraftVocabulary`) the
+    engine reads and drafts its ids: the float argmax still counts over the whole
+    vocabulary (a dropped token is a miss), the cosine over the kept tokens' logits.
     """
     import torch
 
     session = FunctionalSession(engine, image, program)
+    kept = slice(None) if vocabulary is None else vocabulary.kept
     agree, cosines = 0, []
     for seq in token_segments:
         with torch.no_grad():
             ref = model(torch.tensor([seq])).logits[0].double().numpy()
-        for pos, token in enumerate(seq):
+        fed = seq if vocabulary is None else vocabulary.to_engine(seq)
+        for pos, token in enumerate(fed):
             result = session.run(DraftRequest(tokens=[token], start_pos=pos, n_draft=1))
             if result.status != ErrorCode.OK:
                 raise RuntimeError(f"the engine stopped at position {pos}: "
                                    f"{ErrorCode(result.status).name}")
             logits = session.engine.logits / float(1 << nx.LOGIT_FRAC)
-            agree += result.tokens[0].token == int(np.argmax(ref[pos]))
-            norm = np.linalg.norm(logits) * np.linalg.norm(ref[pos])
-            cosines.append(float(logits @ ref[pos] / norm) if norm else 0.0)
+            drafted = result.tokens[0].token
+            drafted = drafted if vocabulary is None else vocabulary.to_model([drafted])[0]
+            agree += drafted == int(np.argmax(ref[pos]))
+            ref_pos = ref[pos][kept]
+            norm = np.linalg.norm(logits) * np.linalg.norm(ref_pos)
+            cosines.append(float(logits @ ref_pos / norm) if norm else 0.0)
     return Agreement(len(cosines), agree / max(len(cosines), 1), float(np.mean(cosines)),
                      float(np.min(cosines)))

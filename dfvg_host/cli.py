@@ -53,7 +53,7 @@ def cmd_compile(args) -> int:
         raise CliError(f"--draft {draft} is not a directory")
     # The model's own problems first (no config.json, an unsupported family, too big for
     # the preset): cheap, so they come before the calibration inputs and the weights.
-    check_fits(describe_model(load_config(draft)), engine)
+    check_fits(describe_model(load_config(draft)), engine, args.draft_vocab)
     tokens = text = None
     if args.calibration_tokens:
         path = Path(args.calibration_tokens)
@@ -65,7 +65,8 @@ def cmd_compile(args) -> int:
         require_tokenizer(Path(args.tokenizer or draft))
     t0 = time.perf_counter()
     compiled = compile_draft(draft, engine, calibration_text=text, calibration_tokens=tokens,
-                             tokenizer_dir=args.tokenizer, random_weights=args.random_weights)
+                             tokenizer_dir=args.tokenizer, random_weights=args.random_weights,
+                             draft_vocab=args.draft_vocab)
     compiled.save(args.output)
     shape = compiled.shape
     report = compile_report(engine, compiled.program, model=shape.describe(),
@@ -79,6 +80,9 @@ def cmd_compile(args) -> int:
         print(f"compiled {draft} -> {args.output} in {time.perf_counter() - t0:.1f} s "
               f"(weights: {'random, for sizing' if args.random_weights else 'int8 per channel'})")
         print(f"family {shape.model_type}: {FAMILIES[shape.model_type]}")
+        if args.draft_vocab:
+            print(f"draft vocabulary: {args.draft_vocab - 1} of the model's {shape.vocab} tokens "
+                  "(the others embed as one shared row and are never drafted; the target verifies all)")
         print(report.text())
     return 0
 
@@ -743,7 +747,7 @@ def cmd_accuracy(args) -> int:
     compiled = _compile_source(source, engine, args.calibration, print, demo=args.draft is None)
     t0 = time.perf_counter()
     agreement = teacher_forced_agreement(load_model(draft_dir), engine, compiled.image,
-                                         compiled.program, parts)
+                                         compiled.program, parts, compiled.vocabulary)
     if args.json:
         print(json.dumps(dict(draft=str(draft_dir), text=str(text_path), preset=engine.name,
                               segment=length, **vars(agreement)), indent=2))
@@ -944,6 +948,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(whitespace-separated), instead of a text and a tokenizer")
     c.add_argument("--random-weights", action="store_true",
                    help="initialise weights randomly from config.json (for sizing a model shape)")
+    c.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="draft over N − 1 of the model's tokens (special, calibration-text and "
+                        "lowest ids), for a vocabulary past the preset's vocab_max (e.g. Qwen's "
+                        "151,936); the target still verifies every token")
     c.add_argument("--context", type=int, default=256,
                    help="context length the speed figures are modelled at (default 256)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")

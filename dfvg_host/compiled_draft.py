@@ -137,6 +137,14 @@ class CompiledDraft:
         return ModelShape(**self.manifest["model"])
 
     @property
+    def vocabulary(self) -> "DraftVocabulary | None":
+        """The tokens the engine drafts over when it holds fewer than the model's
+        (``dfvg compile --draft-vocab``), else None."""
+        from dfvg_host.draft_vocab import DraftVocabulary
+        entry = self.manifest.get("draft_vocab")
+        return None if entry is None else DraftVocabulary.from_dict(entry)
+
+    @property
     def context_limit(self) -> int:
         return self.manifest["context_limit"]
 

@@ -32,6 +32,7 @@ from dfvg_hw.spec.regmap import MemoryMap
 from dfvg_hw.spec.isa import Cond, Flag, Instruction, MatmulMode, Op, encode
 from dfvg_host.checkpoints import TOKENIZER_FILES, has_tokenizer
 from dfvg_host.compiled_draft import CompiledDraft, ModelShape
+from dfvg_host.draft_vocab import DraftVocabulary, choose_draft_vocabulary
 
 __all__ = ["CompileError", "UnsupportedModel", "DoesNotFit", "ModelShape", "CompiledDraft",
            "describe_model", "check_fits", "calibrate", "compile_draft", "emit_program"]
@@ -89,22 +90,28 @@ def describe_model(hf_config) -> ModelShape:
         qk_norm=mt == "qwen3")
 
 
-def check_fits(shape: ModelShape, engine: EngineConfig) -> None:
-    """Raise :class:`DoesNotFit` naming the first engine limit the model exceeds."""
+def check_fits(shape: ModelShape, engine: EngineConfig, draft_vocab: int | None = None) -> None:
+    """Raise :class:`DoesNotFit` naming the first engine limit the model exceeds (with
+    ``draft_vocab``, the engine holds that many of the model's tokens, :mod:`draft_vocab`)."""
     slots = shape.layers * shape.kv_heads
     if slots > engine.kv_slots:
         # one KV slot per (layer, KV head) pair (docs/isa.md §1.4)
         raise DoesNotFit(f"model needs {shape.layers} layers × {shape.kv_heads} KV heads = "
                          f"{slots} KV slots; the '{engine.name}' preset has kv_slots = "
                          f"{engine.kv_slots}")
-    limits = [
-        (shape.head_dim, engine.head_dim, "head_dim", "head_dim"),
-        (shape.vocab, engine.vocab_max, "vocab", "vocab_max"),
-    ]
-    for have, cap, what, param in limits:
-        if have > cap:
-            raise DoesNotFit(f"model {what} {have} exceeds the '{engine.name}' preset's "
-                             f"{param} = {cap}")
+    if shape.head_dim > engine.head_dim:
+        raise DoesNotFit(f"model head_dim {shape.head_dim} exceeds the '{engine.name}' preset's "
+                         f"head_dim = {engine.head_dim}")
+    if draft_vocab is not None:
+        if not 2 <= draft_vocab <= min(shape.vocab, engine.vocab_max):
+            raise DoesNotFit(f"--draft-vocab {draft_vocab}: it must be 2..{min(shape.vocab, engine.vocab_max)} "
+                             f"(the model's vocab {shape.vocab}, the '{engine.name}' preset's vocab_max "
+                             f"{engine.vocab_max})")
+    elif shape.vocab > engine.vocab_max:
+        raise DoesNotFit(f"model vocab {shape.vocab} exceeds the '{engine.name}' preset's vocab_max = "
+                         f"{engine.vocab_max} (16-bit token ids): compile it with `dfvg compile --draft-vocab "
+                         f"{engine.vocab_max}` to draft over {engine.vocab_max - 1} of its tokens (the "
+                         f"target still verifies every token)")
     if shape.head_dim % VMEM_LINE_BYTES:
         raise DoesNotFit(f"head_dim {shape.head_dim} is not a multiple of {VMEM_LINE_BYTES}")
     if shape.heads % shape.kv_heads:
@@ -403,10 +410,14 @@ class Layout:
     lm_head: int = 0
     vmem: dict = field(default_factory=dict)
     biased: list = field(default_factory=list)  # layer blocks whose MATMUL adds a bias (BIAS)
+    logits: int = 0                             # LOGITS/SAMPLE length: the drafted tokens
 
 
-def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig):
-    """Quantise the model and lay out the image; returns (bytes, Layout, scales)."""
+def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig,
+                vocabulary: DraftVocabulary | None = None):
+    """Quantise the model and lay out the image; returns (bytes, Layout, scales). With a
+    ``vocabulary`` the embedding holds its kept rows and one shared row (the mean of the
+    others), and the LM head its kept rows."""
     import torch
     from transformers.activations import ACT2FN
 
@@ -419,6 +430,16 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     scales = dict(residual=s_x, layers=[])
 
     emb = sd["model.embed_tokens.weight"]
+    lm = sd.get("lm_head.weight", emb)          # a tied lm_head has no entry of its own
+    lm_bias = sd.get("lm_head.bias")
+    lay.logits = shape.vocab
+    if vocabulary is not None:
+        dropped = np.ones(len(emb), bool)
+        dropped[vocabulary.kept] = False
+        shared = emb[dropped].mean(axis=0) if dropped.any() else np.zeros(emb.shape[1])
+        emb = np.vstack([emb[vocabulary.kept], shared])
+        lm, lm_bias = lm[vocabulary.kept], None if lm_bias is None else lm_bias[vocabulary.kept]
+        lay.logits = len(vocabulary.kept)
     # EMBED rows are padded to whole engine beats (embed_row_stride), so each starts on one.
     table = np.zeros((emb.shape[0], embed_row_stride(shape.hidden, engine.mem_beat_bytes) // 4), "<i4")
     table[:, :shape.hidden] = np.clip(np.round(emb / s_x), -(1 << 31), (1 << 31) - 1).astype("<i4")
@@ -507,15 +528,15 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     s_fn = _act_scale(cal.final_norm, 16)
     lay.final_norm = b.place(_norm_block(sd["model.norm.weight"], shape.hidden,
                                          shape.rms_norm_eps, s_x, s_fn))
-    # A tied lm_head has no entry of its own: quantise the embedding matrix per row.
-    lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-    lay.lm_head = b.place(_linear_block(lm, s_fn, 2.0 ** -nx.LOGIT_FRAC, engine, sd.get("lm_head.bias")))
+    lay.lm_head = b.place(_linear_block(lm, s_fn, 2.0 ** -nx.LOGIT_FRAC, engine, lm_bias))
+    if lm_bias is not None:
+        lay.biased.append("lm_head")
     scales["final_norm"] = s_fn
 
     header = ImageHeader(
         lanes=engine.lanes, reduce=engine.reduce, hidden=shape.hidden, layers=shape.layers,
         heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-        intermediate=shape.intermediate, vocab=shape.vocab, rope_positions=engine.kv_positions,
+        intermediate=shape.intermediate, vocab=len(emb), rope_positions=engine.kv_positions,
         layer_stride=lay.layer_stride, layers_base=lay.layers_base, embed_addr=lay.embed,
         rope_addr=lay.rope, final_norm_addr=lay.final_norm, lm_head_addr=lay.lm_head,
         image_bytes=align(len(b.data), b.beat))
@@ -579,9 +600,9 @@ def _head(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     return [
         Instruction(Op.RMSNORM, flags=Flag.WIDE, rows=rows, dst=v["xn"], src=v["x"], n=s.hidden,
                     addr=lay.final_norm),
-        Instruction(Op.MATMUL, flags=to_logits, rows=rows, src=v["xn"], n=s.vocab, k=s.hidden,
-                    addr=lay.lm_head),
-        Instruction(Op.SAMPLE, n=s.vocab),
+        Instruction(Op.MATMUL, flags=to_logits | (Flag.BIAS if "lm_head" in lay.biased else 0), rows=rows,
+                    src=v["xn"], n=lay.logits, k=s.hidden, addr=lay.lm_head),
+        Instruction(Op.SAMPLE, n=lay.logits),
     ]
 
 
@@ -746,18 +767,25 @@ def calibration_sequences(model_dir: Path, text: str | None, vocab: int, *,
 
 def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_text: str | None = None,
                   calibration_tokens: list[int] | None = None, tokenizer_dir: str | Path | None = None,
-                  random_weights: bool = False, model=None) -> CompiledDraft:
+                  random_weights: bool = False, model=None, draft_vocab: int | None = None) -> CompiledDraft:
     """Compile the draft at ``model_dir`` for ``engine``, calibrating its activation scales
     on ``calibration_tokens``, else ``calibration_text`` (tokenised by the tokenizer in
-    ``tokenizer_dir``, default ``model_dir``), else random ids."""
+    ``tokenizer_dir``, default ``model_dir``), else random ids. ``draft_vocab``: the engine
+    drafts over that many of the model's tokens (:mod:`dfvg_host.draft_vocab`)."""
     model_dir = Path(model_dir)
     model = model if model is not None else load_model(model_dir, random_weights=random_weights)
     shape = describe_model(model.config)
-    check_fits(shape, engine)
+    check_fits(shape, engine, draft_vocab)
     seqs = calibration_sequences(model_dir, calibration_text, shape.vocab, token_ids=calibration_tokens,
                                  tokenizer_dir=tokenizer_dir)
     cal = calibrate(model, seqs, shape)
-    image, lay, scales = build_image(model, shape, cal, engine)
+    vocabulary = None
+    if draft_vocab is not None:
+        counts = np.bincount(np.concatenate(seqs), minlength=shape.vocab)
+        frequent = [int(t) for t in np.argsort(-counts, kind="stable") if counts[t]]
+        vocabulary = choose_draft_vocabulary(shape.vocab, draft_vocab, special=_special_ids(model.config),
+                                             frequent=frequent)
+    image, lay, scales = build_image(model, shape, cal, engine, vocabulary)
     room = engine.mem_bytes - MemoryMap.IMAGE
     if len(image) > room:
         raise DoesNotFit(f"image of {len(image)} bytes exceeds the {room} bytes of device memory "
@@ -778,4 +806,15 @@ def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_te
         layout=asdict(lay), scales=scales,
         tree=dict(width=width, pc=tree_pc, row_pitch=lay.vmem["row_lines"] if width else 0),
     )
+    if vocabulary is not None:
+        manifest["draft_vocab"] = vocabulary.to_dict()
     return CompiledDraft(image, program, manifest)
+
+
+def _special_ids(hf_config) -> list[int]:
+    """BOS, EOS and PAD ids the config names (EOS may be a list)."""
+    ids = []
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(hf_config, name, None)
+        ids += value if isinstance(value, list) else [] if value is None else [value]
+    return [int(i) for i in ids]

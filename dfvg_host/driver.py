@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dfvg_hw.spec.descriptors import (MAX_COMPACT, MAX_DRAFT, Compaction, DraftedToken, DraftRequest,
                                       DraftResult, ErrorCode, result_bytes)
@@ -291,6 +291,8 @@ class DraftDevice:
         #: where the engine's cycle counts come from, as every printed figure says
         self.cycle_source = cycle_source
         self.compiled = compiled
+        #: the engine's token ids are a draft vocabulary's (dfvg compile --draft-vocab), or None
+        self._vocabulary = compiled.vocabulary
         self.timeout_s = timeout_s
         self.topk_max = compiled.manifest["engine"]["topk_max"]
         shape = compiled.shape
@@ -406,6 +408,12 @@ class DraftDevice:
             raise EngineMismatch(f"engine version {version >> 16}.{version & 0xFFFF} does not match "
                                  f"this host's {ENGINE_VERSION >> 16}.x; rebuild the bitstream or "
                                  "update dfvg")
+        compiled_for = self.compiled.manifest.get("engine_version", ENGINE_VERSION)
+        if version & 0xFFFF < compiled_for & 0xFFFF:
+            # a newer compiler may use instructions an older bitstream lacks (minor 5: BIAS, INT32)
+            raise EngineMismatch(f"engine version {version >> 16}.{version & 0xFFFF} is older than "
+                                 f"the {compiled_for >> 16}.{compiled_for & 0xFFFF} the draft was "
+                                 "compiled for; rebuild the bitstream")
         want = self.compiled.manifest["engine"]
         for reg, name in PARAM_REGS.items():
             have = t.read32(reg)
@@ -567,6 +575,8 @@ class DraftDevice:
         self._trees[self._current] = None
         t_mult, t_shift = host_temperature(temperature)
         self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
+        if self._vocabulary is not None:
+            tokens = self._vocabulary.to_engine(tokens)
         request = DraftRequest(tokens=list(tokens), start_pos=self.committed, n_draft=n_draft,
                                topk=min(max(topk, 1), self.topk_max), sample=sample,
                                t_mult=t_mult, t_shift=t_shift, seed=seed, counter=counter, seq=self._seq,
@@ -881,7 +891,18 @@ class DraftDevice:
             raise MalformedResult(f"result buffer {buf} is stale: it answers request {result.seq}, "
                                   f"not {self._seq}; the engine did not run the request — reset the "
                                   "device")
+        if self._vocabulary is not None:
+            result.tokens = [self._to_model(t, buf) for t in result.tokens]
         return result
+
+    def _to_model(self, drafted: DraftedToken, buf: int) -> DraftedToken:
+        """A drafted token with the engine's ids (a draft vocabulary's) as model ids."""
+        try:
+            token, *ids = self._vocabulary.to_model([drafted.token, *drafted.topk_ids])
+        except IndexError as exc:
+            raise MalformedResult(f"result buffer {buf} breaks the result contract: {exc}; the device "
+                                  "or the PCIe link corrupted it — reset the device") from None
+        return replace(drafted, token=token, topk_ids=ids)
 
     @_link_errors
     def cycles(self) -> tuple[int, int]:

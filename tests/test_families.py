@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -68,7 +69,6 @@ def _without(compiled, strip):
 def test_dropping_the_family_operation_breaks_the_draft(family_draft):
     """The figures above depend on the new operations: without Qwen2's biases or Qwen3's
     per-head norm the same image drafts far from the float model."""
-    from dataclasses import replace
     family, path, compiled = family_draft
     if family == "qwen2":
         # records are 8N bytes: read without BIAS, the biases would be taken as the next
@@ -134,3 +134,36 @@ def test_families_command_lists_supported_and_missing():
     lines = run.stdout.splitlines()
     assert [line.split()[0] for line in lines] == ["llama", "qwen2", "qwen3", "opt", "gpt2"]
     assert "QK-norm" in lines[2] and "not yet" in lines[3]
+
+
+def test_a_draft_vocabulary_drafts_kept_tokens_and_stays_exact(tmp_path):
+    """A model vocabulary past what the engine drafts over (Qwen's 151,936 against 16-bit
+    ids), scaled down: 256 tokens, 100 engine ids (99 drafted, one shared row)."""
+    from dfvg_host.compiler import DoesNotFit, check_fits
+    from dfvg_host.draft_vocab import DraftVocabulary
+    shape = dict(SHAPES["qwen2"])
+    draft = make_tiny_llama(tmp_path / "draft", family="qwen2", seed=7, **shape)
+    target = make_tiny_llama(tmp_path / "target", family="qwen2", seed=8, layers=3, **shape)
+    compiled = compile_draft(draft, TINY, draft_vocab=100, calibration_tokens=list(range(150, 250)) * 2)
+    vocabulary = compiled.vocabulary
+    assert vocabulary.size == 100 and len(vocabulary.kept) == 99
+    assert {0, 1, 2} <= set(vocabulary.kept.tolist())                # BOS, EOS, PAD
+    assert set(range(150, 246)) <= set(vocabulary.kept.tolist())     # the calibration tokens first
+    assert DraftVocabulary.from_dict(vocabulary.to_dict()).kept.tolist() == vocabulary.kept.tolist()
+    device = DraftDevice.open("sim://tiny", compiled)
+    out = device.draft(vocabulary.kept[:3].tolist() + [3, 255], 6)
+    kept = set(vocabulary.kept.tolist())
+    assert all(t.token in kept and set(t.topk_ids) <= kept for t in out.tokens)
+    device.reset()
+    model = load_model(target)
+    decoder = SpeculativeDecoder(device, Verifier(model, torch.device("cpu")), gamma=4)
+    prompt = [5, 240, 17, 3]                                # 5, 17 and 3 are dropped: shared row
+    out = decoder.generate(prompt, 24)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.tokens == ref
+    wide = replace(compiled.shape, vocab=600)
+    with pytest.raises(DoesNotFit, match="--draft-vocab 512"):
+        check_fits(wide, TINY)
+    check_fits(wide, TINY, draft_vocab=512)
