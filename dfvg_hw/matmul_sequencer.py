@@ -96,6 +96,8 @@ from amaranth.utils import exact_log2
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import ErrorCode
+from dfvg_hw.spec.image import requant_record_bytes
+from dfvg_hw.spec.timing import matmul_records_per_beat
 from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.matrix import DIGIT_BITS, MatrixUnit
 from dfvg_hw.memory_port import ReadBeat
@@ -313,6 +315,7 @@ class MatmulSequencer(wiring.Component):
         job = Signal(OpJob())
         mode = flags_view(job.flags).mode
         wide = flags_view(job.flags).wide
+        bias = flags_view(job.flags).bias
         n_groups, k_tiles = Signal(16), Signal(16)
         stride_in, stride_out, in_bytes, out_bytes = Signal(32), Signal(32), Signal(32), Signal(32)
         # rows `pitch` lines apart (a tree forward's operands, isa.md §9.2) ...
@@ -328,6 +331,9 @@ class MatmulSequencer(wiring.Component):
 
         def padded(x, mult):
             return (x + mult - 1) // mult * mult
+
+        def record_offset(g):           # group g's requant record, from the end of the tiles
+            return Mux(bias, requant_record_bytes(N, True) * g, requant_record_bytes(N, False) * g)
 
         m.d.comb += [self.job.ready.eq(0), mx.res.valid.eq(0)]
         peek_live = Signal()            # peek_data answers a STREAM peek (set in STREAM)
@@ -353,7 +359,7 @@ class MatmulSequencer(wiring.Component):
             with m.State("RANGE"):
                 # every check, in the functional model's order, before anything moves
                 logits = mode == MatmulMode.LOGITS
-                end = job.addr + weight_bytes + 4 * n_groups * N
+                end = job.addr + weight_bytes + record_offset(n_groups)
 
                 def outside(line, row_bytes):
                     # pitched rows: the operand ends with its last row, at line + (rows − 1)·pitch
@@ -450,23 +456,25 @@ class MatmulSequencer(wiring.Component):
                 with m.Else():
                     m.next = "STREAM"
 
-            # -- stream weights and requant words; write results back ------------------------------
+            # -- stream weights and requant records; write results back ----------------------------
             cmd_group, cmd_q = Signal(16), Signal()
             data_q, data_beats, data_group = Signal(), Signal(32), Signal(16)
             out_group = Signal(16)
-            # Requant words of G = B/4N groups share a beat (4N < B): on a beat-aligned
-            # block (the compiler's) with k > 0 one read of the beat serves them all, made
-            # with the first group's tiles; otherwise one read per group.
-            G = beat_bytes // (4 * N) if 4 * N < beat_bytes and beat_bytes % (4 * N) == 0 else 1
-            if G > 1:
-                batched = (job.addr[:offset_bits] == 0) & ~k_zero
+
+            # The records of G = B/R groups share a beat (R < B): on a beat-aligned block
+            # (the compiler's) with k > 0 one read of the beat serves them all, made with
+            # the first group's tiles; otherwise one read per group. G differs with BIAS.
+            G = {b: matmul_records_per_beat(beat_bytes, N, b) for b in (False, True)}
+            if G[False] > 1:            # (G[True] > 1 only if G[False] > 1)
+                batched = (job.addr[:offset_bits] == 0) & ~k_zero & (~bias | (G[True] > 1))
+                g_batch = Mux(bias, G[True], G[False])
 
                 def needs_q(g):
-                    return ~batched | (g[:exact_log2(G)] == 0)
+                    return ~batched | ((g & (g_batch - 1)) == 0)
 
-                def q_groups(g):        # groups whose words a read for group g brings
+                def q_groups(g):        # groups whose records a read for group g brings
                     left = n_groups - g
-                    return Mux(batched, Mux(left < G, left, G), 1)
+                    return Mux(batched, Mux(left < g_batch, left, g_batch), 1)
             else:
                 batched = 0
 
@@ -480,11 +488,11 @@ class MatmulSequencer(wiring.Component):
             q_group, q_end = Signal(16), Signal(16)
             with m.State("STREAM"):
                 tile_beats = N * k_tiles * K // beat_bytes
-                q_beats = max(1, 4 * N // beat_bytes)
-                # commands: tiles of group g (none when k = 0), then its requant words; each
+                q_beats = {b: max(1, requant_record_bytes(N, b) // beat_bytes) for b in (False, True)}
+                # commands: tiles of group g (none when k = 0), then its requant record; each
                 # from the bus-aligned address below its first byte
                 is_q = cmd_q | k_zero
-                q_addr = job.addr + weight_bytes + 4 * N * cmd_group
+                q_addr = job.addr + weight_bytes + record_offset(cmd_group)
                 tile_addr = job.addr + cmd_group * N * k_tiles * K
                 cmd_addr = Mux(is_q, q_addr, tile_addr)
                 cmd_offset = cmd_addr[:offset_bits]
@@ -493,7 +501,8 @@ class MatmulSequencer(wiring.Component):
                         self.read_cmd.valid.eq(1),
                         self.read_cmd.payload.addr.eq(cmd_addr & ~(beat_bytes - 1)),
                         self.read_cmd.payload.length.eq(
-                            cmd_offset + Mux(is_q, 4 * N * q_groups(cmd_group), N * k_tiles * K)),
+                            cmd_offset + Mux(is_q, record_offset(q_groups(cmd_group)),
+                                             N * k_tiles * K)),
                     ]
                     with m.If(self.read_cmd.ready):
                         with m.If(is_q):
@@ -502,16 +511,17 @@ class MatmulSequencer(wiring.Component):
                             m.d.sync += cmd_q.eq(1)
                         with m.Else():          # its words come with an earlier group's
                             m.d.sync += cmd_group.eq(cmd_group + 1)
-                # data: aligned beats to the tile packer or the requant-word register. The
-                # tiles of every group share the block's offset (a group's tiles are whole
-                # beats); the requant words of group g start 4N·g bytes after the tiles.
+                # data: aligned beats to the tile packer or the record register. The tiles
+                # of every group share the block's offset (a group's tiles are whole beats);
+                # the record of group g starts R·g bytes after the tiles.
                 in_q = data_q | k_zero
-                q_data_offset = (job.addr + weight_bytes + 4 * N * data_group)[:offset_bits]
+                q_data_offset = (job.addr + weight_bytes + record_offset(data_group))[:offset_bits]
+                job_q_beats = Mux(bias, q_beats[True], q_beats[False])
                 m.d.comb += [align.offset.eq(Mux(in_q, q_data_offset, job.addr[:offset_bits])),
-                             align.final.eq(data_beats + 1 == Mux(in_q, q_beats, tile_beats))]
+                             align.final.eq(data_beats + 1 == Mux(in_q, job_q_beats, tile_beats))]
                 wiring.connect(m, wiring.flipped(self.read_data), align.i)
                 beat = align.o
-                qbuf = Signal(max(32 * N, DW))
+                qbuf = Signal(max(64 * N, DW))
                 q_full = q_group != q_end
                 m.d.comb += tiles.i.p.eq(beat.p)
                 with m.If(~in_q):
@@ -527,22 +537,28 @@ class MatmulSequencer(wiring.Component):
                 with m.Else():
                     m.d.comb += beat.ready.eq(~q_full)
                     with m.If(beat.valid & ~q_full):
-                        if q_beats > 1:
-                            m.d.sync += qbuf.word_select(data_beats[:exact_log2(q_beats)],
+                        if q_beats[True] > 1:
+                            m.d.sync += qbuf.word_select(data_beats[:exact_log2(q_beats[True])],
                                                          DW).eq(beat.p)
                         else:
                             m.d.sync += qbuf.eq(beat.p)
                         m.d.sync += data_beats.eq(data_beats + 1)
-                        with m.If(data_beats + 1 == q_beats):
+                        with m.If(data_beats + 1 == job_q_beats):
                             m.d.sync += [data_beats.eq(0), data_q.eq(0),
                                          q_end.eq(data_group + q_groups(data_group)),
                                          data_group.eq(data_group + 1)]
-                if G > 1:
-                    words = Mux(batched, qbuf.word_select(q_group[:exact_log2(G)], 32 * N),
-                                qbuf[:32 * N])
-                else:
-                    words = qbuf[:32 * N]
+                records = []            # group q_group's record: without BIAS, then with it
+                for b in (False, True):
+                    record_bits = 8 * requant_record_bytes(N, b)
+                    if G[b] > 1:
+                        records.append(Mux(batched, qbuf.word_select(q_group[:exact_log2(G[b])],
+                                                                     record_bits),
+                                           qbuf[:record_bits]))
+                    else:
+                        records.append(qbuf[:record_bits])
+                words = Mux(bias, records[1][:32 * N], records[0])
                 m.d.comb += [mx.q.valid.eq(q_full), mx.q.payload.words.as_value().eq(words),
+                             mx.q.payload.bias.as_value().eq(Mux(bias, records[1][32 * N:], 0)),
                              mx.q.payload.mode.eq(mode), mx.q.payload.wide.eq(wide),
                              mx.q.payload.rows.eq(pass_rows)]
                 with m.If(mx.q.valid & mx.q.ready):

@@ -9,8 +9,8 @@ Data flow, one stage per line (each stage is a register bank, all advancing toge
                              T1 … T3 adder trees over K           (log2 K levels in 3 stages)
                              ACC int32 accumulators; on ``last`` the sums go to the
                                  write-back bank (M × N int32) and the next group starts
-                             write-back: one row per cycle into N Requantizer(16) ─► output
-                                 stage (int8 clamp / residual add) ─► ``o``
+                             write-back: one row per cycle, + bias, into N Requantizer(32)
+                                 ─► output stage (int8 / int16 clamp, residual add) ─► ``o``
 
 Row packing: rows ``2i`` and ``2i+1`` meet the same weight, so one multiplier computes
 both products: ``p = (x0 · 2^18 + x1) · w`` (27 × 8 bits: one DSP48E2), and
@@ -23,6 +23,11 @@ row ``2r`` the ``hi`` and row ``2r+1`` the ``lo`` digit of wide row ``r``
 (:func:`~dfvg_hw.spec.numerics.wide_digits`; ``hi`` reaches 128, so activation operands are
 9-bit) — and writes back ``256·acc[2r] + acc[2r+1]`` (40-bit) for ``r < rows``. The
 arithmetic array is the same; only the write-back combines.
+
+Bias (``BIAS``, :func:`~dfvg_hw.spec.numerics.add_bias`): each group's parameters carry
+``lanes`` int32 biases (zeros without ``BIAS``), added to the row's accumulator on its way
+into the requantisers, in the same cycle as the wide combination (a three-input adder, 41
+bits: ``|256·acc_hi + acc_lo + bias| < 2^40``), so a bias costs no cycle.
 """
 
 from __future__ import annotations
@@ -79,7 +84,9 @@ class GroupParams(data.StructLayout):
     """Write-back parameters of one output group (one N-tile).
 
     ``words[lane]`` are the group's ``lanes`` requant words (one contiguous ``4·lanes``-byte
-    burst of the image), ``mode`` a :class:`~dfvg_hw.spec.isa.MatmulMode`, ``wide`` set when the
+    burst of the image), ``bias[lane]`` its int32 biases (the ``4·lanes`` bytes after the
+    words in a ``BIAS`` block's record; 0 without ``BIAS``), ``mode`` a
+    :class:`~dfvg_hw.spec.isa.MatmulMode`, ``wide`` set when the
     rows are digit pairs of int16 rows, ``rows`` the number of (wide) rows to write back
     (1 … M, or 1 … M // 2 when wide; 0 or more means all).
     """
@@ -87,6 +94,7 @@ class GroupParams(data.StructLayout):
     def __init__(self, rows: int, lanes: int):
         super().__init__({
             "words": data.ArrayLayout(QWord(), lanes),
+            "bias": data.ArrayLayout(signed(32), lanes),
             "mode": unsigned(2),
             "wide": unsigned(1),
             "rows": unsigned(ceil_log2(rows + 1)),
@@ -94,7 +102,7 @@ class GroupParams(data.StructLayout):
 
 
 class MatrixResult(data.StructLayout):
-    """One output row: ``data[lane]`` (int32 residuals in RESADD mode; int8 results in
+    """One output row: ``data[lane]`` (int32 in RESADD and INT32 mode; int8 results in
     INT8 and int16 logits in LOGITS mode, sign-extended), its ``row`` index and ``last``
     on the group's final active row."""
 
@@ -145,14 +153,16 @@ class MatrixUnit(wiring.Component):
     ``acc[r][l] += Σ_j x[r][j] · w[l][j]``. The tile with ``last`` set closes an output group:
     its sums move to the write-back bank and the next tile starts a new group. The write-back
     consumes one ``q`` beat per group and emits the group's first ``q.rows`` rows on ``o``, one
-    row (all N lanes) per cycle, through N :class:`~dfvg_hw.requant.Requantizer` (16-bit)
-    instances (32-bit, the residual's width):
+    row (all N lanes) per cycle, through N :class:`~dfvg_hw.requant.Requantizer`
+    instances (32-bit, the residual's width). ``acc`` below is the accumulator plus the
+    group's bias (:func:`~dfvg_hw.spec.numerics.add_bias`; the bias is 0 without ``BIAS``):
 
     * ``INT8``: ``sat8(requant32(acc))`` = ``numerics.requant(acc, mult, shift, 8)``
       (saturating a wider-saturated value to 8 bits is the same as saturating once);
     * ``RESADD``: ``sat32(res + requant32(acc))`` = ``numerics.residual_add`` — the residual
       add is done here; one ``res`` beat (the row's N int32 residuals) per output row;
-    * ``LOGITS``: ``sat16(requant32(acc))`` = ``numerics.requant(acc, mult, shift, 16)``.
+    * ``LOGITS``: ``sat16(requant32(acc))`` = ``numerics.requant(acc, mult, shift, 16)``;
+    * ``INT32``: ``requant32(acc)`` = ``numerics.requant(acc, mult, shift, 32)`` (no residual).
 
     With ``q.wide`` set, ``acc`` of output row ``r`` is ``256·acc[2r] + acc[2r+1]``: the
     exact int16 × int8 dot product of the wide row whose digits came in rows ``2r``, ``2r+1``.
@@ -180,7 +190,8 @@ class MatrixUnit(wiring.Component):
     x : In(stream.Signature(ActivationRows(rows, reduce)))
         Activation K-slices of all M rows, transferred together with ``w``.
     q : In(stream.Signature(GroupParams(rows, lanes)))
-        Per-group requant words, mode and active rows; consumed with the group's last row.
+        Per-group requant words, biases, mode and active rows; consumed with the group's
+        last row.
     res : In(stream.Signature(ArrayLayout(signed(32), lanes)))
         RESADD residuals, one beat per output row (unused in the other modes).
     o : Out(stream.Signature(MatrixResult(rows, lanes)))
@@ -292,8 +303,9 @@ class MatrixUnit(wiring.Component):
             m.d.sync += [acc[r][l].eq(sums[r][l]) for r in range(M) for l in range(N)]
 
         # -- write-back: one row per cycle through N requantisers ------------------------
-        # 256·acc_hi + acc_lo of a wide row needs 8 more bits than one accumulator
-        reqs = [Requantizer(nx.RES_BITS, acc_bits + 8) for _ in range(N)]
+        # 256·acc_hi + acc_lo of a wide row needs 8 more bits than one accumulator, and
+        # the int32 bias one more (|acc| < 2^39, |bias| ≤ 2^31)
+        reqs = [Requantizer(nx.RES_BITS, acc_bits + 9) for _ in range(N)]
         for l, rq in enumerate(reqs):
             m.submodules[f"requant{l}"] = rq
         row = Signal(range(max(M, 2)))
@@ -311,7 +323,8 @@ class MatrixUnit(wiring.Component):
         for l, rq in enumerate(reqs):
             m.d.comb += [
                 rq.i.valid.eq(req_valid),
-                rq.i.p.acc.eq(Mux(wide, (bank[0][l] << 8) + bank[1][l], bank[0][l])),
+                rq.i.p.acc.eq(Mux(wide, (bank[0][l] << 8) + bank[1][l], bank[0][l])
+                              + self.q.p.bias[l]),
                 rq.i.p.mult.eq(self.q.p.words[l].mult),
                 rq.i.p.shift.eq(self.q.p.words[l].shift),
             ]
@@ -343,7 +356,7 @@ class MatrixUnit(wiring.Component):
             m.d.sync += [metas[i].eq(metas[i - 1]) for i in range(1, len(metas))]
         mt = metas[-1]
 
-        # -- output stage: INT8 or LOGITS clamp, or residual add ---------------------------
+        # -- output stage: INT8 or LOGITS clamp, residual add, or INT32 as it is -----------
         need_res = Signal()
         m.d.comb += need_res.eq(mt.mode == MatmulMode.RESADD)
         out_adv = Signal()
@@ -372,7 +385,9 @@ class MatrixUnit(wiring.Component):
                         m.d.sync += self.o.p.data[l].eq(Mux(y > hi8, hi8, Mux(y < lo8, lo8, y)))
                     with m.Case(MatmulMode.RESADD):
                         m.d.sync += self.o.p.data[l].eq(Mux(s > hi32, hi32, Mux(s < lo32, lo32, s)))
-                    with m.Default():                   # LOGITS
+                    with m.Case(MatmulMode.INT32):      # (the requantiser saturated it to 32 bits)
+                        m.d.sync += self.o.p.data[l].eq(y)
+                    with m.Case(MatmulMode.LOGITS):
                         m.d.sync += self.o.p.data[l].eq(Mux(y > hi16, hi16, Mux(y < lo16, lo16, y)))
 
         m.d.comb += self.idle.eq(~(Cat(*valid).any() | busy | Cat(*(mm.valid for mm in metas)).any()

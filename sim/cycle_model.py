@@ -32,7 +32,8 @@ from math import ceil
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words, watchdog_budget
-from dfvg_hw.spec.image import ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded
+from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded,
+                                requant_record_bytes)
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
 from sim.attention_timing import attn_cycles, attn_job_cycles, compaction_cycles, kvappend_cycles
 from sim.sample_timing import tree_sample_cycles
@@ -137,8 +138,9 @@ class CycleModel:
             pitch = tree.pitch if tree is not None and tree.level else 0
             cycles = matmul_cycles(port, c.lanes, c.reduce, c.rows, ins.n, ins.k, rows,
                                     int(ins.mode), bool(ins.wide), addr % port.page,
-                                    ins.dst if ins.mode == MatmulMode.RESADD else 0, pitch)
-            return cycles, npad * kpad + 4 * npad
+                                    ins.dst if ins.mode == MatmulMode.RESADD else 0, pitch,
+                                    ins.bias)
+            return cycles, npad * kpad + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes)
         if op == Op.RMSNORM:
             # k ≥ 2 segments (QK-norm heads) run as rows of their own
             segment_rows = rows * max(ins.k, 1)

@@ -10,7 +10,7 @@ from functools import lru_cache
 from math import ceil
 
 from dfvg_hw.spec import timing as tm
-from dfvg_hw.spec.image import padded
+from dfvg_hw.spec.image import padded, requant_record_bytes
 from dfvg_hw.spec.isa import MatmulMode
 from sim.timing_common import NEVER, LINE, RES_BYTES, UNIT_OVERHEAD, axi_bursts, PortTiming, ReadCredit
 
@@ -238,26 +238,28 @@ class _WriteBack:
         return self.out + self.hold
 
 
-def _q_batch(bus_bytes: int, lanes: int, addr: int, k_tiles: int) -> int:
-    """Groups whose requant words one read brings: ``B / 4N`` when a group's words are
-    less than a beat (and divide it), the block is beat-aligned and ``k > 0``; else 1."""
-    q_bytes = 4 * lanes
-    if q_bytes < bus_bytes and bus_bytes % q_bytes == 0 and addr % bus_bytes == 0 and k_tiles:
-        return bus_bytes // q_bytes
+def _q_batch(bus_bytes: int, lanes: int, addr: int, k_tiles: int, bias: bool) -> int:
+    """Groups whose requant records one read brings: ``B / R``
+    (:func:`~dfvg_hw.spec.timing.matmul_records_per_beat`) when the block is beat-aligned
+    and ``k > 0``; else 1."""
+    if addr % bus_bytes == 0 and k_tiles:
+        return tm.matmul_records_per_beat(bus_bytes, lanes, bias)
     return 1
 
 
 def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_tiles: int,
-                   pass_rows: int, hold: int, addr: int, q_addr: int, line_of) -> int:
+                   pass_rows: int, hold: int, addr: int, q_addr: int, line_of,
+                   bias: bool = False) -> int:
     """Cycles of the MATMUL sequencer's STREAM state for one row pass (matmul_sequencer.py),
     counted from the state's first cycle (its first read command).
 
     Reads, per group ``g``: its tiles (``lanes·k_tiles·reduce`` bytes from ``addr``, none
-    when ``k = 0``: a zero tile is offered instead) and then its requant words
-    (``4·lanes`` bytes from ``q_addr``), through :class:`ReadPath`; when a beat holds
-    the words of several groups (:func:`_q_batch`) only every ``batch``-th group reads,
-    one beat of its batch's words, and the other groups' words are in the register from
-    the cycle after the previous group's were used. Tile beats go through
+    when ``k = 0``: a zero tile is offered instead) and then its requant record
+    (``R = 4·lanes`` bytes from ``q_addr``, ``8·lanes`` with ``bias``: the words, then the
+    biases), through :class:`ReadPath`; when a beat holds the records of several groups
+    (:func:`_q_batch`) only every ``batch``-th group reads, one beat of its batch's
+    records, and the other groups' records are in the register from the cycle after the
+    previous group's were used. Tile beats go through
     :class:`_Accumulate`; the first requant beat of group ``g`` waits until group
     ``g − 1``'s words are used (its last row entered the requantisers). A group is
     written back (:class:`_WriteBack`) once its successor's last tile needs the bank.
@@ -268,8 +270,8 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
     reads = ReadPath(port)
     acc = _Accumulate(lanes * reduce // B)
     wb = _WriteBack(hold, max(1, RES_BYTES * lanes // LINE), line_of)
-    tile_bytes, q_bytes = lanes * k_tiles * reduce, 4 * lanes
-    batch = _q_batch(B, lanes, addr, k_tiles)
+    tile_bytes, q_bytes = lanes * k_tiles * reduce, requant_record_bytes(lanes, bias)
+    batch = _q_batch(B, lanes, addr, k_tiles, bias)
     prev, prev_done = None, NEVER                       # the group awaiting write-back
     for g in range(groups):
         if k_tiles:
@@ -292,7 +294,7 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
 @lru_cache(maxsize=4096)
 def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int, n: int, k: int,
                    rows: int, mode: int, wide: bool, page_offset: int, dst: int,
-                   pitch: int = 0) -> int:
+                   pitch: int = 0, bias: bool = False) -> int:
     """Cycles of a MATMUL from the controller's FETCH to its RETIRE (matmul_sequencer.py):
     :data:`UNIT_OVERHEAD`, RANGE and DONE, then per row pass PASS, X_CMD, the x load (none
     when ``k = 0``), CHECK, STREAM (none when ``n = 0``: CHECK goes to DONE) and NEXT_PASS.
@@ -300,7 +302,10 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     The x load: VMEM's read latency, then one x slice a cycle (a VMEM line cut into
     ``16 / slice`` slices, the padding slices of a row's last line included) or, for
     slices wider than a line, one line a cycle. ``page_offset`` is the weight block's
-    address within its page (``port.page``), ``dst`` the destination line (RESADD only).
+    address within its page (``port.page``), ``dst`` the destination line (RESADD only),
+    ``bias`` the ``BIAS`` flag (each group's requant record ``8·lanes`` bytes instead of
+    ``4·lanes``; the bias itself costs no cycle in the matrix unit). INT32 writes its
+    int32 rows as RESADD does, without the residual reads.
 
     ``pitch`` (bytes; 0: each operand's own stride) places row ``r`` of the source and the
     destination ``r·pitch`` bytes after row 0 when ``rows ≥ 2`` (a tree forward, isa.md
@@ -333,6 +338,6 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
             return dst + ((first + r) * row_stride + g * RES_BYTES * lanes) // LINE
         total += tm.MATMUL_NEXT_PASS + _matmul_stream(port, lanes, reduce, groups, k_tiles, pass_rows, hold,
                                     page_offset, page_offset + npad * kpad,
-                                    line_of if mode == MatmulMode.RESADD else None)
+                                    line_of if mode == MatmulMode.RESADD else None, bias)
         first += pass_rows
     return total

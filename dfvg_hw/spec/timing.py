@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import ConfigError
+from dfvg_hw.spec.image import requant_record_bytes
 
 
 def ceil_log2(x: int) -> int:
@@ -284,6 +285,15 @@ MATMUL_NEXT_PASS = 1
 #: isa.md §9.2): each source row after a pass's first is a VMEM span of its own, X_CMD
 #: again and VMEM's read latency before its first line.
 MATMUL_ROW_SPAN = 1 + VMEM_READ_LATENCY
+
+
+def matmul_records_per_beat(bus_bytes: int, lanes: int, bias: bool) -> int:
+    """MatmulSequencer: output groups whose requant records (``R = 4·lanes`` bytes, ``8·lanes``
+    with ``BIAS``; :func:`~dfvg_hw.spec.image.requant_record_bytes`) one read of a beat
+    brings: ``B / R`` when a record is less than a beat and divides it, else 1. The
+    sequencer batches them so only on a beat-aligned block with ``k > 0``."""
+    record = requant_record_bytes(lanes, bias)
+    return bus_bytes // record if record < bus_bytes and bus_bytes % record == 0 else 1
 
 #: ActMulSequencer with a RowWriter slower than its beats (``lanes ≥ 16`` with WIDE): the
 #: first pair of beat ``m`` waits until the writer has taken beat ``m − K``; ``K`` per lane
