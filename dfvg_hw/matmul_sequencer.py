@@ -8,15 +8,19 @@ wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits
    the x buffer (entry ``kt`` holds slice ``kt`` of every row slot, as the matrix unit's
    ``x`` port takes them), so the weights can stream without re-reading VMEM.
 2. **Stream.** For each output group (``lanes`` channels): its weight tiles
-   (``lanes·kpad`` bytes, tile-major in the image) and then its ``lanes`` requant words
-   (after all tiles in the image) are read from device memory; each tile meets x-buffer
-   entry ``kt`` in the matrix unit.
+   (``lanes·kpad`` bytes, tile-major in the image) and then its requant record (after all
+   tiles in the image: its ``lanes`` requant words, with ``BIAS`` then its ``lanes`` int32
+   biases, :func:`~dfvg_hw.spec.image.requant_record_bytes`) are read from device memory;
+   each tile meets x-buffer entry ``kt`` in the matrix unit, which adds the biases (0
+   without ``BIAS``) before it requantises.
 3. **Write-back.** Each output row of a group goes to VMEM (INT8: int8, RESADD: int32,
-   the residual read from the same place first) or, in LOGITS mode, to the logit buffer.
+   the residual read from the same place first, INT32: int32) or, in LOGITS mode, to the
+   logit buffer.
 
 **Checks**, all before the first pass and in the functional model's order, so a refused
 MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), the weight block past
-device memory (``BAD_ADDRESS``), the source span outside VMEM (``BAD_ADDRESS``), LOGITS
+device memory (``BAD_ADDRESS``; its records' biases too with ``BIAS``), the source span
+outside VMEM (``BAD_ADDRESS``), LOGITS
 with ``n > vocab_max`` (``PROGRAM``), the destination span outside VMEM
 (``BAD_ADDRESS``). A MATMUL with ``n = 0`` writes nothing (LOGITS: an empty vector); with
 ``k = 0`` every accumulator is 0 (no tile is read: each group gets one zero tile).
@@ -24,7 +28,7 @@ Whether a LOGITS may have several rows (a tree forward's ``W``, else 1; isa.md �
 controller's check, made before it hands the job over.
 
 **Tree forwards** (isa.md §9.2). With ``pitch ≠ 0`` and ``rows ≥ 2``, row ``r`` of the
-source, of the INT8 result and of the RESADD residual lies at ``line + r·pitch`` instead
+source, of the INT8 or INT32 result and of the RESADD residual lies at ``line + r·pitch`` instead
 of the operand's own line-rounded stride, and the VMEM checks take the operand to end
 with its last row there. The write-back and the residual reads only change their row
 stride. VMEM's span reader walks one run of lines, so source rows whose pitch is not
@@ -44,18 +48,20 @@ group, and passes follow each other, so each row's tiles arrive in group order.
   the image aligns blocks to 16 bytes, not to a 256-bit beat. Each read asks for the
   aligned run around its bytes and :class:`BeatAligner` shifts the beats back (one more
   beat per read when the address is not aligned; none when it is).
-* *Requant words* ``4N`` bytes per group: whole beats, or, when ``4N`` is less than a
-  beat, part of one (the aligner puts them at byte 0). When ``4N`` is less than a beat
-  (and divides it), the block is bus-aligned (the compiler aligns blocks to beats) and
-  ``k > 0``, the words of ``G = B/4N`` groups share a beat: group ``g``'s words are read
-  only for ``g`` a multiple of ``G``, as one aligned beat of ``min(G, groups − g)·4N``
-  bytes after its tiles, and kept in a beat-wide register that serves the next ``G − 1``
-  groups (a group's words are shown to the matrix unit as soon as the previous group's
-  are used). At the Alveo U55C preset (``4N`` = 256 B, 2 KiB beats) that is one requant
-  beat per 8 groups instead of one per group, and no per-group BeatAligner flush (a
+* *Requant records* ``R = 4N`` bytes per group (``8N`` with ``BIAS``: the words, then
+  the biases): whole beats, or, when ``R`` is less than a beat, part of one (the aligner
+  puts them at byte 0). When ``R`` is less than a beat (and divides it), the block is
+  bus-aligned (the compiler aligns blocks to beats) and ``k > 0``, the records of
+  ``G = B/R`` groups share a beat (:func:`~dfvg_hw.spec.timing.matmul_records_per_beat`;
+  ``G`` halves with ``BIAS``): group ``g``'s record is read only for ``g`` a multiple of
+  ``G``, as one aligned beat of ``min(G, groups − g)·R`` bytes after its tiles, and kept
+  in a register (``max(8N, B)`` bytes) that serves the next ``G − 1`` groups (a group's
+  record is shown to the matrix unit as soon as the previous group's is used). At the
+  Alveo U55C preset (``4N`` = 256 B, 2 KiB beats) that is one requant beat per 8 groups
+  (4 with ``BIAS``) instead of one per group, and no per-group BeatAligner flush (a
   group's words at ``256·g`` bytes were off the beat for 7 groups in 8).
 * *Write-back*: a group's result row is ``N`` bytes (INT8) or ``4N`` (RESADD: the int32
-  residual). Up to a line it is one masked write inside a line; beyond, it starts a line
+  residual; INT32). Up to a line it is one masked write inside a line; beyond, it starts a line
   and takes ``W = N·eb/16`` line writes, one per cycle, the lanes past ``n`` masked off.
   A RESADD residual row likewise takes ``R = max(1, 4N/16)`` line reads (one per cycle,
   one more cycle to start each row). LOGITS rows go to the logit buffer as one ``N``-lane tile.
@@ -63,9 +69,11 @@ group, and passes follow each other, so each row's tiles arrive in group order.
 **Timing.** At ``tiny`` (every result row inside one line, requant words one beat,
 blocks bus-aligned) the sequencer takes exactly the cycles of the one-line sequencer
 before it (tests/rtl/test_matmul_sequencer.py pins them). Wider rows cost more at the
-output: a group row holds the write-back for ``W = max(1, N/16)`` cycles in INT8 and
+output: a group row holds the write-back for ``W = max(1, N/16)`` cycles in INT8,
 ``R + 1`` in RESADD (``R = max(1, 4N/16)`` residual lines read, the same ``R`` lines
-written; a group's first residual is read in advance), 1 in LOGITS. Against one line per
+written; a group's first residual is read in advance), ``R`` in INT32 (no residual), 1 in
+LOGITS. ``BIAS`` costs only its record bytes (the matrix unit adds the bias in the cycle
+a row enters the requantisers). Against one line per
 row, each pass's last group adds ``rows_pass · (W − 1)`` cycles (INT8) or
 ``rows_pass · (R − 1)`` (RESADD) to the pass's tail, ``rows_pass`` being the pass's output
 rows (a wide row counts once). Earlier groups' write-backs overlap the next group's
@@ -244,14 +252,14 @@ class MatmulSequencer(wiring.Component):
     Members
     -------
     job : In(stream.Signature(OpJob()))
-        The MATMUL: ``addr`` (weight block), ``flags`` (its ``mode`` and ``wide`` sub-fields,
-        ``WIDE``), ``rows``, ``dst``, ``src``, ``n``, ``k`` and ``pitch`` (rows ``pitch``
+        The MATMUL: ``addr`` (weight block), ``flags`` (its ``mode``, ``wide`` and ``bias``
+        sub-fields: ``WIDE``, ``BIAS``), ``rows``, ``dst``, ``src``, ``n``, ``k`` and ``pitch`` (rows ``pitch``
         lines apart when not 0 and ``rows ≥ 2``; 0: each operand's own stride).
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
         :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
-    read_cmd, read_data : the memory port's read side (weight tiles, requant words)
+    read_cmd, read_data : the memory port's read side (weight tiles, requant records)
     vmem_rd_cmd, vmem_rd : VMEM's span reader (the x rows, one span per pass)
     vmem_wr_cmd, vmem_wr, vmem_wr_done : unused (results go through the poke port)
     vmem_error : In(1)
