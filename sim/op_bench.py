@@ -310,14 +310,15 @@ def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
 
 def compare_with_reference(config: EngineConfig, sequencer, vmem: np.ndarray,
                            memory: DeviceMemory, jobs: list[dict], *,
-                           data_width: int = 128) -> list[int]:
+                           data_width: int = 128, cycles: list | None = None) -> list[int]:
     """Run ``jobs`` on ``sequencer`` (:func:`run_jobs`) and on the functional model
     (:func:`reference_jobs`) from the same VMEM and device memory; assert both give the
     same error codes, the same VMEM and (a sequencer with a logit port) the same logit
-    vectors, and return the error codes."""
+    vectors, and return the error codes. ``cycles``, if given, receives each job's cycles
+    on the sequencer (as :func:`run_jobs` counts them)."""
     got_logits, want_logits = [], []
     after, errors = run_jobs(config, sequencer, vmem, memory, jobs, data_width=data_width,
-                             logits=got_logits)
+                             logits=got_logits, cycles=cycles)
     expected, expected_errors = reference_jobs(config, vmem, memory, jobs, logits=want_logits)
     assert errors == expected_errors
     np.testing.assert_array_equal(after, expected)

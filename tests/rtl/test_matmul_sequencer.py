@@ -14,8 +14,14 @@ reserved bits are random, so nothing may depend on them.
 Tree forwards (docs/isa.md §9.2): jobs with a row ``pitch`` (rows of the source, of the
 INT8 result and of the RESADD residual ``pitch`` lines apart) and LOGITS of several rows
 (every row's logits, tiles tagged with their row), against the functional model's tree
-forward (``functional_reference`` with ``pitch`` and ``tree``; the logit buffer is
-``logit_rows``) and the cycle model's pitch.
+forward (a job's ``tree`` entry; the logit buffer is ``logit_rows``) and the cycle
+model's pitch.
+
+BIAS (issue #17): random jobs of all four modes (INT32 too) over blocks whose requant
+records hold int32 biases, at tiny (a record two beats), 16 lanes (eight beats) and on a
+512-bit bus (two records a beat, batched), on and off the bus alignment; accumulators
+and biases at their extremes, so that every mode saturates; a block whose biases end past
+device memory; a timing corner where the batched record reads decide the count.
 """
 
 from __future__ import annotations
@@ -24,23 +30,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.spec.descriptors import ErrorCode
-from dfvg_hw.spec.image import padded, tile_weights
+from dfvg_hw.spec.image import pack_requant_records, padded, requant_record_bytes, tile_weights
 from dfvg_hw.spec.isa import Flag, Instruction, MatmulMode, Op
 from dfvg_hw.matmul_sequencer import MatmulSequencer
 from sim.cycle_model import CycleModel, TreeTiming
-from sim.functional import FunctionalEngine
 from sim.memory import DeviceMemory
-from sim.op_bench import functional_reference, run_jobs
+from sim.op_bench import compare_with_reference, run_jobs
 from sim.tree_state import TreeState
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
 
 TINY = get_preset("tiny")
 L = VMEM_LINE_BYTES
-INT8, RESADD, LOGITS = MatmulMode.INT8, MatmulMode.RESADD, MatmulMode.LOGITS
+INT8, RESADD, LOGITS, INT32 = MatmulMode.INT8, MatmulMode.RESADD, MatmulMode.LOGITS, MatmulMode.INT32
 
 #: Cycles of a unit instruction that the controller spends around its sequencer and the op
 #: bench does not see (controller.py's per-unit counters): FETCH + DECODE (2), the job
@@ -52,8 +58,8 @@ CONTROLLER_CYCLES = 2 + 1 + 1
 SHAPES = ((40, 40), (7, 5), (64, 24), (33, 17), (4, 8), (96, 3), (1, 70))
 
 
-def _mm(mode, rows, n, k, src, dst, addr, wide=False, pitch=0) -> dict:
-    flags = (int(mode) << 1) | (Flag.WIDE if wide else 0)
+def _mm(mode, rows, n, k, src, dst, addr, wide=False, pitch=0, bias=False) -> dict:
+    flags = (int(mode) << 1) | (Flag.WIDE if wide else 0) | (Flag.BIAS if bias else 0)
     return dict(opcode=Op.MATMUL, flags=flags, rows=rows, n=n, k=k, src=src, dst=dst, addr=addr,
                 pitch=pitch)
 
@@ -64,30 +70,45 @@ def _in_tree(job: dict) -> bool:
     return bool(job["pitch"]) or ((job["flags"] >> 1) & 3 == LOGITS and job["rows"] > 1)
 
 
-def _write_block(rng, memory: DeviceMemory, config, addr: int, n: int, k: int) -> int:
+def _random_biases(rng, count: int) -> np.ndarray:
+    """int32 biases of a random magnitude each (a 1-bit one to a full-range one), one in
+    eight an edge: ±(2^31 − 1), −2^31 or 0."""
+    biases = rng.integers(-(1 << 31), 1 << 31, count) >> rng.integers(0, 32, count)
+    edges = rng.choice(np.array([(1 << 31) - 1, -(1 << 31) + 1, -(1 << 31), 0]), count)
+    return np.where(rng.random(count) < 1 / 8, edges, biases)
+
+
+def _write_block(rng, memory: DeviceMemory, config, addr: int, n: int, k: int,
+                 bias: bool = False) -> int:
     """A weight block for ``n × k`` at ``addr`` with random weights, random bytes in the
     tile padding, and requant words with random ``mult``, a ``shift`` from 10 to 36 (some
-    outputs saturate, some do not) and random reserved bits; returns its size."""
+    outputs saturate, some do not) and random reserved bits; with ``bias``, each group's
+    record also holds random biases (:func:`_random_biases`, the padding channels' too).
+    Returns its size."""
     lanes, reduce = config.lanes, config.reduce
     npad, kpad = padded(n, lanes), padded(k, reduce)
     tiles = tile_weights(rng.integers(-128, 128, (n, k)).astype(np.int8), lanes, reduce)
     real = tile_weights(np.ones((n, k), np.int8), lanes, reduce) != 0
     tiles = np.where(real, tiles, rng.integers(-128, 128, tiles.size).astype(np.int8))
-    words = (rng.integers(0, 1 << 16, npad) | (rng.integers(10, 37, npad) << 16)
-             | (rng.integers(0, 1 << 10, npad) << 22)).astype("<u4")
-    memory.write(addr, tiles.tobytes() + words.tobytes())
-    return npad * kpad + 4 * npad
+    mult, shift = rng.integers(0, 1 << 16, npad), rng.integers(10, 37, npad)
+    # the reserved bits 22–31 above the 6-bit shift (pack_qparams shifts it into place)
+    shift |= rng.integers(0, 1 << 10, npad) << 6
+    records = pack_requant_records(mult, shift, _random_biases(rng, npad) if bias else None,
+                                   npad, lanes)
+    memory.write(addr, tiles.tobytes() + records)
+    return npad * kpad + len(records)
 
 
-def _blocks(rng, config, shapes=SHAPES, misalign=(0,)):
-    """Device memory with one block per shape, block ``i`` ``misalign[i % len(misalign)]``
-    bytes past a 64-byte boundary; returns the memory and ``{(n, k): addr}``."""
+def _blocks(rng, config, shapes=SHAPES, misalign=(0,), bias=False):
+    """Device memory with one block per shape (each with biases if ``bias``), block ``i``
+    ``misalign[i % len(misalign)]`` bytes past a 64-byte boundary; returns the memory and
+    ``{(n, k): addr}``."""
     memory = DeviceMemory(config.mem_bytes)
     addrs, addr = {}, 0x1000
     for i, (n, k) in enumerate(shapes):
         at = addr + misalign[i % len(misalign)]
         addrs[(n, k)] = at
-        addr = padded(at + _write_block(rng, memory, config, at, n, k), 64)
+        addr = padded(at + _write_block(rng, memory, config, at, n, k, bias), 64)
     return memory, addrs
 
 
@@ -95,11 +116,12 @@ def _lines(nbytes: int) -> int:
     return -(-nbytes // L)
 
 
-def _random_job(rng, config, addrs) -> dict:
-    """A random MATMUL over one of the blocks: any mode, wide or not, 1 … rows rows
-    (LOGITS: 1), source and destination apart, somewhere in VMEM."""
+def _random_job(rng, config, addrs, bias=False) -> dict:
+    """A random MATMUL over one of the blocks (with ``BIAS`` if ``bias``: the blocks'
+    records hold biases): any mode, wide or not, 1 … rows rows (LOGITS: 1), source and
+    destination apart, somewhere in VMEM."""
     (n, k), addr = list(addrs.items())[int(rng.integers(len(addrs)))]
-    mode = MatmulMode(int(rng.integers(3)))
+    mode = MatmulMode(int(rng.integers(4)))
     wide = bool(rng.integers(2))
     rows = 1 if mode == LOGITS else int(rng.integers(1, config.rows + 1))
     lines = config.vmem_bytes // L
@@ -109,7 +131,7 @@ def _random_job(rng, config, addrs) -> dict:
         src = int(rng.integers(0, lines - src_lines + 1))
         dst = int(rng.integers(0, lines - dst_lines + 1))
         if dst + dst_lines <= src or src + src_lines <= dst:
-            return _mm(mode, rows, n, k, src, dst, addr, wide)
+            return _mm(mode, rows, n, k, src, dst, addr, wide, bias=bias)
 
 
 def model_cycles(config, data_width: int, job: dict) -> int:
@@ -128,39 +150,20 @@ def model_cycles(config, data_width: int, job: dict) -> int:
 _INSTRUCTION_FIELDS = ("flags", "rows", "dst", "src", "n", "k", "addr")
 
 
-def _reference(config, vmem, memory, jobs):
-    """The functional model's VMEM after ``jobs``, each job's ErrorCode and the logit
-    buffer (``logit_rows``, rows × n) of each LOGITS job that completes. A job in a tree
-    forward (:func:`_in_tree`) runs as one at level 1 of a tree as wide as its rows."""
-    engine = FunctionalEngine(config, memory)
-    engine.vmem[:] = vmem
-    errors, logits = [], []
-    for job in jobs:
-        ins = Instruction(Op.MATMUL, **{name: job[name] for name in _INSTRUCTION_FIELDS})
-        tree = TreeState(job["rows"], 0, level=1) if _in_tree(job) else None
-        engine.logit_rows = None
-        errors.append(functional_reference(engine, ins, pitch=job["pitch"], tree=tree))
-        if engine.logit_rows is not None:
-            logits.append(np.asarray(engine.logit_rows, np.int16))
-    return engine.vmem, errors, logits
-
-
-def _check(rng, config, jobs, memory, data_width=128):
-    """Run ``jobs`` on the sequencer and on the functional model from the same random
-    VMEM: the same error codes, VMEM and logit buffers (every row); and each job that
-    completes takes the cycle model's cycles. Returns the error codes."""
-    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
-    jobs = [{"pitch": 0} | job for job in jobs]
-    got_logits, cycles = [], []
-    after, errors = run_jobs(config, MatmulSequencer(config, data_width), vmem, memory, jobs,
-                             data_width=data_width, logits=got_logits, cycles=cycles)
-    expected, expected_errors, want_logits = _reference(config, vmem, memory, jobs)
-    assert errors == expected_errors
-    np.testing.assert_array_equal(after, expected)
-    assert len(got_logits) == len(want_logits)
-    for got, want in zip(got_logits, want_logits):
-        assert got is not None, "a logit row cut short"      # op_bench's sink completes every row
-        np.testing.assert_array_equal(np.reshape(got, want.shape), want)
+def _check(rng, config, jobs, memory, data_width=128, vmem=None):
+    """Run ``jobs`` on the sequencer and on the functional model from the same VMEM
+    (random unless given): the same error codes, VMEM and logit buffers (every row;
+    :func:`~sim.op_bench.compare_with_reference`, a job in a tree forward, :func:`_in_tree`,
+    at level 1 of a tree as wide as its rows); and each job that completes takes the cycle
+    model's cycles. Returns the error codes."""
+    if vmem is None:
+        vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    jobs = [{"pitch": 0, "opcode": Op.MATMUL} | job for job in jobs]
+    jobs = [job | {"tree": TreeState(job["rows"], 0, level=1)} if _in_tree(job) else job
+            for job in jobs]
+    cycles = []
+    errors = compare_with_reference(config, MatmulSequencer(config, data_width), vmem, memory,
+                                    jobs, data_width=data_width, cycles=cycles)
     # (the model costs instructions that complete; a refused one stops after RANGE)
     assert len(cycles) == len(jobs)
     timed = [(job, got) for job, got, error in zip(jobs, cycles, errors) if error == ErrorCode.OK]
@@ -168,20 +171,24 @@ def _check(rng, config, jobs, memory, data_width=128):
     return errors
 
 
-def _check_random(seed, config, data_width=128, count=16, misalign=(0,)):
-    """``count`` random jobs plus one wide job of every mode with all rows (a RESADD and
-    an INT8 of more rows than a pass holds), all OK."""
+def _check_random(seed, config, data_width=128, count=16, misalign=(0,), bias=False):
+    """``count`` random jobs plus one wide job of every mode with all rows (a RESADD, an
+    INT32 and an INT8 of more rows than a pass holds), all OK; every job with ``BIAS`` if
+    ``bias``. Returns the jobs."""
     rng = np.random.default_rng(seed)
-    memory, addrs = _blocks(rng, config, misalign=misalign)
-    jobs = [_random_job(rng, config, addrs) for _ in range(count)]
+    memory, addrs = _blocks(rng, config, misalign=misalign, bias=bias)
+    jobs = [_random_job(rng, config, addrs, bias) for _ in range(count)]
     a = addrs[(33, 17)]
-    jobs += [_mm(RESADD, config.rows, 33, 17, 0, 100, a, wide=True),
-             _mm(INT8, config.rows, 33, 17, 0, 100, a, wide=True),
-             _mm(LOGITS, 1, 33, 17, 20, 0, a, wide=True)]
+    jobs += [_mm(RESADD, config.rows, 33, 17, 0, 100, a, wide=True, bias=bias),
+             _mm(INT8, config.rows, 33, 17, 0, 100, a, wide=True, bias=bias),
+             _mm(LOGITS, 1, 33, 17, 20, 0, a, wide=True, bias=bias)]
+    if bias:
+        jobs.append(_mm(INT32, config.rows, 33, 17, 0, 100, a, wide=True, bias=True))
     errors = _check(rng, config, jobs, memory, data_width)
     assert errors == [ErrorCode.OK] * len(jobs)
     modes = {(j["flags"] >> 1) & 3 for j in jobs}
-    assert modes == {INT8, RESADD, LOGITS}
+    assert modes == {INT8, RESADD, LOGITS, INT32}
+    return jobs
 
 
 # -- tiny: one line per result row ------------------------------------------------------------
@@ -277,6 +284,103 @@ def test_slow_memory():
     _check_random(10, config, data_width=256, count=8, misalign=(0, 3, 17))
 
 
+# -- BIAS: a group's record is its requant words, then its int32 biases -------------------------
+
+def _output_values(job) -> int:
+    """The output channels × rows a job computes (a wide row counts once)."""
+    return job["n"] * job["rows"]
+
+
+def test_bias_tiny():
+    """BIAS jobs of all four modes, narrow and wide, at tiny (a group's record is two
+    beats: words, then biases), blocks on and off the bus alignment: at least 1000 output
+    values against the functional model, every job in the cycle model's cycles."""
+    jobs = _check_random(31, TINY, count=22, misalign=(0, 3, 8, 13), bias=True)
+    assert {((j["flags"] >> 1) & 3, bool(j["flags"] & Flag.WIDE)) for j in jobs} == \
+        {(mode, wide) for mode in MatmulMode for wide in (False, True)}
+    assert sum(map(_output_values, jobs)) >= 1000
+
+
+def test_bias_batched_records():
+    """512-bit bus at 4 lanes: a beat holds two BIAS records (four without BIAS), read once
+    per two groups on a beat-aligned block and per group off it (16 bytes off: a record
+    across two beats)."""
+    config = TINY.with_changes(reduce=16)
+    assert tm.matmul_records_per_beat(64, config.lanes, True) == 2
+    _check_random(32, config, data_width=512, count=10, misalign=(0, 0, 16), bias=True)
+
+
+def test_bias_16_lanes():
+    """16 lanes: a BIAS record is eight beats (four of words, four of biases) and int32
+    rows are four lines."""
+    _check_random(33, TINY.with_changes(lanes=16), count=6, misalign=(0, 5), bias=True)
+
+
+def test_bias_extremes():
+    """Accumulators at the ends of their range (all weights and inputs extreme) with
+    biases ±(2^31 − 1), −2^31 and 0 and requant parameters from saturating (mult 65535,
+    shift 0) to exact (shift 32): INT8, LOGITS, RESADD and INT32 each saturate at both
+    ends, and an accumulator plus a bias beyond int32 is not wrapped (mult 1, shift 1)."""
+    config = TINY
+    n, k = 64, 64
+    c = np.arange(n)
+    # channel c: bias c % 4, weight sign (c // 4) % 2, requant parameters c // 8
+    biases = np.array([(1 << 31) - 1, -(1 << 31), -(1 << 31) + 1, 0])[c % 4]
+    sign = np.where((c // 4) % 2, -1, 1)
+    weights = np.where(sign > 0, 127, -128)[:, None] * np.ones((n, k), np.int64)
+    params = np.array([(65535, 0), (1, 1), (65535, 32), (1, 0), (40000, 24), (1, 16), (3, 2),
+                       (65535, 40)])[c // 8]
+    mult, shift = params[:, 0], params[:, 1]
+    memory = DeviceMemory(config.mem_bytes)
+    memory.write(0x1000, tile_weights(weights.astype(np.int8), config.lanes, config.reduce).tobytes()
+                 + pack_requant_records(mult, shift, biases, n, config.lanes))
+    # VMEM lines 0–63 all 0x7F (int8 127, int16 32639, int32 0x7F7F7F7F), 64–127 all 0x80
+    vmem = np.zeros(config.vmem_bytes, np.uint8)
+    vmem[:64 * L], vmem[64 * L:128 * L] = 0x7F, 0x80
+    jobs = [_mm(mode, 1 if mode == LOGITS else config.rows // (2 if wide else 1), n, k,
+                src, src + 20 if mode == RESADD else 130, 0x1000, wide, bias=True)
+            for mode in MatmulMode for wide in (False, True) for src in (0, 64)]
+    jobs.append(_mm(INT32, 2, 16, k, 0, 150, 0x1000))       # without BIAS: the words alone
+    rng = np.random.default_rng(34)
+    assert _check(rng, config, jobs, memory, vmem=vmem) == [ErrorCode.OK] * len(jobs)
+    # the inputs do reach every saturation (what the functional model, now the RTL, gives)
+    outputs = {mode: [] for mode in MatmulMode}
+    for x, residual in ((127, 0x7F7F7F7F), (-128, -0x7F7F7F80), (32639, 0x7F7F7F7F),
+                        (-32640, -0x7F7F7F80)):
+        acc = nx.add_bias(x * weights.sum(axis=1), biases)
+        outputs[INT8] += list(nx.requant(acc, mult, shift, nx.ACT_BITS))
+        outputs[LOGITS] += list(nx.requant(acc, mult, shift, nx.LOGIT_BITS))
+        outputs[INT32] += list(nx.requant(acc, mult, shift, nx.RES_BITS))
+        outputs[RESADD] += list(nx.residual_add(residual, acc, mult, shift))
+        assert (np.abs(acc) >= 1 << 31).any()               # beyond int32: must not wrap
+    for mode, bits in ((INT8, 8), (LOGITS, 16), (RESADD, 32), (INT32, 32)):
+        assert min(outputs[mode]) == -(1 << (bits - 1)), mode
+        assert max(outputs[mode]) == (1 << (bits - 1)) - 1, mode
+
+
+def test_bias_records_past_memory():
+    """A BIAS block is checked with its records (8 bytes a channel): one that ends with
+    device memory runs, one whose biases end a byte past it is refused (BAD_ADDRESS) before
+    anything moves, as the functional model does; a block that ends with memory without
+    BIAS is past it with BIAS."""
+    config = TINY
+    rng = np.random.default_rng(35)
+    memory = DeviceMemory(config.mem_bytes)
+    n = k = 8
+    size = n * k + n * requant_record_bytes(config.lanes, True) // config.lanes
+    at_end = config.mem_bytes - size
+    _write_block(rng, memory, config, at_end, n, k, bias=True)
+    plain_end = config.mem_bytes - (n * k + 4 * n)
+    jobs = [_mm(INT32, 1, n, k, 0, 40, at_end, bias=True),          # ends with memory: OK
+            _mm(RESADD, 1, n, k, 0, 40, at_end + 1, bias=True),     # a byte past: BAD_ADDRESS
+            _mm(INT8, 1, n, k, 0, 40, plain_end),                    # no BIAS, ends with memory
+            _mm(LOGITS, 1, n, k, 0, 0, plain_end, bias=True),        # the same block with BIAS
+            _mm(INT8, 2, n, k, 0, 40, at_end, wide=True, bias=True)]
+    errors = _check(rng, config, jobs, memory)
+    assert errors == [ErrorCode.OK, ErrorCode.BAD_ADDRESS, ErrorCode.OK, ErrorCode.BAD_ADDRESS,
+                      ErrorCode.OK]
+
+
 # -- timing corners: each term of the cycle model decides some job's count -------------------
 
 #: Geometry (config, bus width) and jobs ``(mode, rows, n, k, weight address, wide)`` where a
@@ -292,6 +396,8 @@ def test_slow_memory():
 #: one beat holds four groups' requant words, read once per four groups on a beat-aligned
 #: block (full and partial batches, one group and 25; RESADD of two rows, so a batch's
 #: later groups wait for the word register), and per group when the block is off the beat.
+#: ``fractional-bias``: the same with ``BIAS`` (a job's seventh entry): a beat holds two
+#: records, so one read per two groups.
 CORNERS = {
     "far": (TINY.with_changes(mem_latency_ns=1000.0), 128, [
         (LOGITS, 1, 100, 40, 0x1f73, True), (RESADD, 2, 64, 70, 0x1fb6, False),
@@ -310,6 +416,11 @@ CORNERS = {
         (INT8, 1, 40, 40, 0x1000, False), (LOGITS, 1, 100, 8, 0x1400, False),
         (RESADD, 2, 33, 17, 0x1000, False), (INT8, 2, 40, 5, 0x1000, True),
         (INT8, 1, 3, 8, 0x1000, False), (RESADD, 1, 40, 40, 0x1010, False)]),
+    "fractional-bias": (TINY.with_changes(reduce=16, mem_latency_ns=300.0, mem_bandwidth_gbps=4.4),
+                        512, [
+        (INT8, 1, 100, 8, 0x1000, False, True), (RESADD, 2, 33, 17, 0x1000, False, True),
+        (INT32, 2, 40, 40, 0x1000, True, True), (LOGITS, 1, 3, 8, 0x1000, False, True),
+        (INT32, 1, 40, 40, 0x1010, False, True)]),
 }
 
 
@@ -321,7 +432,8 @@ def test_timing_corners(name):
     rng = np.random.default_rng(11)
     memory = DeviceMemory(config.mem_bytes)
     memory.write(0x1000, rng.integers(0, 256, 0x3000, dtype=np.uint8).tobytes())
-    jobs = [_mm(mode, rows, n, k, 0, 128, addr, wide) for mode, rows, n, k, addr, wide in shapes]
+    jobs = [_mm(mode, rows, n, k, 0, 128, addr, wide, bias=bool(bias))
+            for mode, rows, n, k, addr, wide, *bias in shapes]
     assert _check(rng, config, jobs, memory, data_width) == [ErrorCode.OK] * len(jobs)
 
 

@@ -1,9 +1,10 @@
 """Matrix unit RTL against numerics.requant / residual_add on random matmuls, bit for bit.
 
 Every test streams whole MATMUL instructions the way the engine does: the weight bursts
-come from ``image.tile_weights`` and the requant words from ``image.pack_qparams``, so the
-tile layout is checked along with the arithmetic. The reference is ``x @ W.T`` in int64
-followed by the functional model's numerics.
+come from ``image.tile_weights`` and the requant words and biases from
+``image.pack_requant_records``, so the layouts are checked along with the arithmetic. The
+reference is ``x @ W.T`` in int64, the bias added (``numerics.add_bias``, half the MATMULs
+have one), followed by the functional model's numerics in each of the four modes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import get_preset
-from dfvg_hw.spec.image import pack_qparams, padded, tile_weights
+from dfvg_hw.spec.image import pack_requant_records, padded, tile_weights
 from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.matrix import MatrixUnit
 from dfvg_hw.requant import Requantizer
@@ -33,7 +34,7 @@ CONFIGS = {
 class Matmul:
     """One MATMUL: operands, the streams the unit sees, and the expected output rows."""
 
-    def __init__(self, rng, cfg, *, n, k, rows, mode, wide=False, extreme=False):
+    def __init__(self, rng, cfg, *, n, k, rows, mode, wide=False, extreme=False, bias=False):
         M, N, K = cfg.rows, cfg.lanes, cfg.reduce
         self.mode, self.rows = mode, rows
         self.n_values = rows * n           # real (unpadded) outputs checked
@@ -49,13 +50,21 @@ class Matmul:
         np_, kp = padded(n, N), padded(k, K)
         mult = rng.integers(0, 1 << 16, n)
         # shifts around the useful range, plus arbitrary ones (0 … 63)
-        out_bits = 8 if mode == MatmulMode.INT8 else 16
+        out_bits = {MatmulMode.INT8: 8, MatmulMode.INT32: 32}.get(mode, 16)
         typical = int(np.log2(K * (k // K + 1) * 4096)) + 16 - (out_bits + 1) + (8 if wide else 0)
         shift = np.where(rng.random(n) < 0.8, np.clip(typical + rng.integers(-4, 5, n), 0, 63),
                          rng.integers(0, 64, n))
         if extreme:
             shift = rng.choice(np.array([0, 1, 63]), n)
-        words = pack_qparams(mult, shift, np_).astype(np.int64)
+        # int32 biases of a random magnitude each, or (extreme) the int32 edges and 0
+        biases = np.zeros(np_, np.int64)
+        if bias:
+            biases[:n] = rng.integers(-(1 << 31), 1 << 31, n) >> rng.integers(0, 32, n)
+            if extreme:
+                biases[:n] = rng.choice(np.array([(1 << 31) - 1, -(1 << 31), 0]), n)
+        records = np.frombuffer(pack_requant_records(mult, shift, biases, np_, N), "<u4")
+        records = records.reshape(np_ // N, 2, N).astype(np.int64)
+        words = records[:, 0].reshape(-1)
         words |= rng.integers(0, 1 << 10, np_) << 22           # bits 22-31 are ignored
         tiles = tile_weights(W.astype(np.int8), N, K).reshape(np_ // N, kp // K, N, K)
         xp = np.zeros((x_rows, kp), np.int64)
@@ -73,12 +82,13 @@ class Matmul:
                                    digits[:, kt * K:(kt + 1) * K].tolist()))
         self.qbeats = [{"words": [{"mult": int(wd) & 0xFFFF, "shift": (int(wd) >> 16) & 0x3F,
                                    "reserved": int(wd) >> 22} for wd in words[nt * N:(nt + 1) * N]],
+                        "bias": records[nt, 1].astype(np.uint32).view(np.int32).tolist(),
                         "mode": int(mode), "wide": int(wide),
                         "rows": rows if rows < x_rows or rng.random() < 0.5 else 0}
                        for nt in range(np_ // N)]
         Wp = np.zeros((np_, kp), np.int64)
         Wp[:n, :k] = W
-        acc = xp @ Wp.T                                          # [M, Np], exact in int64
+        acc = nx.add_bias(xp @ Wp.T, biases)                     # [M, Np], exact in int64
         mult_p, shift_p = words & 0xFFFF, (words >> 16) & 0x3F
         # int32 residuals of a random bit width per row (a massive channel among small ones)
         bits = rng.integers(1, 33, (x_rows, 1))
@@ -90,6 +100,8 @@ class Matmul:
             ref = nx.requant(acc, mult_p, shift_p, nx.ACT_BITS)
         elif mode == MatmulMode.RESADD:
             ref = nx.residual_add(self.res, acc, mult_p, shift_p)
+        elif mode == MatmulMode.INT32:
+            ref = nx.requant(acc, mult_p, shift_p, nx.RES_BITS)
         else:
             ref = nx.requant(acc, mult_p, shift_p, nx.LOGIT_BITS)
         self.expected = []               # (row, last, lanes) per output beat, in order
@@ -152,7 +164,8 @@ def random_matmuls(rng, cfg, count, *, min_values=0, **kw):
         wide = bool(rng.random() < 0.4)
         out.append(Matmul(rng, cfg, n=int(rng.integers(1, 2 * N + 1)), k=int(rng.integers(1, 3 * K + 1)),
                           rows=int(rng.integers(1, (M // 2 if wide else M) + 1)), wide=wide,
-                          mode=MatmulMode(int(rng.integers(0, 3))), **kw))
+                          mode=MatmulMode(int(rng.integers(0, 4))), bias=bool(rng.random() < 0.5),
+                          **kw))
     return out
 
 
@@ -175,8 +188,9 @@ def test_random_matmuls(name):
 
 @pytest.mark.parametrize("name", ["tiny", "m3n2k4"])
 def test_saturation_extremes(name):
-    """Products of ±128/127 (and of ±32768/32767 in wide groups) and shifts 0, 1, 63:
-    saturation at both ends of int8 / int16 / int32 (the residual add), in every mode."""
+    """Products of ±128/127 (and of ±32768/32767 in wide groups), biases ±2^31 and 0
+    and shifts 0, 1, 63: saturation at both ends of int8 / int16 / int32 (the residual add,
+    INT32), in every mode."""
     cfg, pack = CONFIGS[name]
     rng = np.random.default_rng(7)
     matmuls = random_matmuls(rng, cfg, 24, extreme=True)
