@@ -15,13 +15,20 @@ slots, sometimes one slot past them or any 16-bit value) and the device addresse
 
 * **random**: random 128-bit words mixed with random *legal* instructions of every
   opcode, fields drawn around the engine's limits (most stop at their first unit
-  instruction, which is the point: the legality checks);
+  instruction, which is the point: the legality checks); MATMUL in all four modes, with
+  and without ``BIAS``; RMSNORM of ``k`` ∈ {0, 1, 2, 3} segments, mostly of a multiple of
+  16 elements (else ``PROGRAM`` when ``k ≥ 2``);
 * **forward**: a model-shaped program (EMBED, RMSNORM, the QKV matmul, ROPE, KVAPPEND,
   ATTN, RESADD, ACTMUL in an optional layer loop, then BRANCH NO_SAMPLE over the final
   norm, the LOGITS matmul and SAMPLE, NEXT, HALT) with random shapes and VMEM places that
   fit, over an image with valid parameter blocks, then a few mutations (an instruction
   replaced, dropped, swapped or a field nudged, a random word put in) so that faults
-  also come mid-request, after real work.
+  also come mid-request, after real work. The q/k/v matmuls now and then have biases
+  (Qwen2), and q is now and then an INT32 row normalised per head (RMSNORM of ``k =``
+  heads segments, Qwen3's QK-norm) before ROPE.
+
+``segments=False`` (every generator takes it) keeps RMSNORMs to ``k ≤ 1``, for an engine
+whose RMSNORM has no segments.
 
 :func:`run_case` executes a case on a fresh :class:`~sim.device.SimDevice` the way the host
 driver does (DMA writes, base registers, ``LOAD_PROGRAM``, ``START``); :class:`DeviceRunner`
@@ -46,8 +53,8 @@ from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
 from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_FIELDS, REQUEST_HEADER_WORDS, DraftResult,
                                       ErrorCode,
                                       pack_fields, result_bytes)
-from dfvg_hw.spec.image import (ACT_PARAM_BYTES, NORM_PARAM_BYTES, matmul_bytes,
-                                pack_attn_params, pack_norm_params)
+from dfvg_hw.spec.image import (ACT_PARAM_BYTES, NORM_PARAM_BYTES, pack_attn_params,
+                                pack_norm_params, pack_requant_records, padded)
 from dfvg_hw.spec.isa import (INSTRUCTION_BITS, Cond, Flag, IllegalInstruction, Instruction,
                               MatmulMode, Op, decode, encode, opcode_rules, to_bytes)
 from dfvg_hw.spec.numerics import GAMMA_SHIFT_MAX
@@ -96,8 +103,10 @@ def _pick(rng, small, limit, big_p=0.1):
     return int(rng.integers(0, limit)) if u < 0.15 + big_p else int(rng.integers(0, small))
 
 
-def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> int:
-    """A legal instruction word of a random opcode with random fields near the limits."""
+def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int,
+                       segments: bool = True) -> int:
+    """A legal instruction word of a random opcode with random fields near the limits
+    (RMSNORM: ``k ≤ 1`` unless ``segments``)."""
     op = Op(int(rng.choice([int(o) for o in Op])))
     used, legal_flags, needs_rows = opcode_rules(op)
     lines = c.vmem_bytes // VMEM_LINE_BYTES
@@ -106,10 +115,7 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> i
         if op == Op.BRANCH:
             f["flags"] = int(rng.choice([int(x) for x in Cond]))
         else:
-            flags = int(rng.integers(0, 256)) & legal_flags
-            if op == Op.MATMUL and (flags >> 1) & 3 == 3:
-                flags &= ~int(Flag.MODE0)
-            f["flags"] = flags
+            f["flags"] = int(rng.integers(0, 256)) & legal_flags
     if "rows" in used:
         f["rows"] = 1 if rng.random() < 0.6 else int(rng.integers(1, c.rows + 2)) if rng.random() < 0.9 \
             else int(rng.integers(1, 256))
@@ -123,10 +129,15 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> i
             f["n"] = _pick(rng, 4, 1 << 16, 0.05)
         elif op == Op.SAMPLE:
             f["n"] = _pick(rng, c.vocab_max + 2, 1 << 16)
+        elif op == Op.RMSNORM and rng.random() < 0.7:     # whole VMEM lines: segments allowed
+            f["n"] = VMEM_LINE_BYTES * int(rng.integers(1, 5))
         else:
             f["n"] = _pick(rng, 80, 1 << 16)
     if "k" in used:
-        f["k"] = _pick(rng, 2 * c.head_dim + 2, 1 << 16)
+        if op == Op.RMSNORM:                    # segments (0 and 1: one)
+            f["k"] = int(rng.integers(0, 4 if segments else 2))
+        else:
+            f["k"] = _pick(rng, 2 * c.head_dim + 2, 1 << 16)
     if "addr" in used:
         f["addr"] = _pick(rng, image_len, 1 << 32, 0.1)
         if rng.random() < 0.5:
@@ -136,7 +147,8 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> i
     return encode(Instruction(op, **f))
 
 
-def random_program(rng, c: EngineConfig, image_len: int, max_len: int = 16) -> list[int]:
+def random_program(rng, c: EngineConfig, image_len: int, max_len: int = 16,
+                   segments: bool = True) -> list[int]:
     n = int(rng.integers(1, max_len + 1))
     words = []
     for _ in range(n):
@@ -144,7 +156,7 @@ def random_program(rng, c: EngineConfig, image_len: int, max_len: int = 16) -> l
         if u < 0.1:
             words.append(int.from_bytes(rng.bytes(16), "little") % (1 << INSTRUCTION_BITS))
         else:
-            words.append(random_instruction(rng, c, n, image_len))
+            words.append(random_instruction(rng, c, n, image_len, segments))
     # a SAMPLE often reads the length the last LOGITS matmul wrote (n = 0 included)
     logits_n = None
     for i, w in enumerate(words):
@@ -213,13 +225,13 @@ def _slot_base(rng, c: EngineConfig, need: int) -> int:
     return int(rng.integers(0, 1 << 16))
 
 
-def random_case(rng, c: EngineConfig, forward_p: float = 0.5) -> FuzzCase:
+def random_case(rng, c: EngineConfig, forward_p: float = 0.5, segments: bool = True) -> FuzzCase:
     """A random-words program (see the module docstring) or, with probability
     ``forward_p``, a mutated model-shaped one (:func:`random_forward_case`)."""
     if rng.random() < forward_p:
-        return random_forward_case(rng, c)
+        return random_forward_case(rng, c, segments=segments)
     image = random_image(rng, c)
-    program = random_program(rng, c, len(image))
+    program = random_program(rng, c, len(image), segments=segments)
     request, n_draft = random_request(rng, c)
     return FuzzCase(program, image, request, n_draft)
 
@@ -258,13 +270,17 @@ class _Image:
         self.data += bytes(-len(self.data) % 16)
         return at
 
-    def weights(self, n: int, k: int, c: EngineConfig) -> int:
-        """An ``n × k`` int8 block: random tiles, then requant words with shifts that
-        keep some outputs off the rails."""
-        tiles = matmul_bytes(n, k, c.lanes, c.reduce) - 4 * (-(-n // c.lanes) * c.lanes)
-        words = [int(self.rng.integers(1, 1 << 16)) | int(self.rng.integers(12, 36)) << 16
-                 for _ in range(-(-n // c.lanes) * c.lanes)]
-        return self.put(self.rng.bytes(tiles) + struct.pack(f"<{len(words)}I", *words),
+    def weights(self, n: int, k: int, c: EngineConfig, bias: bool = False) -> int:
+        """An ``n × k`` int8 block: random tiles, then requant records: words with shifts
+        that keep some outputs off the rails and (``bias``) int32 biases of random
+        magnitudes."""
+        npad = padded(n, c.lanes)
+        tiles = npad * padded(k, c.reduce)
+        mult = self.rng.integers(1, 1 << 16, npad)
+        shift = self.rng.integers(12, 36, npad)
+        biases = (self.rng.integers(-(1 << 31), 1 << 31, npad) >> self.rng.integers(0, 32, npad)
+                  if bias else None)
+        return self.put(self.rng.bytes(tiles) + pack_requant_records(mult, shift, biases, npad, c.lanes),
                         misalign=self.rng.random() < 0.1)
 
     def norm(self, n: int) -> int:
@@ -283,14 +299,16 @@ class _Image:
         return self.put(struct.pack("<I", word).ljust(16, b"\0") + self.rng.bytes(ACT_PARAM_BYTES - 16))
 
 
-def _mutate(rng, c: EngineConfig, words: list[int], image_len: int) -> list[int]:
+def _mutate(rng, c: EngineConfig, words: list[int], image_len: int,
+            segments: bool = True) -> list[int]:
     """One random change: an instruction replaced by a random legal one, dropped, two
-    swapped, a random word put in, or one used field nudged (± 1, or an edge value)."""
+    swapped, a random word put in, or one used field nudged (± 1, or an edge value; not
+    RMSNORM's ``k`` unless ``segments``)."""
     words = list(words)
     i = int(rng.integers(0, len(words)))
     u = rng.random()
     if u < 0.2:
-        words[i] = random_instruction(rng, c, len(words), image_len)
+        words[i] = random_instruction(rng, c, len(words), image_len, segments)
     elif u < 0.35 and len(words) > 1:
         del words[i]
     elif u < 0.5:
@@ -307,7 +325,8 @@ def _mutate(rng, c: EngineConfig, words: list[int], image_len: int) -> list[int]
         # watchdog, tens of thousands of instructions; the random kind has cheap loops)
         used = [f for f in ("rows", "dst", "src", "n", "k", "addr")
                 if f in opcode_rules(ins.opcode)[0]
-                and not (f == "n" and ins.opcode in (Op.BRANCH, Op.NEXT))]
+                and not (f == "n" and ins.opcode in (Op.BRANCH, Op.NEXT))
+                and not (f == "k" and ins.opcode == Op.RMSNORM and not segments)]
         if not used:
             return words
         name = used[int(rng.integers(0, len(used)))]
@@ -321,7 +340,8 @@ def _mutate(rng, c: EngineConfig, words: list[int], image_len: int) -> list[int]
     return words
 
 
-def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> FuzzCase:
+def random_forward_case(rng, c: EngineConfig, mutations: int | None = None,
+                        segments: bool = True) -> FuzzCase:
     """A model-shaped program (see the module docstring) on an image that holds its
     blocks, and a request that mostly fits the KV buffer; ``mutations`` changes (0 to 3
     by default: half the cases none)."""
@@ -338,6 +358,10 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     r = 1 if rng.random() < 0.6 else int(rng.integers(1, c.rows + 1))
     wide = lambda: int(Flag.WIDE) if rng.random() < 0.3 else 0      # noqa: E731
     in_loop = layers > 0
+    # Qwen2's q/k/v biases; Qwen3's QK-norm: q as an int32 row, each head normalised on its
+    # own (RMSNORM segments start on VMEM lines: whole-line heads)
+    bias_q, bias_kv = (int(Flag.BIAS) if rng.random() < 0.3 else 0 for _ in range(2))
+    qk_norm = hd % VMEM_LINE_BYTES == 0 and (segments or nh == 1) and rng.random() < 0.4
 
     def lrel():
         return int(Flag.LREL) if in_loop and rng.random() < 0.8 else 0
@@ -349,6 +373,7 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     x = vm.place(r, 4 * h)
     xn = vm.place(r, 2 * h)
     q = vm.place(r, nh * hd)
+    q32 = vm.place(r, 4 * nh * hd) if qk_norm else q
     kv = vm.place(r, 2 * g * hd)
     att = vm.place(1, 2 * nh * hd)
     gu = vm.place(r, 2 * inter)
@@ -356,7 +381,8 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
 
     # the layer's blocks; layers after the first are copies at LSTRIDE (LREL reaches them)
     start = len(img.data)
-    b = dict(norm1=img.norm(h), wq=img.weights(nh * hd, h, c), wkv=img.weights(2 * g * hd, h, c),
+    b = dict(norm1=img.norm(h), wq=img.weights(nh * hd, h, c, bool(bias_q)),
+             wkv=img.weights(2 * g * hd, h, c, bool(bias_kv)), qnorm=img.norm(hd),
              attn=img.attn(g), wo=img.weights(h, nh * hd, c), norm2=img.norm(h),
              wgu=img.weights(2 * inter, h, c), act=img.act(), wd=img.weights(h, inter, c))
     stride = len(img.data) - start
@@ -367,10 +393,13 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     M = lambda mode: int(mode) << 1                                        # noqa: E731
     body = [
         Instruction(Op.RMSNORM, flags=lrel() | w1, rows=r, dst=xn, src=x, n=h, addr=b["norm1"]),
-        Instruction(Op.MATMUL, flags=lrel() | w1 | M(MatmulMode.INT8), rows=r, dst=q, src=xn,
-                    n=nh * hd, k=h, addr=b["wq"]),
-        Instruction(Op.MATMUL, flags=lrel() | w1 | M(MatmulMode.INT8), rows=r, dst=kv, src=xn,
-                    n=2 * g * hd, k=h, addr=b["wkv"]),
+        Instruction(Op.MATMUL, flags=lrel() | w1 | bias_q
+                    | M(MatmulMode.INT32 if qk_norm else MatmulMode.INT8),
+                    rows=r, dst=q32, src=xn, n=nh * hd, k=h, addr=b["wq"]),
+        *([Instruction(Op.RMSNORM, flags=lrel(), rows=r, dst=q, src=q32, n=hd, k=nh,
+                       addr=b["qnorm"])] if qk_norm else []),
+        Instruction(Op.MATMUL, flags=lrel() | w1 | bias_kv | M(MatmulMode.INT8), rows=r, dst=kv,
+                    src=xn, n=2 * g * hd, k=h, addr=b["wkv"]),
         Instruction(Op.ROPE, rows=r, dst=q, src=q, n=nh, k=hd, addr=rope),
         Instruction(Op.ROPE, rows=r, dst=kv, src=kv, n=g, k=hd, addr=rope),
         Instruction(Op.KVAPPEND, rows=1, src=kv, n=g, k=hd),
@@ -402,7 +431,7 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     words = [encode(ins) for ins in prog]
     count = mutations if mutations is not None else int(rng.choice([0, 0, 0, 1, 1, 2, 3]))
     for _ in range(count):
-        words = _mutate(rng, c, words, len(img.data))
+        words = _mutate(rng, c, words, len(img.data), segments)
 
     n_in = int(rng.integers(1, 4))
     n_draft = int(rng.integers(0, 5))

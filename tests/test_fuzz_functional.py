@@ -11,7 +11,7 @@ import pytest
 from dfvg_hw.spec.config import get_preset
 from dfvg_hw.spec.descriptors import DraftRequest, ErrorCode
 from dfvg_hw.spec.image import NORM_PARAM_BYTES, embed_row_stride
-from dfvg_hw.spec.isa import Instruction, MatmulMode, Op, encode
+from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode, encode
 from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Control, Reg
 from sim.cycle_model import BEFORE_FINISH, ISSUE, CycleModel
 from sim.device import SimDevice
@@ -311,3 +311,44 @@ def test_forward_cases_draw_kv_slot_bases_that_fit_and_that_fault():
             outcome = run_case(TINY, case, time_limit_s=30.0)
             ends.setdefault(outcome.error.name, set()).add(base)
     assert len(ends.get("OK", ())) >= 2 and ends.get("PROGRAM")
+
+
+def _unit_instructions(case: FuzzCase) -> list[Instruction]:
+    """The case's program words that decode (the illegal ones are skipped)."""
+    out = []
+    for word in case.program:
+        try:
+            out.append(decode(word))
+        except IllegalInstruction:
+            pass
+    return out
+
+
+def test_cases_draw_bias_int32_and_rmsnorm_segments():
+    """The generators reach issue #17's operations (the random sample above runs them):
+    MATMUL with and without BIAS in each of the four modes, RMSNORM of k = 0 … 3 segments
+    whose n is a multiple of 16 or not, and model-shaped forwards with biased q/k/v and a
+    per-head QK-norm that run to the end; with ``segments=False`` no RMSNORM of k ≥ 2."""
+    from sim.fuzz import random_forward_case
+    rng = np.random.default_rng(17)
+    matmuls, norms, qk_ends = set(), set(), set()
+    for _ in range(300):
+        for ins in _unit_instructions(random_case(rng, TINY, forward_p=0.0)):
+            if ins.opcode == Op.MATMUL:
+                matmuls.add((int(ins.mode), ins.bias))
+            elif ins.opcode == Op.RMSNORM:
+                norms.add((ins.k, ins.n % 16 == 0))
+    assert matmuls == {(mode, bias) for mode in range(4) for bias in (False, True)}
+    assert norms == {(k, whole) for k in range(4) for whole in (False, True)}
+    for _ in range(400):
+        case = random_forward_case(rng, TINY, mutations=0)
+        program = _unit_instructions(case)
+        if any(i.opcode == Op.RMSNORM and i.k > 1 for i in program) and \
+                any(i.opcode == Op.MATMUL and i.bias for i in program):
+            qk_ends.add(run_case(TINY, case, time_limit_s=30.0).error.name)
+            if "OK" in qk_ends:
+                break
+    assert "OK" in qk_ends
+    for _ in range(100):
+        case = random_case(rng, TINY, segments=False)
+        assert not any(i.opcode == Op.RMSNORM and i.k > 1 for i in _unit_instructions(case))
