@@ -27,9 +27,6 @@ slots, sometimes one slot past them or any 16-bit value) and the device addresse
   (Qwen2), and q is now and then an INT32 row normalised per head (RMSNORM of ``k =``
   heads segments, Qwen3's QK-norm) before ROPE.
 
-``segments=False`` (every generator takes it) keeps RMSNORMs to ``k ≤ 1``, for an engine
-whose RMSNORM has no segments.
-
 :func:`run_case` executes a case on a fresh :class:`~sim.device.SimDevice` the way the host
 driver does (DMA writes, base registers, ``LOAD_PROGRAM``, ``START``); :class:`DeviceRunner`
 runs cases one after another on one device (the Verilator one), :func:`compare` holds two
@@ -103,10 +100,8 @@ def _pick(rng, small, limit, big_p=0.1):
     return int(rng.integers(0, limit)) if u < 0.15 + big_p else int(rng.integers(0, small))
 
 
-def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int,
-                       segments: bool = True) -> int:
-    """A legal instruction word of a random opcode with random fields near the limits
-    (RMSNORM: ``k ≤ 1`` unless ``segments``)."""
+def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> int:
+    """A legal instruction word of a random opcode with random fields near the limits."""
     op = Op(int(rng.choice([int(o) for o in Op])))
     used, legal_flags, needs_rows = opcode_rules(op)
     lines = c.vmem_bytes // VMEM_LINE_BYTES
@@ -135,7 +130,7 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int,
             f["n"] = _pick(rng, 80, 1 << 16)
     if "k" in used:
         if op == Op.RMSNORM:                    # segments (0 and 1: one)
-            f["k"] = int(rng.integers(0, 4 if segments else 2))
+            f["k"] = int(rng.integers(0, 4))
         else:
             f["k"] = _pick(rng, 2 * c.head_dim + 2, 1 << 16)
     if "addr" in used:
@@ -147,8 +142,7 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int,
     return encode(Instruction(op, **f))
 
 
-def random_program(rng, c: EngineConfig, image_len: int, max_len: int = 16,
-                   segments: bool = True) -> list[int]:
+def random_program(rng, c: EngineConfig, image_len: int, max_len: int = 16) -> list[int]:
     n = int(rng.integers(1, max_len + 1))
     words = []
     for _ in range(n):
@@ -156,7 +150,7 @@ def random_program(rng, c: EngineConfig, image_len: int, max_len: int = 16,
         if u < 0.1:
             words.append(int.from_bytes(rng.bytes(16), "little") % (1 << INSTRUCTION_BITS))
         else:
-            words.append(random_instruction(rng, c, n, image_len, segments))
+            words.append(random_instruction(rng, c, n, image_len))
     # a SAMPLE often reads the length the last LOGITS matmul wrote (n = 0 included)
     logits_n = None
     for i, w in enumerate(words):
@@ -225,13 +219,13 @@ def _slot_base(rng, c: EngineConfig, need: int) -> int:
     return int(rng.integers(0, 1 << 16))
 
 
-def random_case(rng, c: EngineConfig, forward_p: float = 0.5, segments: bool = True) -> FuzzCase:
+def random_case(rng, c: EngineConfig, forward_p: float = 0.5) -> FuzzCase:
     """A random-words program (see the module docstring) or, with probability
     ``forward_p``, a mutated model-shaped one (:func:`random_forward_case`)."""
     if rng.random() < forward_p:
-        return random_forward_case(rng, c, segments=segments)
+        return random_forward_case(rng, c)
     image = random_image(rng, c)
-    program = random_program(rng, c, len(image), segments=segments)
+    program = random_program(rng, c, len(image))
     request, n_draft = random_request(rng, c)
     return FuzzCase(program, image, request, n_draft)
 
@@ -299,16 +293,14 @@ class _Image:
         return self.put(struct.pack("<I", word).ljust(16, b"\0") + self.rng.bytes(ACT_PARAM_BYTES - 16))
 
 
-def _mutate(rng, c: EngineConfig, words: list[int], image_len: int,
-            segments: bool = True) -> list[int]:
+def _mutate(rng, c: EngineConfig, words: list[int], image_len: int) -> list[int]:
     """One random change: an instruction replaced by a random legal one, dropped, two
-    swapped, a random word put in, or one used field nudged (± 1, or an edge value; not
-    RMSNORM's ``k`` unless ``segments``)."""
+    swapped, a random word put in, or one used field nudged (± 1, or an edge value)."""
     words = list(words)
     i = int(rng.integers(0, len(words)))
     u = rng.random()
     if u < 0.2:
-        words[i] = random_instruction(rng, c, len(words), image_len, segments)
+        words[i] = random_instruction(rng, c, len(words), image_len)
     elif u < 0.35 and len(words) > 1:
         del words[i]
     elif u < 0.5:
@@ -325,8 +317,7 @@ def _mutate(rng, c: EngineConfig, words: list[int], image_len: int,
         # watchdog, tens of thousands of instructions; the random kind has cheap loops)
         used = [f for f in ("rows", "dst", "src", "n", "k", "addr")
                 if f in opcode_rules(ins.opcode)[0]
-                and not (f == "n" and ins.opcode in (Op.BRANCH, Op.NEXT))
-                and not (f == "k" and ins.opcode == Op.RMSNORM and not segments)]
+                and not (f == "n" and ins.opcode in (Op.BRANCH, Op.NEXT))]
         if not used:
             return words
         name = used[int(rng.integers(0, len(used)))]
@@ -340,8 +331,7 @@ def _mutate(rng, c: EngineConfig, words: list[int], image_len: int,
     return words
 
 
-def random_forward_case(rng, c: EngineConfig, mutations: int | None = None,
-                        segments: bool = True) -> FuzzCase:
+def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> FuzzCase:
     """A model-shaped program (see the module docstring) on an image that holds its
     blocks, and a request that mostly fits the KV buffer; ``mutations`` changes (0 to 3
     by default: half the cases none)."""
@@ -361,7 +351,7 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None,
     # Qwen2's q/k/v biases; Qwen3's QK-norm: q as an int32 row, each head normalised on its
     # own (RMSNORM segments start on VMEM lines: whole-line heads)
     bias_q, bias_kv = (int(Flag.BIAS) if rng.random() < 0.3 else 0 for _ in range(2))
-    qk_norm = hd % VMEM_LINE_BYTES == 0 and (segments or nh == 1) and rng.random() < 0.4
+    qk_norm = hd % VMEM_LINE_BYTES == 0 and rng.random() < 0.4
 
     def lrel():
         return int(Flag.LREL) if in_loop and rng.random() < 0.8 else 0
@@ -431,7 +421,7 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None,
     words = [encode(ins) for ins in prog]
     count = mutations if mutations is not None else int(rng.choice([0, 0, 0, 1, 1, 2, 3]))
     for _ in range(count):
-        words = _mutate(rng, c, words, len(img.data), segments)
+        words = _mutate(rng, c, words, len(img.data))
 
     n_in = int(rng.integers(1, 4))
     n_draft = int(rng.integers(0, 5))

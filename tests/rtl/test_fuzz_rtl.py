@@ -13,8 +13,8 @@ exception but the engine's faults, on
 One Verilator device serves the module: making one generates the engine's Verilog (to
 find its cached build), which costs more than the cases themselves.
 
-The random cases draw MATMUL's four modes with and without ``BIAS``, but RMSNORMs of one
-segment only (``SEGMENTS``): the RTL's RMSNORM segments (``k ≥ 2``) are not built yet.
+The random cases draw MATMUL's four modes with and without ``BIAS``, RMSNORMs of
+``k`` = 0 … 3 segments, and forwards with biased q/k/v and a per-head QK-norm.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ TINY = get_preset("tiny")
 #: the random sample: its seed, its size, and the longest case it runs (model cycles;
 #: a watchdog case runs millions, minutes on Verilator). ~20 s on one loaded core.
 SEED, CASES, MAX_MODEL_CYCLES = 16, 150, 20_000
-#: whether the random cases draw RMSNORMs of k ≥ 2 segments (sim.fuzz's ``segments``)
-SEGMENTS = False
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +122,7 @@ def test_random_cases(runner):
     """A seeded sample: nothing but agreement, and the sample reaches the engine (runs
     that complete, every unit opcode among them, faults of several codes)."""
     rng = np.random.default_rng(SEED)
-    cases = [(i, fuzz.random_case(rng, TINY, segments=SEGMENTS)) for i in range(CASES)]
+    cases = [(i, fuzz.random_case(rng, TINY)) for i in range(CASES)]
     rtl, ref, bad, skipped = fuzz.fuzz_rtl(TINY, cases, runner, log=lambda line: None,
                                            max_model_cycles=MAX_MODEL_CYCLES)
     assert bad == []
@@ -152,8 +150,7 @@ def test_random_trees_of_width_one(runner):
     before it writes one, where the RTL's jobs go a row at a time."""
     assert runner.tree_width() == TINY.rows
     rng = np.random.default_rng(3)
-    cases = [(i, _as_tree(fuzz.random_forward_case(rng, TINY, mutations=int(rng.choice([0, 0, 1])),
-                                                   segments=SEGMENTS),
+    cases = [(i, _as_tree(fuzz.random_forward_case(rng, TINY, mutations=int(rng.choice([0, 0, 1]))),
                           int(rng.choice([0, 40, 200]))))
              for i in range(60)]
     rtl, ref, bad, skipped = fuzz.fuzz_rtl(TINY, cases, runner, log=lambda line: None,
