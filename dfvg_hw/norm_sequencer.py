@@ -19,24 +19,29 @@ Per job:
    (``timing.NORM_ROW_BUFFER_BYTES``, 16 KiB: rows up to 4096 elements); pass 1 (Σx'²)
    and pass 2 (every x beat meets the gamma beat of the same lanes) replay the buffer a
    beat a cycle instead of reading VMEM's 16-byte lines again. A row longer than the
-   buffer is read from VMEM three times, as three one-row spans. **Gamma is re-read from device
-   memory for every row** (requested as the row starts and issued as soon as the reader
-   has emptied its previous read's beats, without holding up pass 0, so its latency
-   hides behind passes 0 and 1; at a 2 KiB engine beat the head's beat alone is 128
-   lines): no on-chip gamma buffer, which would have to hold ``vmem_bytes / 2`` bytes
-   for the longest legal row; the cost is ``2n`` more bytes of device-memory traffic per
-   extra row (the cycle model counts it per row too). Gamma is ``2n`` bytes cut into beats of
+   buffer is read from VMEM three times, as three one-row spans. **Gamma** is read from
+   device memory as the first row starts (issued as soon as the reader has emptied the
+   head's beat, without holding up pass 0, so its latency hides behind passes 0 and 1;
+   at a 2 KiB engine beat the head's beat alone is 128 lines). Pass 2 of a row that fits
+   the row buffer also keeps its gamma beats in the **gamma buffer**
+   (``timing.NORM_GAMMA_BUFFER_BYTES``, 512 bytes: 256 elements, a QK-norm head) when
+   they fit it; then the later rows read no gamma, and their pass 2 replays the buffer
+   (indexed like the row buffer) a beat every ``timing.norm_gamma_replay_pace`` cycles,
+   a gamma read's own pace, so that the row writer never falls behind. Otherwise gamma is
+   re-read for every row, requested as the row starts: a buffer for any row would have
+   to hold ``vmem_bytes / 2`` bytes, so a long row costs ``2n`` more bytes of
+   device-memory traffic per extra row. Gamma is ``2n`` bytes cut into beats of
    ``2·lanes`` bytes, x ``4n`` bytes cut into beats of ``4·lanes``: below 8 lanes a row's
    last gamma line can give a beat or more past x's last one (padding lanes only), so
-   the gamma cutter is emptied as each row starts.
+   the gamma cutter is emptied as each gamma read starts.
 
 **Segments** (``k ≥ 2``: Qwen3's QK-norm, a row of heads each normalised on its own
 with the one gamma of ``n``). Each row is ``k`` segments of ``n`` elements, and ``n``
 must be a multiple of 16 (else ``PROGRAM``), so every segment starts on a VMEM line in
 the int32 source (``4n`` bytes) and in the int8 or int16 output (``n`` or ``2n``): the
 rows' segments lie end to end, and the job runs as ``rows·k`` rows of ``n`` — the
-checks, the row loop, the gamma read per row, the cycle model's price
-(``rmsnorm_cycles`` of ``rows·k`` rows). Only VMEM's write span stays ``rows`` rows of
+checks, the row loop, the gamma buffer, the cycle model's price (``rmsnorm_cycles`` of
+``rows·k`` rows). Only VMEM's write span stays ``rows`` rows of
 ``k`` segments (the same lines; its ``rows`` field is 8 bits). ``k`` of 0 or 1 is one
 segment.
 
@@ -138,6 +143,17 @@ class NormSequencer(wiring.Component):
         fetch = Signal(range(depth + 1))            # the beat read next
         shown, shown_last = Signal(), Signal()      # buf_rd.data holds a beat (the last)
         replaying = Signal()
+        # the gamma buffer: the first row's gamma beats as its pass 2 takes them, replayed
+        # (indexed like the row buffer) by the later rows' pass 2 when they fit
+        gamma_depth = timing.norm_gamma_buffer_beats(lanes)
+        gamma_buffer = m.submodules.gamma_buffer = Memory(shape=unsigned(16 * lanes),
+                                                          depth=gamma_depth, init=[])
+        gamma_wr, gamma_rd = gamma_buffer.write_port(), gamma_buffer.read_port()
+        gamma_fits = Signal()                       # this row's gamma beats fit the buffer
+        gamma_kept = Signal()                       # the buffer holds the job's gamma
+        pace_cycles = timing.norm_gamma_replay_pace(lanes)
+        # cycles until the next replayed gamma beat (a bit at least: no empty Verilog vector)
+        pace = Signal(range(max(pace_cycles, 2)))
 
         wiring.connect(m, reader.read_cmd, wiring.flipped(self.read_cmd))
         wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
@@ -171,7 +187,7 @@ class NormSequencer(wiring.Component):
         ]
         m.d.comb += [writer.i.p.y[j].eq(norm.o.p.y[j]) for j in range(lanes)]
         x_bytes = Mux(replaying, buf_rd.data, x_cut.o.p.data.as_value())
-        g_bytes = gamma_cut.o.p.data.as_value()
+        g_bytes = Mux(gamma_kept, gamma_rd.data, gamma_cut.o.p.data.as_value())
         for j in range(lanes):
             m.d.comb += [norm.i.p.x[j].eq(x_bytes.word_select(j, 32)),
                          norm.i.p.gamma[j].eq(g_bytes.word_select(j, 16))]
@@ -185,7 +201,11 @@ class NormSequencer(wiring.Component):
             m.d.sync += written.eq(written + 1)
         replay_take = Signal()
         replay_adv = replaying & (~shown | replay_take)
-        m.d.comb += [buf_rd.en.eq(replay_adv), buf_rd.addr.eq(fetch)]
+        m.d.comb += [buf_rd.en.eq(replay_adv), buf_rd.addr.eq(fetch),
+                     gamma_rd.en.eq(replay_adv), gamma_rd.addr.eq(fetch),
+                     gamma_wr.addr.eq(fetch - 1), gamma_wr.data.eq(gamma_cut.o.p.data.as_value())]
+        with m.If(pace != 0):
+            m.d.sync += pace.eq(pace - 1)
         with m.If(replay_adv):
             m.d.sync += [shown.eq(fetch <= last_at), shown_last.eq(fetch == last_at),
                          fetch.eq(fetch + 1)]
@@ -201,7 +221,7 @@ class NormSequencer(wiring.Component):
                 m.d.sync += gamma_wanted.eq(0)
 
         def start_replay():
-            return [fetch.eq(0), shown.eq(0), shown_last.eq(0)]
+            return [fetch.eq(0), shown.eq(0), shown_last.eq(0), pace.eq(0)]
         progress = RowWriteProgress(m, writer, self.vmem_wr, self.vmem_wr_done,
                                     wide=wide, row_bytes=out_bytes)
 
@@ -216,7 +236,7 @@ class NormSequencer(wiring.Component):
                     p = self.job.payload
                     p_wide = flags_view(p.flags).wide
                     m.d.sync += [job.eq(p), in_bytes.eq(4 * p.n), gamma_bytes.eq(2 * p.n),
-                                 out_bytes.eq(Mux(p_wide, 2 * p.n, p.n)), row.eq(0),
+                                 out_bytes.eq(Mux(p_wide, 2 * p.n, p.n)), row.eq(0), gamma_kept.eq(0),
                                  error.eq(ErrorCode.OK), *progress.restart()]
                     m.next = "HEAD_CMD"
             with m.State("HEAD_CMD"):
@@ -262,9 +282,11 @@ class NormSequencer(wiring.Component):
                              pass0_take.eq(x_cut.o.valid & norm.i.ready)]
                 with m.If(pass0_take & x_cut.o.p.last):
                     with m.If(written < depth):          # the whole row is in the buffer
-                        m.d.sync += [last_at.eq(written), *start_replay()]
+                        m.d.sync += [last_at.eq(written), *start_replay(),
+                                     gamma_fits.eq(written < gamma_depth)]
                         m.next = "PASS1_REPLAY"
                     with m.Else():
+                        m.d.sync += gamma_fits.eq(0)
                         m.next = "PASS1_CMD"
             with m.State("PASS1_REPLAY"):                # Σx² from the buffer
                 m.d.comb += [replaying.eq(1), norm.i.valid.eq(shown),
@@ -273,13 +295,19 @@ class NormSequencer(wiring.Component):
                     m.d.sync += start_replay()
                     m.next = "PASS2_REPLAY"
             with m.State("PASS2_REPLAY"):                # x beats from the buffer meet gamma
-                both = shown & gamma_cut.o.valid
+                # the gamma read's beats (kept as they go when they fit), or the kept ones
+                # a gamma read's pace apart
+                both = shown & Mux(gamma_kept, pace == 0, gamma_cut.o.valid)
                 m.d.comb += [replaying.eq(1), norm.i.valid.eq(both),
                              replay_take.eq(both & norm.i.ready),
-                             gamma_cut.o.ready.eq(replay_take)]
+                             gamma_cut.o.ready.eq(replay_take & ~gamma_kept),
+                             gamma_wr.en.eq(replay_take & ~gamma_kept & gamma_fits)]
+                with m.If(replay_take & gamma_kept):
+                    m.d.sync += pace.eq(pace_cycles - 1)
                 with m.If(replay_take & shown_last):
                     progress.end_row(m, row, segment_rows, next_row_state="PASS0_CMD")
-                    m.d.sync += gamma_wanted.eq(row + 1 != segment_rows)
+                    m.d.sync += [gamma_wanted.eq((row + 1 != segment_rows) & ~gamma_fits),
+                                 gamma_kept.eq(gamma_fits)]
             with m.State("PASS1_CMD"):
                 m.d.comb += request_source_row()
                 with m.If(self.vmem_rd_cmd.ready):

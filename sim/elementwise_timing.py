@@ -13,7 +13,7 @@ from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, NORM_PARAM_BYTES
 from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, PortTiming, window_cycles
 
-__all__ = ["rmsnorm_cycles", "actmul_cycles", "rope_cycles"]
+__all__ = ["rmsnorm_cycles", "rmsnorm_gamma_reads", "actmul_cycles", "rope_cycles"]
 
 
 def _writer_tail(row_bytes: int, beats_per_row: int, lanes: int, wide: bool) -> tuple[int, int]:
@@ -40,28 +40,46 @@ def _writer_last_take(in0: int, in_prev: int, in_last: int, beats: int, s: int) 
     return max(in_last, in_prev + s, in0 + (beats - 1) * s)
 
 
+def _cutting(nbytes: int, beat_bytes: int):
+    """(lines, beats per line or None, lines per beat or None, beats) of a row of
+    ``nbytes`` bytes cut into (or packed into) beats of ``beat_bytes``."""
+    lines = ceil(nbytes / LINE)
+    if beat_bytes <= LINE:                         # beats cut from lines ...
+        return lines, LINE // beat_bytes, None, lines * (LINE // beat_bytes)
+    pack = beat_bytes // LINE                      # ... or packed from several lines
+    return lines, None, pack, ceil(lines / pack)
+
+
+def _norm_gamma_kept(lanes: int, n: int) -> bool:
+    """Whether an RMSNORM's rows of ``n`` fit the row buffer and their gamma beats the
+    gamma buffer: the job reads gamma once, in its first row."""
+    beats = _cutting(RES_BYTES * n, RES_BYTES * lanes)[3]
+    return beats <= min(tm.norm_row_buffer_beats(lanes), tm.norm_gamma_buffer_beats(lanes))
+
+
+def rmsnorm_gamma_reads(lanes: int, n: int, rows: int) -> int:
+    """The gamma reads of an RMSNORM of ``rows`` rows (segments) of ``n``: one when the
+    gamma buffer keeps it, else one per row."""
+    return 1 if _norm_gamma_kept(lanes, n) else rows
+
+
 def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
     """norm_sequencer.py: read the parameter head; per row, pass 0 over x (the row's
     shift) and pass 1 (sum of squares, then rsqrt) race the gamma read, requested at the
     row's start and issued once the reader has emptied its previous read; pass 2 streams x and gamma through the scaler. A row of at most
     ``tm.norm_row_buffer_beats(lanes)`` x beats is read from VMEM once: passes 1 and 2
-    replay the row buffer a beat a cycle (:func:`_norm_replay_pass2`).
+    replay the row buffer a beat a cycle (:func:`_norm_replay_pass2`). When its gamma
+    beats also fit the gamma buffer (``tm.norm_gamma_buffer_beats``), only the first row
+    reads gamma; the later rows (an RMSNORM's segments are rows) replay it in pass 2, a
+    beat every ``tm.norm_gamma_replay_pace(lanes)`` cycles.
 
     x is the int32 row, ``4n`` bytes cut into beats of ``4·lanes``; gamma ``2n`` bytes cut
     into beats of ``2·lanes``: below 8 lanes gamma can have beats past x's last (padding,
     emptied as the next row starts), so pass 2 ends with the gamma beat of x's last."""
     L, B = port.latency, port.bus_bytes
 
-    def cutting(nbytes: int, beat_bytes: int):
-        """(lines, beats per line or None, lines per beat or None, beats) of a row."""
-        lines = ceil(nbytes / LINE)
-        if beat_bytes <= LINE:                     # beats cut from lines ...
-            return lines, LINE // beat_bytes, None, lines * (LINE // beat_bytes)
-        pack = beat_bytes // LINE                  # ... or packed from several lines
-        return lines, None, pack, ceil(lines / pack)
-
-    ell, cut, pack, beats = cutting(RES_BYTES * n, RES_BYTES * lanes)
-    g_ell, g_cut, g_pack, _ = cutting(2 * n, 2 * lanes)
+    ell, cut, pack, beats = _cutting(RES_BYTES * n, RES_BYTES * lanes)
+    g_ell, g_cut, g_pack, _ = _cutting(2 * n, 2 * lanes)
     stream = max(beats, ell)                       # cycles of one pass over x
     turnaround = tm.rmsnorm_turnaround(lanes)
     first = tm.PARAM_CMD + READ_OVERHEAD + L
@@ -77,12 +95,23 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
     s, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide)
 
     buffered = beats <= tm.norm_row_buffer_beats(lanes)
+    # the first row's gamma beats stay in the gamma buffer when they fit it: the later rows
+    # read no gamma, their pass 2 replays it a beat every `pace` cycles
+    kept = _norm_gamma_kept(lanes, n)
+    pace = tm.norm_gamma_replay_pace(lanes)
     # PASS0_CMD follows WRITE_CMD; the row's gamma read is issued once the reader has
     # emptied the previous read's beats (the head's, or the last row's gamma), meanwhile
     g = head_out + tm.NORM_HEAD_TO_GAMMA - 1                   # the cycle before PASS0_CMD
     reader_free = port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY
     g_lines_in = ceil((2 * n + gamma_skip) / B) * port.lines_per_beat
-    for _ in range(rows):
+    for row in range(rows):
+        if kept and row:
+            last1 = (g + tm.NORM_PASS_START + stream - 1 + tm.RMSNORM_SHIFT_TURNAROUND
+                     + beats - 1)
+            end = last1 + turnaround + (beats - 1) * pace
+            gap = pace if beats > 1 else 1
+            g = end
+            continue
         gamma_at = max(g + 1, reader_free)                     # the read's command taken
         gamma_first = gamma_at + tm.READER_CMD_REGISTER + READ_OVERHEAD + L
         reader_free = port.arrival(g_lines_in - 1, gamma_first) + tm.LINE_ALIGNER_LATENCY

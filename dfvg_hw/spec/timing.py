@@ -242,6 +242,25 @@ def norm_row_buffer_beats(lanes: int) -> int:
     return max(1, NORM_ROW_BUFFER_BYTES // (4 * lanes))
 
 
+#: NormSequencer: bytes of its gamma buffer. A job's gamma of at most this many bytes
+#: (256 elements: a QK-norm head) whose rows fit the row buffer is read once, kept as the
+#: first row's pass 2 takes it, and replayed from the buffer for every later row (segment).
+NORM_GAMMA_BUFFER_BYTES = 512
+
+
+def norm_gamma_buffer_beats(lanes: int) -> int:
+    """The NormSequencer gamma buffer's depth in gamma beats of ``2·lanes`` bytes."""
+    return max(1, NORM_GAMMA_BUFFER_BYTES // (2 * lanes))
+
+
+def norm_gamma_replay_pace(lanes: int) -> int:
+    """Cycles between the gamma beats a row's pass 2 replays from the gamma buffer: as
+    many as a beat has gamma lines (``2·lanes/16``, at least 1), the pace of a gamma read,
+    which no output row writer (``lanes/16`` lines a beat, ``2·lanes/16`` wide) falls
+    behind."""
+    return max(1, 2 * lanes // 16)
+
+
 #: ActMulSequencer: the reader's LineAligner emitting a table line to the cycle ActMul's
 #: table takes it (a line, 8 entries, a cycle: no Gearbox in between).
 ACTMUL_TABLE_WRITE = LINE_ALIGNER_LATENCY

@@ -234,6 +234,22 @@ def test_segments_at_64_lanes():
     jobs.check(data_width=256)
 
 
+def test_gamma_kept_when_it_fits_the_gamma_buffer():
+    """Only the first row (segment) of a job reads gamma when the row fits the row buffer
+    and its gamma the 512-byte gamma buffer; a longer gamma is read for every row.
+    Results and cycles, at the buffer's edge (256 elements) and past it, at 4 and 64
+    lanes, with a memory slow enough (2 µs) that a gamma read shows past passes 0 and 1."""
+    from dfvg_hw.spec import timing
+    assert timing.norm_gamma_buffer_beats(4) * 4 == 256 == timing.norm_gamma_buffer_beats(64) * 64
+    for lanes, data_width, seed in ((4, 128, 14), (64, 256, 15)):
+        rng = np.random.default_rng(seed)
+        jobs = _SegmentedJobs(rng, ROOMY.with_changes(lanes=lanes, mem_latency_ns=2000.0))
+        jobs.add(1, 2, 256, addr=BLOCKS[0])                      # kept (the last beat fits)
+        jobs.add(1, 2, 272, wide=True, addr=BLOCKS[1])           # re-read per segment
+        jobs.add(2, 1, 260, in_place=True, addr=BLOCKS[2])       # re-read per row
+        jobs.check(data_width)
+
+
 def test_more_segment_rows_than_the_writer_counts():
     """260 segment-rows in one job: more than the row writer counts (8 bits)."""
     rng = np.random.default_rng(12)
