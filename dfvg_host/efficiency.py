@@ -22,12 +22,24 @@ from dfvg_hw.spec.config import EngineConfig
 from dfvg_host.cache import cache_dir, fingerprint, locked, write_text_atomic
 from dfvg_host.report import CompileReport, compile_report
 
-__all__ = ["DraftShape", "PAPER_SHAPES", "EfficiencyRow", "engine_efficiency"]
+__all__ = ["DraftShape", "PAPER_SHAPES", "FAMILY_SHAPES", "EfficiencyRow", "engine_efficiency"]
 
 
 @dataclass(frozen=True)
 class DraftShape:
-    """A Llama-family draft shape, written out as a Hugging Face ``config.json``."""
+    """A draft shape of a supported family, written out as a Hugging Face ``config.json``.
+
+    Members
+    -------
+    family : str
+        ``model_type`` (llama, qwen2, qwen3).
+    kv_heads, head_dim : int or None
+        GQA KV heads and the head width (default: ``heads`` and ``hidden / heads``).
+    tied : bool
+        Whether the LM head is the embedding matrix.
+    draft_vocab : int or None
+        ``dfvg compile --draft-vocab``: the engine drafts over this many of ``vocab``.
+    """
     name: str
     hidden: int
     layers: int
@@ -35,16 +47,24 @@ class DraftShape:
     intermediate: int
     vocab: int
     max_positions: int = 2048
+    family: str = "llama"
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    tied: bool = False
+    draft_vocab: int | None = None
 
     def write_config(self, directory: Path) -> Path:
         """Write ``config.json`` into ``directory`` (only when it changed) and return it."""
-        from transformers import LlamaConfig
+        from transformers import AutoConfig
 
         directory.mkdir(parents=True, exist_ok=True)
-        config = LlamaConfig(hidden_size=self.hidden, num_hidden_layers=self.layers,
-                             num_attention_heads=self.heads, num_key_value_heads=self.heads,
-                             intermediate_size=self.intermediate, vocab_size=self.vocab,
-                             max_position_embeddings=self.max_positions, tie_word_embeddings=False)
+        extra = {} if self.head_dim is None else dict(head_dim=self.head_dim)
+        config = AutoConfig.for_model(self.family, hidden_size=self.hidden, num_hidden_layers=self.layers,
+                                      num_attention_heads=self.heads,
+                                      num_key_value_heads=self.kv_heads or self.heads,
+                                      intermediate_size=self.intermediate, vocab_size=self.vocab,
+                                      max_position_embeddings=self.max_positions,
+                                      tie_word_embeddings=self.tied, **extra)
         text = config.to_json_string()
         path = directory / "config.json"
         # Rewriting identical bytes would be harmless, but skipping it keeps the file's
@@ -58,6 +78,15 @@ class DraftShape:
 PAPER_SHAPES = (
     DraftShape("LLaMA-68M-shaped", hidden=768, layers=2, heads=12, intermediate=3072, vocab=32000),
     DraftShape("LLaMA-160M-shaped", hidden=768, layers=12, heads=12, intermediate=3072, vocab=32000),
+)
+
+#: The other families' common drafts (issue #17), from their published configs; Qwen's
+#: 151,936 tokens exceed the engine's 16-bit ids, so they draft over 65,534 of them.
+FAMILY_SHAPES = (
+    DraftShape("Qwen2.5-0.5B-shaped", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
+               vocab=151936, family="qwen2", tied=True, draft_vocab=65535),
+    DraftShape("Qwen3-0.6B-shaped", hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128,
+               intermediate=3072, vocab=151936, family="qwen3", tied=True, draft_vocab=65535),
 )
 
 
@@ -101,10 +130,11 @@ def _cached_report(path: Path) -> CompileReport | None:
     return CompileReport(**json.loads(path.read_text())) if path.is_file() else None
 
 
-def _compile_and_report(shape_dir: Path, engine: EngineConfig, context: int, model) -> CompileReport:
+def _compile_and_report(shape_dir: Path, engine: EngineConfig, context: int, model,
+                        draft_vocab: int | None) -> CompileReport:
     from dfvg_host.compiler import compile_draft
 
-    compiled = compile_draft(shape_dir, engine, random_weights=True, model=model)
+    compiled = compile_draft(shape_dir, engine, random_weights=True, model=model, draft_vocab=draft_vocab)
     return compile_report(engine, compiled.program, model=compiled.shape.describe(),
                           image_bytes=len(compiled.image), context_limit=compiled.context_limit,
                           context=context)
@@ -141,8 +171,8 @@ def engine_efficiency(engines: list[EngineConfig], shapes: tuple[DraftShape, ...
         shape_dir = shape.write_config(root / "shapes" / shape.name)
         model = None          # loaded once per shape, and only when a preset is not cached
         for engine in engines:
-            key = (f"{shape.name}-{engine.name}-ctx{context}-{fingerprint(shape_dir, None, engine)}"
-                   f"-{_report_fingerprint()}")
+            key = (f"{shape.name}-{engine.name}-ctx{context}-v{shape.draft_vocab or 0}-"
+                   f"{fingerprint(shape_dir, None, engine)}-{_report_fingerprint()}")
             path = root / f"{key}.json"
             report = _cached_report(path) if cache else None
             if report is None:
@@ -153,7 +183,7 @@ def engine_efficiency(engines: list[EngineConfig], shapes: tuple[DraftShape, ...
                         log(f"compiling {shape.name} (random weights) for {engine.name} ...")
                         if model is None:
                             model = load_model(shape_dir, random_weights=True)
-                        report = _compile_and_report(shape_dir, engine, context, model)
+                        report = _compile_and_report(shape_dir, engine, context, model, shape.draft_vocab)
                         write_text_atomic(path, json.dumps(asdict(report), indent=1) + "\n")
             rows.append(EfficiencyRow(shape.name, report))
     return rows

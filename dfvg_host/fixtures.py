@@ -16,7 +16,7 @@ import numpy as np
 from dfvg_hw.spec.config import get_preset
 from dfvg_hw.spec.image import pack_norm_params, pack_qparams, padded, tile_weights
 
-__all__ = ["make_tiny_llama", "TINY", "TINY_EMBED", "TINY_WEIGHTS", "tiny_image", "TINY_FORWARD"]
+__all__ = ["make_tiny_llama", "TINY_FAMILY_SHAPES", "TINY", "TINY_EMBED", "TINY_WEIGHTS", "tiny_image", "TINY_FORWARD"]
 
 
 def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, intermediate=64,
@@ -50,6 +50,13 @@ def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, int
     model.save_pretrained(path)
     return path
 
+
+#: A shape of each family beyond Llama that fits ``tiny`` (:func:`make_tiny_llama` keyword
+#: arguments): Qwen2 with GQA, Qwen3 with heads × head_dim (64) twice hidden, as Qwen3-0.6B.
+TINY_FAMILY_SHAPES = {
+    "qwen2": dict(family="qwen2", hidden=64, heads=4, kv_heads=2, intermediate=96, tie=True),
+    "qwen3": dict(family="qwen3", hidden=32, heads=4, kv_heads=2, head_dim=16, intermediate=64, tie=True),
+}
 
 TINY = get_preset("tiny")
 #: elements per embedding row of :func:`tiny_image` (int32: 64 bytes, four VMEM lines)

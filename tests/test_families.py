@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
+from dfvg_host.fixtures import TINY_FAMILY_SHAPES
 from dfvg_host.accuracy import teacher_forced_agreement
 from dfvg_host.compiler import UnsupportedModel, compile_draft, describe_model, load_model
 from dfvg_host.driver import DraftDevice
@@ -23,16 +24,13 @@ from dfvg_hw.spec.config import get_preset
 from dfvg_hw.spec.isa import Flag, Op, decode, encode
 
 TINY = get_preset("tiny")
-#: a shape of each family that fits ``tiny``; Qwen3's heads × head_dim (64) is twice hidden
-SHAPES = {"qwen2": dict(hidden=64, heads=4, kv_heads=2, intermediate=96, tie=True),
-          "qwen3": dict(hidden=32, heads=4, kv_heads=2, head_dim=16, intermediate=64, tie=True)}
+SHAPES = TINY_FAMILY_SHAPES
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def family_draft(request, tmp_path_factory):
     family = request.param
-    path = make_tiny_llama(tmp_path_factory.mktemp(f"tiny-{family}"), family=family, seed=3,
-                           **SHAPES[family])
+    path = make_tiny_llama(tmp_path_factory.mktemp(f"tiny-{family}"), seed=3, **SHAPES[family])
     return family, path, compile_draft(path, TINY)
 
 
@@ -98,8 +96,8 @@ def test_dropping_the_family_operation_breaks_the_draft(family_draft):
 @pytest.mark.parametrize("family", sorted(SHAPES))
 def test_greedy_is_exact_with_a_draft_and_target_of_the_family(family, tmp_path):
     shape = dict(SHAPES[family])
-    draft = make_tiny_llama(tmp_path / "draft", family=family, seed=5, **shape)
-    target = make_tiny_llama(tmp_path / "target", family=family, seed=6, layers=3, **shape)
+    draft = make_tiny_llama(tmp_path / "draft", seed=5, **shape)
+    target = make_tiny_llama(tmp_path / "target", seed=6, layers=3, **shape)
     device = DraftDevice.open("sim://tiny", compile_draft(draft, TINY))
     model = load_model(target)
     decoder = SpeculativeDecoder(device, Verifier(model, torch.device("cpu")), gamma=4)
@@ -142,8 +140,8 @@ def test_a_draft_vocabulary_drafts_kept_tokens_and_stays_exact(tmp_path):
     from dfvg_host.compiler import DoesNotFit, check_fits
     from dfvg_host.draft_vocab import DraftVocabulary
     shape = dict(SHAPES["qwen2"])
-    draft = make_tiny_llama(tmp_path / "draft", family="qwen2", seed=7, **shape)
-    target = make_tiny_llama(tmp_path / "target", family="qwen2", seed=8, layers=3, **shape)
+    draft = make_tiny_llama(tmp_path / "draft", seed=7, **shape)
+    target = make_tiny_llama(tmp_path / "target", seed=8, layers=3, **shape)
     compiled = compile_draft(draft, TINY, draft_vocab=100, calibration_tokens=list(range(150, 250)) * 2)
     vocabulary = compiled.vocabulary
     assert vocabulary.size == 100 and len(vocabulary.kept) == 99

@@ -262,3 +262,24 @@ def test_interleaved_sequences_on_the_rtl_engine(device, tiny_engine, two_sequen
         for rtl_half, model_half in zip(kv, kv_expected):
             np.testing.assert_array_equal(rtl_half, model_half)
         assert all(kv_expected[0][slot].any() for slot in range(4))
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def family_compiled(request, tmp_path_factory, tiny_engine):
+    """A tiny draft of each family beyond Llama (issue #17): Qwen2's biased q/k/v matmul
+    (BIAS), Qwen3's int32 q/k row (INT32) and its per-head RMSNORM (segments)."""
+    from dfvg_host.compiler import compile_draft
+    from dfvg_host.fixtures import TINY_FAMILY_SHAPES, make_tiny_llama
+    path = make_tiny_llama(tmp_path_factory.mktemp(request.param), seed=4,
+                           **TINY_FAMILY_SHAPES[request.param])
+    return compile_draft(path, tiny_engine)
+
+
+def test_each_family_on_the_verilated_engine_equals_the_sim_device(tiny_engine, family_compiled):
+    """Greedy and sampled drafts with rollbacks, bit for bit: tokens, q, top-k, KV lengths
+    and every OP_CYCLES counter against the cycle model's."""
+    steps = steps_for(4, 4)
+    expected, _ = session(SimDevice(tiny_engine), family_compiled, steps)
+    got, _ = session(VerilatorDevice(tiny_engine), family_compiled, steps)
+    assert got == expected
+    assert len(expected[0][1]) == 4
