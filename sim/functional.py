@@ -313,7 +313,9 @@ class FunctionalEngine:
         rows, wide_bytes = ins.rows, 2 if ins.wide else 1
         if op == Op.EMBED:
             beat = c.mem_beat_bytes
-            for token in self._row_tokens(st):
+            if ins.position:
+                self._check_pos(st.pos)
+            for token in self._embed_rows(ins, st):
                 row = addr + token * embed_row_stride(ins.n, beat)
                 if row % beat:
                     raise EngineFault(ErrorCode.BAD_ADDRESS, f"EMBED row at 0x{row:x} is not "
@@ -348,7 +350,7 @@ class FunctionalEngine:
             self._vspan(ins.dst, rows, ins.n * ins.k)
         elif op == Op.ACTMUL:
             self._dram(addr, ACT_PARAM_BYTES)
-            self._vspan(ins.src, rows, 2 * ins.n)
+            self._vspan(ins.src, rows, (1 if ins.ungated else 2) * ins.n)
             self._vspan(ins.dst, rows, ins.n * wide_bytes)
 
     def _unit(self, ins: Instruction, st: ProgramFlow, image_base: int) -> None:
@@ -359,7 +361,7 @@ class FunctionalEngine:
         if op == Op.EMBED:
             stride = embed_row_stride(ins.n, self.config.mem_beat_bytes)
             table = [self._dram(addr + token * stride, 4 * ins.n).view("<i4")
-                     for token in self._row_tokens(st)]
+                     for token in self._embed_rows(ins, st)]
             self._vstore(ins.dst, np.stack(table), np.int32)
         elif op == Op.RMSNORM:
             head = self._dram(addr, NORM_PARAM_BYTES).view("<u4")
@@ -394,10 +396,14 @@ class FunctionalEngine:
         elif op == Op.ACTMUL:
             head = self._dram(addr, 16).view("<u4")
             lut = self._dram(addr + 16, 512).view("<i2")
-            gu = self._vload(ins.src, rows, 2 * ins.n, np.int8)
             mult, shift = int(head[0]) & 0xFFFF, (int(head[0]) >> 16) & 0x3F
             bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
-            y = nx.act_mul(gu[:, :ins.n], gu[:, ins.n:], lut, mult, shift, bits)
+            if ins.ungated:             # an ungated MLP: the gate alone, up taken as 1
+                gate = self._vload(ins.src, rows, ins.n, np.int8)
+                y = nx.act_mul(gate, np.ones_like(gate), lut, mult, shift, bits)
+            else:
+                gu = self._vload(ins.src, rows, 2 * ins.n, np.int8)
+                y = nx.act_mul(gu[:, :ins.n], gu[:, ins.n:], lut, mult, shift, bits)
             self._vstore(ins.dst, y, dtype)
         elif op == Op.NOP:
             pass
@@ -534,6 +540,12 @@ class FunctionalEngine:
         """The VMEM row pitch of the instructions that follow (a tree forward's, docs/isa.md
         §9.2); 0: each operand's own stride."""
         self._pitch = VMEM_LINE_BYTES * lines or None
+
+    def _embed_rows(self, ins: Instruction, st: ProgramFlow) -> list[int]:
+        """The table row of each of EMBED's rows: the row's token, or with ``POSITION`` the
+        position (a tree level's rows share it)."""
+        tokens = self._row_tokens(st)
+        return [st.pos] * len(tokens) if ins.position else tokens
 
     def _row_tokens(self, st: ProgramFlow) -> list[int]:
         """EMBED's tokens: the forward's TOKEN, or the nodes of the tree level it feeds."""

@@ -117,3 +117,43 @@ def test_rmsnorm_segments_off_the_line_fault_program():
     assert functional_reference(engine, ins) == ErrorCode.PROGRAM
     ins = Instruction(Op.RMSNORM, rows=1, dst=16, src=0, n=12, k=1, addr=0)
     assert functional_reference(engine, ins) == ErrorCode.OK
+
+
+def test_embed_position_indexes_the_table_by_pos():
+    """OPT's learned position embeddings: EMBED POSITION reads row POS, not row TOKEN."""
+    from dfvg_hw.spec.image import embed_row_stride
+    rng = np.random.default_rng(9)
+    n = 8
+    stride = embed_row_stride(n, CFG.mem_beat_bytes)
+    table = rng.integers(-(1 << 31), 1 << 31, (CFG.kv_positions, stride // 4)).astype("<i4")
+    engine = _engine(table.tobytes())
+    for pos in (0, 5, CFG.kv_positions - 1):
+        ins = Instruction(Op.EMBED, flags=Flag.POSITION, rows=1, dst=4, n=n, addr=0)
+        assert functional_reference(engine, ins, pos=pos) == ErrorCode.OK
+        got = engine.vmem[4 * L: 4 * L + 4 * n].view("<i4")
+        np.testing.assert_array_equal(got, table[pos, :n])
+    ins = Instruction(Op.EMBED, flags=Flag.POSITION, rows=1, dst=4, n=n, addr=0)
+    assert functional_reference(engine, ins, pos=CFG.kv_positions) == ErrorCode.KV_OVERFLOW
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_ungated_actmul_reads_the_gate_alone(wide):
+    """An ungated MLP (OPT's ReLU): h = requant(lut[g], mult, shift); the bytes after the
+    gate are not read."""
+    from dfvg_hw.spec.image import pack_act_params
+    rng = np.random.default_rng(11 + wide)
+    n = 32
+    lut = rng.integers(-32768, 32768, 256)
+    mult, shift = 40000, 18
+    engine = _engine(pack_act_params(mult, shift, lut))
+    gate = rng.integers(-128, 128, n)
+    engine.vmem[0:n] = gate.astype(np.int8).view(np.uint8)
+    engine.vmem[n:2 * n] = 0                        # an up row would zero every output
+    flags = Flag.UNGATED | (Flag.WIDE if wide else 0)
+    ins = Instruction(Op.ACTMUL, flags=flags, rows=1, dst=8, src=0, n=n, addr=0)
+    assert functional_reference(engine, ins) == ErrorCode.OK
+    bits = 16 if wide else 8
+    got = engine.vmem[8 * L: 8 * L + n * bits // 8].view("<i2" if wide else np.int8)
+    want = [_sat(_round_shift(int(lut[g + 128]) * mult, shift), bits) for g in gate]
+    np.testing.assert_array_equal(got, want)
+    assert np.any(got)

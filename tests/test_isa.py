@@ -16,7 +16,8 @@ def random_instruction(rng: random.Random) -> Instruction:
         if name in used:
             values[name] = rng.randrange(1 if name == "rows" else 0, 1 << widths[name])
     if op == Op.MATMUL:
-        values["flags"] = (rng.choice(list(MatmulMode)) << 1) | rng.choice([0, Flag.LREL])
+        values["flags"] = ((rng.choice(list(MatmulMode)) << 1) | rng.choice([0, Flag.LREL])
+                           | rng.choice([0, Flag.BIAS]) | rng.choice([0, Flag.WIDE]))
     elif op == Op.BRANCH:
         values["flags"] = rng.choice(list(Cond))
     elif "flags" in used:
@@ -60,7 +61,9 @@ def test_assembler_labels_and_comments():
     (encode(Instruction(Op.HALT)) | (7 << 64), "n"),              # HALT does not use n
     (encode(Instruction(Op.EMBED, rows=1, n=4)) | (1 << 80), "k"),
     (encode(Instruction(Op.EMBED, rows=1, n=4)) & ~(0xFF << 16), "rows"),  # rows = 0
-    (encode(Instruction(Op.MATMUL, rows=1, n=4, k=4)) | (3 << 9), "flags"),  # mode 3
+    (encode(Instruction(Op.MATMUL, rows=1, n=4, k=4)) | (0x80 << 8), "flags"),  # undefined bit
+    (encode(Instruction(Op.MATMUL, rows=1, n=4, k=4)) | (Flag.POSITION << 8), "flags"),  # EMBED's
+    (encode(Instruction(Op.EMBED, rows=1, n=4)) | (Flag.UNGATED << 8), "flags"),  # ACTMUL's
     (encode(Instruction(Op.RMSNORM, rows=1, n=4)) | (0x80 << 8), "flags"),   # undefined bit
     (encode(Instruction(Op.BRANCH, n=1)) | (9 << 8), "flags"),     # undefined condition
 ])

@@ -69,7 +69,8 @@ CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
 #: order (BRANCH reads the whole field as its :class:`Cond`). :class:`Flag`, the
 #: :class:`Instruction` accessors and the RTL's ``InstructionFlags`` layout derive from it.
 FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (
-    ("layer_relative", 0, 1), ("mode", 1, 2), ("wide", 3, 1), ("bias", 4, 1), ("reserved", 5, 3),
+    ("layer_relative", 0, 1), ("mode", 1, 2), ("wide", 3, 1), ("bias", 4, 1), ("position", 5, 1),
+    ("ungated", 6, 1), ("reserved", 7, 1),
 )
 _FLAG_FIELD = {name: (lsb, width) for name, lsb, width in FLAG_FIELDS}
 
@@ -92,6 +93,11 @@ class Flag(enum.IntFlag):
     #: MATMUL adds a per-output-channel int32 bias to the accumulator before requantising:
     #: the weight block holds a bias word beside each requant word (docs/isa.md §4.2).
     BIAS = 1 << _FLAG_FIELD["bias"][0]
+    #: EMBED indexes its table by the position POS instead of the token: OPT's learned
+    #: position embeddings (docs/isa.md §3.2).
+    POSITION = 1 << _FLAG_FIELD["position"][0]
+    #: ACTMUL without an up operand: ``h = act(gate)`` (an ungated MLP's ReLU or GELU).
+    UNGATED = 1 << _FLAG_FIELD["ungated"][0]
 
 
 class MatmulMode(enum.IntEnum):
@@ -116,14 +122,14 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
     Op.ENDLOOP: (frozenset(), 0),
     Op.BRANCH: (frozenset({"flags", "n"}), 0xFF),
     Op.NEXT: (frozenset({"n"}), 0),
-    Op.EMBED: (frozenset({"rows", "dst", "n", "addr"}), 0),
+    Op.EMBED: (frozenset({"flags", "rows", "dst", "n", "addr"}), Flag.POSITION),
     Op.RMSNORM: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
     Op.MATMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
                 Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS),
     Op.ROPE: (frozenset({"rows", "dst", "src", "n", "k", "addr"}), 0),
     Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
     Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
-    Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL | Flag.WIDE),
+    Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL | Flag.WIDE | Flag.UNGATED),
     Op.SAMPLE: (frozenset({"n"}), 0),
 }
 #: Opcodes that process ``rows`` rows; rows must be ≥ 1 for them.
@@ -179,6 +185,14 @@ class Instruction:
     @property
     def bias(self) -> bool:
         return self.opcode == Op.MATMUL and bool(flag_field(self.flags, "bias"))
+
+    @property
+    def position(self) -> bool:
+        return self.opcode == Op.EMBED and bool(flag_field(self.flags, "position"))
+
+    @property
+    def ungated(self) -> bool:
+        return self.opcode == Op.ACTMUL and bool(flag_field(self.flags, "ungated"))
 
     def validate(self, word: int | None = None) -> "Instruction":
         """Raise :class:`IllegalInstruction` unless every field is legal for the opcode."""
@@ -248,9 +262,14 @@ def from_bytes(data: bytes) -> list[int]:
 
 # -- assembly text ------------------------------------------------------------------
 # One instruction per line: ``mnemonic key=value, key=value ...``; MATMUL's mode and
-# BRANCH's condition are written by name (mode=resadd, cond=no_sample), LREL as the
-# bare word ``lrel``. Numbers may be decimal or 0x-hex. ``;`` starts a comment;
+# BRANCH's condition are written by name (mode=resadd, cond=no_sample), the flag bits as
+# bare words (``lrel``, ``wide``, ``bias``, ``position``, ``ungated``). Numbers may be decimal or 0x-hex. ``;`` starts a comment;
 # ``label:`` defines a label that n= of BRANCH/NEXT may name.
+
+#: Flags written as bare words, in this order.
+_BARE_FLAGS = {"lrel": Flag.LREL, "wide": Flag.WIDE, "bias": Flag.BIAS, "position": Flag.POSITION,
+               "ungated": Flag.UNGATED}
+
 
 def _format(ins: Instruction) -> str:
     parts = []
@@ -266,8 +285,7 @@ def _format(ins: Instruction) -> str:
         parts.append(f"addr=0x{ins.addr:x}")
     if ins.opcode != Op.BRANCH and ins.layer_relative:
         parts.append("lrel")
-    if ins.wide:
-        parts.append("wide")
+    parts += [name for name in _BARE_FLAGS if name != "lrel" and getattr(ins, name)]
     text = ins.opcode.name.lower()
     return f"{text} {', '.join(parts)}" if parts else text
 
@@ -319,8 +337,8 @@ def _parse(body: str, labels: dict[str, int]) -> Instruction:
     values: dict[str, int] = {}
     flags = 0
     for item in filter(None, (p.strip() for p in rest.split(","))):
-        if item in ("lrel", "wide"):
-            flags |= Flag.LREL if item == "lrel" else Flag.WIDE
+        if item in _BARE_FLAGS:
+            flags |= _BARE_FLAGS[item]
             continue
         key, eq, value = item.partition("=")
         key, value = key.strip(), value.strip()
