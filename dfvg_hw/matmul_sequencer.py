@@ -473,8 +473,8 @@ class MatmulSequencer(wiring.Component):
             # (the compiler's) with k > 0 one read of the beat serves them all, made with
             # the first group's tiles; otherwise one read per group. G differs with BIAS.
             G = {b: matmul_records_per_beat(beat_bytes, N, b) for b in (False, True)}
-            if G[False] > 1:            # (G[True] > 1 only if G[False] > 1)
-                batched = (job.addr[:offset_bits] == 0) & ~k_zero & (~bias | (G[True] > 1))
+            if G[False] > 1:            # (G[True] > 1 only if G[False] > 1; G = 1: a batch of one)
+                batched = (job.addr[:offset_bits] == 0) & ~k_zero
                 g_batch = Mux(bias, G[True], G[False])
 
                 def needs_q(g):

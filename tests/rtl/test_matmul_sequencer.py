@@ -310,6 +310,13 @@ def test_bias_batched_records():
     _check_random(32, config, data_width=512, count=10, misalign=(0, 0, 16), bias=True)
 
 
+def test_bias_tiny_wide_bus():
+    """256-bit bus at 4 lanes: two records a beat without BIAS, one with it (8N = B), so a
+    BIAS job reads a record per group even on a beat-aligned block (tiny-hbm's shape)."""
+    assert [tm.matmul_records_per_beat(32, TINY.lanes, b) for b in (False, True)] == [2, 1]
+    _check_random(36, TINY, data_width=256, count=4, misalign=(0, 16, 5), bias=True)
+
+
 def test_bias_16_lanes():
     """16 lanes: a BIAS record is eight beats (four of words, four of biases) and int32
     rows are four lines."""
