@@ -43,8 +43,9 @@ def _read_calibration(path: str | None, required_for: Path) -> tuple[str | None,
 
 
 def cmd_compile(args) -> int:
-    from dfvg_host.compiler import (FAMILIES, check_fits, compile_draft, describe_model, load_config,
+    from dfvg_host.compiler import (check_fits, compile_draft, describe_model, load_config,
                                     read_token_ids, require_tokenizer)
+    from dfvg_host.families import FAMILIES
     from dfvg_host.report import compile_report
 
     engine = _preset(args.preset)
@@ -88,7 +89,7 @@ def cmd_compile(args) -> int:
 
 
 def cmd_families(args) -> int:
-    from dfvg_host.compiler import FAMILIES, NOT_YET
+    from dfvg_host.families import FAMILIES, NOT_YET
     for name, what in FAMILIES.items():
         print(f"{name:8s} supported: {what}")
     for name, lacks in NOT_YET.items():

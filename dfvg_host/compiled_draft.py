@@ -65,6 +65,11 @@ class ModelShape:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
     @property
+    def rope(self) -> bool:
+        """Whether positions are rotary (else a learned table: OPT)."""
+        return self.model_type != "opt"
+
+    @property
     def qk_out(self) -> int:
         """Channels of q and k together (the QK-norm's int32 row)."""
         return (self.heads + self.kv_heads) * self.head_dim

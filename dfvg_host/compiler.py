@@ -33,26 +33,12 @@ from dfvg_hw.spec.isa import Cond, Flag, Instruction, MatmulMode, Op, encode
 from dfvg_host.checkpoints import TOKENIZER_FILES, has_tokenizer
 from dfvg_host.compiled_draft import CompiledDraft, ModelShape
 from dfvg_host.draft_vocab import DraftVocabulary, choose_draft_vocabulary
+from dfvg_host.families import FAMILIES, NOT_YET, FamilyLayout, layout_of
 
 __all__ = ["CompileError", "UnsupportedModel", "DoesNotFit", "ModelShape", "CompiledDraft",
            "describe_model", "check_fits", "calibrate", "compile_draft", "emit_program"]
 
-#: What the engine runs of each model family it compiles (``dfvg compile`` lists these).
-FAMILIES = {
-    "llama": "RMSNorm, RoPE, GQA, a gated MLP with any activation, optional biases on any "
-             "linear layer (attention_bias, mlp_bias), tied or separate lm_head",
-    "qwen2": "as llama, with the biases of q, k and v (Qwen2, Qwen2.5); full attention only",
-    "qwen3": "as llama, with QK-norm (RMSNorm of q and k per head before RoPE) and heads × "
-             "head_dim other than hidden (Qwen3); full attention only",
-}
 SUPPORTED = tuple(FAMILIES)
-#: Families the engine does not run yet, and what they need that it lacks.
-NOT_YET = {
-    "opt": "LayerNorm (mean subtraction and bias), a ReLU MLP without a gate and learned "
-           "position embeddings",
-    "gpt2": "LayerNorm (mean subtraction and bias), a GELU MLP without a gate and learned "
-            "position embeddings",
-}
 
 
 class CompileError(Exception):
@@ -78,14 +64,25 @@ def describe_model(hf_config) -> ModelShape:
     if getattr(hf_config, "use_sliding_window", False):
         raise UnsupportedModel(f"{mt} with use_sliding_window=True is not supported: the engine "
                                f"attends to the whole context")
+    if mt == "opt":
+        if not hf_config.do_layer_norm_before or getattr(hf_config, "_remove_final_layer_norm", False):
+            raise UnsupportedModel("a post-norm OPT (do_layer_norm_before=False, as OPT-350M) is not "
+                                   "supported: the engine runs pre-norm decoders")
+        if hf_config.word_embed_proj_dim != hf_config.hidden_size:
+            raise UnsupportedModel(f"OPT's embedding projection (word_embed_proj_dim "
+                                   f"{hf_config.word_embed_proj_dim} ≠ hidden {hf_config.hidden_size}) "
+                                   f"is not supported")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return ModelShape(
         model_type=mt, hidden=hf_config.hidden_size, layers=hf_config.num_hidden_layers,
         heads=heads, kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim, intermediate=hf_config.intermediate_size,
+        head_dim=head_dim,
+        intermediate=getattr(hf_config, "intermediate_size", None) or hf_config.ffn_dim,
         vocab=hf_config.vocab_size, max_positions=hf_config.max_position_embeddings,
-        rms_norm_eps=float(hf_config.rms_norm_eps), hidden_act=hf_config.hidden_act,
+        # OPT's LayerNorms keep torch's default eps
+        rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", None) or 1e-5),
+        hidden_act=getattr(hf_config, "hidden_act", None) or hf_config.activation_function,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qk_norm=mt == "qwen3")
 
@@ -161,25 +158,40 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
     def bump_channels(d, key, t):
         d[key] = np.maximum(d[key], t.detach().abs().reshape(-1, t.shape[-1]).amax(0).double().numpy())
 
-    for li, layer in enumerate(model.model.layers):
+    fam = layout_of(shape.model_type)
+
+    def normed(module, o):
+        # the engine's norm output: a LayerNorm's bias is folded into the next layer
+        return o - module.bias if fam.layer_norm and module.bias is not None else o
+
+    def residual(i):
+        # the engine's residual is centred over the channels where the norm is a LayerNorm
+        return i - i.mean(dim=-1, keepdim=True) if fam.layer_norm else i
+
+    def on_norm(module, fn):
+        on(module, lambda i, o: (setattr(cal, "residual", max(cal.residual, amax(residual(i)))),
+                                 fn(amax(normed(module, o)))))
+
+    for li, layer in enumerate(model.get_submodule(fam.layers)):
         st = cal.layers[li]
-        on(layer.input_layernorm, lambda i, o, st=st: (setattr(cal, "residual", max(cal.residual, amax(i))),
-                                                       bump(st, "norm1", amax(o))))
-        on(layer.post_attention_layernorm, lambda i, o, st=st: (
-            setattr(cal, "residual", max(cal.residual, amax(i))), bump(st, "norm2", amax(o))))
-        att, mlp = layer.self_attn, layer.mlp
+        part = layer.get_submodule
+        on_norm(part(fam.norm1), lambda a, st=st: bump(st, "norm1", a))
+        on_norm(part(fam.norm2), lambda a, st=st: bump(st, "norm2", a))
+        # RoPE rotates (i, i + hd/2) pairs, so q and k scales come from the pair norms
+        rotated = pair_norm_max if shape.rope else amax
         if shape.qk_norm:       # RoPE rotates the norms' outputs; the int32 rows hold the inputs
-            on(att.q_norm, lambda i, o, st=st: (bump(st, "q", pair_norm_max(o)), bump(st, "q32", amax(i))))
-            on(att.k_norm, lambda i, o, st=st: (bump(st, "k", pair_norm_max(o)), bump(st, "k32", amax(i))))
+            on(part(fam.q_norm), lambda i, o, st=st: (bump(st, "q", rotated(o)), bump(st, "q32", amax(i))))
+            on(part(fam.k_norm), lambda i, o, st=st: (bump(st, "k", rotated(o)), bump(st, "k32", amax(i))))
         else:
-            on(att.q_proj, lambda i, o, st=st: bump(st, "q", pair_norm_max(o)))
-            on(att.k_proj, lambda i, o, st=st: bump(st, "k", pair_norm_max(o)))
-        on(att.v_proj, lambda i, o, st=st: bump(st, "v", amax(o)))
-        on(mlp.gate_proj, lambda i, o, st=st: bump_channels(st, "gate", o))
-        on(mlp.up_proj, lambda i, o, st=st: bump_channels(st, "up", o))
-        on(mlp.down_proj, lambda i, o, st=st: bump_channels(st, "down_in", i))
-    on(model.model.norm, lambda i, o: (setattr(cal, "residual", max(cal.residual, amax(i))),
-                                       setattr(cal, "final_norm", max(cal.final_norm, amax(o)))))
+            on(part(fam.q), lambda i, o, st=st: bump(st, "q", rotated(o)))
+            on(part(fam.k), lambda i, o, st=st: bump(st, "k", rotated(o)))
+        on(part(fam.v), lambda i, o, st=st: bump(st, "v", amax(o)))
+        on(part(fam.gate), lambda i, o, st=st: bump_channels(st, "gate", o))
+        if fam.gated:
+            on(part(fam.up), lambda i, o, st=st: bump_channels(st, "up", o))
+        on(part(fam.down), lambda i, o, st=st: bump_channels(st, "down_in", i))
+    on_norm(model.get_submodule(fam.final_norm),
+            lambda a: setattr(cal, "final_norm", max(cal.final_norm, a)))
     by_length: dict[int, list[list[int]]] = {}
     for ids in token_ids:
         by_length.setdefault(len(ids), []).append(ids)
@@ -240,7 +252,7 @@ def _act_scale(absmax: float, bits: int = 8) -> float:
 RESIDUAL_HEADROOM_BITS = 2
 
 
-def _residual_scale(sd: dict, cal: Calibration, layer_scales: list["LayerScales"]) -> float:
+def _residual_scale(sd: dict, cal: Calibration, layer_scales: list["LayerScales"], fam: FamilyLayout) -> float:
     """The int32 residual stream's scale.
 
     Real checkpoints carry a few "massive activation" channels (10^4 against a typical
@@ -253,9 +265,9 @@ def _residual_scale(sd: dict, cal: Calibration, layer_scales: list["LayerScales"
     s_x = _act_scale(cal.residual * 1.05 * 2 ** RESIDUAL_HEADROOM_BITS, nx.RES_BITS)
     finest = 0.0
     for li, ls in enumerate(layer_scales):
-        p = f"model.layers.{li}."
-        w_down = sd[p + "mlp.down_proj.weight"][:, ls.order] * ls.u
-        for s_in, w in ((ls.o, sd[p + "self_attn.o_proj.weight"]), (ls.h, w_down)):
+        p = f"{fam.layers}.{li}."
+        w_down = sd[f"{p}{fam.down}.weight"][:, ls.order] * ls.u
+        for s_in, w in ((ls.o, sd[f"{p}{fam.o}.weight"]), (ls.h, w_down)):
             finest = max(finest, s_in * float(np.abs(w).max()) / 127.0)
     return max(s_x, finest / 2 ** 15)
 
@@ -284,14 +296,15 @@ def up_down_smoothing(up_max: np.ndarray, w_down: np.ndarray, alpha: float = UP_
 ACT_GROUP_SIZES = (8, 8, 16, 32, 64, 128)
 
 
-def act_groups(intermediate: int) -> list[int]:
-    """The ACTMUL groups of an MLP of ``intermediate`` channels (one group if it is not a
-    multiple of 8)."""
-    if intermediate % 8:
+def act_groups(intermediate: int, unit: int = 8) -> list[int]:
+    """The ACTMUL groups of an MLP of ``intermediate`` channels, each a multiple of
+    ``unit`` (one group if ``intermediate`` is not): ACT_GROUP_SIZES from the first that
+    is a multiple of ``unit``."""
+    if intermediate % unit:
         return [intermediate]
     groups, rest = [], intermediate
-    for size in ACT_GROUP_SIZES:
-        if rest - size < 8:
+    for size in (s for s in ACT_GROUP_SIZES if s % unit == 0):
+        if rest - size < unit:
             break
         groups.append(size)
         rest -= size
@@ -332,12 +345,15 @@ class LayerScales:
     k32: float = 0.0
 
     @classmethod
-    def calibrated(cls, c: dict, w_down: np.ndarray) -> "LayerScales":
+    def calibrated(cls, c: dict, w_down: np.ndarray, gated: bool = True) -> "LayerScales":
         # Matmul inputs are wide (int16); q, k, v (the KV cache), gate and up stay int8.
+        # An ungated MLP (OPT) has no up: u = 1, and groups of 16 int8 gate channels (a
+        # VMEM line each, as gate/up pairs of 8 are).
         order = np.argsort(-c["gate"], kind="stable")
-        gate_max, up_max, h_max = c["gate"][order], c["up"][order], c["down_in"][order]
-        u = up_down_smoothing(up_max, w_down[:, order])
-        groups = tuple(act_groups(len(order)))
+        gate_max, h_max = c["gate"][order], c["down_in"][order]
+        up_max = c["up"][order] if gated else np.ones(len(order))
+        u = up_down_smoothing(up_max, w_down[:, order]) if gated else np.ones(len(order))
+        groups = tuple(act_groups(len(order), 8 if gated else 16))
         spans = _group_bounds(groups)
         s_v = _act_scale(c["v"])
         return cls(n1=_act_scale(c["norm1"], 16), q=_act_scale(c["q"]), k=_act_scale(c["k"]), v=s_v,
@@ -411,6 +427,73 @@ class Layout:
     vmem: dict = field(default_factory=dict)
     biased: list = field(default_factory=list)  # layer blocks whose MATMUL adds a bias (BIAS)
     logits: int = 0                             # LOGITS/SAMPLE length: the drafted tokens
+    act_groups: list = field(default_factory=list)  # channels of each ACTMUL's group
+    positions: int = 0                          # learned position table (int16 rows)
+    position_add: int = 0                       # the identity matmul that adds a position row
+
+
+def _mlp_blocks(parts: dict, linear, sd: dict, key, li: int, fam: FamilyLayout, ls: "LayerScales",
+                s_x: float, act) -> None:
+    """The MLP's blocks: the first matmul (gated: ``[gate_0; up_0; gate_1; up_1; ...]``;
+    ungated: ``[gate_0; gate_1; ...]``, channels permuted by ``ls.order``, up and its bias
+    divided by the smoothing factors ``u``), one ACTMUL per channel group, and down."""
+    def permuted(part, divide=None):
+        w, bias = sd[key(li, part)][ls.order], sd.get(key(li, part, "bias"))
+        bias = None if bias is None else bias[ls.order]
+        if divide is not None:
+            w, bias = w / divide[:, None], None if bias is None else bias / divide
+        return w, bias
+
+    spans = _group_bounds(ls.groups)
+    streams = [permuted(fam.gate)] + ([permuted(fam.up, ls.u)] if fam.gated else [])
+    grouped = [(w[a:b], None if bias is None else bias[a:b]) for a, b in spans for w, bias in streams]
+    scale_of = [ls.gate, ls.up] if fam.gated else [ls.gate]
+    s_out = np.concatenate([np.repeat([s[i] for s in scale_of], b - a) for i, (a, b) in enumerate(spans)])
+    linear("gateup", np.concatenate([w for w, _ in grouped]), ls.n2, s_out, _joined(*grouped))
+    for i in range(len(spans)):
+        lut, s_lut = nx.host_act_lut(act, ls.gate[i])
+        m, sh = nx.host_multiplier(s_lut * (ls.up[i] if fam.gated else 1.0) / ls.h)
+        parts[f"act{i}"] = pack_act_params(int(m), int(sh), lut)
+    linear("down", sd[key(li, fam.down)][:, ls.order] * ls.u, ls.h, s_x, sd.get(key(li, fam.down, "bias")))
+
+
+def decoder_state(model, shape: ModelShape) -> dict:
+    """The model's parameters as float64 arrays keyed by state-dict name, with a tied LM
+    head given its own ``lm_head.weight``; a LayerNorm family's (OPT) rewritten so that an
+    RMSNorm computes the same model (:mod:`dfvg_host.families`): the residual writers'
+    outputs centred over the channels, each LayerNorm's bias folded into the biases of the
+    linear layers that read it."""
+    import torch
+
+    fam = layout_of(shape.model_type)
+    sd = {k: v.detach().to(torch.float64).numpy() for k, v in model.state_dict().items()}
+    sd.setdefault("lm_head.weight", sd[f"{fam.embed}.weight"])
+    if not fam.layer_norm:
+        return sd
+
+    def fold(norm: str, readers: list[str]):
+        beta = sd.pop(f"{norm}.bias")
+        for r in readers:
+            sd[f"{r}.bias"] = sd.get(f"{r}.bias", 0.0) + sd[f"{r}.weight"] @ beta
+
+    def centre_rows(key: str):                   # each row's mean over the channels
+        sd[key] = sd[key] - sd[key].mean(axis=1, keepdims=True)
+
+    def centre_outputs(linear: str):             # every output vector's mean over the channels
+        sd[f"{linear}.weight"] = sd[f"{linear}.weight"] - sd[f"{linear}.weight"].mean(axis=0, keepdims=True)
+        if f"{linear}.bias" in sd:
+            sd[f"{linear}.bias"] = sd[f"{linear}.bias"] - sd[f"{linear}.bias"].mean()
+
+    centre_rows(f"{fam.embed}.weight")
+    centre_rows(f"{fam.positions}.weight")
+    for li in range(shape.layers):
+        p = f"{fam.layers}.{li}."
+        fold(p + fam.norm1, [p + fam.q, p + fam.k, p + fam.v])
+        fold(p + fam.norm2, [p + fam.gate])
+        centre_outputs(p + fam.o)
+        centre_outputs(p + fam.down)
+    fold(fam.final_norm, ["lm_head"])
+    return sd
 
 
 def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig,
@@ -421,17 +504,18 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     import torch
     from transformers.activations import ACT2FN
 
-    sd = {k: v.detach().to(torch.float64).numpy() for k, v in model.state_dict().items()}
-    layer_scales = [LayerScales.calibrated(c, sd[f"model.layers.{li}.mlp.down_proj.weight"])
+    fam = layout_of(shape.model_type)
+    sd = decoder_state(model, shape)
+    key = lambda li, part, what="weight": f"{fam.layers}.{li}.{part}.{what}"
+    layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated)
                     for li, c in enumerate(cal.layers)]
-    s_x = _residual_scale(sd, cal, layer_scales)
+    s_x = _residual_scale(sd, cal, layer_scales, fam)
     b = ImageBuilder(engine.mem_beat_bytes)
     lay = Layout()
     scales = dict(residual=s_x, layers=[])
 
-    emb = sd["model.embed_tokens.weight"]
-    lm = sd.get("lm_head.weight", emb)          # a tied lm_head has no entry of its own
-    lm_bias = sd.get("lm_head.bias")
+    emb = sd[f"{fam.embed}.weight"]
+    lm, lm_bias = sd["lm_head.weight"], sd.get("lm_head.bias")
     lay.logits = shape.vocab
     if vocabulary is not None:
         dropped = np.ones(len(emb), bool)
@@ -445,29 +529,37 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     table[:, :shape.hidden] = np.clip(np.round(emb / s_x), -(1 << 31), (1 << 31) - 1).astype("<i4")
     lay.embed = b.place(table.tobytes())
 
-    rotary = model.model.rotary_emb
-    positions = torch.arange(engine.kv_positions)[None, :]
-    cos, sin = rotary(torch.zeros(1, dtype=torch.float64), positions)
-    half = shape.head_dim // 2
-    lay.rope = b.place(nx.host_rope_table(cos[0, :, :half].double().numpy(),
-                                          sin[0, :, :half].double().numpy()).astype("<i2").tobytes())
+    if shape.rope:
+        rotary = model.model.rotary_emb
+        positions = torch.arange(engine.kv_positions)[None, :]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float64), positions)
+        half = shape.head_dim // 2
+        lay.rope = b.place(nx.host_rope_table(cos[0, :, :half].double().numpy(),
+                                              sin[0, :, :half].double().numpy()).astype("<i2").tobytes())
+    else:
+        # learned positions: int16 rows that EMBED POSITION copies (two a 32-bit element)
+        # and an identity matmul adds into the residual
+        pe = sd[f"{fam.positions}.weight"][fam.position_offset:][:engine.kv_positions]
+        s_pe = _act_scale(float(np.abs(pe).max()), 16)
+        rows = np.zeros((engine.kv_positions, embed_row_stride(shape.hidden // 2, engine.mem_beat_bytes) // 2), "<i2")
+        rows[:len(pe), :shape.hidden] = np.clip(np.round(pe / s_pe), -32767, 32767)
+        lay.positions = b.place(rows.tobytes())
+        lay.position_add = b.place(_linear_block(np.eye(shape.hidden), s_pe, s_x, engine))
+        scales["positions"] = s_pe
 
     act_fn = ACT2FN[shape.hidden_act]
-    scaling = float(getattr(model.model.layers[0].self_attn, "scaling", shape.head_dim ** -0.5))
+    attention = model.get_submodule(fam.layers)[0].get_submodule(fam.q.rsplit(".", 1)[0])
+    scaling = float(getattr(attention, "scaling", shape.head_dim ** -0.5))
     blocks = []
     for li in range(shape.layers):
-        p = f"model.layers.{li}."
         ls = layer_scales[li]
         qd, kd = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         parts = {}
         # RMSNorm gains stay in the int16 gamma (folded into the weight columns, a few large
         # gains set each int8 row's range: measured 1.2 points of top-1 on SmolLM2-135M).
-        parts["norm1"] = _norm_block(sd[p + "input_layernorm.weight"], shape.hidden,
-                                     shape.rms_norm_eps, s_x, ls.n1)
-        attn = {name: (sd[f"{p}self_attn.{name}_proj.weight"], sd.get(f"{p}self_attn.{name}_proj.bias"))
+        parts["norm1"] = _norm_block(sd[key(li, fam.norm1)], shape.hidden, shape.rms_norm_eps, s_x, ls.n1)
+        attn = {name: (sd[key(li, getattr(fam, name))], sd.get(key(li, getattr(fam, name), "bias")))
                 for name in "qkvo"}
-        mlp = {name: (sd[f"{p}mlp.{name}_proj.weight"], sd.get(f"{p}mlp.{name}_proj.bias"))
-               for name in ("gate", "up", "down")}
 
         def linear(name, w, s_in, s_out, bias):
             parts[name] = _linear_block(w, s_in, s_out, engine, bias)
@@ -485,7 +577,7 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
                    _joined(attn["q"], attn["k"]))
             linear("v", attn["v"][0], ls.n1, ls.v, attn["v"][1])
             for name, s_out in (("q", ls.q), ("k", ls.k)):
-                parts[f"{name}norm"] = _norm_block(sd[f"{p}self_attn.{name}_norm.weight"], shape.head_dim,
+                parts[f"{name}norm"] = _norm_block(sd[key(li, getattr(fam, f"{name}_norm"))], shape.head_dim,
                                                    shape.rms_norm_eps, s32[name], s_out, nx.ACT_BITS)
         else:
             s_out = np.concatenate([np.full(qd, ls.q), np.full(kd, ls.k), np.full(kd, ls.v)])
@@ -494,23 +586,12 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
         am, ash = nx.host_multiplier(ls.q * ls.k * scaling * math.log2(math.e) * (1 << nx.EXP_FRAC))
         parts["attn"] = pack_attn_params(int(am), int(ash), shape.kv_heads)
         linear("o", attn["o"][0], ls.o, s_x, attn["o"][1])
-        parts["norm2"] = _norm_block(sd[p + "post_attention_layernorm.weight"], shape.hidden,
-                                     shape.rms_norm_eps, s_x, ls.n2)
-        # gate/up rows in groups, [gate_0; up_0; gate_1; up_1; ...], channels permuted by
-        # ls.order, up (and its bias) divided by the smoothing factors u
-        gate = (mlp["gate"][0][ls.order], None if mlp["gate"][1] is None else mlp["gate"][1][ls.order])
-        up = (mlp["up"][0][ls.order] / ls.u[:, None], None if mlp["up"][1] is None else mlp["up"][1][ls.order] / ls.u)
-        spans = _group_bounds(ls.groups)
-        grouped = [(w[a:b], None if bias is None else bias[a:b]) for a, b in spans for w, bias in (gate, up)]
-        s_out = np.concatenate([np.repeat([ls.gate[i], ls.up[i]], b - a) for i, (a, b) in enumerate(spans)])
-        linear("gateup", np.concatenate([w for w, _ in grouped]), ls.n2, s_out, _joined(*grouped))
-        for i in range(len(spans)):
-            lut, s_lut = nx.host_act_lut(lambda g: act_fn(torch.from_numpy(g)).numpy(), ls.gate[i])
-            m, sh = nx.host_multiplier(s_lut * ls.up[i] / ls.h)
-            parts[f"act{i}"] = pack_act_params(int(m), int(sh), lut)
-        linear("down", mlp["down"][0][:, ls.order] * ls.u, ls.h, s_x, mlp["down"][1])
+        parts["norm2"] = _norm_block(sd[key(li, fam.norm2)], shape.hidden, shape.rms_norm_eps, s_x, ls.n2)
+        _mlp_blocks(parts, linear, sd, key, li, fam, ls, s_x,
+                    lambda g: act_fn(torch.from_numpy(g)).numpy())
         blocks.append(parts)
         scales["layers"].append(ls.to_dict())
+    lay.act_groups = list(layer_scales[0].groups)       # one width, so every layer's groups
 
     # Every layer block has the same internal layout, so one stride serves the LOOP.
     offset = 0
@@ -526,7 +607,7 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
         b.place(bytes(block))
 
     s_fn = _act_scale(cal.final_norm, 16)
-    lay.final_norm = b.place(_norm_block(sd["model.norm.weight"], shape.hidden,
+    lay.final_norm = b.place(_norm_block(sd[f"{fam.final_norm}.weight"], shape.hidden,
                                          shape.rms_norm_eps, s_x, s_fn))
     lay.lm_head = b.place(_linear_block(lm, s_fn, 2.0 ** -nx.LOGIT_FRAC, engine, lm_bias))
     if lm_bias is not None:
@@ -554,6 +635,8 @@ def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
                  h=2 * shape.intermediate)
     if shape.qk_norm:
         sizes["qk32"] = 4 * shape.qk_out
+    if not shape.rope:
+        sizes["pe"] = 2 * shape.hidden
     vmem, line = {}, 0
     for name, nbytes in sizes.items():
         vmem[name] = line
@@ -616,14 +699,27 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     to_int8, to_residual = MatmulMode.INT8 << 1 | wide, MatmulMode.RESADD << 1 | wide
     lrel = Flag.LREL
     bias = lambda name: Flag.BIAS if name in lay.biased else 0
+    # learned positions (OPT): the position's int16 row, added by an identity matmul
+    positions = [] if s.rope else [
+        Instruction(Op.EMBED, flags=Flag.POSITION, rows=rows, dst=v["pe"], n=s.hidden // 2,
+                    addr=lay.positions),
+        Instruction(Op.MATMUL, flags=to_residual, rows=rows, dst=v["x"], src=v["pe"], n=s.hidden,
+                    k=s.hidden, addr=lay.position_add)]
+    rope = [
+        Instruction(Op.ROPE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd, addr=lay.rope),
+        Instruction(Op.ROPE, rows=rows, dst=k_line, src=k_line, n=s.kv_heads, k=hd, addr=lay.rope),
+    ] if s.rope else []
+    # ACTMUL reads [gate_i | up_i] (int8 pairs), ungated gate_i alone, and writes int16 h_i
+    gated = layout_of(s.model_type).gated
+    streams = 2 if gated else 1
     return [
         Instruction(Op.EMBED, rows=rows, dst=v["x"], n=s.hidden, addr=lay.embed),
+        *positions,
         Instruction(Op.LOOP, n=s.layers, addr=lay.layer_stride),
         Instruction(Op.RMSNORM, flags=lrel | wide, rows=rows, dst=v["xn"], src=v["x"], n=s.hidden,
                     addr=L("norm1")),
         *_qkv(shape, lay, rows),
-        Instruction(Op.ROPE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd, addr=lay.rope),
-        Instruction(Op.ROPE, rows=rows, dst=k_line, src=k_line, n=s.kv_heads, k=hd, addr=lay.rope),
+        *rope,
         Instruction(Op.KVAPPEND, rows=rows, src=k_line, n=s.kv_heads, k=hd),
         Instruction(Op.ATTN, flags=lrel | wide, rows=rows, dst=v["attn"], src=v["qkv"], n=s.heads, k=hd,
                     addr=L("attn")),
@@ -632,10 +728,11 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
         Instruction(Op.RMSNORM, flags=lrel | wide, rows=rows, dst=v["xn"], src=v["x"], n=s.hidden,
                     addr=L("norm2")),
         Instruction(Op.MATMUL, flags=lrel | to_int8 | bias("gateup"), rows=rows, dst=v["gateup"],
-                    src=v["xn"], n=2 * s.intermediate, k=s.hidden, addr=L("gateup")),
-        *[Instruction(Op.ACTMUL, flags=lrel | wide, rows=rows, dst=v["h"] + 2 * a // VMEM_LINE_BYTES,
-                      src=v["gateup"] + 2 * a // VMEM_LINE_BYTES, n=b - a, addr=L(f"act{i}"))
-          for i, (a, b) in enumerate(_group_bounds(act_groups(s.intermediate)))],
+                    src=v["xn"], n=streams * s.intermediate, k=s.hidden, addr=L("gateup")),
+        *[Instruction(Op.ACTMUL, flags=lrel | wide | (0 if gated else Flag.UNGATED), rows=rows,
+                      dst=v["h"] + 2 * a // VMEM_LINE_BYTES, src=v["gateup"] + streams * a // VMEM_LINE_BYTES,
+                      n=b - a, addr=L(f"act{i}"))
+          for i, (a, b) in enumerate(_group_bounds(lay.act_groups))],
         Instruction(Op.MATMUL, flags=lrel | to_residual | bias("down"), rows=rows, dst=v["x"], src=v["h"],
                     n=s.hidden, k=s.intermediate, addr=L("down")),
         Instruction(Op.ENDLOOP),

@@ -22,11 +22,12 @@ __all__ = ["make_tiny_llama", "TINY_FAMILY_SHAPES", "TINY", "TINY_EMBED", "TINY_
 def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, intermediate=64,
                     vocab=256, seed=0, tie=False, weight_scale=6.0, eos=1, family="llama",
                     head_dim=None, bias_scale=1.0) -> Path:
-    """Save a randomly initialised causal LM of ``family`` (llama, qwen2 or qwen3) that fits
-    the ``tiny`` preset. Qwen2's q/k/v biases are drawn at ``bias_scale`` (an initialised
-    model has zero biases, which would not exercise them); Qwen3's QK-norm gains around 1."""
+    """Save a randomly initialised causal LM of ``family`` (llama, qwen2, qwen3 or opt) that
+    fits the ``tiny`` preset. Biases are drawn at ``bias_scale`` (an initialised model has
+    zero biases, which would not exercise them); norm gains (Qwen3's QK-norm, OPT's
+    LayerNorms) around 1."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
     common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -35,7 +36,13 @@ def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, int
                   bos_token_id=0, eos_token_id=eos, pad_token_id=2)
     if head_dim is not None:
         common["head_dim"] = head_dim
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family](**common)
+    if family == "opt":
+        common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      ffn_dim=intermediate, vocab_size=vocab, max_position_embeddings=128,
+                      word_embed_proj_dim=hidden, tie_word_embeddings=tie, bos_token_id=0,
+                      eos_token_id=eos, pad_token_id=2)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+              "opt": OPTConfig}[family](**common)
     model = AutoModelForCausalLM.from_config(config)
     # Random init gives near-uniform logits; larger weights make argmax decisions clear,
     # as in a trained model.
@@ -43,9 +50,9 @@ def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, int
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(weight_scale)
-            elif name.endswith("_proj.bias"):
+            elif name.endswith(".bias"):
                 p.copy_(torch.randn_like(p) * bias_scale)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif name.endswith(("q_norm.weight", "k_norm.weight", "layer_norm.weight")):
                 p.copy_(1.0 + 0.5 * torch.randn_like(p))
     model.save_pretrained(path)
     return path
@@ -56,6 +63,7 @@ def make_tiny_llama(path: Path, *, hidden=32, layers=2, heads=2, kv_heads=2, int
 TINY_FAMILY_SHAPES = {
     "qwen2": dict(family="qwen2", hidden=64, heads=4, kv_heads=2, intermediate=96, tie=True),
     "qwen3": dict(family="qwen3", hidden=32, heads=4, kv_heads=2, head_dim=16, intermediate=64, tie=True),
+    "opt": dict(family="opt", hidden=32, heads=2, intermediate=64, tie=True),
 }
 
 TINY = get_preset("tiny")

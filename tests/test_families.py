@@ -1,5 +1,6 @@
-"""Draft families beyond Llama (issue #17): what the compiler accepts and refuses, Qwen2's
-q/k/v biases and Qwen3's QK-norm through the functional model, and speculative decoding
+"""Draft families beyond Llama (issue #17): what the compiler accepts and refuses; Qwen2's
+q/k/v biases, Qwen3's QK-norm and OPT (LayerNorm over a centred residual, biases, an
+ungated MLP, learned positions) through the functional model; and speculative decoding
 with a draft and a target of each family, greedy-exact."""
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def test_the_program_uses_the_family_operations(family_draft):
     if family == "qwen2":
         assert compiled.manifest["layout"]["biased"] == ["qkv"]
         assert sum(bool(i.flags & Flag.BIAS) for i in matmuls) == 2      # chain and tree forward
+    elif family == "opt":
+        # LayerNorm's bias folded into q/k/v, fc1 and the LM head; out_proj and fc2 centred
+        assert sorted(compiled.manifest["layout"]["biased"]) == ["down", "gateup", "lm_head", "o", "qkv"]
+        assert any(i.opcode == Op.EMBED and i.flags & Flag.POSITION for i in program)
+        assert all(i.flags & Flag.UNGATED for i in program if i.opcode == Op.ACTMUL)
+        assert not any(i.opcode == Op.ROPE for i in program)
     else:
         segmented = [i for i in program if i.opcode == Op.RMSNORM and i.k > 1]
         assert [(i.n, i.k) for i in segmented[:2]] == [(16, 4), (16, 2)]  # q heads, then k heads
@@ -65,8 +72,8 @@ def _without(compiled, strip):
 
 
 def test_dropping_the_family_operation_breaks_the_draft(family_draft):
-    """The figures above depend on the new operations: without Qwen2's biases or Qwen3's
-    per-head norm the same image drafts far from the float model."""
+    """The figures above depend on the new operations: without Qwen2's biases, Qwen3's
+    per-head norm or OPT's learned positions the same image drafts far from the float model."""
     family, path, compiled = family_draft
     if family == "qwen2":
         # records are 8N bytes: read without BIAS, the biases would be taken as the next
@@ -84,13 +91,20 @@ def test_dropping_the_family_operation_breaks_the_draft(family_draft):
                 at = records + 8 * TINY.lanes * g + 4 * TINY.lanes
                 image[at:at + 4 * TINY.lanes] = bytes(4 * TINY.lanes)
         image = bytes(image)
+    elif family == "opt":
+        # no learned positions: the position table zeroed
+        layout = compiled.manifest["layout"]
+        image = bytearray(compiled.image)
+        image[layout["positions"]:layout["position_add"]] = bytes(layout["position_add"] - layout["positions"])
+        image, program = bytes(image), compiled.program
     else:
         image = compiled.image
         # one segment: each row normalised as a whole instead of head by head
         program = _without(compiled, lambda i: replace(i, k=0, n=i.n * i.k)
                            if i.opcode == Op.RMSNORM and i.k > 1 else i)
     agreement = teacher_forced_agreement(load_model(path), TINY, image, program, _segments())
-    assert agreement.mean_cosine < 0.99, agreement
+    # the thresholds test_each_family_follows_its_float_model holds the real draft to
+    assert agreement.top1 < 0.9 or agreement.mean_cosine < 0.999, agreement
 
 
 @pytest.mark.parametrize("family", sorted(SHAPES))
@@ -111,19 +125,27 @@ def test_greedy_is_exact_with_a_draft_and_target_of_the_family(family, tmp_path)
 
 def test_unsupported_families_name_what_the_engine_lacks(tmp_path):
     from transformers import AutoConfig
-    opt = AutoConfig.for_model("opt", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                               ffn_dim=128, vocab_size=256)
-    with pytest.raises(UnsupportedModel, match="LayerNorm .*learned position embeddings"):
-        describe_model(opt)
+    gpt2 = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256, bos_token_id=0,
+                                eos_token_id=1)
+    with pytest.raises(UnsupportedModel, match="model_type 'gpt2' is not supported: the engine lacks fused"):
+        describe_model(gpt2)
+    post_norm = AutoConfig.for_model("opt", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     ffn_dim=128, vocab_size=256, do_layer_norm_before=False)
+    with pytest.raises(UnsupportedModel, match="post-norm OPT"):
+        describe_model(post_norm)
+    projected = AutoConfig.for_model("opt", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     ffn_dim=128, vocab_size=256, word_embed_proj_dim=32)
+    with pytest.raises(UnsupportedModel, match="embedding projection"):
+        describe_model(projected)
     sliding = AutoConfig.for_model("qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    use_sliding_window=True, sliding_window=16)
     with pytest.raises(UnsupportedModel, match="use_sliding_window"):
         describe_model(sliding)
-    (tmp_path / "config.json").write_text(json.dumps(opt.to_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(gpt2.to_dict()))
     run = subprocess.run([sys.executable, "-m", "dfvg_host.cli", "compile", "--draft", str(tmp_path),
                           "--random-weights", "-o", str(tmp_path / "out")], capture_output=True, text=True)
     assert run.returncode == 2
-    assert run.stderr.count("\n") == 1 and "model_type 'opt' is not supported" in run.stderr
+    assert run.stderr.count("\n") == 1 and "model_type 'gpt2' is not supported" in run.stderr
 
 
 def test_families_command_lists_supported_and_missing():
@@ -131,7 +153,7 @@ def test_families_command_lists_supported_and_missing():
     assert run.returncode == 0
     lines = run.stdout.splitlines()
     assert [line.split()[0] for line in lines] == ["llama", "qwen2", "qwen3", "opt", "gpt2"]
-    assert "QK-norm" in lines[2] and "not yet" in lines[3]
+    assert "QK-norm" in lines[2] and "supported" in lines[3] and "not yet" in lines[4]
 
 
 def test_a_draft_vocabulary_drafts_kept_tokens_and_stays_exact(tmp_path):
