@@ -1,34 +1,41 @@
-"""EMBED sequencing (docs/isa.md §3.2, ``FunctionalEngine._unit``): the current forward's
-token's row of the embedding table from device memory into VMEM.
+"""EMBED sequencing (docs/isa.md §3.2, ``FunctionalEngine._unit``): one row of a table
+from device memory into VMEM, the row of the current forward's token or, with
+``POSITION``, of the controller's position POS (OPT's learned position embeddings).
 
 Per job:
 
-1. **Token.** The controller's TOKEN: the drafted token (``token_is_drafted``), taken with
-   the job, or the request's input token, read as the job is taken (one bus beat, the
-   word at ``token_addr``). That read is issued in the cycle the job is offered, so the
+1. **Index.** With ``POSITION``, the job's ``pos``: nothing to read. Otherwise the
+   controller's TOKEN: the drafted token (``token_is_drafted``), taken with the job, or
+   the request's input token, read as the job is taken (one bus beat, the word at
+   ``token_addr``). That read is issued in the cycle the job is offered, so the
    controller lends this sequencer the memory port from its job cycle on.
-2. **Span.** VMEM's writer is given the destination, one row of ``4n`` bytes (int32, the
-   residual stream) from line ``dst`` (``BAD_ADDRESS`` if it leaves VMEM).
-3. **Row.** ``4n`` bytes from ``addr + token · S``, where ``S`` =
+2. **Span.** ``POS ≥ kv_positions`` (``POSITION`` only) faults ``KV_OVERFLOW`` in this
+   cycle, before anything moves, as ROPE's position check. Else VMEM's writer is given
+   the destination, one row of ``4n`` bytes (int32, the residual stream) from line
+   ``dst`` (``BAD_ADDRESS`` if it leaves VMEM).
+3. **Row.** ``4n`` bytes from ``addr + index · S``, where ``S`` =
    :func:`~dfvg_hw.spec.image.embed_row_stride` ``(n, B)`` is the row padded to whole
    memory beats (``B`` = the bus beat, ``EngineConfig.mem_beat_bytes``: every row starts
    on a beat whatever ``n``), cut into VMEM lines by a :class:`~dfvg_hw.vmem.Gearbox`
    (emptied before each row: a row that ends inside a beat leaves that beat's other lines
    behind) and written a line a cycle. The memory port refuses a row address off the bus
    beat (``BAD_ADDRESS``: a table not on a beat), which is the functional model's
-   alignment check on ``addr + token · S``.
+   alignment check on ``addr + index · S``.
 
-``rows`` is 1 (the controller refuses any other). ``token`` holds the token until the
-next job, for the controller to retire with.
+A ``POSITION`` job thus costs what a drafted token's does (no token read). ``rows`` is 1
+(the controller refuses any other, and splits a tree forward's EMBED into a job per row,
+each with the same ``pos``). ``token`` holds the last token-indexed job's token until the
+next one, for the controller to retire with; a ``POSITION`` job leaves it as it is.
 """
 
 from __future__ import annotations
 
-from amaranth import Module, ResetInserter, Signal
+from amaranth import Module, Mux, ResetInserter, Signal
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
+from dfvg_hw.layouts import flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
@@ -51,12 +58,13 @@ class EmbedSequencer(wiring.Component):
     Members
     -------
     job : In(stream.Signature(OpJob()))
-        The EMBED: ``addr`` (the table, resolved), ``dst``, ``n``. Taken once the token's
-        read (if any) is accepted.
+        The EMBED: ``addr`` (the table, resolved), ``dst``, ``n``, ``flags`` (``POSITION``)
+        and ``pos``. Taken once the token's read (if any) is accepted.
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
-        :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK or BAD_ADDRESS).
+        :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK, BAD_ADDRESS or, with
+        ``POSITION``, KV_OVERFLOW).
     read_cmd, read_data : the memory port's read side (the token, then the row)
     vmem_wr_cmd, vmem_wr, vmem_wr_done, vmem_error : VMEM's span writer (one span per job)
     vmem_rd_cmd, vmem_rd, peek_addr, peek_data, poke_en, poke_addr, poke_data : unused (idle)
@@ -66,7 +74,7 @@ class EmbedSequencer(wiring.Component):
     token_addr : In(64)
         Device address of the current input token.
     token : Out(16)
-        The last job's token.
+        The last token-indexed job's token.
     """
 
     def __init__(self, config: EngineConfig, data_width: int):
@@ -88,6 +96,8 @@ class EmbedSequencer(wiring.Component):
 
         job = Signal(OpJob())
         token, word = self.token, Signal(range(beat_words))
+        by_position = flags_view(job.flags).position
+        index = Mux(by_position, job.pos, token)       # the table row
         row_bytes = job.n * (nx.RES_BITS // 8)          # an int32 row
         # image.embed_row_stride: the row padded to whole beats
         beat_bits = exact_log2(beat_bytes)
@@ -103,10 +113,13 @@ class EmbedSequencer(wiring.Component):
 
         with m.FSM(name="embed"):
             with m.State("IDLE"):
-                with m.If(self.token_is_drafted):
+                offered_position = flags_view(self.job.payload.flags).position
+                with m.If(offered_position | self.token_is_drafted):
                     m.d.comb += self.job.ready.eq(1)
                     with m.If(self.job.valid):
-                        m.d.sync += [job.eq(self.job.payload), token.eq(self.drafted_token)]
+                        m.d.sync += job.eq(self.job.payload)
+                        with m.If(~offered_position):
+                            m.d.sync += token.eq(self.drafted_token)
                         m.next = "SPAN"
                 with m.Else():
                     addr = self.token_addr
@@ -123,13 +136,17 @@ class EmbedSequencer(wiring.Component):
                     m.next = "SPAN"
             with m.State("SPAN"):
                 m.d.comb += flush_lines.eq(1)
-                m.d.comb += [self.vmem_wr_cmd.valid.eq(1), self.vmem_wr_cmd.payload.line.eq(job.dst),
-                             self.vmem_wr_cmd.payload.rows.eq(1),
-                             self.vmem_wr_cmd.payload.row_bytes.eq(row_bytes)]
-                with m.If(self.vmem_wr_cmd.ready):
-                    m.next = "READ"
+                with m.If(by_position & (job.pos >= self.config.kv_positions)):
+                    finish(ErrorCode.KV_OVERFLOW)
+                with m.Else():
+                    m.d.comb += [self.vmem_wr_cmd.valid.eq(1),
+                                 self.vmem_wr_cmd.payload.line.eq(job.dst),
+                                 self.vmem_wr_cmd.payload.rows.eq(1),
+                                 self.vmem_wr_cmd.payload.row_bytes.eq(row_bytes)]
+                    with m.If(self.vmem_wr_cmd.ready):
+                        m.next = "READ"
             with m.State("READ"):
-                read(job.addr + token * row_stride, row_bytes)
+                read(job.addr + index * row_stride, row_bytes)
                 with m.If(self.vmem_error):
                     finish(ErrorCode.BAD_ADDRESS)
                 with m.Elif(self.read_cmd.ready):

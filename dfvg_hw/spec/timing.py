@@ -197,7 +197,8 @@ UNIT_OVERHEAD = ISSUE + JOB_HANDOVER + RETIRE
 #: Cycles of the request's finish before FINISH, where the result's cycle count is taken
 #: (the FETCH that finds the request over).
 BEFORE_FINISH = 1
-#: EMBED_TOKEN: one state, then (for an input token) the memory read of its beat.
+#: EMBED_TOKEN: one state, then (for an input token: not a drafted one, nor with POSITION)
+#: the memory read of its beat.
 EMBED_TOKEN = 1
 #: EMBED_CMD + EMBED_READ: the VMEM write span, then the row's read command.
 EMBED_COMMANDS = 2

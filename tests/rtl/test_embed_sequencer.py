@@ -2,7 +2,12 @@
 VMEM (int32 rows of ``4n`` bytes), its BAD_ADDRESS refusals, and the input token read from
 ``token_addr`` (0 in the bench: device address 0). Token ``t``'s row is at ``addr + t·S``
 with ``S = embed_row_stride(n, beat)`` (rows padded to whole memory beats); a table off the
-beat is refused by the memory port, as the functional model refuses it."""
+beat is refused by the memory port, as the functional model refuses it.
+
+With ``POSITION`` (OPT's learned position embeddings) the row is the job's ``pos``: random
+positions up to the last, KV_OVERFLOW past it before any other check, the same refusals,
+no token read (each job's cycles are the cycle model's), and a tree forward's rows, one job
+each, all at the level's POS."""
 
 from __future__ import annotations
 
@@ -12,14 +17,17 @@ from dfvg_hw.embed_sequencer import EmbedSequencer
 from dfvg_hw.spec.config import get_preset
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import embed_row_stride
-from dfvg_hw.spec.isa import Op
+from dfvg_hw.spec.isa import Flag, Op
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
 from sim.memory import DeviceMemory
 from sim.op_bench import compare_with_reference, reference_jobs, run_jobs
+from sim.tree_state import TreeState
 
 TINY = get_preset("tiny")
 TABLE = 0x1000
+#: the widest row of the POSITION tests
+MAX_N = 40
 
 
 def _memory(token: int) -> DeviceMemory:
@@ -32,6 +40,45 @@ def _memory(token: int) -> DeviceMemory:
 
 def _embed(n, dst, addr=TABLE):
     return dict(opcode=Op.EMBED, rows=1, n=n, dst=dst, addr=addr)
+
+
+def _embed_position(n, dst, pos, addr=TABLE):
+    return dict(opcode=Op.EMBED, flags=Flag.POSITION, rows=1, n=n, dst=dst, addr=addr, pos=pos)
+
+
+def _position_memory(rng, config) -> DeviceMemory:
+    """A random int32 table at ``TABLE`` with a padded row for every position (the widest
+    row the tests use), another at the very end of device memory, and input token 7 at
+    address 0, whose row differs from every position's."""
+    memory = DeviceMemory(config.mem_bytes)
+    memory.write(0, (7).to_bytes(4, "little"))
+    span = config.kv_positions * embed_row_stride(MAX_N, config.mem_beat_bytes) + 1024
+    memory.write(TABLE, rng.integers(-(1 << 31), 1 << 31, span // 4).astype("<i4").tobytes())
+    memory.write(config.mem_bytes - span,
+                 rng.integers(-(1 << 31), 1 << 31, span // 4).astype("<i4").tobytes())
+    return memory
+
+
+def _check_timed(config, data_width, vmem, memory, jobs, rtl_jobs=None):
+    """Run ``rtl_jobs`` (default ``jobs``) on the sequencer and ``jobs`` on the functional
+    model; assert the same errors and VMEM, that every OK job takes the cycle model's
+    cycles and every KV_OVERFLOW one cycle (the unit overhead the model charges a refused
+    job: ``done`` in the job's first cycle); return the error codes."""
+    from sequencer_cases import model_cycles
+    rtl_jobs = jobs if rtl_jobs is None else rtl_jobs
+    cycles = []
+    after, errors = run_jobs(config, EmbedSequencer(config, data_width), vmem, memory, rtl_jobs,
+                             data_width=data_width, cycles=cycles)
+    want, want_errors = reference_jobs(config, vmem, memory, jobs)
+    if rtl_jobs is jobs:
+        assert errors == want_errors
+    np.testing.assert_array_equal(after, want)
+    for job, got, error in zip(rtl_jobs, cycles, errors):
+        if error == ErrorCode.OK:
+            assert got == model_cycles(config, data_width, job), job
+        elif error == ErrorCode.KV_OVERFLOW:
+            assert got == 1, job
+    return errors, want_errors
 
 
 def test_rows_and_refusals_as_the_functional_model():
@@ -103,6 +150,81 @@ def test_rows_at_the_multichannel_engine_beat():
             [_embed(j["n"], j["dst"], j["addr"] + token * embed_row_stride(j["n"], 64)) for j in jobs])
         assert errors == want_errors == [ErrorCode.OK] * 5 + [ErrorCode.BAD_ADDRESS]
         np.testing.assert_array_equal(got, want)
+
+
+def test_position_rows_as_the_functional_model():
+    """Over 1000 random int32 table entries copied by POSITION jobs at random positions
+    (0 and the last among them), rows of 1 … 40 at random beat-aligned tables; then the
+    faults in the model's order: KV_OVERFLOW at and past ``kv_positions`` before a table
+    off the beat and a row past VMEM, BAD_ADDRESS for each of those alone, and the last
+    row of device memory read and one past it refused. Every OK job takes the cycle
+    model's cycles (no token read)."""
+    rng = np.random.default_rng(40)
+    memory = _position_memory(rng, TINY)
+    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
+    last_line, last_pos = TINY.vmem_bytes // 16 - 1, TINY.kv_positions - 1
+    jobs, values = [_embed_position(MAX_N, 0, 0), _embed_position(MAX_N, 20, last_pos)], 2 * MAX_N
+    while values < 1000:
+        n = int(rng.integers(1, MAX_N + 1))
+        jobs.append(_embed_position(n, int(rng.integers(0, last_line - 10)),
+                                    int(rng.integers(0, TINY.kv_positions)),
+                                    TABLE + 16 * int(rng.integers(0, 64))))
+        values += n
+    errors, _ = _check_timed(TINY, 128, vmem, memory, jobs)
+    assert errors == [ErrorCode.OK] * len(jobs)
+    stride = embed_row_stride(16, TINY.mem_beat_bytes)
+    at_end = TINY.mem_bytes - TINY.kv_positions // 2 * stride      # rows 0 … 31 in memory
+    # (the row past VMEM last: VMEM's refusal is sticky until the request ends, which the
+    # bench does not model)
+    faults = [_embed_position(16, 3, TINY.kv_positions), _embed_position(16, 3, 0xFFFF),
+              _embed_position(16, last_line, TINY.kv_positions, TABLE + 4),
+              _embed_position(16, 3, 5, TABLE + 4),
+              _embed_position(16, 3, TINY.kv_positions // 2 - 1, at_end),
+              _embed_position(16, 3, TINY.kv_positions // 2, at_end),
+              _embed_position(16, last_line, 5)]
+    errors, _ = _check_timed(TINY, 128, vmem, memory, faults)
+    assert errors == [ErrorCode.KV_OVERFLOW] * 3 + [ErrorCode.BAD_ADDRESS, ErrorCode.OK] \
+        + [ErrorCode.BAD_ADDRESS] * 2
+
+
+def test_position_rows_at_wider_beats():
+    """POSITION rows on a 256- and a 512-bit bus (rows padded to 32- and 64-byte beats):
+    random rows and positions, the table off the beat refused, cycles the model's."""
+    for data_width in (256, 512):
+        config = TINY.with_changes(mem_port_bits=data_width)
+        rng = np.random.default_rng(41 + data_width)
+        memory = _position_memory(rng, config)
+        vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+        beat = data_width // 8
+        jobs = [_embed_position(int(rng.integers(1, MAX_N + 1)),
+                                int(rng.integers(0, config.vmem_bytes // 16 - 10)),
+                                int(rng.integers(0, config.kv_positions)),
+                                TABLE + beat * int(rng.integers(0, 16))) for _ in range(6)]
+        jobs.append(_embed_position(4, 9, 3, TABLE + 16))
+        errors, _ = _check_timed(config, data_width, vmem, memory, jobs)
+        assert errors == [ErrorCode.OK] * 6 + [ErrorCode.BAD_ADDRESS]
+
+
+def test_a_tree_levels_rows_all_embed_pos():
+    """A tree forward's POSITION EMBED of W rows (the controller's one job per row, the
+    last first, ``r · pitch`` lines on, each with the level's POS) against the model's
+    tree EMBED: every row holds POS's row, whatever its node's token; a level past the KV
+    positions overflows in its first job."""
+    rng = np.random.default_rng(43)
+    memory = _position_memory(rng, TINY)
+    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
+    width, pitch, n = TINY.rows, 12, 33
+    for base, level in ((5, 1), (20, 3), (TINY.kv_positions - 2, 2), (TINY.kv_positions - 1, 2)):
+        pos, dst = base + level - 1, int(rng.integers(0, 100))
+        tree = TreeState(width, base, level, tokens=[int(t) for t in rng.integers(0, 1000, width)])
+        job = _embed_position(n, dst, pos) | {"rows": width}
+        rtl_jobs = [job | {"rows": 1, "dst": dst + r * pitch} for r in reversed(range(width))]
+        errors, want_errors = _check_timed(TINY, 128, vmem, memory, [job | {"pitch": pitch, "tree": tree}],
+                                           rtl_jobs)
+        if pos < TINY.kv_positions:
+            assert errors == [ErrorCode.OK] * width and want_errors == [ErrorCode.OK]
+        else:
+            assert errors[0] == want_errors[0] == ErrorCode.KV_OVERFLOW
 
 
 def test_lint():
