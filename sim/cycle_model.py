@@ -37,7 +37,7 @@ from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BY
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
 from sim.attention_timing import attn_cycles, attn_job_cycles, compaction_cycles, kvappend_cycles
 from sim.sample_timing import tree_sample_cycles
-from sim.elementwise_timing import actmul_cycles, rmsnorm_cycles, rope_cycles
+from sim.elementwise_timing import actmul_cycles, rmsnorm_cycles, rmsnorm_gamma_reads, rope_cycles
 from sim.matmul_timing import matmul_cycles, ReadPath
 from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, LineSplitter, PortTiming
 
@@ -142,10 +142,11 @@ class CycleModel:
                                     ins.bias)
             return cycles, npad * kpad + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes)
         if op == Op.RMSNORM:
-            # k ≥ 2 segments (QK-norm heads) run as rows of their own
+            # k ≥ 2 segments (QK-norm heads) run as rows of their own; gamma is read once
+            # when the gamma buffer keeps it, else once per row
             segment_rows = rows * max(ins.k, 1)
             return (rmsnorm_cycles(port, c.lanes, ins.n, segment_rows, bool(ins.wide), addr),
-                    NORM_PARAM_BYTES + segment_rows * 2 * ins.n)
+                    NORM_PARAM_BYTES + rmsnorm_gamma_reads(c.lanes, ins.n, segment_rows) * 2 * ins.n)
         if op == Op.ROPE:
             return rope_cycles(port, ins.n, ins.k, rows, addr, pos), 2 * ins.k
         if op == Op.KVAPPEND:
@@ -156,7 +157,8 @@ class CycleModel:
         if op == Op.ACTMUL:
             return actmul_cycles(port, c.lanes, ins.n, rows, bool(ins.wide), addr), ACT_PARAM_BYTES
         if op == Op.EMBED:
-            return self._embed(ins.n, token_from_request)
+            # POSITION indexes the table by POS: no token to read
+            return self._embed(ins.n, token_from_request and not ins.position)
         if op == Op.SAMPLE:
             return self._sample(ins.n, topk), 0
         return ISSUE, 0      # NOP, HALT, LOOP, ENDLOOP, BRANCH, NEXT
