@@ -2,7 +2,7 @@
 """Modelled draft speed of each supported family's common draft shape on a board preset.
 
 Each shape (``dfvg_host.efficiency.FAMILY_SHAPES``, from the published configs of
-Qwen2.5-0.5B and Qwen3-0.6B, and the paper's LLaMA-160M) is compiled by the real compiler
+OPT-125M, Qwen2.5-0.5B and Qwen3-0.6B, and the paper's LLaMA-160M) is compiled by the real compiler
 with random weights, exactly as ``dfvg compile --random-weights`` does, and costed by the
 cycle model. Every figure is modelled. A shape the preset cannot hold prints the
 compiler's one-line reason; ``--what-if KEY=VALUE,...`` then sizes it on the preset with
@@ -45,6 +45,9 @@ def main(argv=None) -> int:
         for context in (int(c) for c in args.contexts.split(",")):
             for cfg, label in ((engine, engine.name), (what_if, f"{engine.name} what-if")):
                 if cfg is None:
+                    continue
+                if context > cfg.kv_positions:
+                    print(f"{shape.name:22s} {label:24s} {context:5d} past its kv_positions = {cfg.kv_positions}")
                     continue
                 try:
                     (row,) = engine_efficiency([cfg], (shape,), context=context, log=print)

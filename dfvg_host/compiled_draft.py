@@ -43,8 +43,8 @@ def _sha256(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the compiler needs to know of a draft (the manifest's ``model``): a Llama-family
-    decoder (``model_type`` llama, qwen2 or qwen3)."""
+    """What the compiler needs to know of a draft (the manifest's ``model``): a decoder of
+    a supported family (``model_type`` llama, qwen2, qwen3 or opt, :mod:`dfvg_host.families`)."""
     model_type: str
     hidden: int
     layers: int

@@ -59,10 +59,12 @@ class DraftShape:
 
         directory.mkdir(parents=True, exist_ok=True)
         extra = {} if self.head_dim is None else dict(head_dim=self.head_dim)
+        if self.family == "opt":        # OPT names the MLP width ffn_dim and has no GQA
+            extra.update(ffn_dim=self.intermediate, word_embed_proj_dim=self.hidden)
+        else:
+            extra.update(intermediate_size=self.intermediate, num_key_value_heads=self.kv_heads or self.heads)
         config = AutoConfig.for_model(self.family, hidden_size=self.hidden, num_hidden_layers=self.layers,
-                                      num_attention_heads=self.heads,
-                                      num_key_value_heads=self.kv_heads or self.heads,
-                                      intermediate_size=self.intermediate, vocab_size=self.vocab,
+                                      num_attention_heads=self.heads, vocab_size=self.vocab,
                                       max_position_embeddings=self.max_positions,
                                       tie_word_embeddings=self.tied, **extra)
         text = config.to_json_string()
@@ -80,9 +82,12 @@ PAPER_SHAPES = (
     DraftShape("LLaMA-160M-shaped", hidden=768, layers=12, heads=12, intermediate=3072, vocab=32000),
 )
 
-#: The other families' common drafts (issue #17), from their published configs; Qwen's
+#: The other families' common drafts (issue #17), from their published configs (OPT-125M
+#: drafts for OPT-13B in the DFVG paper, Qwen3-0.6B for Qwen3-8B); Qwen's
 #: 151,936 tokens exceed the engine's 16-bit ids, so they draft over 65,534 of them.
 FAMILY_SHAPES = (
+    DraftShape("OPT-125M-shaped", hidden=768, layers=12, heads=12, intermediate=3072, vocab=50272,
+               family="opt", tied=True),
     DraftShape("Qwen2.5-0.5B-shaped", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
                vocab=151936, family="qwen2", tied=True, draft_vocab=65535),
     DraftShape("Qwen3-0.6B-shaped", hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128,

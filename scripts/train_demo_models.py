@@ -236,6 +236,15 @@ def make_config(kind: str, vocab_size: int) -> LlamaConfig:
             head_dim=64, intermediate_size=352, tie_word_embeddings=True, use_sliding_window=False,
             **{k: v for k, v in common.items() if k != "mlp_bias"},
         )
+    if kind == "draft-opt":
+        # OPT's (issue #17): LayerNorm with biases, biases on every linear layer, an ungated
+        # ReLU MLP, learned position embeddings.
+        return transformers.OPTConfig(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=2, ffn_dim=352,
+            word_embed_proj_dim=128, max_position_embeddings=1024, tie_word_embeddings=True,
+            do_layer_norm_before=True, activation_function="relu", vocab_size=vocab_size,
+            bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        )
     raise ValueError(kind)
 
 
@@ -499,7 +508,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--drafter", metavar="NAME", help="train only one more drafter into OUT/NAME, "
                    "distilled from the existing OUT/demo-target (e.g. demo-draft-small)")
-    p.add_argument("--drafter-shape", choices=["draft", "draft-small", "draft-qwen2", "draft-qwen3"],
+    p.add_argument("--drafter-shape", choices=["draft", "draft-small", "draft-qwen2", "draft-qwen3", "draft-opt"],
                    default="draft-small",
                    help="the extra drafter's shape (with --drafter)")
     return p.parse_args(argv)
@@ -534,7 +543,7 @@ from it on the same training split and tokenizer as `demo-draft`, with another s
 
 Command: `{cmd}`
 
-- shape: {cfg.model_type}, {cfg.num_hidden_layers} layer(s) x hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads ({cfg.num_key_value_heads} KV) x {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}, intermediate {cfg.intermediate_size}; {n_params(draft):,} parameters
+- shape: {cfg.model_type}, {cfg.num_hidden_layers} layer(s) x hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads ({getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads} KV) x {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}, intermediate {getattr(cfg, "intermediate_size", None) or cfg.ffn_dim}; {n_params(draft):,} parameters
 - training: {stats['steps']} steps, {stats['tokens']:,} tokens, {stats['seconds']:.0f} s on {args.threads} CPU thread(s); final loss {stats['final_loss']:.4f}
 - distillation: T={args.temperature}, alpha={args.alpha}; seed {args.seed}
 - wall time: {time.time() - t_start:.0f} s

@@ -264,10 +264,11 @@ def test_interleaved_sequences_on_the_rtl_engine(device, tiny_engine, two_sequen
         assert all(kv_expected[0][slot].any() for slot in range(4))
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "opt"])
 def family_compiled(request, tmp_path_factory, tiny_engine):
     """A tiny draft of each family beyond Llama (issue #17): Qwen2's biased q/k/v matmul
-    (BIAS), Qwen3's int32 q/k row (INT32) and its per-head RMSNORM (segments)."""
+    (BIAS), Qwen3's int32 q/k row (INT32) and its per-head RMSNORM (segments), OPT's
+    position row (EMBED POSITION) and ungated MLP (ACTMUL UNGATED)."""
     from dfvg_host.compiler import compile_draft
     from dfvg_host.fixtures import TINY_FAMILY_SHAPES, make_tiny_llama
     path = make_tiny_llama(tmp_path_factory.mktemp(request.param), seed=4,
