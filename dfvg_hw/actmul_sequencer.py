@@ -1,6 +1,6 @@
 """ACTMUL sequencing (docs/isa.md §3.8, ``FunctionalEngine._unit``): the activation table
 from device memory into :class:`~dfvg_hw.elementwise.ActMul`, then each source row's gate
-and up halves through it, the results into VMEM.
+and up halves (with ``UNGATED``, its gate alone) through it, the results into VMEM.
 
 Per job:
 
@@ -11,8 +11,9 @@ Per job:
    device memory is refused by the memory port (``BAD_ADDRESS``; the controller resets
    the sequencer before VMEM was touched).
 2. **Checks.** ``rows > config.rows`` (``PROGRAM``) first of all, as ``_unit`` does; the
-   source (``rows × 2n`` int8) and destination spans outside VMEM (``BAD_ADDRESS``) before
-   VMEM's writer is given the destination, so a refused instruction changes nothing.
+   source (``rows × 2n`` int8; ``rows × n`` with ``UNGATED``) and destination spans
+   outside VMEM (``BAD_ADDRESS``) before VMEM's writer is given the destination, so a
+   refused instruction changes nothing.
 3. **Rows.** The destination is one write span; each source row is one read span whose
    lines are forked: the first ``ceil(n/16)`` (the gate half) into an on-chip **gate
    buffer**, and all of them into a :class:`~dfvg_hw.line_streams.LineAligner` that
@@ -20,17 +21,27 @@ Per job:
    same elements from the buffer, both are cut into ``lanes``-element beats and go
    through ActMul together. The next row's span is issued when the row's last pair has
    left, so the buffer is never overwritten while it is still read.
+4. **Ungated rows** (``UNGATED``, an ungated MLP's ReLU or GELU). A source row is its
+   ``n`` gate bytes alone, and ActMul takes ``up = 1``: the row's span is ``n`` bytes, the
+   aligner re-cuts it from byte 0 and its lines are the gate lines themselves, past the
+   gate buffer (a narrow row may be up to all of VMEM, twice the buffer). The pairs
+   run as a gated row's, without the ``⌊n/16⌋`` lines a gated row's aligner drops first.
 
 The gate buffer holds ``ceil(vmem_bytes / 32)`` lines (half of VMEM: the longest gate a
 row inside VMEM can have). It is what makes ``src == dst`` exact for wide results too:
 a wide output line overlays gate bytes needed by later outputs, which the buffer has
 already taken; every other byte an output line overlays was read before that line is
 written (reads run ahead of writes, a line per cycle). A destination partly overlapping
-the source is not supported (the functional model reads all rows first).
+the source is not supported (the functional model reads all rows first). An ungated row
+is not buffered, so ``src == dst`` is exact for its narrow results only (each output line
+overlays the gate line it came from); a wide ungated result, twice its source row,
+overlays gates not yet read, so a ``WIDE UNGATED`` destination must not overlap the
+source (its row ``r`` also overlays the source's row ``r + 1``).
 
-A row takes about ``ceil(2n/16)`` cycles of VMEM reads plus the read latency and the
-pipeline's drain (ActMul's is :attr:`~dfvg_hw.elementwise.ActMul.LATENCY`); at ``lanes <
-16`` ActMul's ``ceil(n/16)·16/lanes`` beats set the pace instead.
+A row takes about ``ceil(2n/16)`` cycles of VMEM reads (``ceil(n/16)`` ungated) plus the
+read latency and the pipeline's drain (ActMul's is
+:attr:`~dfvg_hw.elementwise.ActMul.LATENCY`); at ``lanes < 16`` ActMul's
+``ceil(n/16)·16/lanes`` beats set the pace instead.
 """
 
 from __future__ import annotations
@@ -77,8 +88,8 @@ class ActMulSequencer(wiring.Component):
     Members
     -------
     job : In(stream.Signature(OpJob()))
-        The ACTMUL: ``addr`` (parameter block), ``flags`` (``WIDE``), ``rows``, ``dst``,
-        ``src``, ``n``.
+        The ACTMUL: ``addr`` (parameter block), ``flags`` (``WIDE``, ``UNGATED``),
+        ``rows``, ``dst``, ``src``, ``n``.
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
@@ -115,8 +126,8 @@ class ActMulSequencer(wiring.Component):
         wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
 
         job = Signal(OpJob())
-        wide = flags_view(job.flags).wide
-        in_bytes = Signal(17)                       # 2n: gate and up
+        wide, ungated = flags_view(job.flags).wide, flags_view(job.flags).ungated
+        in_bytes = Signal(17)                       # 2n: gate and up; n: an ungated gate
         out_bytes = Signal(17)                      # n, or 2n when wide
         gate_lines = lines_of(job.n)
         head = Signal(32)
@@ -150,22 +161,25 @@ class ActMulSequencer(wiring.Component):
         m.d.comb += [
             up_align.i.valid.eq(self.vmem_rd.valid), up_align.i.p.data.eq(self.vmem_rd.p.data),
             up_align.i.p.last.eq(self.vmem_rd.p.last), self.vmem_rd.ready.eq(up_align.i.ready),
-            gate_wr.en.eq(line_taken & (row_line < gate_lines)),
+            gate_wr.en.eq(line_taken & ~ungated & (row_line < gate_lines)),
             gate_wr.addr.eq(row_line), gate_wr.data.eq(self.vmem_rd.p.data),
         ]
         with m.If(line_taken):
             m.d.sync += row_line.eq(row_line + 1)
 
         # each up line meets gate line `pair`: the read port shows the line addressed in
-        # the previous cycle, and re-reads it every cycle, so a line written since is seen
-        pair_valid = up_align.o.valid & (gate_at == pair)
+        # the previous cycle, and re-reads it every cycle, so a line written since is seen.
+        # An ungated row's gate is the aligner's line itself (a row of up to all of VMEM,
+        # longer than the buffer), paired with up = 1 at ActMul
+        pair_valid = up_align.o.valid & (ungated | (gate_at == pair))
         pair_taken = pair_valid & gate_cut.i.ready & up_cut.i.ready
         m.d.comb += [
             gate_rd.addr.eq(Mux(pair_taken, pair + 1, pair)),
             gate_cut.i.valid.eq(pair_valid & up_cut.i.ready),
             up_cut.i.valid.eq(pair_valid & gate_cut.i.ready),
             up_align.o.ready.eq(pair_taken),
-            gate_cut.i.p.data.eq(gate_rd.data), gate_cut.i.p.last.eq(up_align.o.p.last),
+            gate_cut.i.p.data.eq(Mux(ungated, up_align.o.p.data, gate_rd.data)),
+            gate_cut.i.p.last.eq(up_align.o.p.last),
             up_cut.i.p.eq(up_align.o.p),
         ]
         m.d.sync += gate_at.eq(gate_rd.addr)
@@ -184,7 +198,8 @@ class ActMulSequencer(wiring.Component):
             writer.i.p.last.eq(lasts.r_data),
         ]
         for j in range(lanes):
-            m.d.comb += [act.i.p.gate[j].eq(gate_cut.o.p.data[j]), act.i.p.up[j].eq(up_cut.o.p.data[j]),
+            m.d.comb += [act.i.p.gate[j].eq(gate_cut.o.p.data[j]),
+                         act.i.p.up[j].eq(Mux(ungated, 1, up_cut.o.p.data[j])),
                          writer.i.p.y[j].eq(act.o.p[j])]
 
         with m.FSM(name="actmul"):
@@ -192,7 +207,8 @@ class ActMulSequencer(wiring.Component):
                 m.d.comb += self.job.ready.eq(1)
                 with m.If(self.job.valid):
                     p = self.job.payload
-                    m.d.sync += [job.eq(p), in_bytes.eq(2 * p.n),
+                    m.d.sync += [job.eq(p),
+                                 in_bytes.eq(Mux(flags_view(p.flags).ungated, p.n, 2 * p.n)),
                                  out_bytes.eq(Mux(flags_view(p.flags).wide, 2 * p.n, p.n)),
                                  row.eq(0), table_index.eq(0), error.eq(ErrorCode.OK),
                                  *progress.restart()]
@@ -227,7 +243,9 @@ class ActMulSequencer(wiring.Component):
                 with m.If(self.vmem_wr_cmd.ready):
                     m.next = "ROW_ALIGN"
             with m.State("ROW_ALIGN"):                   # the up half starts n bytes in
-                m.d.comb += [up_align.setup.valid.eq(1), up_align.setup.p.skip.eq(job.n),
+                # an ungated row has no up half: the aligner passes its gate through
+                m.d.comb += [up_align.setup.valid.eq(1),
+                             up_align.setup.p.skip.eq(Mux(ungated, 0, job.n)),
                              up_align.setup.p.lines.eq(gate_lines)]
                 m.d.sync += [row_line.eq(0), pair.eq(0)]
                 with m.If(up_align.setup.ready):

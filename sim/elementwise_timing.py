@@ -166,11 +166,11 @@ def _norm_replay_pass2(u, beats, gamma_line, g_cut, g_pack, g_ell):
     return t, (t - t_prev if beats > 1 else 1)
 
 
-def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int):
+def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool):
     """ACTMUL's row loop from the first ROW_ALIGN in cycle ``a``: (cycle the writer takes
     the last beat, beats per row)."""
     g_lines = ceil(n / LINE)
-    d = n // LINE                                  # lines the up-half aligner drops
+    d = 0 if ungated else n // LINE                # lines the up-half aligner drops
     r = max(1, LINE // lanes)                      # cycles per (gate, up) line pair
     q = max(1, lanes // LINE)                      # lines per ActMul beat when packing
     if lanes <= LINE:
@@ -206,10 +206,14 @@ def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int):
     return w_last, beats
 
 
-def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
+def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int,
+                  ungated: bool = False) -> int:
     """actmul_sequencer.py: the parameter head and the SiLU table (256 entries, a line of
     8 a cycle into the unit's LUT, every instruction), then per row the gate and up halves
-    read from VMEM in pairs through ActMul and the RowWriter."""
+    read from VMEM in pairs through ActMul and the RowWriter. An ``ungated`` row is its
+    ``n`` gate bytes alone, which go through the up half's aligner from byte 0: it drops
+    no lines before the first pair, and each row reads ``ceil(n/16)`` lines instead of
+    ``ceil(2n/16)`` (the pairs, not the reads, set a row's pace either way)."""
     first = tm.PARAM_CMD + READ_OVERHEAD + port.latency
     skip = addr % port.bus_bytes
     head_out = port.emit(0, first, skip, ACT_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
@@ -222,7 +226,7 @@ def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, a
         return UNIT_OVERHEAD + a - 1
     beat_bytes = lanes * (2 if wide else 1)
     s = max(1, beat_bytes // LINE)
-    w_last, beats = _actmul_rows(a, rows, n, lanes, s)
+    w_last, beats = _actmul_rows(a, rows, n, lanes, s, ungated)
     _, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide)
     if beat_bytes <= LINE and wide:
         dropped = 2 * ceil(n / LINE) - ceil(2 * n / LINE)

@@ -1,4 +1,5 @@
-"""ActMulSequencer against the functional model's ACTMUL (sim/op_bench.py)."""
+"""ActMulSequencer against the functional model's ACTMUL (sim/op_bench.py), gated and
+``UNGATED``, and against the cycle model."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import ConfigError
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ACT_PARAM_BYTES
@@ -15,11 +17,12 @@ from dfvg_hw.actmul_sequencer import ActMulSequencer
 from sim.memory import DeviceMemory
 from dfvg_hw.verilog import to_verilog
 from sim.cycle_model import CycleModel
-# the row-job harness shared with the other row sequencer's tests (tests/rtl/)
+from sim.elementwise_timing import actmul_cycles
+from sim.op_bench import compare_with_reference
 from sim.lint import verilator_lint
 # the row-job harness shared with the other row sequencer's tests (tests/rtl/)
 from sequencer_cases import (TINY, L, check_random_row_jobs, check_row_jobs, check_wide_lanes,
-                             row_job)
+                             mutant, random_row_job, row_job)
 
 #: parameter blocks (bus-aligned, odd, 8 mod 16, 13 mod 16) and their head words: int8
 #: results spread, int16 results spread, saturating, and a word with bits above the shift
@@ -118,3 +121,91 @@ def test_cycles_equal_the_model():
         assert check_row_jobs(rng, ActMulSequencer, _memory, jobs, data_width,
                               timed=True) == [ErrorCode.OK] * len(jobs)
     check_wide_lanes(rng, ActMulSequencer, _memory, Op.ACTMUL, list(BLOCKS), timed=True)
+
+
+# -- UNGATED: h = act(gate), the source row is the gate alone (an ungated MLP's ReLU) -------
+def _ungated(rows, n, src, dst, addr=0x1000, wide=False):
+    return dict(_actmul(rows, n, src, dst, addr, wide), flags=(Flag.WIDE if wide else 0) | Flag.UNGATED)
+
+
+def _model_cycles(config, data_width, job):
+    """The cycle model's count for an ACTMUL job, gated or not (as sequencer_cases'
+    model_cycles counts it: less the controller's UNIT_OVERHEAD)."""
+    port = CycleModel(config.with_changes(mem_port_bits=data_width)).port
+    return actmul_cycles(port, config.lanes, job["n"], job["rows"], bool(job["flags"] & Flag.WIDE),
+                         job["addr"], ungated=bool(job["flags"] & Flag.UNGATED)) - timing.UNIT_OVERHEAD
+
+
+def _check_timed(rng, jobs, data_width=128, config=TINY, sequencer_class=ActMulSequencer):
+    """The jobs against the functional model (VMEM and error codes) and, each that
+    completes, against the cycle model; returns the error codes."""
+    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    cycles = []
+    errors = compare_with_reference(config, sequencer_class(config, data_width), vmem, _memory(rng),
+                                    jobs, data_width=data_width, cycles=cycles)
+    timed = [(job, got) for job, got, error in zip(jobs, cycles, errors) if error == ErrorCode.OK]
+    assert [got for _, got in timed] == [_model_cycles(config, data_width, job) for job, _ in timed]
+    return errors
+
+
+def test_ungated_rows_spans_and_long_rows():
+    """Ungated rows of several n (a row of a gated job after them sees no trace of the
+    flag), in place when narrow, the source checked over n bytes a row, and a narrow row
+    longer than the gate buffer (half of VMEM); every job at the cycle model's count."""
+    last_line = TINY.vmem_bytes // L - 1
+    jobs = [_ungated(2, 20, 10, 40, wide=True), _ungated(2, 9, 60, 60, addr=0x2003),
+            _actmul(2, 9, 60, 60, addr=0x3008),
+            _ungated(1, 1, 3, 5, addr=0x400D, wide=True), _ungated(2, 64, 120, 20, addr=0x3008),
+            _ungated(1, 2100, 30, 30, addr=0x2003),     # 132 lines: more than the buffer's 128
+            _ungated(2, 16, last_line - 1, 40),          # the source ends with VMEM: OK
+            _ungated(1, 33, last_line - 1, 40),          # 3 lines from the last but one
+            _ungated(2, 0, last_line, last_line),
+            _ungated(2, 7, 100, 110, addr=0x400D, wide=True), _actmul(1, 30, 100, 120, wide=True)]
+    errors = _check_timed(np.random.default_rng(21), jobs)
+    assert errors == [ErrorCode.OK] * 7 + [ErrorCode.BAD_ADDRESS] + [ErrorCode.OK] * 3
+    jobs = [_ungated(2, 40, 10, 50, addr=0x1000), _ungated(1, 33, 5, 5, addr=0x400D)]
+    assert _check_timed(np.random.default_rng(22), jobs, data_width=512) == [ErrorCode.OK] * 2
+
+
+def test_ungated_random_jobs():
+    """Random ungated jobs (one in four gated, in between), at least 1000 gate values,
+    against the functional model and the cycle model. A wide ungated result is twice its
+    source row, so it is never written in place (not supported: see the module)."""
+    rng = np.random.default_rng(23)
+    jobs = []
+    for i in range(40):
+        job = random_row_job(rng, Op.ACTMUL, list(BLOCKS))     # room for 2n bytes a row
+        if i % 4:
+            wide = bool(job["flags"] & Flag.WIDE) and job["src"] != job["dst"]
+            job = _ungated(job["rows"], job["n"], job["src"], job["dst"], job["addr"], wide)
+        jobs.append(job)
+    assert _check_timed(rng, jobs) == [ErrorCode.OK] * len(jobs)
+    gates = sum(j["rows"] * j["n"] for j in jobs if j["flags"] & Flag.UNGATED)
+    assert gates >= 1000, gates
+
+
+def test_ungated_wide_lanes():
+    """64 lanes on a 256-bit bus: gate rows packed into beats of four lines, n not a
+    multiple of the lanes, the writer pacing the wide rows."""
+    jobs = [_ungated(2, 20, 60, 10, addr=0x2003, wide=True), _ungated(1, 100, 10, 10),
+            _ungated(2, 9, 100, 120, addr=0x3008, wide=True), _ungated(1, 130, 150, 200, wide=True),
+            _actmul(2, 33, 80, 30)]
+    errors = _check_timed(np.random.default_rng(24), jobs, data_width=256,
+                          config=TINY.with_changes(lanes=64))
+    assert errors == [ErrorCode.OK] * len(jobs)
+
+
+@pytest.mark.parametrize("old, new", [
+    # the row's own bytes taken as up (the gate itself) instead of 1: other values
+    ("act.i.p.up[j].eq(Mux(ungated, 1, up_cut.o.p.data[j]))", "act.i.p.up[j].eq(up_cut.o.p.data[j])"),
+    # the aligner still skipping n bytes: it passes the bytes past the gate as gate lines
+    ("up_align.setup.p.skip.eq(Mux(ungated, 0, job.n))", "up_align.setup.p.skip.eq(job.n)"),
+], ids=["up-from-the-row", "skip-n"])
+def test_ungated_mutations_are_caught(old, new):
+    """The ungated checks can fail: a sequencer that reads the row as a gated one would
+    gives other results than the functional model's."""
+    import dfvg_hw.actmul_sequencer as actmul_module
+    bad = mutant(actmul_module, old, new, shared=()).ActMulSequencer
+    jobs = [_ungated(2, 40, 10, 50, wide=True), _ungated(1, 37, 20, 70)]
+    with pytest.raises(AssertionError):
+        _check_timed(np.random.default_rng(25), jobs, sequencer_class=bad)
