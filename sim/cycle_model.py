@@ -155,7 +155,8 @@ class CycleModel:
             return (attn_cycles(port, c, ins.n, ins.k, ins.src, ins.dst, pos, bool(ins.wide), addr),
                     ATTN_PARAM_BYTES)
         if op == Op.ACTMUL:
-            return actmul_cycles(port, c.lanes, ins.n, rows, bool(ins.wide), addr), ACT_PARAM_BYTES
+            return (actmul_cycles(port, c.lanes, ins.n, rows, bool(ins.wide), addr, ungated=bool(ins.ungated)),
+                    ACT_PARAM_BYTES)
         if op == Op.EMBED:
             # POSITION indexes the table by POS: no token to read
             return self._embed(ins.n, token_from_request and not ins.position)
