@@ -144,6 +144,21 @@ CASES.update({
                             ErrorCode.BAD_ADDRESS),
 })
 
+#: learned positions (OPT, EMBED POSITION): the table's row of POS, then logits from it;
+#: the last request's second forward is past the KV positions
+POSITION = f"""
+    embed rows=1, dst=0, n=16, addr=0, position
+    branch cond=no_sample, n=4
+    matmul rows=1, dst=8, src=0, n=40, k=16, addr={LOGITS}, mode=logits, wide
+    sample n=40
+    next n=0
+    halt"""
+CASES.update({
+    "embed_position": (POSITION, DraftRequest([3, 7], start_pos=5, n_draft=2, topk=4, seq=50), ErrorCode.OK),
+    "embed_position_overflow": (POSITION, DraftRequest([3], start_pos=TINY.kv_positions - 1, n_draft=2,
+                                                       topk=4, seq=52), ErrorCode.KV_OVERFLOW),
+})
+
 #: two layers of one KV head, their entries appended at slot kv_slot_base + LAYER
 #: (docs/isa.md §1.4): the last two slots exactly, one past them (PROGRAM at layer 1, the
 #: KVAPPEND's pc), and a base whose layer 0 is already past the buffer
