@@ -472,7 +472,9 @@ def decoder_state(model, shape: ModelShape) -> dict:
         return sd
 
     def fold(norm: str, readers: list[str]):
-        beta = sd.pop(f"{norm}.bias")
+        beta = sd.pop(f"{norm}.bias", None)
+        if beta is None:                         # a LayerNorm without a bias
+            return
         for r in readers:
             sd[f"{r}.bias"] = sd.get(f"{r}.bias", 0.0) + sd[f"{r}.weight"] @ beta
 
