@@ -18,6 +18,7 @@ their tokens roughly by frequency, so low ids are the frequent ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -31,7 +32,8 @@ class DraftVocabulary:
     Members
     -------
     kept : np.ndarray
-        Model token ids, ascending; the engine's LM head rows, in this order.
+        Model token ids, ascending (so the mapping keeps the order that breaks the
+        sampler's ties); the engine's LM head rows, in this order.
     vocab : int
         The model's vocabulary size.
     """
@@ -48,18 +50,16 @@ class DraftVocabulary:
         """The engine id every dropped token is fed as."""
         return len(self.kept)
 
-    def _to_engine(self) -> np.ndarray:
+    @cached_property
+    def _engine_ids(self) -> np.ndarray:
+        """The engine id of every model id."""
         table = np.full(self.vocab, self.unknown, dtype=np.int64)
         table[self.kept] = np.arange(len(self.kept))
         return table
 
     def to_engine(self, tokens) -> list[int]:
         """Model ids → engine ids (dropped tokens → :attr:`unknown`)."""
-        table = self.__dict__.get("_table")
-        if table is None:
-            table = self._to_engine()
-            object.__setattr__(self, "_table", table)
-        return [int(table[t]) for t in tokens]
+        return [int(self._engine_ids[t]) for t in tokens]
 
     def to_model(self, engine_ids) -> list[int]:
         """Engine ids the engine drafted → model ids; an id past the kept tokens raises
