@@ -62,7 +62,8 @@ def fingerprint(model_dir: Path, calibration: Path | tuple[Path, ...] | None, en
     # The compiler's own sources: a changed compiler must not reuse an old image. The
     # contract modules (dfvg_hw/spec: ISA, image layout, numerics) are part of it.
     for mod in sorted((REPO_ROOT / "dfvg_hw").rglob("*.py")) + [
-            Path(__file__).with_name(name) for name in ("compiler.py", "compiled_draft.py")]:
+            Path(__file__).with_name(name)
+            for name in ("compiler.py", "compiled_draft.py", "families.py", "draft_vocab.py")]:
         h.update(mod.read_bytes())
     return h.hexdigest()[:16]
 

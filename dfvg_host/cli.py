@@ -938,7 +938,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="compile a Hugging Face draft model for the draft engine")
     c.add_argument("--draft", required=True, help="local Hugging Face model directory (a Llama, "
-                   "Qwen2 or Qwen3 model: `dfvg families`)")
+                   "Qwen2, Qwen3 or OPT model: `dfvg families`)")
     c.add_argument("--preset", default="alveo-u55c", help=f"engine preset ({', '.join(preset_names())})")
     c.add_argument("-o", "--output", required=True, help="output directory")
     c.add_argument("--calibration", help="text file to calibrate activation scales "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from dfvg_hw.spec.image import IMAGE_VERSION
@@ -199,7 +199,9 @@ def _read_manifest(path: Path) -> dict:
     if wrong:
         raise CompiledDraftError(f"{path}: {', '.join(wrong)} must be "
                                  f"{', '.join(MANIFEST_KEYS[k].__name__ for k in wrong)}; {_RECOMPILE}")
-    if set(manifest["model"]) != {f.name for f in fields(ModelShape)}:
+    # a field added later with a default (qk_norm) may be absent from an older manifest
+    required = {f.name for f in fields(ModelShape) if f.default is MISSING}
+    if not required <= set(manifest["model"]) <= {f.name for f in fields(ModelShape)}:
         raise CompiledDraftError(f"{path}: the model entry has the keys {sorted(manifest['model'])}, "
                                  f"not those of a model shape; {_RECOMPILE}")
     if manifest["image_version"] != IMAGE_VERSION or manifest["engine_version"] >> 16 != ENGINE_VERSION >> 16:

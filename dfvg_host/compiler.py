@@ -68,6 +68,9 @@ def describe_model(hf_config) -> ModelShape:
         if not hf_config.do_layer_norm_before or getattr(hf_config, "_remove_final_layer_norm", False):
             raise UnsupportedModel("a post-norm OPT (do_layer_norm_before=False, as OPT-350M) is not "
                                    "supported: the engine runs pre-norm decoders")
+        if not getattr(hf_config, "layer_norm_elementwise_affine", True):
+            raise UnsupportedModel("OPT with layer_norm_elementwise_affine=False is not supported: "
+                                   "the engine's norms take their gains from the checkpoint")
         if hf_config.word_embed_proj_dim != hf_config.hidden_size:
             raise UnsupportedModel(f"OPT's embedding projection (word_embed_proj_dim "
                                    f"{hf_config.word_embed_proj_dim} ≠ hidden {hf_config.hidden_size}) "
@@ -100,10 +103,10 @@ def check_fits(shape: ModelShape, engine: EngineConfig, draft_vocab: int | None 
         raise DoesNotFit(f"model head_dim {shape.head_dim} exceeds the '{engine.name}' preset's "
                          f"head_dim = {engine.head_dim}")
     if draft_vocab is not None:
-        if not 2 <= draft_vocab <= min(shape.vocab, engine.vocab_max):
-            raise DoesNotFit(f"--draft-vocab {draft_vocab}: it must be 2..{min(shape.vocab, engine.vocab_max)} "
-                             f"(the model's vocab {shape.vocab}, the '{engine.name}' preset's vocab_max "
-                             f"{engine.vocab_max})")
+        if not 2 <= draft_vocab <= min(shape.vocab - 1, engine.vocab_max):
+            raise DoesNotFit(f"--draft-vocab {draft_vocab}: it must be 2..{min(shape.vocab - 1, engine.vocab_max)} "
+                             f"(fewer than the model's {shape.vocab} tokens, at most the '{engine.name}' "
+                             f"preset's vocab_max {engine.vocab_max})")
     elif shape.vocab > engine.vocab_max:
         raise DoesNotFit(f"model vocab {shape.vocab} exceeds the '{engine.name}' preset's vocab_max = "
                          f"{engine.vocab_max} (16-bit token ids): compile it with `dfvg compile --draft-vocab "

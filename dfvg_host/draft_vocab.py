@@ -12,7 +12,9 @@ them, never exactness.
 
 Which tokens: the special tokens the config names (BOS, EOS, PAD), every token of the
 calibration text, then the lowest ids. Byte-pair and SentencePiece vocabularies number
-their tokens roughly by frequency, so low ids are the frequent ones.
+their tokens roughly by frequency, so low ids are the frequent ones. (A compile without
+calibration text, ``--random-weights`` for sizing, calibrates on random ids, and so keeps
+those: only the count matters there.)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 __all__ = ["DraftVocabulary", "choose_draft_vocabulary"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)     # it holds an array: identity, not value, equality
 class DraftVocabulary:
     """The kept tokens of a draft, engine id ``e`` ↔ model id ``kept[e]``.
 
@@ -58,7 +60,11 @@ class DraftVocabulary:
         return table
 
     def to_engine(self, tokens) -> list[int]:
-        """Model ids → engine ids (dropped tokens → :attr:`unknown`)."""
+        """Model ids → engine ids (dropped tokens → :attr:`unknown`); an id outside the
+        model's vocabulary raises ``ValueError``."""
+        bad = [t for t in tokens if not 0 <= t < self.vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary of {self.vocab}")
         return [int(self._engine_ids[t]) for t in tokens]
 
     def to_model(self, engine_ids) -> list[int]:
@@ -89,9 +95,9 @@ def choose_draft_vocabulary(vocab: int, size: int, *, special: list[int], freque
                             ) -> DraftVocabulary:
     """Keep ``size − 1`` of ``vocab`` tokens: ``special``, then ``frequent`` (most frequent
     first), then the lowest ids; the last engine row is shared by the rest."""
-    if not 2 <= size <= vocab:
+    if not 2 <= size < vocab:
         raise ValueError(f"a draft vocabulary of {size} for a model of {vocab} tokens: "
-                         f"it must be 2..{vocab}")
+                         f"it must be 2..{vocab - 1}")
     room = size - 1
     chosen: dict[int, None] = {}
     for t in list(special) + list(frequent):

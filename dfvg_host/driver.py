@@ -410,7 +410,9 @@ class DraftDevice:
                                  "update dfvg")
         compiled_for = self.compiled.manifest.get("engine_version", ENGINE_VERSION)
         if version & 0xFFFF < compiled_for & 0xFFFF:
-            # a newer compiler may use instructions an older bitstream lacks (minor 5: BIAS, INT32)
+            # a newer compiler may use instructions an older bitstream lacks (minor 5: BIAS, INT32,
+            # RMSNORM segments, POSITION, UNGATED); by policy every draft names the minor of
+            # the host that compiled it, not the least its program needs
             raise EngineMismatch(f"engine version {version >> 16}.{version & 0xFFFF} is older than "
                                  f"the {compiled_for >> 16}.{compiled_for & 0xFFFF} the draft was "
                                  "compiled for; rebuild the bitstream")

@@ -32,7 +32,7 @@ class DraftShape:
     Members
     -------
     family : str
-        ``model_type`` (llama, qwen2, qwen3).
+        ``model_type`` (llama, qwen2, qwen3, opt).
     kv_heads, head_dim : int or None
         GQA KV heads and the head width (default: ``heads`` and ``hidden / heads``).
     tied : bool

@@ -1,6 +1,6 @@
 """Small inputs shared by the tests and the benchmarks, so neither reaches into the other.
 
-* :func:`make_tiny_llama` — a randomly initialised Llama (or Qwen2, Qwen3) that fits the ``tiny`` preset,
+* :func:`make_tiny_llama` — a randomly initialised Llama (or Qwen2, Qwen3, OPT: ``family``) that fits the ``tiny`` preset,
   built and saved in seconds (torch and transformers are imported when it is called);
 * :func:`tiny_image` and :data:`TINY_FORWARD` — a register-level image and program for the
   ``tiny`` engine (one embed / up / down / logits / sample forward), what

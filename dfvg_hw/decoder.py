@@ -8,8 +8,8 @@ field, in the same order of precedence:
 1. ``opcode`` — not an opcode;
 2. ``reserved`` — bits 24–31 not zero;
 3. the first field, in bit order, that the opcode does not use but is not zero;
-4. ``flags`` — a flag bit the opcode does not define, MATMUL mode 3, or a BRANCH
-   condition that does not exist;
+4. ``flags`` — a flag bit the opcode does not define, or a BRANCH condition that does not
+   exist (every MATMUL mode is defined: mode 3 is INT32);
 5. ``rows`` — zero for an opcode that processes rows.
 
 The controller latches :attr:`InstructionDecoder.illegal` and :attr:`field` into the

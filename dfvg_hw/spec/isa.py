@@ -49,13 +49,13 @@ class Op(enum.IntEnum):
     ENDLOOP = 0x03   # LAYER += 1; back to the body while LAYER < count
     BRANCH = 0x04    # if cond(flags): pc := n
     NEXT = 0x05      # end of one forward step: POS += 1; next token; pc := n or fall through
-    EMBED = 0x10     # dst(int16)[n] := table(addr)[TOKEN]
+    EMBED = 0x10     # dst(int32)[n] := table(addr)[TOKEN], or [POS] with POSITION
     RMSNORM = 0x11   # dst(int8)[k·n] := rmsnorm of each of k segments of src(int32)[k·n]; params at addr
     MATMUL = 0x12    # dst[n] := W(addr)[n, k] · src(int8)[k], output per flags.mode
     ROPE = 0x13      # dst(int8)[n heads × k] := rope(src; table(addr)[POS])
     KVAPPEND = 0x14  # KV[LAYER][h][POS] := src (K: n heads × k), then V right after K
     ATTN = 0x15      # dst(int8)[n heads × k] := attention(src q; KV[LAYER][:, 0..POS])
-    ACTMUL = 0x16    # dst(int8)[n] := act(src[n]) · src[n + n bytes]; params at addr
+    ACTMUL = 0x16    # dst(int8)[n] := act(src[n]) · src[n + n bytes] (UNGATED: act(src[n])); params at addr
     SAMPLE = 0x17    # token sampler over the n logits of the last LOGITS matmul
 
 

@@ -78,8 +78,8 @@ def requant(acc, mult, shift, bits: int = ACT_BITS) -> np.ndarray:
 
 def add_bias(acc, bias) -> np.ndarray:
     """A MATMUL with ``BIAS``: the per-output-channel int32 ``bias`` joins the accumulator
-    exactly, before requantisation (no saturation: |acc| < 2^39 with int16 inputs, so
-    |acc + bias| < 2^40 and |(acc + bias)·mult| < 2^56)."""
+    exactly, before requantisation (no saturation: |acc| < 2^38 with int16 inputs, so
+    |acc + bias| < 2^38 + 2^31 < 2^39 and |(acc + bias)·mult| < 2^55)."""
     return _as_i64(acc) + _as_i64(bias)
 
 

@@ -26,7 +26,8 @@ ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
 #: Minor 3: the request's ``kv_slot_base`` (word 10), several sequences' KV in one engine.
 #: Minor 4: tree requests and compaction (words 10-15, docs/isa.md §9), ``P_TREE_WIDTH``,
 #: the parent in record word 0.
-#: Minor 5: MATMUL's BIAS flag and INT32 mode, RMSNORM segments (``k``): Qwen2 and Qwen3.
+#: Minor 5: MATMUL's BIAS flag and INT32 mode, RMSNORM segments (``k``), EMBED POSITION,
+#: ACTMUL UNGATED: Qwen2, Qwen3 and OPT.
 ENGINE_VERSION = (IMAGE_VERSION << 16) | 5
 
 

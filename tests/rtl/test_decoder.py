@@ -57,7 +57,7 @@ def test_decoder_matches_isa_decode():
     words = [random_legal(rng) for _ in range(600)]
     words += [mutate(rng, random_legal(rng)) for _ in range(900)]
     words += [int.from_bytes(rng.bytes(16), "little") for _ in range(100)]
-    words += [0, (1 << 128) - 1, int(Op.HALT), int(Op.MATMUL) | 0x06 << 8 | 1 << 16,   # mode 3
+    words += [0, (1 << 128) - 1, int(Op.HALT), int(Op.MATMUL) | 0x06 << 8 | 1 << 16,   # mode 3 (INT32)
               int(Op.BRANCH) | 2 << 8, int(Op.EMBED),                                 # bad cond, rows 0
               int(Op.MATMUL) | 0x06 << 8, int(Op.RMSNORM) | 0x80 << 8,               # flags before rows
               int(Op.HALT) | 1 << 24 | 1 << 8, int(Op.NOP) | 1 << 120 | 1 << 40,     # reserved; first unused
