@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from dfvg_hw.spec.image import IMAGE_VERSION
@@ -57,8 +57,6 @@ class ModelShape:
     rms_norm_eps: float
     hidden_act: str
     tied_embeddings: bool
-    #: Qwen3's RMSNorm of q and k per head before RoPE
-    qk_norm: bool = False
 
     @property
     def qkv_out(self) -> int:
@@ -67,7 +65,14 @@ class ModelShape:
     @property
     def rope(self) -> bool:
         """Whether positions are rotary (else a learned table: OPT)."""
-        return self.model_type != "opt"
+        from dfvg_host.families import layout_of
+        return layout_of(self.model_type).rope
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether q and k are normalised per head before RoPE (Qwen3)."""
+        from dfvg_host.families import layout_of
+        return layout_of(self.model_type).qk_norm
 
     @property
     def qk_out(self) -> int:
@@ -199,9 +204,7 @@ def _read_manifest(path: Path) -> dict:
     if wrong:
         raise CompiledDraftError(f"{path}: {', '.join(wrong)} must be "
                                  f"{', '.join(MANIFEST_KEYS[k].__name__ for k in wrong)}; {_RECOMPILE}")
-    # a field added later with a default (qk_norm) may be absent from an older manifest
-    required = {f.name for f in fields(ModelShape) if f.default is MISSING}
-    if not required <= set(manifest["model"]) <= {f.name for f in fields(ModelShape)}:
+    if set(manifest["model"]) != {f.name for f in fields(ModelShape)}:
         raise CompiledDraftError(f"{path}: the model entry has the keys {sorted(manifest['model'])}, "
                                  f"not those of a model shape; {_RECOMPILE}")
     if manifest["image_version"] != IMAGE_VERSION or manifest["engine_version"] >> 16 != ENGINE_VERSION >> 16:

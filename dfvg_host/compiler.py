@@ -86,8 +86,7 @@ def describe_model(hf_config) -> ModelShape:
         # OPT's LayerNorms keep torch's default eps
         rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", None) or 1e-5),
         hidden_act=getattr(hf_config, "hidden_act", None) or hf_config.activation_function,
-        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        qk_norm=mt == "qwen3")
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
 
 
 def check_fits(shape: ModelShape, engine: EngineConfig, draft_vocab: int | None = None) -> None:
@@ -688,7 +687,7 @@ def _head(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     return [
         Instruction(Op.RMSNORM, flags=Flag.WIDE, rows=rows, dst=v["xn"], src=v["x"], n=s.hidden,
                     addr=lay.final_norm),
-        Instruction(Op.MATMUL, flags=to_logits | (Flag.BIAS if "lm_head" in lay.biased else 0), rows=rows,
+        Instruction(Op.MATMUL, flags=to_logits | _bias_flag(lay, "lm_head"), rows=rows,
                     src=v["xn"], n=lay.logits, k=s.hidden, addr=lay.lm_head),
         Instruction(Op.SAMPLE, n=lay.logits),
     ]
@@ -703,7 +702,7 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     wide = Flag.WIDE
     to_int8, to_residual = MatmulMode.INT8 << 1 | wide, MatmulMode.RESADD << 1 | wide
     lrel = Flag.LREL
-    bias = lambda name: Flag.BIAS if name in lay.biased else 0
+    bias = lambda name: _bias_flag(lay, name)
     # learned positions (OPT): the position's int16 row, added by an identity matmul
     positions = [] if s.rope else [
         Instruction(Op.EMBED, flags=Flag.POSITION, rows=rows, dst=v["pe"], n=s.hidden // 2,
@@ -744,14 +743,18 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     ]
 
 
+def _bias_flag(lay: Layout, name: str) -> int:
+    """``BIAS`` for a MATMUL whose block carries biases."""
+    return Flag.BIAS if name in lay.biased else 0
+
+
 def _qkv(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     """q, k and v from the normed row into the ``qkv`` region (int8 ``[q | k | v]``): one
     matmul, or with QK-norm an int32 ``[q | k]`` row whose heads RMSNORM normalises one by
     one (segments), and v on its own."""
     v, s, hd = lay.vmem, shape, shape.head_dim
     L = lambda name: lay.layers_base + lay.sub[name]
-    flags = lambda mode, name: (Flag.LREL | Flag.WIDE | mode << 1
-                                | (Flag.BIAS if name in lay.biased else 0))
+    flags = lambda mode, name: Flag.LREL | Flag.WIDE | mode << 1 | _bias_flag(lay, name)
     if not s.qk_norm:
         return [Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "qkv"), rows=rows, dst=v["qkv"],
                             src=v["xn"], n=s.qkv_out, k=s.hidden, addr=L("qkv"))]

@@ -17,7 +17,7 @@ head. What differs is named here and handled by the compiler:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["FAMILIES", "NOT_YET", "FamilyLayout", "layout_of"]
 
@@ -58,6 +58,8 @@ class FamilyLayout:
         The MLP's linear layers; an ungated MLP has ``up`` None and its first layer as ``gate``.
     layer_norm : bool
         LayerNorm (mean and bias) instead of RMSNorm.
+    qk_norm : bool
+        q and k normalised per head before RoPE (Qwen3).
     """
     layers: str
     embed: str
@@ -76,10 +78,16 @@ class FamilyLayout:
     q_norm: str = "self_attn.q_norm"
     k_norm: str = "self_attn.k_norm"
     layer_norm: bool = False
+    qk_norm: bool = False
 
     @property
     def gated(self) -> bool:
         return self.up is not None
+
+    @property
+    def rope(self) -> bool:
+        """Rotary positions (else a learned position table)."""
+        return self.positions is None
 
 
 _LLAMA = FamilyLayout(layers="model.layers", embed="model.embed_tokens", final_norm="model.norm",
@@ -93,7 +101,7 @@ _OPT = FamilyLayout(layers="model.decoder.layers", embed="model.decoder.embed_to
                     gate="fc1", up=None, down="fc2",
                     positions="model.decoder.embed_positions", position_offset=2, layer_norm=True)
 
-_LAYOUTS = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "opt": _OPT}
+_LAYOUTS = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": replace(_LLAMA, qk_norm=True), "opt": _OPT}
 
 
 def layout_of(model_type: str) -> FamilyLayout:

@@ -230,17 +230,16 @@ def test_an_engine_older_than_the_draft_is_refused(family_draft):
         DraftDevice.open("sim://tiny", newer)
 
 
-def test_a_manifest_from_before_qk_norm_still_loads(family_draft, tmp_path):
-    """ModelShape fields added with a default (qk_norm) may be missing from an older
-    manifest; an unknown one is still refused."""
+def test_family_traits_are_the_layouts_not_the_manifest(family_draft, tmp_path):
+    """A model entry holds the HF shape only: rope and qk_norm follow from model_type
+    (dfvg_host.families), so a manifest naming them is not a model shape."""
     from dfvg_host.compiled_draft import CompiledDraft, CompiledDraftError
-    _, _, compiled = family_draft
+    family, _, compiled = family_draft
     out = compiled.save(tmp_path / "draft")
+    loaded = CompiledDraft.load(out)
+    assert (loaded.shape.qk_norm, loaded.shape.rope) == (family == "qwen3", family != "opt")
     manifest = json.loads((out / "manifest.json").read_text())
-    qk_norm = manifest["model"].pop("qk_norm")
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    assert CompiledDraft.load(out).shape.qk_norm is False
-    manifest["model"].update(qk_norm=qk_norm, sliding_window=16)
+    manifest["model"]["qk_norm"] = True
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CompiledDraftError, match="not those of a model shape"):
         CompiledDraft.load(out)
