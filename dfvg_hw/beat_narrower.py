@@ -37,8 +37,8 @@ Refusals are the narrow port's own, as a memory port of ``D/8``-byte beats would
 whose ``addr`` is not a multiple of ``W/8`` (``error.misaligned``), a command past
 ``mem_bytes`` (``error.range``) is accepted and dropped and its flag is raised from the next
 cycle on; a zero-length command is a no-op. ``error`` is these flags OR the wide port's,
-``clear_error`` clears both. ``read_idle``, ``write_idle`` and ``write_done`` are the wide
-port's (a forwarded command keeps the wide port busy until its last beat has left).
+``clear_error`` clears both. ``read_idle`` and ``write_idle`` are the wide port's (a
+forwarded command keeps the wide port busy until its last beat has left).
 
 With ``W == D`` (one memory port) the component is a wire: the wide port itself refuses
 what it refuses.
@@ -77,7 +77,6 @@ class MemoryClientSignature(wiring.Signature):
     read_data : In(stream.Signature(ReadBeat(data_width)))
     write_cmd : Out(stream.Signature(MemoryCommand(config)))
     write_data : Out(stream.Signature(unsigned(data_width)))
-    write_done : In(1)
     read_idle : In(1)
     write_idle : In(1)
     error : In(MemoryPortError())
@@ -90,7 +89,6 @@ class MemoryClientSignature(wiring.Signature):
             "read_data": In(stream.Signature(ReadBeat(data_width))),
             "write_cmd": Out(stream.Signature(MemoryCommand(config))),
             "write_data": Out(stream.Signature(unsigned(data_width))),
-            "write_done": In(1),
             "read_idle": In(1),
             "write_idle": In(1),
             "error": In(MemoryPortError()),
@@ -241,7 +239,6 @@ class BeatNarrower(wiring.Component):
         m.d.comb += [
             wide.clear_error.eq(narrow.clear_error),
             narrow.error.eq(wide.error.as_value() | own.as_value()),
-            narrow.write_done.eq(wide.write_done),
             narrow.read_idle.eq(wide.read_idle),
             narrow.write_idle.eq(wide.write_idle),
         ]
@@ -257,5 +254,5 @@ class BeatNarrower(wiring.Component):
                      narrow.read_data.payload.eq(wide.read_data.payload),
                      wide.read_data.ready.eq(narrow.read_data.ready),
                      wide.clear_error.eq(narrow.clear_error)]
-        for name in ("write_done", "read_idle", "write_idle", "error"):
+        for name in ("read_idle", "write_idle", "error"):
             m.d.comb += getattr(narrow, name).eq(getattr(wide, name))

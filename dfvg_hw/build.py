@@ -33,7 +33,6 @@ from pathlib import Path
 from boards import board_names, get_board
 from boards.vivado import EngineInterface, check_memory_ports, run_flow, vivado_command, write_flow
 from dfvg_hw.spec.config import ConfigError, get_preset
-from dfvg_hw.controller import BEAT_BITS
 from dfvg_hw.engine import DraftEngine
 
 __all__ = ["build", "main"]
@@ -56,15 +55,6 @@ def build(board_name: str, preset: str | None = None, out: str | Path | None = N
     width = data_width or config.mem_port_bits
     iface = EngineInterface.for_config(config, [f"{TOP}.v"], axi_data_width=width)
     check_memory_ports(board, iface)
-    beat_bits = config.mem_ports * width
-    if beat_bits not in BEAT_BITS:
-        raise ValueError(
-            f"the {config.name} engine's {config.mem_ports} x {width}-bit memory channels make a "
-            f"{beat_bits}-bit engine beat, and the RTL's controller takes beats of "
-            f"{', '.join(map(str, BEAT_BITS))} bits only (feeding the non-matrix units through a "
-            "narrower path is the open part of issue #14). The cycle model projects this preset; "
-            "to build a bitstream today use a preset whose channels make at most a 512-bit beat, "
-            "e.g. --preset alveo-u55c-1ch")
     directory = Path(out or f"build/{board.name}-{config.name}")
     directory.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

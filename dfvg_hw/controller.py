@@ -73,13 +73,13 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.beat_narrower import NARROW_BEAT_BITS, BeatNarrower, MemoryClientSignature
 from dfvg_hw.decoder import InstructionDecoder
 from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, ErrorCode, watchdog_budget
 from dfvg_hw.spec.isa import CONTROL_OPS, INSTRUCTION_BYTES, MatmulMode, Op
 from dfvg_hw.layouts import flags_view
 from dfvg_hw.embed_sequencer import EmbedSequencer
 from dfvg_hw.matmul_sequencer import MatmulSequencer
-from dfvg_hw.memory_port import MemoryCommand, MemoryPortError, ReadBeat
 from dfvg_hw.op_cycle_counters import OpCycleCounters
 from dfvg_hw.register_file import EngineControlSignature, EngineStatusSignature
 from dfvg_hw.request_front_end import RequestFrontEnd
@@ -89,48 +89,13 @@ from dfvg_hw.program_flow import ProgramFlow
 from dfvg_hw.tree_registers import POSITION_BITS, TreeRegisters
 from dfvg_hw.vmem import VectorMemory
 
-__all__ = ["Controller", "MemoryClientSignature", "BEAT_BITS"]
-
-
-#: Engine beats (all memory channels side by side) the controller and its units take. A
-#: wider beat (the 32-channel Alveo presets' 16384 bits) needs the non-matrix units fed
-#: through a narrower path first (issue #14).
-BEAT_BITS = (128, 256, 512)
+__all__ = ["Controller", "MemoryClientSignature"]
 
 #: Opcodes a tree forward runs as one single-row job per row (the others take all rows).
 SPLIT_OPS = (Op.EMBED, Op.RMSNORM, Op.ROPE, Op.KVAPPEND, Op.ATTN, Op.ACTMUL)
 #: Opcodes whose rows are a tree's branches: 1 in a chain forward, the tree's width in a
 #: tree forward (with MATMUL in LOGITS mode).
 BRANCH_OPS = (Op.EMBED, Op.KVAPPEND, Op.ATTN)
-
-class MemoryClientSignature(wiring.Signature):
-    """The controller's side of the :class:`~dfvg_hw.memory_port.MemoryPort` (members named
-    as the port's, directions flipped).
-
-    Members
-    -------
-    read_cmd : Out(stream.Signature(MemoryCommand(config)))
-    read_data : In(stream.Signature(ReadBeat(data_width)))
-    write_cmd : Out(stream.Signature(MemoryCommand(config)))
-    write_data : Out(stream.Signature(unsigned(data_width)))
-    read_idle : In(1)
-    write_idle : In(1)
-    error : In(MemoryPortError())
-    clear_error : Out(1)
-    """
-
-    def __init__(self, config: EngineConfig, data_width: int):
-        super().__init__({
-            "read_cmd": Out(stream.Signature(MemoryCommand(config))),
-            "read_data": In(stream.Signature(ReadBeat(data_width))),
-            "write_cmd": Out(stream.Signature(MemoryCommand(config))),
-            "write_data": Out(stream.Signature(unsigned(data_width))),
-            "read_idle": In(1),
-            "write_idle": In(1),
-            "error": In(MemoryPortError()),
-            "clear_error": Out(1),
-        })
-
 
 class Controller(wiring.Component):
     """The draft engine's controller with IMEM, VMEM, the decoder, the program flow, the
@@ -140,7 +105,10 @@ class Controller(wiring.Component):
     ----------
     config : EngineConfig
     data_width : int
-        Device-memory bus width in bits (the memory port's), a multiple of 128.
+        ``W``: the engine beat in bits (the striped memory port's: every channel's beat
+        side by side). The MATMUL sequencer takes it whole; every other part takes
+        ``D = W / mem_ports`` bits (one channel's beat, 128, 256 or 512) through the
+        :class:`~dfvg_hw.beat_narrower.BeatNarrower`.
     tree_width : int, optional
         The widest tree the engine drafts (``P_TREE_WIDTH``), 0 … ``config.rows``; 0
         refuses tree requests. By default ``config.rows``.
@@ -156,6 +124,9 @@ class Controller(wiring.Component):
 
     Attributes
     ----------
+    unit_width : int
+        ``D``, the beat of the narrow path.
+    narrower : BeatNarrower
     units : dict[str, wiring.Component]
         The unit-instruction sequencers by submodule name (``matmul`` where supported,
         ``norm``, ``kv``, ``rope``, ``actmul``, ``embed``); co-simulation reads the KV
@@ -167,10 +138,14 @@ class Controller(wiring.Component):
     """
 
     def __init__(self, config: EngineConfig, data_width: int = 128, tree_width: int | None = None):
-        if data_width not in BEAT_BITS:
-            raise ValueError(f"data_width must be 128, 256 or 512 bits, got {data_width}")
+        unit_width = data_width // config.mem_ports
+        if unit_width not in NARROW_BEAT_BITS or unit_width * config.mem_ports != data_width:
+            raise ValueError(f"data_width {data_width} is not {config.mem_ports} memory channels "
+                             f"of 128, 256 or 512 bits")
         self.config = config
         self.data_width = data_width
+        self.unit_width = unit_width
+        self.narrower = BeatNarrower(config, data_width, unit_width)
         self.tree_width = config.rows if tree_width is None else tree_width
         super().__init__(wiring.Signature({
             "ctrl": In(EngineControlSignature()),
@@ -183,22 +158,38 @@ class Controller(wiring.Component):
         self.program_flow = ProgramFlow()
         self.vmem = VectorMemory(config)
         self.sample_unit = SampleSequencer(config)
-        self.front_end = RequestFrontEnd(config, data_width, self.tree_width)
-        self.result_writer = ResultWriter(config, data_width)
+        self.front_end = RequestFrontEnd(config, unit_width, self.tree_width)
+        self.result_writer = ResultWriter(config, unit_width)
         self.tree_registers = TreeRegisters(config)
         self.op_counters = OpCycleCounters()
         # unit-instruction sequencers with the common OpSequencerSignature (op_port.py)
-        sequencers = unit_sequencers() + [((Op.EMBED,), "embed", EmbedSequencer)]
+        # the table rows EMBED reads are padded to whole engine beats (image.embed_row_stride)
+        embed = lambda config, width: EmbedSequencer(config, width, row_beat_bits=data_width)
+        sequencers = unit_sequencers() + [((Op.EMBED,), "embed", embed)]
+        self.units = {name: factory(config, unit_width) for _, name, factory in sequencers}
         if MatmulSequencer.supports(config, data_width):
+            # the matrix path alone takes the whole engine beat
+            self.units = {"matmul": MatmulSequencer(config, data_width), **self.units}
             sequencers.insert(0, ((Op.MATMUL,), "matmul", MatmulSequencer))
-        self.units = {name: factory(config, data_width) for _, name, factory in sequencers}
         self.unit_opcodes = {name: opcodes for opcodes, name, _ in sequencers}
 
     def elaborate(self, platform):
         m = Module()
-        c, DW = self.config, self.data_width
-        beat_bytes = DW // 8
-        ctrl, st, mem = self.ctrl, self.status, self.mem
+        c = self.config
+        beat_bytes = self.unit_width // 8
+        ctrl, st, wide = self.ctrl, self.status, self.mem
+        # every part but the MATMUL sequencer reads and writes through the narrower's port
+        narrower = m.submodules.narrower = self.narrower
+        mem = narrower.narrow
+        matmul_reads = Signal()             # the MATMUL sequencer has the wide reads
+        wiring.connect(m, narrower.wide.write_cmd, wiring.flipped(wide.write_cmd))
+        wiring.connect(m, narrower.wide.write_data, wiring.flipped(wide.write_data))
+        m.d.comb += [narrower.wide.read_idle.eq(wide.read_idle),
+                     narrower.wide.write_idle.eq(wide.write_idle),
+                     narrower.wide.error.eq(wide.error), wide.clear_error.eq(narrower.wide.clear_error)]
+        with m.If(~matmul_reads):
+            wiring.connect(m, narrower.wide.read_cmd, wiring.flipped(wide.read_cmd))
+            wiring.connect(m, wiring.flipped(wide.read_data), narrower.wide.read_data)
 
         imem = m.submodules.imem = self.imem
         imem_w, imem_r = self._imem_ports
@@ -296,8 +287,8 @@ class Controller(wiring.Component):
                          mem.read_cmd.payload.length.eq(length)]
 
         def lend_memory_reads(part):
-            wiring.connect(m, part.read_cmd, wiring.flipped(mem.read_cmd))
-            wiring.connect(m, wiring.flipped(mem.read_data), part.read_data)
+            wiring.connect(m, part.read_cmd, mem.read_cmd)
+            wiring.connect(m, mem.read_data, part.read_data)
 
         with m.FSM(name="phase") as phase:
             # -- idle: take the pending commands in order --------------------------------------
@@ -531,7 +522,13 @@ class Controller(wiring.Component):
                     with m.If(unit.job.ready):
                         m.next = f"{name}_RUN"
                 with m.State(f"{name}_RUN"):
-                    _lend_shared_ports(m, unit, mem, vmem)
+                    if unit is mm:
+                        m.d.comb += matmul_reads.eq(1)
+                        wiring.connect(m, unit.read_cmd, wiring.flipped(wide.read_cmd))
+                        wiring.connect(m, wiring.flipped(wide.read_data), unit.read_data)
+                    else:
+                        lend_memory_reads(unit)
+                    _lend_vmem(m, unit, vmem)
                     if unit is mm:
                         # the MATMUL sequencer also owns the logit buffer's write side
                         m.d.comb += [samp.begin.eq(mm.logits_begin), samp.begin_n.eq(mm.logits_n),
@@ -587,14 +584,15 @@ class Controller(wiring.Component):
                 m.d.sync += [result_cycles.eq(cycles), want_abort.eq(0)]
                 m.next = "DRAIN"
             with m.State("DRAIN"):
-                # let an abandoned read stream run out, so the next request's reads are its own
-                m.d.comb += mem.read_data.ready.eq(1)
-                with m.If(~mem.read_data.valid & mem.read_idle):
+                # let an abandoned read stream run out, so the next request's reads are its
+                # own: drained whole from the wide port, the narrower forgetting its reads
+                m.d.comb += [wide.read_data.ready.eq(1), narrower.flush.eq(1)]
+                with m.If(~wide.read_data.valid & wide.read_idle):
                     m.d.comb += writer.start.eq(1)
                     m.next = "RESULT"
             with m.State("RESULT"):
-                wiring.connect(m, writer.write_cmd, wiring.flipped(mem.write_cmd))
-                wiring.connect(m, writer.write_data, wiring.flipped(mem.write_data))
+                wiring.connect(m, writer.write_cmd, mem.write_cmd)
+                wiring.connect(m, writer.write_data, mem.write_data)
                 with m.If(writer.done):
                     m.next = "REPORT"
             with m.State("REPORT"):
@@ -633,10 +631,8 @@ def unit_sequencers():
             ((Op.ACTMUL,), "actmul", ActMulSequencer)]
 
 
-def _lend_shared_ports(m: Module, unit, mem, vmem: VectorMemory) -> None:
-    """Connect ``unit``'s memory-read and VMEM ports to the shared ones (while it runs)."""
-    wiring.connect(m, unit.read_cmd, wiring.flipped(mem.read_cmd))
-    wiring.connect(m, wiring.flipped(mem.read_data), unit.read_data)
+def _lend_vmem(m: Module, unit, vmem: VectorMemory) -> None:
+    """Connect ``unit``'s VMEM ports to the shared ones (while it runs)."""
     wiring.connect(m, unit.vmem_rd_cmd, vmem.rd_cmd)
     wiring.connect(m, vmem.rd, unit.vmem_rd)
     wiring.connect(m, unit.vmem_wr_cmd, vmem.wr_cmd)

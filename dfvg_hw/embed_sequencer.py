@@ -15,12 +15,13 @@ Per job:
    ``dst`` (``BAD_ADDRESS`` if it leaves VMEM).
 3. **Row.** ``4n`` bytes from ``addr + index · S``, where ``S`` =
    :func:`~dfvg_hw.spec.image.embed_row_stride` ``(n, B)`` is the row padded to whole
-   memory beats (``B`` = the bus beat, ``EngineConfig.mem_beat_bytes``: every row starts
-   on a beat whatever ``n``), cut into VMEM lines by a :class:`~dfvg_hw.vmem.Gearbox`
-   (emptied before each row: a row that ends inside a beat leaves that beat's other lines
-   behind) and written a line a cycle. The memory port refuses a row address off the bus
-   beat (``BAD_ADDRESS``: a table not on a beat), which is the functional model's
-   alignment check on ``addr + index · S``.
+   engine beats (``B`` = ``row_beat_bits / 8``, ``EngineConfig.mem_beat_bytes``: every
+   row starts on an engine beat whatever ``n``), read on the sequencer's own bus (the
+   controller's narrow path, ``data_width``), cut into VMEM lines by a
+   :class:`~dfvg_hw.vmem.Gearbox` (emptied before each row: a row that ends inside a beat
+   leaves that beat's other lines behind) and written a line a cycle. The memory port
+   refuses a row address off its beat (``BAD_ADDRESS``: a table not on a beat), which is
+   the functional model's alignment check on ``addr + index · S``.
 
 A ``POSITION`` job thus costs what a drafted token's does (no token read). ``rows`` is 1
 (the controller refuses any other, and splits a tree forward's EMBED into a job per row,
@@ -54,6 +55,8 @@ class EmbedSequencer(wiring.Component):
     config : EngineConfig
     data_width : int
         Memory bus width in bits (a multiple of 128).
+    row_beat_bits : int, optional
+        The beat the image pads table rows to (the engine beat); by default ``data_width``.
 
     Members
     -------
@@ -77,8 +80,9 @@ class EmbedSequencer(wiring.Component):
         The last token-indexed job's token.
     """
 
-    def __init__(self, config: EngineConfig, data_width: int):
+    def __init__(self, config: EngineConfig, data_width: int, row_beat_bits: int | None = None):
         self.config, self.data_width = config, data_width
+        self.row_beat_bytes = (row_beat_bits or data_width) // 8
         super().__init__(wiring.Signature({
             **dict(OpSequencerSignature(config, data_width).members.items()),
             "token_is_drafted": In(1),
@@ -100,8 +104,8 @@ class EmbedSequencer(wiring.Component):
         index = Mux(by_position, job.pos, token)       # the table row
         row_bytes = job.n * (nx.RES_BITS // 8)          # an int32 row
         # image.embed_row_stride: the row padded to whole beats
-        beat_bits = exact_log2(beat_bytes)
-        row_stride = ((row_bytes + (beat_bytes - 1)) >> beat_bits) << beat_bits
+        row_beat, row_beat_bits = self.row_beat_bytes, exact_log2(self.row_beat_bytes)
+        row_stride = ((row_bytes + (row_beat - 1)) >> row_beat_bits) << row_beat_bits
 
         def read(addr, length):
             m.d.comb += [self.read_cmd.valid.eq(1), self.read_cmd.payload.addr.eq(addr),

@@ -312,11 +312,13 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.PROGRAM, f"rows={ins.rows} > engine rows {c.rows}")
         rows, wide_bytes = ins.rows, 2 if ins.wide else 1
         if op == Op.EMBED:
-            beat = c.mem_beat_bytes
+            # rows are padded to whole engine beats; the unit reads them through the narrow
+            # path (docs/isa.md §1.1), whose beat is one channel's: the table starts on one
+            beat = c.port_bytes
             if ins.position:
                 self._check_pos(st.pos)
             for token in self._embed_rows(ins, st):
-                row = addr + token * embed_row_stride(ins.n, beat)
+                row = addr + token * embed_row_stride(ins.n, c.mem_beat_bytes)
                 if row % beat:
                     raise EngineFault(ErrorCode.BAD_ADDRESS, f"EMBED row at 0x{row:x} is not "
                                       f"aligned to the {beat}-byte memory beat")

@@ -27,16 +27,6 @@ class SimulationTooLarge(ValueError):
 def check_simulation_size(config: EngineConfig, scheme: str, *, large: bool = False) -> None:
     """A :class:`SimulationTooLarge` that says what to use instead, unless ``config``'s
     matrix tile is small enough to simulate or ``large`` asks for it anyway."""
-    from dfvg_hw.controller import BEAT_BITS
-
-    beat_bits = 8 * config.mem_beat_bytes
-    if beat_bits not in BEAT_BITS:
-        raise SimulationTooLarge(
-            f"{scheme}://{config.name}: the engine's {config.mem_ports} memory channels make a "
-            f"{beat_bits}-bit beat, and the RTL's controller takes at most 512 bits today; there is "
-            f"no RTL to simulate at this preset. Use sim://{config.name} (the bit-exact functional "
-            "model; time from the cycle model) or an RTL device at a preset with at most a 512-bit "
-            "beat (tiny, tiny-hbm, alveo-u55c-1ch?large=1)")
     multipliers = config.rows * config.lanes * config.reduce
     if large or multipliers <= MAX_SIMULATED_MULTIPLIERS:
         return

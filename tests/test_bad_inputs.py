@@ -174,8 +174,6 @@ CASES = {
     "unknown_device_scheme": Case([*GEN, "--device", "pcie://0"], "unknown scheme"),
     "rtl_device_of_a_card_preset": Case([*GEN, "--device", "rtl+verilator://alveo-u55c-1ch"],
                                         "rtl+verilator://alveo-u55c-1ch?large=1 to simulate it anyway"),
-    "rtl_device_past_the_controller_beat": Case([*GEN, "--device", "rtl://alveo-u55c?large=1"],
-                                                "16384-bit beat, and the RTL's controller takes at most"),
     "rtl_device_option_unknown": Case([*GEN, "--device", "rtl://tiny?fast=1"], "unknown option 'fast'"),
     # the server
     "serve_port_out_of_range": Case(["serve", "--port", "70000"], "a TCP port is 0..65535"),

@@ -67,16 +67,21 @@ def test_board_preset_memory_ports_fit_the_memory_system(name):
             ports_per_master * mem.port_bits * min(iface.memory_clock_mhz, mem.port_max_mhz)
 
 
-def test_build_refuses_an_engine_beat_the_controller_cannot_take(tmp_path):
-    """The 32-channel U55C engine (a 16384-bit beat) is projected by the cycle model but its
-    RTL does not elaborate yet: the build says so before any slow work and names the
-    preset that builds."""
-    from dfvg_hw.build import build
+def test_controller_elaborates_past_a_512_bit_engine_beat():
+    """An engine beat wider than 512 bits (8 × 128-bit channels here; 32 × 512 on the
+    U55C) elaborates: the MATMUL sequencer takes the whole beat, every other part one
+    channel's through the BeatNarrower (no simulation: Fragment.get only)."""
+    from amaranth.hdl import Fragment
+    from dfvg_hw.controller import Controller
 
-    with pytest.raises(ValueError, match=r"16384-bit engine beat.*--preset alveo-u55c-1ch"):
-        build("alveo", out=tmp_path / "b")
-    assert not any((tmp_path / "b").glob("*.v"))
-    assert get_preset("alveo-u55c-1ch").mem_ports * get_preset("alveo-u55c-1ch").mem_port_bits <= 512
+    config = get_preset("tiny-hbm").with_changes(name="tiny-hbm-8ch", mem_ports=8, lanes=16)
+    controller = Controller(config, config.mem_ports * config.mem_port_bits)
+    Fragment.get(controller, None).prepare()
+    assert controller.data_width == 1024 and controller.unit_width == 128
+    assert controller.units["matmul"].data_width == 1024
+    assert {name: unit.data_width for name, unit in controller.units.items() if name != "matmul"} \
+        == dict.fromkeys(("norm", "kv", "rope", "actmul", "embed"), 128)
+    assert controller.narrower.pieces == 8
 
 
 @pytest.mark.parametrize("argv, message", [
