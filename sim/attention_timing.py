@@ -76,7 +76,7 @@ def attn_job_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src:
     out_bytes = 2 * k if wide else k
     beats = ceil((addr % port.bus_bytes + ATTN_PARAM_BYTES) / port.bus_bytes)
     params = (tm.ATTN_PARAMS + READ_OVERHEAD + port.latency
-              + port.beat_offset(beats - 1))
+              + port.at(addr).beat_offset(beats - 1))
     score_to_v = tm.ceil_log2(config.head_dim) + tm.ATTN_SCORE_TO_V + levels
     per_head_kv = (2 * w * g - w + max(score_to_v, w) + tm.ATTN_HEAD_TAIL + levels
                    + kvt.row_packing(banks) - kvt.row_packing(1))

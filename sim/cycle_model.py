@@ -19,7 +19,11 @@ run in lockstep (:class:`~dfvg_hw.striped_memory_port.StripedMemoryPort`): the s
 bursts, the same latency and rate on each, so the memory path is one port of ``B`` bytes
 whose AXI 4 KiB pages are each channel's, i.e. logical pages of ``4096 · mem_ports``
 bytes. A read command accepted in cycle ``c`` has its first beat in cycle
-``c + READ_OVERHEAD + L``. Timing does not depend on data, only on
+``c + READ_OVERHEAD + L``. Only MATMUL reads whole engine beats (``port``); every other
+part reads one channel's beat ``D = mem_port_bits / 8`` at a time through the
+:class:`~dfvg_hw.beat_narrower.BeatNarrower` (``unit_port``,
+:meth:`~sim.timing_common.PortTiming.for_units`): the same first cycle, then the
+``k = mem_ports`` pieces of each engine beat at most one a cycle. Timing does not depend on data, only on
 instruction fields, addresses and the KV position. All figures it produces are
 *modelled*.
 """
@@ -102,17 +106,21 @@ class CycleModel:
     Members
     -------
     config : EngineConfig
-    port : the memory path's timing (latency, bytes per beat, beats per cycle)
+    port : the wide memory path's timing (latency, engine beat, beats per cycle): MATMUL's
+    unit_port : the narrow path's (one channel's beat): every other part's
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.port = PortTiming.for_config(config)
+        self.unit_port = PortTiming.for_units(config)
 
-    def _read(self, beats: int) -> int:
-        """A read state pair (command, data) of ``beats`` beats, consumed as they come."""
-        return (tm.REQUEST_READ_CMD + READ_OVERHEAD + self.port.latency
-                + ceil((beats - 1) / self.port.beats_per_cycle))
+    def _read(self, nbytes: int, offset: int) -> int:
+        """A read state pair (command, data) of ``nbytes`` at ``offset`` bytes into a
+        4 KiB-aligned region (the request's), consumed as they come."""
+        port = self.unit_port.at(offset)
+        return (tm.REQUEST_READ_CMD + READ_OVERHEAD + port.latency
+                + port.beat_offset(ceil(nbytes / port.bus_bytes) - 1))
 
     def instruction(self, ins: Instruction, *, pos: int = 0, topk: int = 1, addr: int | None = None,
                     token_from_request: bool = True, tree: TreeTiming | None = None) -> tuple[int, int]:
@@ -124,7 +132,7 @@ class CycleModel:
         whether EMBED's token comes from the request (read from memory) rather than from
         the sampler, ``tree`` the tree request's shape where there is one.
         """
-        c, port = self.config, self.port
+        c, port, unit_port = self.config, self.port, self.unit_port
         op = ins.opcode
         addr = ins.addr if addr is None else addr
         if tree is not None and op == Op.SAMPLE:
@@ -145,21 +153,21 @@ class CycleModel:
             # k ≥ 2 segments (QK-norm heads) run as rows of their own; gamma is read once
             # when the gamma buffer keeps it, else once per row
             segment_rows = rows * max(ins.k, 1)
-            return (rmsnorm_cycles(port, c.lanes, ins.n, segment_rows, bool(ins.wide), addr),
+            return (rmsnorm_cycles(unit_port, c.lanes, ins.n, segment_rows, bool(ins.wide), addr),
                     NORM_PARAM_BYTES + rmsnorm_gamma_reads(c.lanes, ins.n, segment_rows) * 2 * ins.n)
         if op == Op.ROPE:
-            return rope_cycles(port, ins.n, ins.k, rows, addr, pos), 2 * ins.k
+            return rope_cycles(unit_port, ins.n, ins.k, rows, addr, pos), 2 * ins.k
         if op == Op.KVAPPEND:
             return kvappend_cycles(c, ins.n, ins.k, ins.src), 0
         if op == Op.ATTN:
-            return (attn_cycles(port, c, ins.n, ins.k, ins.src, ins.dst, pos, bool(ins.wide), addr),
+            return (attn_cycles(unit_port, c, ins.n, ins.k, ins.src, ins.dst, pos, bool(ins.wide), addr),
                     ATTN_PARAM_BYTES)
         if op == Op.ACTMUL:
-            return (actmul_cycles(port, c.lanes, ins.n, rows, bool(ins.wide), addr, ungated=bool(ins.ungated)),
+            return (actmul_cycles(unit_port, c.lanes, ins.n, rows, bool(ins.wide), addr, ungated=bool(ins.ungated)),
                     ACT_PARAM_BYTES)
         if op == Op.EMBED:
             # POSITION indexes the table by POS: no token to read
-            return self._embed(ins.n, token_from_request and not ins.position)
+            return self._embed(ins.n, token_from_request and not ins.position, addr)
         if op == Op.SAMPLE:
             return self._sample(ins.n, topk), 0
         return ISSUE, 0      # NOP, HALT, LOOP, ENDLOOP, BRANCH, NEXT
@@ -176,11 +184,11 @@ class CycleModel:
         for r in range(ins.rows):
             row = replace(ins, rows=1, src=ins.src + r * lines, dst=ins.dst + r * lines)
             if op == Op.EMBED:
-                costs.append(self._embed(ins.n, False))
+                costs.append(self._embed(ins.n, False, addr))
             elif op == Op.KVAPPEND:
                 costs.append((kvappend_cycles(c, ins.n, ins.k, row.src), 0))
             elif op == Op.ATTN:
-                costs.append((attn_job_cycles(self.port, c, ins.n, ins.k, row.src, row.dst, tree.base,
+                costs.append((attn_job_cycles(self.unit_port, c, ins.n, ins.k, row.src, row.dst, tree.base,
                                               tree.level, bool(ins.wide), addr), ATTN_PARAM_BYTES))
             else:
                 costs.append(self.instruction(row, pos=pos, addr=addr))
@@ -193,13 +201,14 @@ class CycleModel:
         then the KV sequencer's copies, before the program."""
         return tm.COMPACT_HANDOVER + compaction_cycles(self.config, levels, slots)
 
-    def _embed(self, n: int, token_from_request: bool) -> tuple[int, int]:
+    def _embed(self, n: int, token_from_request: bool, addr: int = 0) -> tuple[int, int]:
         """controller.py EMBED_*: read the token (one beat) if it comes from the request,
-        open the VMEM span, read the row and write it a line a cycle. Rows start on a
-        beat (``embed_row_stride``), so the row's timing does not depend on the token (a
+        open the VMEM span, read the row and write it a line a cycle. Rows are a whole
+        number of engine beats apart (``embed_row_stride``), so the row's timing does not
+        depend on the token, only on where the table ``addr`` starts in an engine beat (a
         page boundary inside the row splits its burst, which costs nothing: the next
         burst is issued long before its data is due)."""
-        port = self.port
+        port = self.unit_port.at(addr)
         row = RES_BYTES * n                         # an int32 row
         lines = ceil(row / LINE)
         token = tm.EMBED_TOKEN + (READ_OVERHEAD + port.latency if token_from_request else 0)
@@ -207,8 +216,11 @@ class CycleModel:
             # An empty row: the zero-length read is a no-op (memory_port.py) and the
             # empty span's wr_done, VMEM_CHECK_LATENCY after EMBED_CMD, ends ROW.
             data = max(1, tm.VMEM_CHECK_LATENCY + 1 - tm.EMBED_COMMANDS)
-        elif port.beats_per_cycle >= 1:
+        elif port.beats_per_cycle >= 1 and port.pieces == 1:
             data = READ_OVERHEAD + port.latency + tm.GEARBOX_LATENCY + lines
+        elif port.pieces > 1:
+            # the narrower's pieces into the line gearbox, a line a cycle
+            data = READ_OVERHEAD + port.latency + port.arrival(lines - 1, 0) + 1
         else:
             splitter = LineSplitter(port.lines_per_beat)
             last_beat = ReadPath(port).read(0, row, splitter)
@@ -237,12 +249,12 @@ class CycleModel:
         """(cycles, bytes) of the header's read and check (all a request refused for a
         header field costs before its result: request_front_end.py scans no tokens)."""
         header = 4 * REQUEST_HEADER_WORDS
-        return self._read(ceil(header / self.port.bus_bytes)) + tm.REQUEST_READ_DONE, header
+        return self._read(header, 0) + tm.REQUEST_READ_DONE, header
 
     def request_scan(self, n_in: int) -> tuple[int, int]:
         """(cycles, bytes) of the token scan, after a header that passed its checks."""
         scan = 4 * n_in
-        return self._read(ceil(scan / self.port.bus_bytes)) + tm.REQUEST_READ_DONE, scan
+        return self._read(scan, 4 * REQUEST_HEADER_WORDS) + tm.REQUEST_READ_DONE, scan
 
     def request_finish(self, n_records: int) -> tuple[int, int]:
         """(cycles, bytes) after HALT: the result header assembled a word a cycle, every
@@ -250,10 +262,10 @@ class CycleModel:
         write response. The result's own cycle count stops :data:`BEFORE_FINISH` cycles
         in; the counters take all of them."""
         words = RESULT_HEADER_WORDS + n_records * record_words(self.config.topk_max)
-        per_beat = self.port.bus_bytes // 4
+        per_beat = self.unit_port.bus_bytes // 4
         cycles = (tm.RESULT_PRELUDE + RESULT_HEADER_WORDS + tm.RESULT_CMD
                   + tm.RESULT_WORD_CYCLES * words + ceil(words / per_beat) + tm.RESULT_DATA_EXIT
-                  + self.port.latency + tm.RESULT_WAIT)
+                  + self.unit_port.latency + tm.RESULT_WAIT)
         return cycles, 4 * words
 
     @staticmethod

@@ -1,6 +1,10 @@
 """Cycle model of RMSNORM, ACTMUL and ROPE (norm_sequencer.py, actmul_sequencer.py,
 rope_sequencer.py and their row writers).
 
+Their reads go through the controller's narrow path (``port`` is
+:meth:`~sim.timing_common.PortTiming.for_units` in the engine): each read takes the timing
+of its own address (:meth:`~sim.timing_common.PortTiming.at`).
+
 Part of :mod:`sim.cycle_model`, in a file of its own so that these units' timing can
 change apart from the others'. All figures are *modelled*.
 """
@@ -77,6 +81,7 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
     into beats of ``2·lanes``: below 8 lanes gamma can have beats past x's last (padding,
     emptied as the next row starts), so pass 2 ends with the gamma beat of x's last."""
     L, B = port.latency, port.bus_bytes
+    head_port, gamma_port = port.at(addr), port.at(addr + NORM_PARAM_BYTES)
 
     ell, cut, pack, beats = _cutting(RES_BYTES * n, RES_BYTES * lanes)
     g_ell, g_cut, g_pack, _ = _cutting(2 * n, 2 * lanes)
@@ -84,10 +89,10 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
     turnaround = tm.rmsnorm_turnaround(lanes)
     first = tm.PARAM_CMD + READ_OVERHEAD + L
     skip = addr % B
-    head_out = port.emit(0, first, skip, NORM_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
+    head_out = head_port.emit(0, first, skip, NORM_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
     head_lines = ceil((NORM_PARAM_BYTES + skip) / B) * port.lines_per_beat
     gamma_cmd = max(head_out + tm.NORM_HEAD_TO_GAMMA,
-                    port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY)
+                    head_port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY)
     if n == 0:                                     # CHECK goes to DONE: nothing to read
         check = gamma_cmd - tm.NORM_HEAD_TO_GAMMA + 1
         return UNIT_OVERHEAD + check + tm.ROW_JOB_DONE
@@ -102,7 +107,7 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
     # PASS0_CMD follows WRITE_CMD; the row's gamma read is issued once the reader has
     # emptied the previous read's beats (the head's, or the last row's gamma), meanwhile
     g = head_out + tm.NORM_HEAD_TO_GAMMA - 1                   # the cycle before PASS0_CMD
-    reader_free = port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY
+    reader_free = head_port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY
     g_lines_in = ceil((2 * n + gamma_skip) / B) * port.lines_per_beat
     for row in range(rows):
         if kept and row:
@@ -114,9 +119,9 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
             continue
         gamma_at = max(g + 1, reader_free)                     # the read's command taken
         gamma_first = gamma_at + tm.READER_CMD_REGISTER + READ_OVERHEAD + L
-        reader_free = port.arrival(g_lines_in - 1, gamma_first) + tm.LINE_ALIGNER_LATENCY
+        reader_free = gamma_port.arrival(g_lines_in - 1, gamma_first) + tm.LINE_ALIGNER_LATENCY
         last0 = g + tm.NORM_PASS_START + stream - 1            # pass 0's last beat
-        gamma_line = lambda j: port.emit(j, gamma_first, gamma_skip, 2 * n) + tm.LINE_ALIGNER_LATENCY
+        gamma_line = lambda j: gamma_port.emit(j, gamma_first, gamma_skip, 2 * n) + tm.LINE_ALIGNER_LATENCY
         if g_cut is not None:                      # the gamma beat of x's last beat
             g_last = gamma_line((beats - 1) // g_cut) + 1 + (beats - 1) % g_cut
         else:
@@ -214,6 +219,7 @@ def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, a
     ``n`` gate bytes alone, which go through the up half's aligner from byte 0: it drops
     no lines before the first pair, and each row reads ``ceil(n/16)`` lines instead of
     ``ceil(2n/16)`` (the pairs, not the reads, set a row's pace either way)."""
+    port = port.at(addr)
     first = tm.PARAM_CMD + READ_OVERHEAD + port.latency
     skip = addr % port.bus_bytes
     head_out = port.emit(0, first, skip, ACT_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
@@ -243,7 +249,8 @@ def rope_cycles(port: PortTiming, n: int, k: int, rows: int, addr: int, pos: int
         return UNIT_OVERHEAD + tm.ROPE_SETUP_STATES + 1 + tm.ROPE_DONE
     row_addr = addr + pos * 2 * k
     beats = ceil((row_addr % port.bus_bytes + 2 * k) / port.bus_bytes)
-    spans = (tm.ROPE_SETUP_STATES + READ_OVERHEAD + port.latency + port.beat_offset(beats - 1)
+    spans = (tm.ROPE_SETUP_STATES + READ_OVERHEAD + port.latency
+             + port.at(row_addr).beat_offset(beats - 1)
              + tm.BLOCK_READ_DONE)
     # heads overlap: head h+1's gather hides head h's rotation, so a head costs its
     # gather, ROTATE and its scatter; only a lone head waits for the Rope

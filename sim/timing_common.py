@@ -1,9 +1,15 @@
 """Timing primitives the cycle model's parts share: VMEM lines and window accesses, and the
-memory path (the memory port and the simulated memory behind it)."""
+memory path (the memory port and the simulated memory behind it).
+
+The memory path has two views (dfvg_hw/controller.py): the MATMUL sequencer reads whole
+engine beats (:meth:`PortTiming.for_config`), every other part reads one channel's beat
+at a time through the :class:`~dfvg_hw.beat_narrower.BeatNarrower`
+(:meth:`PortTiming.for_units`): its beats are the pieces of the engine beats, one a
+cycle at most, cut combinationally from the memory port's output register."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import ceil
 
 from dfvg_hw.spec import numerics as nx
@@ -36,24 +42,63 @@ def window_cycles(byte_addr: int, nbytes: int) -> int:
 # -- the memory path ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PortTiming:
+    """The memory path as one reader sees it.
+
+    ``bus_bytes`` is the beat the reader takes: the engine beat on the wide path, one
+    channel's beat (``D``) on the narrow one, where each engine beat arrives as ``pieces``
+    (``k = W/D``) beats. ``beats_per_cycle`` is the rate of the *engine* beats (each
+    channel's memory delivers ``p`` a cycle). ``skip`` is the pieces a read skips in its
+    first engine beat (:meth:`at`), 0 on the wide path.
+    """
+
     latency: int        #: L
-    bus_bytes: int      #: B
-    beats_per_cycle: float  #: p
+    bus_bytes: int      #: B: the beat the reader takes
+    beats_per_cycle: float  #: p: engine beats a cycle
     page: int = PAGE    #: logical bytes of an AXI page: 4 KiB of each channel
+    pieces: int = 1     #: k: reader beats per engine beat
+    skip: int = 0       #: s: pieces the read skips in its first engine beat
 
     @classmethod
     def for_config(cls, config: EngineConfig) -> "PortTiming":
+        """The wide path: whole engine beats (the MATMUL sequencer's)."""
         return cls(config.mem_latency_cycles, config.mem_beat_bytes,
                    config.port_beats_per_cycle, PAGE * config.mem_ports)
+
+    @classmethod
+    def for_units(cls, config: EngineConfig) -> "PortTiming":
+        """The narrow path: one channel's beat, behind the BeatNarrower (every part but
+        the MATMUL sequencer). Use :meth:`at` for a read's ``skip``."""
+        return cls(config.mem_latency_cycles, config.port_bytes, config.port_beats_per_cycle,
+                   PAGE * config.mem_ports, pieces=config.mem_ports)
+
+    def at(self, addr: int) -> "PortTiming":
+        """The timing of a read issued at device byte ``addr`` (a multiple of
+        ``bus_bytes``; the reader's own command): its first engine beat's skipped
+        pieces."""
+        return replace(self, skip=addr % (self.bus_bytes * self.pieces) // self.bus_bytes)
+
+    @property
+    def engine_beat_bytes(self) -> int:
+        return self.bus_bytes * self.pieces
 
     @property
     def lines_per_beat(self) -> int:
         return self.bus_bytes // LINE
 
+    def _engine_beat_offset(self, j: int) -> int:
+        """Cycles from a read's first engine beat to its engine beat ``j`` on the port
+        (the memory's token bucket full at the start, refilled ``p`` a cycle)."""
+        return ceil(j / self.beats_per_cycle - 1e-9)
+
     def beat_offset(self, i: int) -> int:
-        """Cycles from a read's first beat to its beat ``i`` (the memory's token bucket
-        full at the start, refilled ``p`` a cycle)."""
-        return ceil(i / self.beats_per_cycle - 1e-9)
+        """Cycles from a read's first beat to its beat ``i``. On the narrow path beat
+        (piece) ``i`` is in engine beat ``(s + i) // k`` and leaves no earlier than that
+        engine beat is on the port and no earlier than the cycle after piece ``i − 1``
+        (the narrower passes one a cycle and holds the engine beat until its last piece
+        is taken, so a held beat never delays the next one past that)."""
+        if self.pieces == 1:
+            return self._engine_beat_offset(i)
+        return i + _lateness(self.beats_per_cycle, self.pieces, self.skip, (self.skip + i) // self.pieces)
 
     def arrival(self, i: int, first: int) -> int:
         """Cycle a LineAligner takes input line ``i`` of a read whose first beat is on the
@@ -72,6 +117,20 @@ class PortTiming:
         if d + j + 1 < n_in:
             return self.arrival(d + j + 1, first)
         return self.arrival(n_in - 1, first) + tm.LINE_ALIGNER_LATENCY
+
+
+_LATENESS: dict[tuple[float, int, int], list[int]] = {}
+
+
+def _lateness(p: float, k: int, s: int, beats: int) -> int:
+    """``max(0, max over engine beats 1 ≤ j ≤ beats of ⌈j/p⌉ − (j·k − s))``: how far the
+    engine beats' arrival holds a read's pieces back (a prefix maximum, kept per
+    ``(p, k, s)`` since the cycle model asks for it piece after piece)."""
+    table = _LATENESS.setdefault((p, k, s), [0])
+    while len(table) <= beats:
+        j = len(table)
+        table.append(max(table[-1], ceil(j / p - 1e-9) - (j * k - s)))
+    return table[beats]
 
 
 def axi_bursts(addr: int, nbytes: int, bus_bytes: int, page: int = PAGE) -> list[int]:
