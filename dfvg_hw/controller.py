@@ -63,6 +63,15 @@ written in one burst), the :class:`~dfvg_hw.tree_registers.TreeRegisters` and th
 :class:`~dfvg_hw.op_cycle_counters.OpCycleCounters`. The controller itself keeps the host
 commands, the program load, fetch and decode, SAMPLE, and lends the shared ports (memory
 port, VMEM) to the part whose turn it is.
+
+**The memory path.** ``mem`` is the striped memory port's engine beat (``W =
+mem_ports · mem_port_bits`` bits). The MATMUL sequencer alone is lent it whole (its weight
+tiles and requant records are the engine's bandwidth); every other part — the program load,
+the request front end, the result writer, EMBED, RMSNORM, ROPE, the KV sequencer and ACTMUL
+— reads and writes one channel's beat (``unit_width``) through the
+:class:`~dfvg_hw.beat_narrower.BeatNarrower`, which costs no cycle and is a wire with one
+memory port. After a fault the drain empties the wide port itself and flushes the
+narrower's reads in flight.
 """
 
 from __future__ import annotations
