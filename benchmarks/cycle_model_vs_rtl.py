@@ -1,12 +1,16 @@
 """Cycle model against the RTL, unit by unit, on a compiled tiny Llama draft.
 
-    python benchmarks/cycle_model_vs_rtl.py [PRESET]
+    python benchmarks/cycle_model_vs_rtl.py [PRESET] [--change FIELD=VALUE ...]
     python benchmarks/cycle_model_vs_rtl.py [PRESET] --tree N [--seed S]
 
 Compiles a small random Llama (``dfvg_host.fixtures.make_tiny_llama``, as the tests do) for
 PRESET (default ``tiny``), runs the same driver calls on ``sim://`` (cycle model: modelled)
 and on the Verilator engine (measured in simulation), and prints every ``OP_CYCLES``
 counter of both and the result's cycles. The co-simulation tests assert that they are equal.
+``--change`` derives a configuration from PRESET (``EngineConfig.with_changes``), e.g.
+``tiny-hbm --change mem_port_bits=256 --change lanes=16`` (the narrow path's pieces two
+VMEM lines each) or ``tiny-hbm --change mem_achievable_gbps=1.2`` (a memory slower than
+the narrow path).
 
 With ``--tree N``: N random tree-drafting sessions of three requests each
 (:mod:`sim.tree_cases`: greedy and sampled trees, compaction of an accepted path, chain
@@ -88,8 +92,17 @@ def main() -> int:
     parser.add_argument("preset", nargs="?", default="tiny")
     parser.add_argument("--tree", type=int, metavar="N", help="N random tree sessions instead")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--change", action="append", default=[], metavar="FIELD=VALUE",
+                        help="derive the configuration: an EngineConfig field and its value")
     args = parser.parse_args()
     config = get_preset(args.preset)
+    if args.change:
+        changes = {}
+        for item in args.change:
+            field, _, value = item.partition("=")
+            kind = type(getattr(config, field))
+            changes[field] = kind(value)
+        config = config.with_changes(name=f"{config.name}-derived", **changes)
     compiled = compile_draft(make_tiny_llama(Path(tempfile.mkdtemp())), config)
     if args.tree:
         return trees(config, compiled, args.tree, args.seed)
