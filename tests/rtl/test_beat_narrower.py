@@ -271,3 +271,11 @@ def test_one_port_is_a_wire():
     assert rig.wide_commands == reads
     assert rig.pieces == rig.expected_pieces(reads, memory)
     assert rig.bubbles == 0
+
+
+def test_lint_clean():
+    from dfvg_hw.verilog import to_verilog
+    from sim.lint import verilator_lint
+    clean, output = verilator_lint(to_verilog(BeatNarrower(HBM, 512, 128), "beat_narrower"),
+                                   "beat_narrower")
+    assert clean, output
