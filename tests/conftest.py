@@ -50,6 +50,8 @@ SLOW_TESTS = {
     "test_rope_sequencer.py::test_heads_rows_in_place_and_table_offsets",
     "test_rope_sequencer.py::test_lint_clean",
     "test_fuzz_rtl.py::test_random_cases",
+    # builds the tiny-hbm engine in Verilator (shared with the multi-channel driver tests)
+    "test_fuzz_rtl.py::test_regressions_and_a_sample_at_tiny_hbm",
     # every case builds the engine's Verilog (and, once, the Verilator harness)
     "test_rtl_device.py::test_rtl_device_matches_the_sim_device",
     "test_cli.py::test_generate_json_on_the_demo_pair",
