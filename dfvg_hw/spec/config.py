@@ -286,9 +286,9 @@ PRESETS: dict[str, EngineConfig] = {
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=16 * GiB,
             mem_port_bits=256, mem_achievable_gbps=421.0,
             source="alveo-u55c with one 256-bit memory channel at the engine clock (9.6 GB/s, "
-                   "within one pseudo-channel's 13.1): the engine whose RTL builds for the card "
-                   "today (the 32-channel preset's 16384-bit beat does not elaborate yet). "
-                   "Rooflines are the card's, as for alveo-u55c"),
+                   "within one pseudo-channel's 13.1): the single-channel engine, smaller to build "
+                   "and simulate, and the baseline of the efficiency table. Rooflines are the card's, "
+                   "as for alveo-u55c"),
         EngineConfig(
             name="alveo-u280", rows=4, lanes=64, reduce=32,
             kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
