@@ -13,6 +13,13 @@ wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits
    biases, :func:`~dfvg_hw.spec.image.requant_record_bytes`) are read from device memory;
    each tile meets x-buffer entry ``kt`` in the matrix unit, which adds the biases (0
    without ``BIAS``) before it requantises.
+   With ``BLOCKS`` a group's read also holds a scale tile before every run of
+   ``reduce/2`` weight tiles (:func:`~dfvg_hw.spec.image.tile_weights`): it passes the tile
+   packer like a weight tile and is taken into the ``scales`` register as soon as it is
+   complete (whatever the matrix unit does); each weight tile of the run then carries its
+   ``lanes`` multipliers (word ``kt mod reduce/2`` of the register) into the matrix unit,
+   and the group's parameters say ``blocks`` so the write-back rounds the scaled sums.
+   Without it every tile carries multipliers of 1.
 3. **Write-back.** Each output row of a group goes to VMEM (INT8: int8, RESADD: int32,
    the residual read from the same place first, INT32: int32) or, in LOGITS mode, to the
    logit buffer.
