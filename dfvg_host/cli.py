@@ -18,6 +18,14 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+#: ``--weight-blocks`` of compile, generate and accuracy
+WEIGHT_BLOCKS_HELP = ("block-scaled int8 weights: a 16-bit multiplier per block of the preset's "
+                      "reduce inputs of every matrix row (MATMUL BLOCKS, engine 2.6; 2/reduce more "
+                      "weight bytes, 1/16 at reduce 32)")
+#: ... where a draft is compiled on the way
+WEIGHT_BLOCKS_UNCACHED = WEIGHT_BLOCKS_HELP + "; a draft that needs compiling is compiled now, not cached"
+
+
 def _preset(name: str):
     from dfvg_hw.spec.config import ConfigError, get_preset
     try:
@@ -67,7 +75,7 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     compiled = compile_draft(draft, engine, calibration_text=text, calibration_tokens=tokens,
                              tokenizer_dir=args.tokenizer, random_weights=args.random_weights,
-                             draft_vocab=args.draft_vocab)
+                             draft_vocab=args.draft_vocab, weight_blocks=args.weight_blocks)
     compiled.save(args.output)
     shape = compiled.shape
     report = compile_report(engine, compiled.program, model=shape.describe(),
@@ -79,7 +87,7 @@ def cmd_compile(args) -> int:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(f"compiled {draft} -> {args.output} in {time.perf_counter() - t0:.1f} s "
-              f"(weights: {'random, for sizing' if args.random_weights else 'int8 per channel'})")
+              f"(weights: {'random, for sizing' if args.random_weights else _weight_format(args)})")
         print(f"family {shape.model_type}: {FAMILIES[shape.model_type]}")
         if args.draft_vocab:
             print(f"draft vocabulary: {args.draft_vocab - 1} of the model's {shape.vocab} tokens "
@@ -162,26 +170,43 @@ def _resolve_draft(draft: str | None, engine) -> DraftSource:
     return DraftSource(None, path, shape.vocab, min(engine.kv_positions, shape.max_positions))
 
 
+def _weight_format(args) -> str:
+    return ("int8, a scale per block of the preset's reduce inputs" if args.weight_blocks
+            else "int8 per channel")
+
+
 def _compile_source(source: DraftSource, engine, calibration: str | None, log, *,
-                    target: Path | None = None, demo: bool = False):
+                    target: Path | None = None, demo: bool = False, weight_blocks: bool = False):
     """The compiled draft of ``source``: as loaded, or its model compiled (and cached) now.
     The demo draft calibrates on the demo's Python; a draft without a tokenizer of its own
-    is calibrated through the ``target``'s (they must share one)."""
+    is calibrated through the ``target``'s (they must share one). ``weight_blocks``
+    (``--weight-blocks``): block-scaled weights, compiled now and not cached (the cache's
+    key does not know the option)."""
+    from dfvg_host.cache import calibration_text
     from dfvg_host.checkpoints import has_tokenizer
+    from dfvg_host.compiler import compile_draft
     from dfvg_host.demo import DEMO_DATA, compile_cached
 
     if source.compiled is not None:
+        if weight_blocks and not source.compiled.manifest["layout"].get("blocks"):
+            raise CliError(f"--weight-blocks: --draft {source.model_dir} is a compiled draft without "
+                           "block-scaled weights; compile it with `dfvg compile --weight-blocks`")
         return source.compiled
-    if demo:
-        return compile_cached(source.model_dir, engine, DEMO_DATA / "calibration.txt", log=log)
     path = source.model_dir
-    _, cal_path = _read_calibration(calibration, path)
-    tokenizer_dir = source.tokenizer_dir or (target if target and has_tokenizer(target) else None)
-    if tokenizer_dir is None:
-        raise CliError(f"--draft {path} has no tokenizer files to tokenise the calibration text"
-                       f"{'' if target is None else f', nor has --target {target}'}: compile it "
-                       f"first with `dfvg compile --draft {path} --tokenizer DIR` (or "
-                       "--calibration-tokens FILE) and pass the compile output as --draft")
+    if demo:
+        cal_path, tokenizer_dir = DEMO_DATA / "calibration.txt", None
+    else:
+        _, cal_path = _read_calibration(calibration, path)
+        tokenizer_dir = source.tokenizer_dir or (target if target and has_tokenizer(target) else None)
+        if tokenizer_dir is None:
+            raise CliError(f"--draft {path} has no tokenizer files to tokenise the calibration text"
+                           f"{'' if target is None else f', nor has --target {target}'}: compile it "
+                           f"first with `dfvg compile --draft {path} --tokenizer DIR` (or "
+                           "--calibration-tokens FILE) and pass the compile output as --draft")
+    if weight_blocks:
+        log(f"compiling {path} for {engine.name} with block-scaled weights (not cached) ...")
+        return compile_draft(path, engine, calibration_text=calibration_text(cal_path),
+                             tokenizer_dir=tokenizer_dir, weight_blocks=True)
     return compile_cached(path, engine, cal_path, log=log, tokenizer_dir=tokenizer_dir)
 
 
@@ -439,7 +464,8 @@ def cmd_generate(args) -> int:
     if len(prompt) >= limit:
         raise CliError(f"the prompt has {len(prompt)} tokens; the draft's context limit is "
                        f"{limit}. Shorten the prompt or use a preset with more kv_positions")
-    compiled = [_compile_source(d.source, d.engine, args.calibration, log, target=target_dir, demo=d.demo)
+    compiled = [_compile_source(d.source, d.engine, args.calibration, log, target=target_dir, demo=d.demo,
+                                weight_blocks=args.weight_blocks)
                 for d in opened]
     tree_width = _check_tree(args, opened[0], compiled[0], tree_engine) if args.strategy == "tree" else 0
     try:
@@ -745,7 +771,8 @@ def cmd_accuracy(args) -> int:
                        f"positions asked for in segments of {length}; pass a longer text or fewer --positions")
     remainder = args.positions - length * (len(parts) - 1)
     parts[-1] = parts[-1][:remainder]
-    compiled = _compile_source(source, engine, args.calibration, print, demo=args.draft is None)
+    compiled = _compile_source(source, engine, args.calibration, print, demo=args.draft is None,
+                               weight_blocks=args.weight_blocks)
     t0 = time.perf_counter()
     agreement = teacher_forced_agreement(load_model(draft_dir), engine, compiled.image,
                                          compiled.program, parts, compiled.vocabulary)
@@ -953,6 +980,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft over N − 1 of the model's tokens (special, calibration-text and "
                         "lowest ids), for a vocabulary past the preset's vocab_max (e.g. Qwen's "
                         "151,936); the target still verifies every token")
+    c.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_HELP)
     c.add_argument("--context", type=int, default=256,
                    help="context length the speed figures are modelled at (default 256)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -988,6 +1016,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="verifier dtype: float32, bfloat16, float16")
     g.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
     g.add_argument("--calibration", help="calibration text when --draft needs compiling")
+    g.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_UNCACHED)
     g.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
     g.add_argument("--schedule", choices=["serial", "pipelined"], default="serial",
                    help="serial: draft, then verify; pipelined: the engine drafts the next round "
@@ -1096,6 +1125,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--positions", type=int, default=1024, help="positions compared (default 1024)")
     a.add_argument("--segment", type=int, default=256, help="tokens per segment, each from position 0")
     a.add_argument("--calibration", help="calibration text when --draft needs compiling")
+    a.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_UNCACHED)
     a.add_argument("--json", action="store_true", help="print the figures as JSON")
     a.set_defaults(func=cmd_accuracy)
 

@@ -225,15 +225,39 @@ def _weight_int8(w: np.ndarray, floor: np.ndarray | None = None) -> tuple[np.nda
 BIAS_LIMIT = 2 ** 30
 
 
+def block_multipliers(w: np.ndarray, sw: np.ndarray, reduce: int) -> np.ndarray:
+    """The ``BLOCKS`` multipliers ``[N, ceil(K/reduce)]`` of a matrix whose rows have the
+    scale ``sw``: each block of ``reduce`` inputs gets
+    ``m = clip(round(2^16 · s_block / sw), 1, 65535)``, ``s_block = max|w_block| / 127``
+    (numerics.md §13.2): the block's int8 weights then step by ``sw · m / 2^16``. A row
+    whose scale is 0 (all zero) gets 1s."""
+    n, k = w.shape
+    tiles = -(-k // reduce)
+    a = np.zeros((n, tiles * reduce))
+    a[:, :k] = np.abs(w)
+    s_block = a.reshape(n, tiles, reduce).max(axis=2) / 127.0
+    safe = np.where(sw > 0, sw, 1.0)[:, None]
+    return np.clip(np.round(s_block / safe * (1 << nx.BLOCK_SHIFT)), 1, (1 << nx.BLOCK_MULT_BITS) - 1
+                   ).astype(np.int64)
+
+
 def _linear_block(w: np.ndarray, s_in: float, s_out, engine: EngineConfig,
-                  bias: np.ndarray | None = None) -> bytes:
+                  bias: np.ndarray | None = None, blocks: bool = False) -> bytes:
     """The MATMUL block of ``y = W·x (+ bias)``: int8 weights per output row, each row
     requantised from its accumulator (units ``s_in·s_w``) to ``s_out`` (a scalar or one per
     row), and the bias in accumulator units (docs/isa.md §4.2). A row whose bias would not
     fit ``BIAS_LIMIT`` gets a coarser weight scale, so that every bias is exact to half an
-    accumulator unit."""
+    accumulator unit. With ``blocks`` (``BLOCKS``) each block of ``reduce`` inputs of a row
+    is quantised at its own scale ``s_w · m / 2^16`` (:func:`block_multipliers`); the
+    accumulator keeps the row's units, so the requantisation and the bias are unchanged."""
     floor = None if bias is None else np.abs(bias) / (s_in * BIAS_LIMIT)
     w8, sw = _weight_int8(w, floor)
+    scales = None
+    if blocks:
+        scales = block_multipliers(w, sw, engine.reduce)
+        step = np.repeat(scales, engine.reduce, axis=1)[:, :w.shape[1]] / float(1 << nx.BLOCK_SHIFT)
+        step = step * np.where(sw > 0, sw, 1.0)[:, None]
+        w8 = np.clip(np.round(w / step), -127, 127).astype(np.int8)
     mult, shift = nx.host_multiplier(s_in * sw / s_out)
     npad = padded(w8.shape[0], engine.lanes)
     bias_int = None
@@ -241,8 +265,9 @@ def _linear_block(w: np.ndarray, s_in: float, s_out, engine: EngineConfig,
         safe = np.where(sw > 0, sw, 1.0)
         bias_int = np.where(sw > 0, np.round(bias / (s_in * safe)), 0).astype(np.int64)
     records = pack_requant_records(mult, shift, bias_int, npad, engine.lanes)
-    block = tile_weights(w8, engine.lanes, engine.reduce).tobytes() + records
-    return block.ljust(matmul_bytes(*w8.shape, engine.lanes, engine.reduce, bias is not None), b"\0")
+    block = tile_weights(w8, engine.lanes, engine.reduce, scales).tobytes() + records
+    return block.ljust(matmul_bytes(*w8.shape, engine.lanes, engine.reduce, bias is not None, blocks),
+                       b"\0")
 
 
 def _act_scale(absmax: float, bits: int = 8) -> float:
@@ -428,6 +453,7 @@ class Layout:
     lm_head: int = 0
     vmem: dict = field(default_factory=dict)
     biased: list = field(default_factory=list)  # layer blocks whose MATMUL adds a bias (BIAS)
+    blocks: bool = False                        # every MATMUL's weights block-scaled (BLOCKS)
     logits: int = 0                             # LOGITS/SAMPLE length: the drafted tokens
     act_groups: list = field(default_factory=list)  # channels of each ACTMUL's group
     positions: int = 0                          # learned position table (int16 rows)
@@ -501,10 +527,11 @@ def decoder_state(model, shape: ModelShape) -> dict:
 
 
 def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig,
-                vocabulary: DraftVocabulary | None = None):
+                vocabulary: DraftVocabulary | None = None, weight_blocks: bool = False):
     """Quantise the model and lay out the image; returns (bytes, Layout, scales). With a
     ``vocabulary`` the embedding holds its kept rows and one shared row (the mean of the
-    others), and the LM head its kept rows."""
+    others), and the LM head its kept rows. With ``weight_blocks`` every matrix has a
+    scale per block of ``reduce`` inputs (``BLOCKS``, numerics.md §13.2)."""
     import torch
     from transformers.activations import ACT2FN
 
@@ -515,7 +542,7 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
                     for li, c in enumerate(cal.layers)]
     s_x = _residual_scale(sd, cal, layer_scales, fam)
     b = ImageBuilder(engine.mem_beat_bytes)
-    lay = Layout()
+    lay = Layout(blocks=weight_blocks)
     scales = dict(residual=s_x, layers=[])
 
     emb = sd[f"{fam.embed}.weight"]
@@ -548,7 +575,8 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
         rows = np.zeros((engine.kv_positions, embed_row_stride(shape.hidden // 2, engine.mem_beat_bytes) // 2), "<i2")
         rows[:len(pe), :shape.hidden] = np.clip(np.round(pe / s_pe), -32767, 32767)
         lay.positions = b.place(rows.tobytes())
-        lay.position_add = b.place(_linear_block(np.eye(shape.hidden), s_pe, s_x, engine))
+        lay.position_add = b.place(_linear_block(np.eye(shape.hidden), s_pe, s_x, engine,
+                                                 blocks=weight_blocks))
         scales["positions"] = s_pe
 
     act_fn = ACT2FN[shape.hidden_act]
@@ -566,7 +594,7 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
                 for name in "qkvo"}
 
         def linear(name, w, s_in, s_out, bias):
-            parts[name] = _linear_block(w, s_in, s_out, engine, bias)
+            parts[name] = _linear_block(w, s_in, s_out, engine, bias, weight_blocks)
             if bias is not None and name not in lay.biased:
                 lay.biased.append(name)
 
@@ -613,7 +641,8 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     s_fn = _act_scale(cal.final_norm, 16)
     lay.final_norm = b.place(_norm_block(sd[f"{fam.final_norm}.weight"], shape.hidden,
                                          shape.rms_norm_eps, s_x, s_fn))
-    lay.lm_head = b.place(_linear_block(lm, s_fn, 2.0 ** -nx.LOGIT_FRAC, engine, lm_bias))
+    lay.lm_head = b.place(_linear_block(lm, s_fn, 2.0 ** -nx.LOGIT_FRAC, engine, lm_bias,
+                                        weight_blocks))
     if lm_bias is not None:
         lay.biased.append("lm_head")
     scales["final_norm"] = s_fn
@@ -687,7 +716,7 @@ def _head(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     return [
         Instruction(Op.RMSNORM, flags=Flag.WIDE, rows=rows, dst=v["xn"], src=v["x"], n=s.hidden,
                     addr=lay.final_norm),
-        Instruction(Op.MATMUL, flags=to_logits | _bias_flag(lay, "lm_head"), rows=rows,
+        Instruction(Op.MATMUL, flags=to_logits | _bias_flag(lay, "lm_head") | _blocks_flag(lay), rows=rows,
                     src=v["xn"], n=lay.logits, k=s.hidden, addr=lay.lm_head),
         Instruction(Op.SAMPLE, n=lay.logits),
     ]
@@ -702,12 +731,12 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     wide = Flag.WIDE
     to_int8, to_residual = MatmulMode.INT8 << 1 | wide, MatmulMode.RESADD << 1 | wide
     lrel = Flag.LREL
-    bias = lambda name: _bias_flag(lay, name)
+    bias = lambda name: _bias_flag(lay, name) | _blocks_flag(lay)
     # learned positions (OPT): the position's int16 row, added by an identity matmul
     positions = [] if s.rope else [
         Instruction(Op.EMBED, flags=Flag.POSITION, rows=rows, dst=v["pe"], n=s.hidden // 2,
                     addr=lay.positions),
-        Instruction(Op.MATMUL, flags=to_residual, rows=rows, dst=v["x"], src=v["pe"], n=s.hidden,
+        Instruction(Op.MATMUL, flags=to_residual | _blocks_flag(lay), rows=rows, dst=v["x"], src=v["pe"], n=s.hidden,
                     k=s.hidden, addr=lay.position_add)]
     rope = [
         Instruction(Op.ROPE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd, addr=lay.rope),
@@ -748,13 +777,18 @@ def _bias_flag(lay: Layout, name: str) -> int:
     return Flag.BIAS if name in lay.biased else 0
 
 
+def _blocks_flag(lay: Layout) -> int:
+    """``BLOCKS`` when the image's matrices carry block multipliers."""
+    return Flag.BLOCKS if lay.blocks else 0
+
+
 def _qkv(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     """q, k and v from the normed row into the ``qkv`` region (int8 ``[q | k | v]``): one
     matmul, or with QK-norm an int32 ``[q | k]`` row whose heads RMSNORM normalises one by
     one (segments), and v on its own."""
     v, s, hd = lay.vmem, shape, shape.head_dim
     L = lambda name: lay.layers_base + lay.sub[name]
-    flags = lambda mode, name: Flag.LREL | Flag.WIDE | mode << 1 | _bias_flag(lay, name)
+    flags = lambda mode, name: Flag.LREL | Flag.WIDE | mode << 1 | _bias_flag(lay, name) | _blocks_flag(lay)
     if not s.qk_norm:
         return [Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "qkv"), rows=rows, dst=v["qkv"],
                             src=v["xn"], n=s.qkv_out, k=s.hidden, addr=L("qkv"))]
@@ -872,11 +906,14 @@ def calibration_sequences(model_dir: Path, text: str | None, vocab: int, *,
 
 def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_text: str | None = None,
                   calibration_tokens: list[int] | None = None, tokenizer_dir: str | Path | None = None,
-                  random_weights: bool = False, model=None, draft_vocab: int | None = None) -> CompiledDraft:
+                  random_weights: bool = False, model=None, draft_vocab: int | None = None,
+                  weight_blocks: bool = False) -> CompiledDraft:
     """Compile the draft at ``model_dir`` for ``engine``, calibrating its activation scales
     on ``calibration_tokens``, else ``calibration_text`` (tokenised by the tokenizer in
     ``tokenizer_dir``, default ``model_dir``), else random ids. ``draft_vocab``: the engine
-    drafts over that many of the model's tokens (:mod:`dfvg_host.draft_vocab`)."""
+    drafts over that many of the model's tokens (:mod:`dfvg_host.draft_vocab`).
+    ``weight_blocks``: block-scaled int8 weights, one scale per ``reduce`` inputs of a row
+    (MATMUL ``BLOCKS``, numerics.md §13.2)."""
     model_dir = Path(model_dir)
     model = model if model is not None else load_model(model_dir, random_weights=random_weights)
     shape = describe_model(model.config)
@@ -890,7 +927,7 @@ def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_te
         frequent = [int(t) for t in np.argsort(-counts, kind="stable") if counts[t]]
         vocabulary = choose_draft_vocabulary(shape.vocab, draft_vocab, special=_special_ids(model.config),
                                              frequent=frequent)
-    image, lay, scales = build_image(model, shape, cal, engine, vocabulary)
+    image, lay, scales = build_image(model, shape, cal, engine, vocabulary, weight_blocks)
     room = engine.mem_bytes - MemoryMap.IMAGE
     if len(image) > room:
         raise DoesNotFit(f"image of {len(image)} bytes exceeds the {room} bytes of device memory "

@@ -13,6 +13,13 @@ wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits
    biases, :func:`~dfvg_hw.spec.image.requant_record_bytes`) are read from device memory;
    each tile meets x-buffer entry ``kt`` in the matrix unit, which adds the biases (0
    without ``BIAS``) before it requantises.
+   With ``BLOCKS`` a group's read also holds a scale tile before every run of
+   ``reduce/2`` weight tiles (:func:`~dfvg_hw.spec.image.tile_weights`): it passes the tile
+   packer like a weight tile and is taken into the ``scales`` register as soon as it is
+   complete (whatever the matrix unit does); each weight tile of the run then carries its
+   ``lanes`` multipliers (word ``kt mod reduce/2`` of the register) into the matrix unit,
+   and the group's parameters say ``blocks`` so the write-back rounds the scaled sums.
+   Without it every tile carries multipliers of 1.
 3. **Write-back.** Each output row of a group goes to VMEM (INT8: int8, RESADD: int32,
    the residual read from the same place first, INT32: int32) or, in LOGITS mode, to the
    logit buffer.
@@ -95,7 +102,7 @@ from ``src``.
 
 from __future__ import annotations
 
-from amaranth import Cat, Module, Mux, Signal, unsigned
+from amaranth import Cat, Const, Module, Mux, Signal, unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.lib.memory import Memory
@@ -104,7 +111,7 @@ from amaranth.utils import exact_log2
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
 from dfvg_hw.spec.descriptors import ErrorCode
-from dfvg_hw.spec.image import requant_record_bytes
+from dfvg_hw.spec.image import requant_record_bytes, scale_run_tiles
 from dfvg_hw.spec.timing import matmul_records_per_beat
 from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.matrix import DIGIT_BITS, MatrixUnit
@@ -324,7 +331,10 @@ class MatmulSequencer(wiring.Component):
         mode = flags_view(job.flags).mode
         wide = flags_view(job.flags).wide
         bias = flags_view(job.flags).bias
-        n_groups, k_tiles = Signal(16), Signal(16)
+        blocks = flags_view(job.flags).blocks
+        # g_tiles: the tiles of a group's read, its scale tiles (BLOCKS) included
+        n_groups, k_tiles, g_tiles = Signal(16), Signal(16), Signal(17)
+        T = scale_run_tiles(K)          # weight tiles per scale tile
         stride_in, stride_out, in_bytes, out_bytes = Signal(32), Signal(32), Signal(32), Signal(32)
         # rows `pitch` lines apart (a tree forward's operands, isa.md §9.2) ...
         pitched = Signal()
@@ -353,12 +363,16 @@ class MatmulSequencer(wiring.Component):
                     p = self.job.payload
                     p_wide, p_mode = flags_view(p.flags).wide, flags_view(p.flags).mode
                     npad, kpad = padded(p.n, N), padded(p.k, K)
+                    p_k_tiles = kpad // K
+                    p_g_tiles = p_k_tiles + Mux(flags_view(p.flags).blocks,
+                                                (p_k_tiles + T - 1) >> exact_log2(T), 0)
                     p_in = p.k * Mux(p_wide, 2, 1)
                     p_out = p.n * Mux(p_mode == MatmulMode.INT8, 1, 4)
                     p_pitched = (p.pitch != 0) & (p.rows > 1)
                     pitch_bytes = p.pitch * L
-                    m.d.sync += [job.eq(p), n_groups.eq(npad // N), k_tiles.eq(kpad // K),
-                                 weight_bytes.eq(npad * kpad), first.eq(0),
+                    m.d.sync += [job.eq(p), n_groups.eq(npad // N), k_tiles.eq(p_k_tiles),
+                                 g_tiles.eq(p_g_tiles), weight_bytes.eq(npad * p_g_tiles * K),
+                                 first.eq(0),
                                  in_bytes.eq(p_in), out_bytes.eq(p_out), pitched.eq(p_pitched),
                                  stride_in.eq(Mux(p_pitched, pitch_bytes, padded(p_in, L))),
                                  stride_out.eq(Mux(p_pitched, pitch_bytes, padded(p_out, L))),
@@ -495,13 +509,13 @@ class MatmulSequencer(wiring.Component):
             # the last group whose words are in qbuf); a read's beats enter at q_group == q_end
             q_group, q_end = Signal(16), Signal(16)
             with m.State("STREAM"):
-                tile_beats = N * k_tiles * K // beat_bytes
+                tile_beats = N * g_tiles * K // beat_bytes
                 q_beats = {b: max(1, requant_record_bytes(N, b) // beat_bytes) for b in (False, True)}
                 # commands: tiles of group g (none when k = 0), then its requant record; each
                 # from the bus-aligned address below its first byte
                 is_q = cmd_q | k_zero
                 q_addr = job.addr + weight_bytes + record_offset(cmd_group)
-                tile_addr = job.addr + cmd_group * N * k_tiles * K
+                tile_addr = job.addr + cmd_group * N * g_tiles * K
                 cmd_addr = Mux(is_q, q_addr, tile_addr)
                 cmd_offset = cmd_addr[:offset_bits]
                 with m.If(cmd_group < n_groups):
@@ -510,7 +524,7 @@ class MatmulSequencer(wiring.Component):
                         self.read_cmd.payload.addr.eq(cmd_addr & ~(beat_bytes - 1)),
                         self.read_cmd.payload.length.eq(
                             cmd_offset + Mux(is_q, record_offset(q_groups(cmd_group)),
-                                             N * k_tiles * K)),
+                                             N * g_tiles * K)),
                     ]
                     with m.If(self.read_cmd.ready):
                         with m.If(is_q):
@@ -568,6 +582,7 @@ class MatmulSequencer(wiring.Component):
                 m.d.comb += [mx.q.valid.eq(q_full), mx.q.payload.words.as_value().eq(words),
                              mx.q.payload.bias.as_value().eq(Mux(bias, records[1][32 * N:], 0)),
                              mx.q.payload.mode.eq(mode), mx.q.payload.wide.eq(wide),
+                             mx.q.payload.blocks.eq(blocks),
                              mx.q.payload.rows.eq(pass_rows)]
                 with m.If(mx.q.valid & mx.q.ready):
                     m.d.sync += q_group.eq(q_group + 1)
@@ -575,19 +590,32 @@ class MatmulSequencer(wiring.Component):
                 kt, x_at, zero_tiles = Signal(16), Signal(16), Signal(16)
                 take = mx.w.valid & mx.w.ready
                 next_kt = Mux(kt + 1 == k_tiles, 0, kt + 1)
+                # BLOCKS: the packer's next tile is a run's scale tile until it is taken into
+                # `scales` (at once, whatever the matrix unit does); the run's weight tiles
+                # then each take their lanes' multipliers from it
+                scales, scales_in = Signal(8 * N * K), Signal()
+                scale_tile = blocks & ~scales_in
+                run_end = (kt[:exact_log2(T)] == T - 1) | (kt + 1 == k_tiles)
                 m.d.comb += [xr.addr.eq(Mux(take, next_kt, kt)),
                              mx.w.valid.eq(Mux(k_zero, zero_tiles < n_groups,
-                                               tiles.o.valid & (x_at == kt))),
+                                               tiles.o.valid & ~scale_tile & (x_at == kt))),
                              mx.w.payload.data.as_value().eq(Mux(k_zero, 0, tiles.o.p)),
                              mx.w.payload.last.eq(k_zero | (kt + 1 == k_tiles)),
-                             tiles.o.ready.eq(mx.w.ready & (x_at == kt)),
+                             mx.w.payload.scale.as_value().eq(
+                                 Mux(blocks, scales.word_select(kt[:exact_log2(T)], 16 * N),
+                                     Cat(*(Const(1, 16) for _ in range(N))))),
+                             tiles.o.ready.eq(scale_tile | (mx.w.ready & (x_at == kt))),
                              mx.x.valid.eq(mx.w.valid),
                              mx.x.payload.as_value().eq(xr.data)]
                 m.d.sync += x_at.eq(xr.addr)
+                with m.If(tiles.o.valid & scale_tile):
+                    m.d.sync += [scales.eq(tiles.o.p), scales_in.eq(1)]
                 with m.If(take):
                     m.d.sync += kt.eq(next_kt)
                     with m.If(k_zero):
                         m.d.sync += zero_tiles.eq(zero_tiles + 1)
+                    with m.Elif(run_end):
+                        m.d.sync += scales_in.eq(0)
 
                 # RESADD: the residual of each output row, read in output order (group by
                 # group, its rows in turn) as R lines; `peek_at` is the line on peek_data,

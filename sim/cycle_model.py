@@ -37,7 +37,7 @@ from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words, watchdog_budget
 from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES, padded,
-                                requant_record_bytes)
+                                requant_record_bytes, weight_area_bytes)
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
 from sim.attention_timing import attn_cycles, attn_job_cycles, compaction_cycles, kvappend_cycles
 from sim.sample_timing import tree_sample_cycles
@@ -141,14 +141,15 @@ class CycleModel:
             return self._tree_rows(ins, tree, pos, addr)
         rows = max(ins.rows, 1)
         if op == Op.MATMUL:
-            npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
+            npad = padded(ins.n, c.lanes)
             # a tree forward's rows lie the request's pitch apart (docs/isa.md §9.2)
             pitch = tree.pitch if tree is not None and tree.level else 0
             cycles = matmul_cycles(port, c.lanes, c.reduce, c.rows, ins.n, ins.k, rows,
                                     int(ins.mode), bool(ins.wide), addr % port.page,
                                     ins.dst if ins.mode == MatmulMode.RESADD else 0, pitch,
-                                    ins.bias)
-            return cycles, npad * kpad + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes)
+                                    ins.bias, ins.blocks)
+            return cycles, (weight_area_bytes(ins.n, ins.k, c.lanes, c.reduce, ins.blocks)
+                            + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes))
         if op == Op.RMSNORM:
             # k ≥ 2 segments (QK-norm heads) run as rows of their own; gamma is read once
             # when the gamma buffer keeps it, else once per row

@@ -19,7 +19,7 @@ from dfvg_hw.spec.descriptors import (MAX_COMPACT, MAX_DRAFT, REQUEST_HEADER_WOR
                                       DraftRequest, DraftResult, ErrorCode, watchdog_budget)
 from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES,
                            embed_row_stride, padded, requant_record_bytes,
-                           unpack_requant_records, untile_weights)
+                           unpack_requant_records, untile_scales, untile_weights, weight_area_bytes)
 from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
 from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
 from sim.cycle_model import BEFORE_FINISH, ISSUE, UNIT_OVERHEAD, CycleCounts, CycleModel, TreeTiming
@@ -91,7 +91,7 @@ class FunctionalEngine:
         self.logits: np.ndarray | None = None
         self.cycle_model = CycleModel(config)
         self.counts = CycleCounts()
-        self._weights: dict[tuple[int, int, int, bool], tuple] = {}
+        self._weights: dict[tuple[int, int, int, bool, bool], tuple] = {}
         self.last_fault: Exception | None = None
         self.memory.on_write(self._invalidate)
 
@@ -331,8 +331,9 @@ class FunctionalEngine:
                                   f"a segment must be a multiple of {VMEM_LINE_BYTES} elements")
             self._dram(addr, NORM_PARAM_BYTES)      # gamma_shift is checked before gamma's read
         elif op == Op.MATMUL:
-            npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
-            self._dram(addr, npad * kpad + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes))
+            npad = padded(ins.n, c.lanes)
+            self._dram(addr, weight_area_bytes(ins.n, ins.k, c.lanes, c.reduce, ins.blocks)
+                       + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes))
             self._vspan(ins.src, rows, ins.k * wide_bytes)
             if ins.mode == MatmulMode.LOGITS:
                 if ins.n > c.vocab_max:
@@ -414,18 +415,32 @@ class FunctionalEngine:
 
     def _matmul(self, ins: Instruction, addr: int) -> None:
         c = self.config
-        key = (addr, ins.n, ins.k, ins.bias)
+        key = (addr, ins.n, ins.k, ins.bias, ins.blocks)
         if key not in self._weights:
-            npad, kpad = padded(ins.n, c.lanes), padded(ins.k, c.reduce)
-            w = untile_weights(self._dram(addr, npad * kpad), ins.n, ins.k, c.lanes, c.reduce)
+            npad = padded(ins.n, c.lanes)
+            area = weight_area_bytes(ins.n, ins.k, c.lanes, c.reduce, ins.blocks)
+            tiles = self._dram(addr, area)
+            w = untile_weights(tiles, ins.n, ins.k, c.lanes, c.reduce, ins.blocks).astype(np.int64)
+            if ins.blocks:
+                # each weight times its block multiplier: |m·w| < 2^23, so an int8 (or digit)
+                # row's float64 dot product stays below 2^46, exact (numerics.block_matmul)
+                m = untile_scales(tiles, ins.n, ins.k, c.lanes, c.reduce)
+                w = w * np.repeat(m, c.reduce, axis=1)[:, :ins.k]
             record_bytes = requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes)
-            mult, shift, bias = unpack_requant_records(self._dram(addr + npad * kpad, record_bytes),
+            mult, shift, bias = unpack_requant_records(self._dram(addr + area, record_bytes),
                                                        ins.n, c.lanes, ins.bias)
-            self._weights[key] = (w.astype(np.float64).T, mult, shift, bias, npad * kpad + record_bytes)
+            self._weights[key] = (w.astype(np.float64).T, mult, shift, bias, area + record_bytes)
         wt, mult, shift, bias, _ = self._weights[key]
         x = self._vload(ins.src, ins.rows, ins.k, np.int16 if ins.wide else np.int8)
-        # float64 BLAS is exact: |int16 · int8| sums over k < 2^16 stay below 2^38 < 2^53.
-        acc = nx.add_bias(np.rint(x.astype(np.float64) @ wt).astype(np.int64), bias)
+        if ins.blocks:
+            # int16 rows as the matrix unit's two digit rows, so each product stays exact
+            digits = nx.wide_digits(x) if ins.wide else (np.zeros_like(x, np.int64), x)
+            hi, lo = (np.rint(d.astype(np.float64) @ wt).astype(np.int64) for d in digits)
+            acc = nx.block_round(256 * hi + lo)
+        else:
+            # float64 BLAS is exact: |int16 · int8| sums over k < 2^16 stay below 2^38 < 2^53.
+            acc = np.rint(x.astype(np.float64) @ wt).astype(np.int64)
+        acc = nx.add_bias(acc, bias)
         mode = ins.mode
         if mode == MatmulMode.INT8:
             self._vstore(ins.dst, nx.requant(acc, mult, shift), np.int8)

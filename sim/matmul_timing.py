@@ -10,7 +10,7 @@ from functools import lru_cache
 from math import ceil
 
 from dfvg_hw.spec import timing as tm
-from dfvg_hw.spec.image import padded, requant_record_bytes
+from dfvg_hw.spec.image import group_tiles, padded, requant_record_bytes, scale_run_tiles, weight_area_bytes
 from dfvg_hw.spec.isa import MatmulMode
 from sim.timing_common import NEVER, LINE, RES_BYTES, UNIT_OVERHEAD, axi_bursts, PortTiming, ReadCredit
 
@@ -154,10 +154,15 @@ class _Accumulate:
     stage, where a group's last tile moves its sums into the write-back bank, or, while
     the bank still holds the previous group, stops the whole pipeline until the cycle
     after that group's last row has entered the requantisers.
+
+    With ``BLOCKS`` every ``scale_period``-th tile of a group's read, from its first, is a
+    scale tile: the sequencer takes it into its multiplier register the cycle it is
+    complete, whether the pipeline advances or not.
     """
 
-    def __init__(self, beats_per_tile: int):
+    def __init__(self, beats_per_tile: int, scale_period: int = 0):
         self.beats_per_tile = beats_per_tile
+        self.scale_period = scale_period
         self.stalls = _Stalls()
         self.tile_taken = NEVER         #: cycle the matrix unit took the latest tile
 
@@ -166,7 +171,8 @@ class _Accumulate:
         if i % self.beats_per_tile == 0:                # a new tile: the last one must be gone
             t = max(t, self.tile_taken)
         if i % self.beats_per_tile == self.beats_per_tile - 1:
-            self.tile_taken = self.stalls.moves(t + 1)
+            scale = self.scale_period and (i // self.beats_per_tile) % self.scale_period == 0
+            self.tile_taken = t + 1 if scale else self.stalls.moves(t + 1)
         return t
 
     def free(self, t: int) -> bool:
@@ -249,7 +255,7 @@ def _q_batch(bus_bytes: int, lanes: int, addr: int, k_tiles: int, bias: bool) ->
 
 def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_tiles: int,
                    pass_rows: int, hold: int, addr: int, q_addr: int, line_of,
-                   bias: bool = False) -> int:
+                   bias: bool = False, blocks: bool = False) -> int:
     """Cycles of the MATMUL sequencer's STREAM state for one row pass (matmul_sequencer.py),
     counted from the state's first cycle (its first read command).
 
@@ -265,12 +271,15 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
     written back (:class:`_WriteBack`) once its successor's last tile needs the bank.
     ``hold`` is the cycles a result row holds the output register, ``line_of(g, r)`` the
     first VMEM line of the residual of group ``g``'s row ``r`` (RESADD; otherwise None).
+    With ``blocks`` a group's read also holds its scale tiles (one before every run of
+    ``reduce/2`` tiles, :func:`~dfvg_hw.spec.image.group_tiles`), a tile's beats each.
     """
     B = port.bus_bytes
     reads = ReadPath(port)
-    acc = _Accumulate(lanes * reduce // B)
+    acc = _Accumulate(lanes * reduce // B, scale_run_tiles(reduce) + 1 if blocks else 0)
     wb = _WriteBack(hold, max(1, RES_BYTES * lanes // LINE), line_of)
-    tile_bytes, q_bytes = lanes * k_tiles * reduce, requant_record_bytes(lanes, bias)
+    tile_bytes = lanes * reduce * group_tiles(k_tiles, reduce, blocks)
+    q_bytes = requant_record_bytes(lanes, bias)
     batch = _q_batch(B, lanes, addr, k_tiles, bias)
     prev, prev_done = None, NEVER                       # the group awaiting write-back
     for g in range(groups):
@@ -294,7 +303,7 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
 @lru_cache(maxsize=4096)
 def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int, n: int, k: int,
                    rows: int, mode: int, wide: bool, page_offset: int, dst: int,
-                   pitch: int = 0, bias: bool = False) -> int:
+                   pitch: int = 0, bias: bool = False, blocks: bool = False) -> int:
     """Cycles of a MATMUL from the controller's FETCH to its RETIRE (matmul_sequencer.py):
     :data:`UNIT_OVERHEAD`, RANGE and DONE, then per row pass PASS, X_CMD, the x load (none
     when ``k = 0``), CHECK, STREAM (none when ``n = 0``: CHECK goes to DONE) and NEXT_PASS.
@@ -305,7 +314,9 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     address within its page (``port.page``), ``dst`` the destination line (RESADD only),
     ``bias`` the ``BIAS`` flag (each group's requant record ``8·lanes`` bytes instead of
     ``4·lanes``; the bias itself costs no cycle in the matrix unit). INT32 writes its
-    int32 rows as RESADD does, without the residual reads.
+    int32 rows as RESADD does, without the residual reads. ``blocks`` (``BLOCKS``) adds
+    the scale tiles to each group's read (a tile's beats each; the multiply itself costs
+    no cycle, it is the accumulate stage's).
 
     ``pitch`` (bytes; 0: each operand's own stride) places row ``r`` of the source and the
     destination ``r·pitch`` bytes after row 0 when ``rows ≥ 2`` (a tree forward, isa.md
@@ -337,7 +348,7 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
         def line_of(g, r, first=first):         # residual row of group g, row r: first line
             return dst + ((first + r) * row_stride + g * RES_BYTES * lanes) // LINE
         total += tm.MATMUL_NEXT_PASS + _matmul_stream(port, lanes, reduce, groups, k_tiles, pass_rows, hold,
-                                    page_offset, page_offset + npad * kpad,
-                                    line_of if mode == MatmulMode.RESADD else None, bias)
+                                    page_offset, page_offset + weight_area_bytes(n, k, lanes, reduce, blocks),
+                                    line_of if mode == MatmulMode.RESADD else None, bias, blocks)
         first += pass_rows
     return total

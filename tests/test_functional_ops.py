@@ -1,6 +1,6 @@
-"""The functional model's MATMUL ``BIAS`` flag, MATMUL ``INT32`` mode and RMSNORM
-segments (docs/isa.md §3.3, §3.4), each held against numpy written from the ISA text
-rather than from the model's own helpers."""
+"""The functional model's MATMUL ``BIAS`` and ``BLOCKS`` flags, MATMUL ``INT32`` mode and
+RMSNORM segments (docs/isa.md §3.3, §3.4), each held against numpy written from the ISA
+text rather than from the model's own helpers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import (matmul_bytes, pack_norm_params, pack_requant_records, padded,
-                                tile_weights)
+                                tile_weights, weight_area_bytes)
 from dfvg_hw.spec.isa import Flag, Instruction, MatmulMode, Op
 from sim.functional import FunctionalEngine
 from sim.memory import DeviceMemory
@@ -67,6 +67,45 @@ def test_matmul_bias_and_int32_mode(mode, bias):
         if mode == MatmulMode.INT8:
             got = int(engine.vmem[dst_line * L + i].view(np.int8))
             assert got == _sat(y, 8)
+        else:
+            got = int(engine.vmem[dst_line * L + 4 * i: dst_line * L + 4 * i + 4].view("<i4")[0])
+            want = _sat(int(res[i]) + _sat(y, 32), 32) if mode == MatmulMode.RESADD else _sat(y, 32)
+            assert got == want
+
+
+@pytest.mark.parametrize("mode", list(MatmulMode))
+@pytest.mark.parametrize("wide", [False, True])
+def test_matmul_blocks(mode, wide):
+    """A BLOCKS matmul (bias on) in every mode, int8 and int16 rows: each output from the
+    ISA text: per k-tile dot products times their multipliers, rounded once by 2^16, plus
+    the bias, requantised; the block's records follow its scale tiles."""
+    rng = np.random.default_rng(30 + int(mode) * 2 + wide)
+    n, k, reduce = 20, 44, CFG.reduce                 # several groups and runs, a padded tile
+    w = rng.integers(-128, 128, (n, k))
+    m = rng.integers(0, 1 << 16, (n, -(-k // reduce)))
+    m[m % 5 == 0], m[m % 5 == 1] = 0, (1 << 16) - 1
+    mult, shift = rng.integers(1, 1 << 16, n), rng.integers(8, 40, n)
+    b = rng.integers(-(1 << 31), 1 << 31, n)
+    block = (tile_weights(w.astype(np.int8), CFG.lanes, reduce, m).tobytes()
+             + pack_requant_records(mult, shift, b, padded(n, CFG.lanes), CFG.lanes))
+    assert len(block) <= matmul_bytes(n, k, CFG.lanes, reduce, True, True)
+    assert weight_area_bytes(n, k, CFG.lanes, reduce, True) == padded(n, 4) * (48 + 16)
+    engine = _engine(block)
+    x = rng.integers(-32768, 32768, k) if wide else rng.integers(-128, 128, k)
+    engine.vmem[0:k * (1 + wide)] = x.astype("<i2" if wide else np.int8).view(np.uint8)
+    dst_line = 8
+    res = rng.integers(-(1 << 31), 1 << 31, n)
+    engine.vmem[dst_line * L: dst_line * L + 4 * n] = res.astype("<i4").view(np.uint8)
+    flags = (Flag.WIDE if wide else 0) | mode << 1 | Flag.BIAS | Flag.BLOCKS
+    ins = Instruction(Op.MATMUL, flags=flags, rows=1, dst=dst_line, src=0, n=n, k=k, addr=0)
+    assert functional_reference(engine, ins) == ErrorCode.OK
+    for i in range(n):
+        total = sum(int(m[i, j // reduce]) * int(x[j]) * int(w[i, j]) for j in range(k))
+        y = _round_shift((_round_shift(total, 16) + int(b[i])) * int(mult[i]), int(shift[i]))
+        if mode == MatmulMode.INT8:
+            assert int(engine.vmem[dst_line * L + i].view(np.int8)) == _sat(y, 8)
+        elif mode == MatmulMode.LOGITS:
+            assert int(engine.logits[i]) == _sat(y, 16)
         else:
             got = int(engine.vmem[dst_line * L + 4 * i: dst_line * L + 4 * i + 4].view("<i4")[0])
             want = _sat(int(res[i]) + _sat(y, 32), 32) if mode == MatmulMode.RESADD else _sat(y, 32)

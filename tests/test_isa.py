@@ -17,7 +17,8 @@ def random_instruction(rng: random.Random) -> Instruction:
             values[name] = rng.randrange(1 if name == "rows" else 0, 1 << widths[name])
     if op == Op.MATMUL:
         values["flags"] = ((rng.choice(list(MatmulMode)) << 1) | rng.choice([0, Flag.LREL])
-                           | rng.choice([0, Flag.BIAS]) | rng.choice([0, Flag.WIDE]))
+                           | rng.choice([0, Flag.BIAS]) | rng.choice([0, Flag.WIDE])
+                           | rng.choice([0, Flag.BLOCKS]))
     elif op == Op.BRANCH:
         values["flags"] = rng.choice(list(Cond))
     elif "flags" in used:
@@ -61,7 +62,7 @@ def test_assembler_labels_and_comments():
     (encode(Instruction(Op.HALT)) | (7 << 64), "n"),              # HALT does not use n
     (encode(Instruction(Op.EMBED, rows=1, n=4)) | (1 << 80), "k"),
     (encode(Instruction(Op.EMBED, rows=1, n=4)) & ~(0xFF << 16), "rows"),  # rows = 0
-    (encode(Instruction(Op.MATMUL, rows=1, n=4, k=4)) | (0x80 << 8), "flags"),  # undefined bit
+    (encode(Instruction(Op.MATMUL, rows=1, n=4, k=4)) | (0x40 << 8), "flags"),  # undefined bit
     (encode(Instruction(Op.MATMUL, rows=1, n=4, k=4)) | (Flag.POSITION << 8), "flags"),  # EMBED's
     (encode(Instruction(Op.EMBED, rows=1, n=4)) | (Flag.UNGATED << 8), "flags"),  # ACTMUL's
     (encode(Instruction(Op.RMSNORM, rows=1, n=4)) | (0x80 << 8), "flags"),   # undefined bit
@@ -79,3 +80,17 @@ def test_assembler_errors_give_the_line():
         assemble("halt\nfrobnicate n=1\n")
     with pytest.raises(AsmError, match="line 1: .*field 'k'"):
         assemble("embed rows=1, n=4, k=2")
+
+
+def test_blocks_is_a_matmul_flag():
+    """BLOCKS is bit 7 of a MATMUL's flags, written ``blocks``; on any other opcode the
+    bit stays undefined."""
+    word = assemble("matmul mode=resadd, rows=1, dst=2, src=3, n=64, k=64, addr=0x100, wide, blocks")[0]
+    ins = decode(word)
+    assert ins.blocks and ins.wide and ins.flags == Flag.BLOCKS | Flag.WIDE | MatmulMode.RESADD << 1
+    assert disassemble([word]).strip().endswith("wide, blocks")
+    assert not decode(encode(Instruction(Op.MATMUL, rows=1, n=4, k=4))).blocks
+    for op in (Op.RMSNORM, Op.ACTMUL, Op.ATTN):
+        with pytest.raises(IllegalInstruction) as e:
+            decode(encode(Instruction(op, rows=1, n=16)) | (int(Flag.BLOCKS) << 8))
+        assert e.value.field == "flags"

@@ -205,3 +205,29 @@ def test_temperature_rejects_nonsense():
     for bad in (0, -1, float("inf"), float("nan")):
         with pytest.raises(ValueError):
             nx.host_temperature(bad)
+
+
+def test_block_matmul_is_the_rounded_sum_of_scaled_tile_dots():
+    """numerics.block_matmul against a plain loop written from its definition: per k-tile
+    dot products, each times its multiplier, summed exactly, rounded once by 2^16; at the
+    bounds (int16 x = -32768, w = -128, m = 65535, k = 65535) it stays in int64 and below
+    2^38."""
+    rng = np.random.default_rng(21)
+    for reduce, n, k, wide in ((8, 5, 37, False), (32, 3, 100, True), (4, 7, 4, True)):
+        x = rng.integers(-32768, 32768, (2, k)) if wide else rng.integers(-128, 128, (2, k))
+        w = rng.integers(-128, 128, (n, k))
+        m = rng.integers(0, 1 << 16, (n, -(-k // reduce)))
+        m[0, 0], m[-1, -1] = 0, (1 << 16) - 1
+        got = nx.block_matmul(x, w, m, reduce)
+        for r in range(2):
+            for i in range(n):
+                total = sum(int(m[i, t]) * sum(int(x[r, j]) * int(w[i, j])
+                                                for j in range(t * reduce, min(k, (t + 1) * reduce)))
+                            for t in range(m.shape[1]))
+                assert got[r, i] == (total + (1 << 15)) >> 16
+    k = 65535
+    big = nx.block_matmul(np.full((1, k), -32768), np.full((1, k), -128),
+                          np.full((1, -(-k // 32)), 65535), 32)
+    assert big[0, 0] == (k * 32768 * 128 * 65535 + (1 << 15)) >> 16 and big[0, 0] < 1 << 38
+    # multipliers of 2^16 would be the identity; 65535 is the largest a u16 holds
+    assert nx.block_round(np.int64(3 << 16)) == 3 and nx.block_round(np.int64(-(1 << 15))) == 0

@@ -284,3 +284,24 @@ def test_each_family_on_the_verilated_engine_equals_the_sim_device(tiny_engine, 
     got, _ = session(VerilatorDevice(tiny_engine), family_compiled, steps)
     assert got == expected
     assert len(expected[0][1]) == 4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_block_scaled_draft_on_the_verilated_engine_equals_the_sim_device(family, tiny_engine, tmp_path):
+    """A tiny draft compiled with ``--weight-blocks`` (every MATMUL ``BLOCKS``; Qwen2's
+    q/k/v with ``BIAS`` too): greedy and sampled drafts with rollbacks on the verilated
+    engine equal the sim device's bit for bit, every OP_CYCLES counter included."""
+    from dfvg_host.compiler import compile_draft
+    from dfvg_host.fixtures import TINY_FAMILY_SHAPES, make_tiny_llama
+    from dfvg_hw.spec.isa import Op, decode
+    shape = {} if family == "llama" else TINY_FAMILY_SHAPES[family]
+    compiled = compile_draft(make_tiny_llama(tmp_path / family, seed=6, **shape), tiny_engine,
+                             weight_blocks=True)
+    matmuls = [decode(w) for w in compiled.program if decode(w).opcode == Op.MATMUL]
+    assert matmuls and all(ins.blocks for ins in matmuls)
+    assert any(ins.bias for ins in matmuls) == (family == "qwen2")
+    steps = steps_for(4, 4)
+    expected, _ = session(SimDevice(tiny_engine), compiled, steps)
+    got, _ = session(VerilatorDevice(tiny_engine), compiled, steps)
+    assert got == expected
+    assert len(expected[0][1]) == 4

@@ -7,7 +7,9 @@ offset from its base. It starts with a 256-byte header (little-endian 32-bit wor
 * **Matrix weights** for an ``N × K`` matmul: int8, padded to ``Np × Kp`` (multiples of
   the engine's lanes and reduce), stored tile by tile — ``[Np/lanes][Kp/reduce][lanes]
   [reduce]`` — so the matrix unit reads one contiguous ``lanes·reduce`` burst per cycle;
-  then ``Np`` requantisation words ``mult | shift << 16``.
+  then ``Np`` requantisation words ``mult | shift << 16``. A ``BLOCKS`` block puts a
+  scale tile (the u16 block multipliers of the next ``reduce/2`` tiles) before every run
+  of ``reduce/2`` tiles of a group (:func:`tile_weights` with ``scales``).
 * **RMSNORM parameters**: word ``eps``, word ``gamma_shift``, 8 zero words, then
   ``gamma`` as int16 ``[N]``.
 * **ATTN parameters**: word ``mult | shift << 16``, word ``n_kv_heads``, 2 zero words.
@@ -28,6 +30,7 @@ import numpy as np
 __all__ = [
     "IMAGE_MAGIC", "IMAGE_VERSION", "HEADER_BYTES", "ALIGN", "ImageHeader",
     "padded", "embed_row_stride", "tile_weights", "untile_weights", "matmul_bytes", "pack_qparams",
+    "scale_run_tiles", "group_tiles", "weight_area_bytes", "untile_scales",
     "unpack_qparams", "requant_record_bytes", "pack_requant_records", "unpack_requant_records", "NORM_PARAM_BYTES", "ATTN_PARAM_BYTES", "ACT_PARAM_BYTES",
     "pack_norm_params", "pack_attn_params", "pack_act_params", "align",
 ]
@@ -106,22 +109,93 @@ class ImageHeader:
         return cls(**values)
 
 
-def tile_weights(w: np.ndarray, lanes: int, reduce: int) -> np.ndarray:
-    """int8 ``[N, K]`` → zero-padded tile-major bytes (see the module docstring)."""
+def scale_run_tiles(reduce: int) -> int:
+    """Weight tiles that share one scale tile in a ``BLOCKS`` block: ``reduce / 2``, so
+    that their ``lanes`` u16 multipliers each (``reduce/2 · lanes · 2`` bytes) fill exactly
+    one tile (``lanes · reduce`` bytes), and a scale tile is whole bus beats wherever a
+    weight tile is."""
+    return reduce // 2
+
+
+def group_tiles(k_tiles: int, reduce: int, blocks: bool) -> int:
+    """Tiles (``lanes·reduce`` bytes each) one output group occupies: its ``k_tiles``
+    weight tiles, and with ``blocks`` one scale tile before every run of
+    :func:`scale_run_tiles` of them."""
+    t = scale_run_tiles(reduce)
+    return k_tiles + (-(-k_tiles // t) if blocks else 0)
+
+
+def weight_area_bytes(n: int, k: int, lanes: int, reduce: int, blocks: bool = False) -> int:
+    """Bytes of a matmul block before its requantisation records: ``Np·Kp``, and with
+    ``blocks`` the scale tiles too."""
+    npad, k_tiles = padded(n, lanes), padded(k, reduce) // reduce
+    return npad // lanes * group_tiles(k_tiles, reduce, blocks) * lanes * reduce
+
+
+def tile_weights(w: np.ndarray, lanes: int, reduce: int, scales: np.ndarray | None = None) -> np.ndarray:
+    """int8 ``[N, K]`` → zero-padded tile-major bytes (see the module docstring).
+
+    With ``scales`` (the u16 block multipliers ``[N, ceil(K/reduce)]``, docs/isa.md §4.2)
+    each group's tiles are cut into runs of :func:`scale_run_tiles`, and each run is
+    preceded by a scale tile: multiplier ``m[i, t]`` of the run's ``u``-th tile at byte
+    ``2·(u·lanes + i mod lanes)`` (little-endian), entries past ``N`` or past the last
+    tile zero."""
     n, k = w.shape
     npad, kpad = padded(n, lanes), padded(k, reduce)
     full = np.zeros((npad, kpad), dtype=np.int8)
     full[:n, :k] = w
     tiles = full.reshape(npad // lanes, lanes, kpad // reduce, reduce).transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(tiles).reshape(-1)
+    if scales is None:
+        return np.ascontiguousarray(tiles).reshape(-1)
+    groups, k_tiles, t = npad // lanes, kpad // reduce, scale_run_tiles(reduce)
+    runs = -(-k_tiles // t)
+    m = np.zeros((npad, runs * t), dtype="<u2")
+    m[:n, :k_tiles] = scales
+    # [group][run][u][lane] u16 → one lanes·reduce-byte tile per (group, run)
+    m = m.reshape(groups, lanes, runs, t).transpose(0, 2, 3, 1)
+    scale_tiles = np.ascontiguousarray(m).view(np.int8).reshape(groups, runs, lanes * reduce)
+    out = []
+    for g in range(groups):
+        for r in range(runs):
+            out.append(scale_tiles[g, r])
+            out.append(tiles[g, r * t:(r + 1) * t].reshape(-1))
+    return np.concatenate(out)
 
 
-def untile_weights(data: np.ndarray, n: int, k: int, lanes: int, reduce: int) -> np.ndarray:
-    """Inverse of :func:`tile_weights`: the ``[N, K]`` int8 matrix."""
+def _weight_tiles(data: np.ndarray, n: int, k: int, lanes: int, reduce: int, blocks: bool) -> np.ndarray:
+    """The block's tiles as ``[groups][group_tiles][lanes·reduce]`` int8 (scale tiles kept)."""
+    npad, k_tiles = padded(n, lanes), padded(k, reduce) // reduce
+    per_group = group_tiles(k_tiles, reduce, blocks)
+    return np.asarray(data, dtype=np.int8)[:npad // lanes * per_group * lanes * reduce].reshape(
+        npad // lanes, per_group, lanes * reduce)
+
+
+def _is_scale_tile(k_tiles: int, reduce: int) -> np.ndarray:
+    t = scale_run_tiles(reduce)
+    return np.arange(group_tiles(k_tiles, reduce, True)) % (t + 1) == 0
+
+
+def untile_weights(data: np.ndarray, n: int, k: int, lanes: int, reduce: int,
+                   blocks: bool = False) -> np.ndarray:
+    """Inverse of :func:`tile_weights`: the ``[N, K]`` int8 matrix (``blocks``: of a block
+    with scale tiles, which are skipped)."""
     npad, kpad = padded(n, lanes), padded(k, reduce)
-    tiles = np.asarray(data, dtype=np.int8)[:npad * kpad].reshape(
-        npad // lanes, kpad // reduce, lanes, reduce)
+    tiles = _weight_tiles(data, n, k, lanes, reduce, blocks)
+    if blocks:
+        tiles = tiles[:, ~_is_scale_tile(kpad // reduce, reduce)]
+    tiles = tiles.reshape(npad // lanes, kpad // reduce, lanes, reduce)
     return tiles.transpose(0, 2, 1, 3).reshape(npad, kpad)[:n, :k]
+
+
+def untile_scales(data: np.ndarray, n: int, k: int, lanes: int, reduce: int) -> np.ndarray:
+    """The block multipliers ``[N, ceil(K/reduce)]`` (int64) of a ``BLOCKS`` block."""
+    npad, k_tiles = padded(n, lanes), padded(k, reduce) // reduce
+    t = scale_run_tiles(reduce)
+    tiles = _weight_tiles(data, n, k, lanes, reduce, True)[:, _is_scale_tile(k_tiles, reduce)]
+    groups, runs = tiles.shape[:2]
+    m = np.ascontiguousarray(tiles).view("<u2").reshape(groups, runs, t, lanes)
+    m = m.transpose(0, 3, 1, 2).reshape(npad, runs * t)
+    return m[:n, :k_tiles].astype(np.int64)
 
 
 def requant_record_bytes(lanes: int, bias: bool) -> int:
@@ -130,9 +204,11 @@ def requant_record_bytes(lanes: int, bias: bool) -> int:
     return (8 if bias else 4) * lanes
 
 
-def matmul_bytes(n: int, k: int, lanes: int, reduce: int, bias: bool = False) -> int:
-    """Bytes of one matmul operand block: tiles plus requantisation records."""
-    return align(padded(n, lanes) * padded(k, reduce)
+def matmul_bytes(n: int, k: int, lanes: int, reduce: int, bias: bool = False,
+                 blocks: bool = False) -> int:
+    """Bytes of one matmul operand block: tiles (with ``blocks`` their scale tiles) plus
+    requantisation records."""
+    return align(weight_area_bytes(n, k, lanes, reduce, blocks)
                  + requant_record_bytes(lanes, bias) * (padded(n, lanes) // lanes))
 
 

@@ -70,7 +70,7 @@ CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
 #: :class:`Instruction` accessors and the RTL's ``InstructionFlags`` layout derive from it.
 FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (
     ("layer_relative", 0, 1), ("mode", 1, 2), ("wide", 3, 1), ("bias", 4, 1), ("position", 5, 1),
-    ("ungated", 6, 1), ("reserved", 7, 1),
+    ("ungated", 6, 1), ("blocks", 7, 1),
 )
 _FLAG_FIELD = {name: (lsb, width) for name, lsb, width in FLAG_FIELDS}
 
@@ -98,6 +98,10 @@ class Flag(enum.IntFlag):
     POSITION = 1 << _FLAG_FIELD["position"][0]
     #: ACTMUL without an up operand: ``h = act(gate)`` (an ungated MLP's ReLU or GELU).
     UNGATED = 1 << _FLAG_FIELD["ungated"][0]
+    #: MATMUL with block-scaled weights: every (output channel, k-tile of ``reduce``
+    #: inputs) has its own unsigned 16-bit multiplier, stored in the weight block's scale
+    #: tiles (docs/isa.md §4.2, numerics.block_matmul).
+    BLOCKS = 1 << _FLAG_FIELD["blocks"][0]
 
 
 class MatmulMode(enum.IntEnum):
@@ -125,7 +129,7 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
     Op.EMBED: (frozenset({"flags", "rows", "dst", "n", "addr"}), Flag.POSITION),
     Op.RMSNORM: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
     Op.MATMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
-                Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS),
+                Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS | Flag.BLOCKS),
     Op.ROPE: (frozenset({"rows", "dst", "src", "n", "k", "addr"}), 0),
     Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
     Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
@@ -185,6 +189,10 @@ class Instruction:
     @property
     def bias(self) -> bool:
         return self.opcode == Op.MATMUL and bool(flag_field(self.flags, "bias"))
+
+    @property
+    def blocks(self) -> bool:
+        return self.opcode == Op.MATMUL and bool(flag_field(self.flags, "blocks"))
 
     @property
     def position(self) -> bool:
@@ -263,12 +271,12 @@ def from_bytes(data: bytes) -> list[int]:
 # -- assembly text ------------------------------------------------------------------
 # One instruction per line: ``mnemonic key=value, key=value ...``; MATMUL's mode and
 # BRANCH's condition are written by name (mode=resadd, cond=no_sample), the flag bits as
-# bare words (``lrel``, ``wide``, ``bias``, ``position``, ``ungated``). Numbers may be decimal or 0x-hex. ``;`` starts a comment;
+# bare words (``lrel``, ``wide``, ``bias``, ``position``, ``ungated``, ``blocks``). Numbers may be decimal or 0x-hex. ``;`` starts a comment;
 # ``label:`` defines a label that n= of BRANCH/NEXT may name.
 
 #: Flags written as bare words, in this order.
 _BARE_FLAGS = {"lrel": Flag.LREL, "wide": Flag.WIDE, "bias": Flag.BIAS, "position": Flag.POSITION,
-               "ungated": Flag.UNGATED}
+               "ungated": Flag.UNGATED, "blocks": Flag.BLOCKS}
 
 
 def _format(ins: Instruction) -> str:

@@ -21,6 +21,7 @@ __all__ = [
     "ACT_BITS", "RES_BITS", "LOGIT_BITS", "LOGIT_FRAC", "PROB_BITS",
     "MULT_BITS", "EXP_FRAC", "RSQRT_INDEX_BITS", "RSQRT_BITS", "ROPE_FRAC", "RECIP_BITS",
     "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "NORM_IN_BITS", "saturate", "round_shift", "requant", "add_bias",
+    "BLOCK_MULT_BITS", "BLOCK_SHIFT", "block_matmul", "block_round",
     "residual_add", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
     "rope", "act_mul", "topk_select", "sampler_probs", "sample_index",
     "path_score", "TREE_SCORE_ROOT", "tree_expand_greedy",
@@ -37,6 +38,8 @@ LOGIT_BITS = 16       #: logits streamed into the sampler: signed int16 ...
 LOGIT_FRAC = 8        #: ... in natural-log units with 8 fractional bits (Q7.8)
 PROB_BITS = 24        #: sampler probabilities: unsigned, sum exactly 2^24
 MULT_BITS = 16        #: requantisation multipliers: unsigned 16-bit
+BLOCK_MULT_BITS = 16  #: MATMUL BLOCKS: one unsigned 16-bit multiplier per (channel, k-tile) ...
+BLOCK_SHIFT = 16      #: ... and the scaled sum is round_shift by 16 (m / 2^16 in [0, 1))
 EXP_FRAC = 8          #: exp2 argument: unsigned fixed point, 8 fractional bits
 RSQRT_INDEX_BITS = 8  #: fractional bits of the rsqrt LUT index
 RSQRT_BITS = 15       #: rsqrt LUT values are Q1.15 (in (2^14, 2^15])
@@ -81,6 +84,35 @@ def add_bias(acc, bias) -> np.ndarray:
     exactly, before requantisation (no saturation: |acc| < 2^38 with int16 inputs, so
     |acc + bias| < 2^38 + 2^31 < 2^39 and |(acc + bias)·mult| < 2^55)."""
     return _as_i64(acc) + _as_i64(bias)
+
+
+def block_round(raw) -> np.ndarray:
+    """The ``BLOCKS`` accumulator from its unrounded sum ``Σ_t m_t · dot_t``:
+    ``round_shift(raw, BLOCK_SHIFT)``, once, after the last tile."""
+    return round_shift(raw, BLOCK_SHIFT)
+
+
+def block_matmul(x, w, m, reduce: int) -> np.ndarray:
+    """The accumulator of a MATMUL with ``BLOCKS`` (block-scaled int8 weights).
+
+    ``x[..., K]`` int8 or int16 rows, ``w[N, K]`` int8, ``m[N, T]`` the unsigned 16-bit
+    multipliers of each output channel's ``T = ceil(K / reduce)`` k-tiles. With
+    ``dot_t[i] = Σ_{j in tile t} x_j · w_ij`` (the matrix unit's per-tile dot product):
+    ``acc[i] = round_shift(Σ_t m[i, t] · dot_t[i], 16)`` (:func:`block_round`), an exact
+    sum rounded once. Bounds (k < 2^16): |x_j·w_ij| ≤ 2^22 (int16 x), so the unrounded
+    sum is below 2^54 and ``acc`` below 2^38, as an unscaled wide accumulator; with int8
+    x below 2^46 and 2^30. BIAS, the requantisation and every output mode then take
+    ``acc`` unchanged. This reference computes in int64 (exact); see numerics.md §3.
+    """
+    x, w, m = _as_i64(x), _as_i64(w), _as_i64(m)
+    k = w.shape[1]
+    tiles = -(-k // reduce)
+    pad = tiles * reduce - k
+    xp = np.concatenate([x, np.zeros(x.shape[:-1] + (pad,), _I64)], axis=-1)
+    wp = np.concatenate([w, np.zeros((w.shape[0], pad), _I64)], axis=-1)
+    dots = np.einsum("...tj,ntj->...nt", xp.reshape(x.shape[:-1] + (tiles, reduce)),
+                     wp.reshape(w.shape[0], tiles, reduce))
+    return block_round(np.sum(dots * m, axis=-1))
 
 
 def wide_digits(x) -> tuple[np.ndarray, np.ndarray]:

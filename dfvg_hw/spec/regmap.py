@@ -28,7 +28,8 @@ ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
 #: the parent in record word 0.
 #: Minor 5: MATMUL's BIAS flag and INT32 mode, RMSNORM segments (``k``), EMBED POSITION,
 #: ACTMUL UNGATED: Qwen2, Qwen3 and OPT.
-ENGINE_VERSION = (IMAGE_VERSION << 16) | 5
+#: Minor 6: MATMUL's BLOCKS flag, block-scaled int8 weights (issue #13).
+ENGINE_VERSION = (IMAGE_VERSION << 16) | 6
 
 
 class Reg(enum.IntEnum):

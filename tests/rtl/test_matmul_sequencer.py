@@ -22,6 +22,13 @@ records hold int32 biases, at tiny (a record two beats), 16 lanes (eight beats) 
 512-bit bus (two records a beat, batched), on and off the bus alignment; accumulators
 and biases at their extremes, so that every mode saturates; a block whose biases end past
 device memory; a timing corner where the batched record reads decide the count.
+
+BLOCKS (issue #13): random jobs of all four modes over blocks with scale tiles (random
+block multipliers, 0 and 65535 common; random bytes in the scale tiles' unused entries),
+with and without BIAS, at tiny (a scale tile two beats), 32 lanes × reduce 4 on a 256-bit
+bus (a run of two tiles per scale tile), reduce 32 × 8 rows, a slow memory, on and off the
+bus alignment; the timing corners again with every job block-scaled (the matrix unit
+stalled while a scale tile arrives); a block whose scale tiles put its records past memory.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.spec.descriptors import ErrorCode
-from dfvg_hw.spec.image import pack_requant_records, padded, requant_record_bytes, tile_weights
+from dfvg_hw.spec.image import (pack_requant_records, padded, requant_record_bytes, tile_weights,
+                                weight_area_bytes)
 from dfvg_hw.spec.isa import Flag, Instruction, MatmulMode, Op
 from dfvg_hw.matmul_sequencer import MatmulSequencer
 from sim.cycle_model import CycleModel, TreeTiming
@@ -58,8 +66,9 @@ CONTROLLER_CYCLES = 2 + 1 + 1
 SHAPES = ((40, 40), (7, 5), (64, 24), (33, 17), (4, 8), (96, 3), (1, 70))
 
 
-def _mm(mode, rows, n, k, src, dst, addr, wide=False, pitch=0, bias=False) -> dict:
-    flags = (int(mode) << 1) | (Flag.WIDE if wide else 0) | (Flag.BIAS if bias else 0)
+def _mm(mode, rows, n, k, src, dst, addr, wide=False, pitch=0, bias=False, blocks=False) -> dict:
+    flags = ((int(mode) << 1) | (Flag.WIDE if wide else 0) | (Flag.BIAS if bias else 0)
+             | (Flag.BLOCKS if blocks else 0))
     return dict(opcode=Op.MATMUL, flags=flags, rows=rows, n=n, k=k, src=src, dst=dst, addr=addr,
                 pitch=pitch)
 
@@ -78,17 +87,27 @@ def _random_biases(rng, count: int) -> np.ndarray:
     return np.where(rng.random(count) < 1 / 8, edges, biases)
 
 
+def _random_scales(rng, n: int, k_tiles: int) -> np.ndarray:
+    """Block multipliers ``[n, k_tiles]``: random u16, one in eight 0 and one in eight 65535."""
+    m = rng.integers(0, 1 << 16, (n, k_tiles))
+    edge = rng.random(m.shape)
+    return np.where(edge < 1 / 8, 0, np.where(edge > 7 / 8, (1 << 16) - 1, m))
+
+
 def _write_block(rng, memory: DeviceMemory, config, addr: int, n: int, k: int,
-                 bias: bool = False) -> int:
+                 bias: bool = False, blocks: bool = False) -> int:
     """A weight block for ``n × k`` at ``addr`` with random weights, random bytes in the
     tile padding, and requant words with random ``mult``, a ``shift`` from 10 to 36 (some
     outputs saturate, some do not) and random reserved bits; with ``bias``, each group's
-    record also holds random biases (:func:`_random_biases`, the padding channels' too).
-    Returns its size."""
+    record also holds random biases (:func:`_random_biases`, the padding channels' too);
+    with ``blocks``, scale tiles of :func:`_random_scales` (random bytes in their unused
+    entries). Returns its size."""
     lanes, reduce = config.lanes, config.reduce
-    npad, kpad = padded(n, lanes), padded(k, reduce)
-    tiles = tile_weights(rng.integers(-128, 128, (n, k)).astype(np.int8), lanes, reduce)
-    real = tile_weights(np.ones((n, k), np.int8), lanes, reduce) != 0
+    npad, k_tiles = padded(n, lanes), padded(k, reduce) // reduce
+    scales = _random_scales(rng, n, k_tiles) if blocks else None
+    tiles = tile_weights(rng.integers(-128, 128, (n, k)).astype(np.int8), lanes, reduce, scales)
+    real = tile_weights(np.ones((n, k), np.int8), lanes, reduce,
+                        np.full((n, k_tiles), 0x0101) if blocks else None) != 0
     tiles = np.where(real, tiles, rng.integers(-128, 128, tiles.size).astype(np.int8))
     mult, shift = rng.integers(0, 1 << 16, npad), rng.integers(10, 37, npad)
     # the reserved bits 22–31 above the 6-bit shift (pack_qparams shifts it into place)
@@ -96,19 +115,20 @@ def _write_block(rng, memory: DeviceMemory, config, addr: int, n: int, k: int,
     records = pack_requant_records(mult, shift, _random_biases(rng, npad) if bias else None,
                                    npad, lanes)
     memory.write(addr, tiles.tobytes() + records)
-    return npad * kpad + len(records)
+    assert tiles.size == weight_area_bytes(n, k, lanes, reduce, blocks)
+    return tiles.size + len(records)
 
 
-def _blocks(rng, config, shapes=SHAPES, misalign=(0,), bias=False):
-    """Device memory with one block per shape (each with biases if ``bias``), block ``i``
-    ``misalign[i % len(misalign)]`` bytes past a 64-byte boundary; returns the memory and
-    ``{(n, k): addr}``."""
+def _blocks(rng, config, shapes=SHAPES, misalign=(0,), bias=False, blocks=False):
+    """Device memory with one block per shape (each with biases if ``bias``, scale tiles
+    if ``blocks``), block ``i`` ``misalign[i % len(misalign)]`` bytes past a 64-byte
+    boundary; returns the memory and ``{(n, k): addr}``."""
     memory = DeviceMemory(config.mem_bytes)
     addrs, addr = {}, 0x1000
     for i, (n, k) in enumerate(shapes):
         at = addr + misalign[i % len(misalign)]
         addrs[(n, k)] = at
-        addr = padded(at + _write_block(rng, memory, config, at, n, k, bias), 64)
+        addr = padded(at + _write_block(rng, memory, config, at, n, k, bias, blocks), 64)
     return memory, addrs
 
 
@@ -116,7 +136,7 @@ def _lines(nbytes: int) -> int:
     return -(-nbytes // L)
 
 
-def _random_job(rng, config, addrs, bias=False) -> dict:
+def _random_job(rng, config, addrs, bias=False, blocks=False) -> dict:
     """A random MATMUL over one of the blocks (with ``BIAS`` if ``bias``: the blocks'
     records hold biases): any mode, wide or not, 1 … rows rows (LOGITS: 1), source and
     destination apart, somewhere in VMEM."""
@@ -131,7 +151,7 @@ def _random_job(rng, config, addrs, bias=False) -> dict:
         src = int(rng.integers(0, lines - src_lines + 1))
         dst = int(rng.integers(0, lines - dst_lines + 1))
         if dst + dst_lines <= src or src + src_lines <= dst:
-            return _mm(mode, rows, n, k, src, dst, addr, wide, bias=bias)
+            return _mm(mode, rows, n, k, src, dst, addr, wide, bias=bias, blocks=blocks)
 
 
 def model_cycles(config, data_width: int, job: dict) -> int:
@@ -171,19 +191,20 @@ def _check(rng, config, jobs, memory, data_width=128, vmem=None):
     return errors
 
 
-def _check_random(seed, config, data_width=128, count=16, misalign=(0,), bias=False):
+def _check_random(seed, config, data_width=128, count=16, misalign=(0,), bias=False, blocks=False):
     """``count`` random jobs plus one wide job of every mode with all rows (a RESADD, an
     INT32 and an INT8 of more rows than a pass holds), all OK; every job with ``BIAS`` if
-    ``bias``. Returns the jobs."""
+    ``bias``, with ``BLOCKS`` if ``blocks``. Returns the jobs."""
     rng = np.random.default_rng(seed)
-    memory, addrs = _blocks(rng, config, misalign=misalign, bias=bias)
-    jobs = [_random_job(rng, config, addrs, bias) for _ in range(count)]
+    memory, addrs = _blocks(rng, config, misalign=misalign, bias=bias, blocks=blocks)
+    jobs = [_random_job(rng, config, addrs, bias, blocks) for _ in range(count)]
     a = addrs[(33, 17)]
-    jobs += [_mm(RESADD, config.rows, 33, 17, 0, 100, a, wide=True, bias=bias),
-             _mm(INT8, config.rows, 33, 17, 0, 100, a, wide=True, bias=bias),
-             _mm(LOGITS, 1, 33, 17, 20, 0, a, wide=True, bias=bias)]
-    if bias:
-        jobs.append(_mm(INT32, config.rows, 33, 17, 0, 100, a, wide=True, bias=True))
+    flags = dict(bias=bias, blocks=blocks)
+    jobs += [_mm(RESADD, config.rows, 33, 17, 0, 100, a, wide=True, **flags),
+             _mm(INT8, config.rows, 33, 17, 0, 100, a, wide=True, **flags),
+             _mm(LOGITS, 1, 33, 17, 20, 0, a, wide=True, **flags)]
+    if bias or blocks:
+        jobs.append(_mm(INT32, config.rows, 33, 17, 0, 100, a, wide=True, **flags))
     errors = _check(rng, config, jobs, memory, data_width)
     assert errors == [ErrorCode.OK] * len(jobs)
     modes = {(j["flags"] >> 1) & 3 for j in jobs}
@@ -388,6 +409,60 @@ def test_bias_records_past_memory():
                       ErrorCode.OK]
 
 
+# -- BLOCKS: a scale tile of block multipliers before every run of reduce/2 tiles ---------------
+
+def test_blocks_tiny():
+    """BLOCKS jobs of all four modes, narrow and wide, with and without BIAS, at tiny (a
+    scale tile two beats, four tiles a run), blocks on and off the bus alignment: at least
+    1000 output values against the functional model, every job in the cycle model's
+    cycles."""
+    jobs = _check_random(41, TINY, count=22, misalign=(0, 3, 8, 13), blocks=True)
+    jobs += _check_random(42, TINY, count=6, misalign=(0, 5), bias=True, blocks=True)
+    assert {((j["flags"] >> 1) & 3, bool(j["flags"] & Flag.WIDE)) for j in jobs} == \
+        {(mode, wide) for mode in MatmulMode for wide in (False, True)}
+    assert sum(map(_output_values, jobs)) >= 1000
+
+
+def test_blocks_32_lanes_wide_bus():
+    """256-bit bus, 32 lanes × reduce 4: a scale tile is four beats for a run of two tiles,
+    int32 rows eight lines; wide jobs take two passes."""
+    _check_random(43, TINY.with_changes(lanes=32, reduce=4, rows=4), data_width=256, count=5,
+                  misalign=(16, 0, 8), blocks=True)
+
+
+def test_blocks_reduce_32():
+    """256-bit bus, 4 lanes × reduce 32 × 8 rows (the Alveo presets' reduce): runs of 16
+    tiles, so a k of 17 … 70 has one or two runs, the last one short."""
+    _check_random(44, TINY.with_changes(reduce=32, rows=8), data_width=256, count=3,
+                  misalign=(0, 16), blocks=True)
+
+
+def test_blocks_slow_memory():
+    """A slow memory (0.31 beats a cycle, 30 cycles of latency) at odd byte offsets."""
+    config = TINY.with_changes(lanes=8, rows=4, mem_latency_ns=300.0, mem_bandwidth_gbps=1.0)
+    _check_random(45, config, data_width=256, count=6, misalign=(0, 3, 17), blocks=True)
+
+
+def test_blocks_records_past_memory():
+    """A BLOCKS block is checked with its scale tiles: one that ends with device memory
+    runs, one a byte further is refused (BAD_ADDRESS) before anything moves, and a plain
+    block that ends with memory is past it when read with BLOCKS."""
+    config = TINY
+    rng = np.random.default_rng(46)
+    memory = DeviceMemory(config.mem_bytes)
+    n = k = 8
+    size = weight_area_bytes(n, k, config.lanes, config.reduce, True) + 4 * n
+    at_end = config.mem_bytes - size
+    _write_block(rng, memory, config, at_end, n, k, blocks=True)
+    plain_end = config.mem_bytes - (n * k + 4 * n)
+    jobs = [_mm(INT8, 2, n, k, 0, 40, at_end, blocks=True),          # ends with memory: OK
+            _mm(RESADD, 1, n, k, 0, 40, at_end + 1, blocks=True),    # a byte past: BAD_ADDRESS
+            _mm(LOGITS, 1, n, k, 0, 0, plain_end, blocks=True),      # a plain block's size
+            _mm(INT32, 2, n, k, 0, 40, at_end, wide=True, blocks=True)]
+    errors = _check(rng, config, jobs, memory)
+    assert errors == [ErrorCode.OK, ErrorCode.BAD_ADDRESS, ErrorCode.BAD_ADDRESS, ErrorCode.OK]
+
+
 # -- timing corners: each term of the cycle model decides some job's count -------------------
 
 #: Geometry (config, bus width) and jobs ``(mode, rows, n, k, weight address, wide)`` where a
@@ -432,16 +507,23 @@ CORNERS = {
 
 
 @pytest.mark.parametrize("name", CORNERS)
-def test_timing_corners(name):
+def test_timing_corners(name, blocks=False):
     """The corner jobs compute what the functional model does and take the model's
     cycles (the weights are random bytes: timing does not depend on data)."""
     config, data_width, shapes = CORNERS[name]
     rng = np.random.default_rng(11)
     memory = DeviceMemory(config.mem_bytes)
     memory.write(0x1000, rng.integers(0, 256, 0x3000, dtype=np.uint8).tobytes())
-    jobs = [_mm(mode, rows, n, k, 0, 128, addr, wide, bias=bool(bias))
+    jobs = [_mm(mode, rows, n, k, 0, 128, addr, wide, bias=bool(bias), blocks=blocks)
             for mode, rows, n, k, addr, wide, *bias in shapes]
     assert _check(rng, config, jobs, memory, data_width) == [ErrorCode.OK] * len(jobs)
+
+
+@pytest.mark.parametrize("name", CORNERS)
+def test_block_timing_corners(name):
+    """The corners again with every job block-scaled: the scale tiles lengthen each
+    group's read, and the write-back stalls meet them."""
+    test_timing_corners(name, blocks=True)
 
 
 # -- timing: unchanged at tiny ----------------------------------------------------------------------

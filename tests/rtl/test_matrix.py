@@ -3,8 +3,10 @@
 Every test streams whole MATMUL instructions the way the engine does: the weight bursts
 come from ``image.tile_weights`` and the requant words and biases from
 ``image.pack_requant_records``, so the layouts are checked along with the arithmetic. The
-reference is ``x @ W.T`` in int64, the bias added (``numerics.add_bias``, half the MATMULs
-have one), followed by the functional model's numerics in each of the four modes.
+reference is ``x @ W.T`` in int64 (``numerics.block_matmul`` for a ``BLOCKS`` matmul,
+whose tiles carry random block multipliers, 0 and 65535 among them), the bias added
+(``numerics.add_bias``, half the MATMULs have one), followed by the functional model's
+numerics in each of the four modes.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ CONFIGS = {
 class Matmul:
     """One MATMUL: operands, the streams the unit sees, and the expected output rows."""
 
-    def __init__(self, rng, cfg, *, n, k, rows, mode, wide=False, extreme=False, bias=False):
+    def __init__(self, rng, cfg, *, n, k, rows, mode, wide=False, extreme=False, bias=False,
+                 blocks=False):
         M, N, K = cfg.rows, cfg.lanes, cfg.reduce
         self.mode, self.rows = mode, rows
         self.n_values = rows * n           # real (unpadded) outputs checked
@@ -48,6 +51,13 @@ class Matmul:
             W = rng.integers(-128, 128, (n, k))
             x = rng.integers(x_lo, x_hi + 1, (x_rows, k))
         np_, kp = padded(n, N), padded(k, K)
+        # block multipliers: random, with 0 and the largest, 65535, common (1: no BLOCKS)
+        scales = np.ones((np_, kp // K), np.int64)
+        if blocks:
+            scales = rng.integers(0, 1 << 16, (np_, kp // K))
+            edge = rng.random(scales.shape)
+            scales[edge < 0.15] = 0
+            scales[edge > 0.7 if extreme else edge > 0.85] = (1 << 16) - 1
         mult = rng.integers(0, 1 << 16, n)
         # shifts around the useful range, plus arbitrary ones (0 … 63)
         out_bits = {MatmulMode.INT8: 8, MatmulMode.INT32: 32}.get(mode, 16)
@@ -78,17 +88,19 @@ class Matmul:
         for nt in range(np_ // N):
             for kt in range(kp // K):
                 self.tiles.append(({"data": tiles[nt, kt].astype(np.int64).tolist(),
-                                    "last": int(kt == kp // K - 1)},
+                                    "last": int(kt == kp // K - 1),
+                                    "scale": scales[nt * N:(nt + 1) * N, kt].tolist()},
                                    digits[:, kt * K:(kt + 1) * K].tolist()))
         self.qbeats = [{"words": [{"mult": int(wd) & 0xFFFF, "shift": (int(wd) >> 16) & 0x3F,
                                    "reserved": int(wd) >> 22} for wd in words[nt * N:(nt + 1) * N]],
                         "bias": records[nt, 1].astype(np.uint32).view(np.int32).tolist(),
-                        "mode": int(mode), "wide": int(wide),
+                        "mode": int(mode), "wide": int(wide), "blocks": int(blocks),
                         "rows": rows if rows < x_rows or rng.random() < 0.5 else 0}
                        for nt in range(np_ // N)]
         Wp = np.zeros((np_, kp), np.int64)
         Wp[:n, :k] = W
-        acc = nx.add_bias(xp @ Wp.T, biases)                     # [M, Np], exact in int64
+        # [x_rows, Np], exact in int64
+        acc = nx.add_bias(nx.block_matmul(xp, Wp, scales, K) if blocks else xp @ Wp.T, biases)
         mult_p, shift_p = words & 0xFFFF, (words >> 16) & 0x3F
         # int32 residuals of a random bit width per row (a massive channel among small ones)
         bits = rng.integers(1, 33, (x_rows, 1))
@@ -156,8 +168,9 @@ def simulate(dut, matmuls, rng, *, gaps=0.3, backpressure=0.3):
     return got
 
 
-def random_matmuls(rng, cfg, count, *, min_values=0, **kw):
-    """``count`` random MATMULs, more if needed to reach ``min_values`` real outputs."""
+def random_matmuls(rng, cfg, count, *, min_values=0, blocks=None, **kw):
+    """``count`` random MATMULs, more if needed to reach ``min_values`` real outputs;
+    ``blocks``: all with ``BLOCKS`` (True), none (False) or a random half (None)."""
     M, N, K = cfg.rows, cfg.lanes, cfg.reduce
     out = []
     while len(out) < count or sum(mm.n_values for mm in out) < min_values:
@@ -165,7 +178,7 @@ def random_matmuls(rng, cfg, count, *, min_values=0, **kw):
         out.append(Matmul(rng, cfg, n=int(rng.integers(1, 2 * N + 1)), k=int(rng.integers(1, 3 * K + 1)),
                           rows=int(rng.integers(1, (M // 2 if wide else M) + 1)), wide=wide,
                           mode=MatmulMode(int(rng.integers(0, 4))), bias=bool(rng.random() < 0.5),
-                          **kw))
+                          blocks=bool(rng.random() < 0.5) if blocks is None else blocks, **kw))
     return out
 
 
@@ -184,6 +197,32 @@ def test_random_matmuls(name):
     matmuls = random_matmuls(rng, cfg, 100, min_values=1200)
     values = check(simulate(MatrixUnit(cfg, pack_rows=pack), matmuls, rng), matmuls)
     assert values >= 1000
+
+
+@pytest.mark.parametrize("name", ["tiny", "m5n8k4"])
+def test_random_block_matmuls(name):
+    """``BLOCKS`` alone: ≥ 1000 output values of block-scaled matmuls (int8 and wide rows,
+    every mode, with and without a bias) equal numerics.block_matmul's."""
+    cfg, pack = CONFIGS[name]
+    rng = np.random.default_rng(13 + sum(map(ord, name)))
+    matmuls = random_matmuls(rng, cfg, 60, min_values=1100, blocks=True)
+    assert {mm.mode for mm in matmuls} == set(MatmulMode)
+    values = check(simulate(MatrixUnit(cfg, pack_rows=pack), matmuls, rng), matmuls)
+    assert values >= 1000
+
+
+class _TruncatedBlocks(MatrixUnit):
+    """A wrong design: floors the block-scaled sum instead of rounding it (half up)."""
+    BLOCK_HALF = 0
+
+
+def test_the_comparison_catches_truncated_blocks():
+    """The block check fails on a unit that drops BLOCK_SHIFT's rounding constant."""
+    cfg, pack = CONFIGS["tiny"]
+    rng = np.random.default_rng(9)
+    matmuls = random_matmuls(rng, cfg, 12, blocks=True)
+    with pytest.raises(AssertionError):
+        check(simulate(_TruncatedBlocks(cfg, pack_rows=pack), matmuls, rng), matmuls)
 
 
 @pytest.mark.parametrize("name", ["tiny", "m3n2k4"])
