@@ -31,6 +31,11 @@ RTL_TESTS = {"test_vivado_flow.py::test_engine_ports_lint_and_match_the_block_de
 #: machine under load): "file::name" marks every parametrisation of the test,
 #: "file::name[id]" one of them. ``pytest -m "not slow"`` is the quick loop.
 SLOW_TESTS = {
+    # block-scaled MATMULs at wide geometries, and the block-scaled demo draft's accuracy
+    "test_matmul_sequencer.py::test_blocks_32_lanes_wide_bus",
+    "test_matmul_sequencer.py::test_blocks_reduce_32",
+    "test_matmul_sequencer.py::test_block_timing_corners[rows8]",
+    "test_compiler_accuracy.py::test_block_scaled_weights_agree_at_least_as_well",
     # whole engines drafting trees: the Amaranth-simulated engine, and tiny-hbm's build
     "test_rtl_tree.py::test_a_tree_on_the_amaranth_engine",
     "test_rtl_tree.py::test_tree_sessions_at_tiny_hbm",
