@@ -131,19 +131,22 @@ def test_random_rows_and_the_row_alignment():
 
 
 def test_rows_at_the_multichannel_engine_beat():
-    """tiny-hbm's engine beat is 64 bytes (four 128-bit channels): random rows of 1 … 40
-    entries for tokens 0 … 3, each at ``TABLE + t · embed_row_stride(n, 64)``, as the
-    functional model reads them (the bench's one 512-bit port stands for the striped
-    port, which has its timing)."""
+    """tiny-hbm's engine beat is 64 bytes (four 128-bit channels), and EMBED reads through
+    the beat narrower at one channel's 16: random rows of 1 … 40 entries for tokens 0 … 3,
+    each at ``TABLE + t · embed_row_stride(n, 64)`` (rows padded to the engine beat), from
+    tables on any 16-byte boundary, as the functional model reads them; a table off the
+    narrow beat is refused by both (the bench's one 128-bit port stands for the narrower,
+    which has its timing)."""
     hbm = get_preset("tiny-hbm")
+    narrow = hbm.mem_port_bits
     rng = np.random.default_rng(8)
     vmem = rng.integers(0, 256, hbm.vmem_bytes, dtype=np.uint8)
     for token in range(4):
         jobs = [_embed(int(rng.integers(1, 41)), int(rng.integers(0, hbm.vmem_bytes // 16 - 10)),
-                       TABLE + 64 * int(rng.integers(0, 16))) for _ in range(5)]
-        jobs.append(_embed(4, 9, TABLE + 16))                  # a table off the beat
-        got, errors = run_jobs(hbm, EmbedSequencer(hbm, 512), vmem, _memory(token), jobs,
-                               data_width=512)
+                       TABLE + 16 * int(rng.integers(0, 64))) for _ in range(5)]
+        jobs.append(_embed(4, 9, TABLE + 8))                   # a table off the narrow beat
+        got, errors = run_jobs(hbm, EmbedSequencer(hbm, narrow, row_beat_bits=hbm.mem_beat_bytes * 8),
+                               vmem, _memory(token), jobs, data_width=narrow)
         # the reference's token is 0: token t's row is t padded rows on
         want, want_errors = reference_jobs(
             hbm, vmem, _memory(token),
