@@ -84,8 +84,8 @@ def estimate(config, verilog_text: str, log=_log) -> tuple[dict, list[tuple[str,
     """Yosys estimate of the engine: (total, [(part, counts), …]). At a board preset (a
     matrix unit wider than :data:`MATRIX_SLICE_LANES`) the matrix unit is extrapolated from
     a slice, and the memory channels' ports, identical but for their address range, from
-    one of them synthesised alone (the 32-channel engine whole is more than yowasp's
-    WebAssembly Yosys can hold)."""
+    one of them synthesised alone. The 32-channel engine's Verilog (69 MB) is more than
+    yowasp's WebAssembly Yosys holds even so: run a native Yosys (``DFVG_YOSYS``)."""
     from dfvg_hw.matrix import MatrixUnit
     from dfvg_hw.memory_port import MemoryPort
     from dfvg_hw.verilog import to_verilog
