@@ -83,6 +83,18 @@ class EngineConfig:
         as measured by its vendor (all channels together). ``0``: not measured, taken as
         :attr:`mem_bandwidth_gbps`. Each port is rate-limited to its share of it, and the
         "achievable roofline" divides by it.
+    vmem_line_bytes : int
+        Bytes of one VMEM line: the unit VMEM addresses in instructions count, the width
+        of VMEM's read and write ports (a line a cycle each), and the alignment of every
+        VMEM row. The elementwise units, ATTN's operands and MATMUL's activation load
+        stream VMEM a line a cycle, so a wider line makes them faster at the cost of
+        padding short rows. A power of two from 16 to the narrow memory beat
+        (:attr:`port_bytes`); :data:`VMEM_LINE_BYTES` (16) by default.
+    weight_blocks : bool
+        Whether the matrix unit has the block multipliers of MATMUL ``BLOCKS``
+        (block-scaled int8 weights, docs/numerics.md §3): a 16-bit multiplier per
+        accumulator. Without them a ``BLOCKS`` instruction is illegal and the compiler
+        refuses ``--weight-blocks``.
     kv_banks : int
         Banks of the KV buffer: position ``t`` lives in bank ``t mod kv_banks``, and ATTN
         reads one K or V row from every bank a cycle (docs/isa.md §1.4).
@@ -116,6 +128,8 @@ class EngineConfig:
     mem_clock_mhz: float = 0.0
     mem_achievable_gbps: float = 0.0
     kv_banks: int = 1
+    vmem_line_bytes: int = VMEM_LINE_BYTES
+    weight_blocks: bool = True
     draft_cores: int = 1
     acc_bits: int = 32
     source: str = ""
