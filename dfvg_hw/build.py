@@ -46,6 +46,10 @@ MATRIX_SLICE_LANES = 4
 MATRIX_MODULE = f"{TOP}.controller.matmul.matrix"
 #: Memory channel ``p``'s port in a striped engine (``CHANNEL_MODULE.format(p)``).
 CHANNEL_MODULE = f"{TOP}.memory_port.channel{{}}"
+#: Modules a board-preset estimate synthesises on their own, beside the rest of the engine:
+#: the largest after the matrix unit (the sampler's vocabulary-wide top-k, the attention
+#: unit's banked datapath), so that no one Yosys run has to hold them all.
+SEPARATE_MODULES = (f"{TOP}.controller.sample_unit.sampler", f"{TOP}.controller.kv.attention")
 
 
 def _log(message: str) -> None:
@@ -80,44 +84,66 @@ def _count(x: float) -> str:
     return f"{x:,.0f}" if x == int(x) else f"{x:,.1f}"
 
 
-def estimate(config, verilog_text: str, log=_log) -> tuple[dict, list[tuple[str, dict]]]:
-    """Yosys estimate of the engine: (total, [(part, counts), …]). At a board preset (a
-    matrix unit wider than :data:`MATRIX_SLICE_LANES`) the matrix unit is extrapolated from
-    a slice, and the memory channels' ports, identical but for their address range, from
-    one of them synthesised alone. The 32-channel engine's Verilog (69 MB) is more than
-    yowasp's WebAssembly Yosys holds even so: run a native Yosys (``DFVG_YOSYS``)."""
+def estimate(config, verilog_text: str, log=_log, jobs: int | None = None
+             ) -> tuple[dict, list[tuple[str, dict]]]:
+    """Yosys estimate of the engine: (total, [(part, counts), …]).
+
+    At a board preset (a matrix unit wider than :data:`MATRIX_SLICE_LANES`) the engine is
+    synthesised in parts, each part its own Yosys run on the same Verilog (its module as
+    the top), ``jobs`` of them at once (default: one a CPU core):
+
+    * the matrix unit, extrapolated from a slice (lanes are independent columns);
+    * one memory channel's port, times ``mem_ports`` (the ports differ only in their
+      address range);
+    * each module of :data:`SEPARATE_MODULES` that the engine has, synthesised whole;
+    * the rest: the engine with all of the above left out (blackboxed).
+
+    No logic is counted twice or left out; a part's boundary only stops Yosys from
+    optimising across it, so the sum is, if anything, high. The 32-channel engine's
+    Verilog (69 MB) is more than yowasp's WebAssembly Yosys holds: run a native Yosys
+    (``DFVG_YOSYS``)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
     from dfvg_hw.matrix import MatrixUnit
     from dfvg_hw.memory_port import MemoryPort
     from dfvg_hw.verilog import to_verilog
-    from dfvg_hw.synthesis import yosys_resources
+    from dfvg_hw import synthesis
 
     if config.lanes <= MATRIX_SLICE_LANES:
         log("synthesising the engine with Yosys synth_xilinx -family xcup")
-        used = yosys_resources(verilog_text, TOP, timeout=24 * 3600)
+        used = synthesis.yosys_resources(verilog_text, TOP, timeout=24 * 3600)
         return used, [("engine [synthesised]", used)]
     channels = config.mem_ports if config.mem_ports > 1 else 0
-    boxes = (MATRIX_MODULE,) + tuple(CHANNEL_MODULE.format(p) for p in range(channels))
-    start = time.monotonic()
-    log(f"synthesising the engine without its matrix unit{' and memory channels' if channels else ''} "
-        "(Yosys synth_xilinx -family xcup; an hour or more at board presets)")
-    rest = yosys_resources(verilog_text, TOP, timeout=24 * 3600, blackbox=boxes)
-    log(f"done in {time.monotonic() - start:.0f} s; synthesising a {MATRIX_SLICE_LANES}-lane "
-        "slice of the matrix unit")
+    separate = tuple(name for name in SEPARATE_MODULES if f"module \\{name} (" in verilog_text)
+    boxes = (MATRIX_MODULE,) + tuple(CHANNEL_MODULE.format(p) for p in range(channels)) + separate
     scale = config.lanes / MATRIX_SLICE_LANES
-    slice_cfg = config.with_changes(lanes=MATRIX_SLICE_LANES)
-    matrix = yosys_resources(to_verilog(MatrixUnit(slice_cfg), "matrix", for_fpga=True), "matrix",
-                             timeout=24 * 3600)
-    matrix = {k: v * scale for k, v in matrix.items()}
-    parts = [("engine without the matrix unit" + (" and the memory channels" if channels else "")
-              + " [synthesised]", rest),
-             (f"matrix unit {config.rows}x{config.lanes}x{config.reduce} [extrapolated "
-              f"x{scale:g} from a {MATRIX_SLICE_LANES}-lane slice, synthesised]", matrix)]
+    runs = [  # (part's name, scale, Verilog, top, blackboxes)
+        ("engine without " + ", ".join(["the matrix unit"] + (["the memory channels"] if channels else [])
+                                       + [name.rsplit(".", 1)[-1] for name in separate])
+         + " [synthesised]", 1, verilog_text, TOP, boxes),
+        (f"matrix unit {config.rows}x{config.lanes}x{config.reduce} [extrapolated x{scale:g} from a "
+         f"{MATRIX_SLICE_LANES}-lane slice, synthesised]", scale,
+         to_verilog(MatrixUnit(config.with_changes(lanes=MATRIX_SLICE_LANES)), "matrix", for_fpga=True),
+         "matrix", ())]
     if channels:
-        log(f"synthesising one of the {channels} memory channels' ports")
         port = MemoryPort(config, data_width=config.mem_port_bits, channel=1, channels=channels)
-        one = yosys_resources(to_verilog(port, "channel", for_fpga=True), "channel", timeout=24 * 3600)
-        parts.append((f"memory ports, {channels} x {config.mem_port_bits}-bit [one synthesised, "
-                      f"x{channels}]", {k: v * channels for k, v in one.items()}))
+        runs.append((f"memory ports, {channels} x {config.mem_port_bits}-bit [one synthesised, "
+                     f"x{channels}]", channels, to_verilog(port, "channel", for_fpga=True), "channel", ()))
+    runs += [(f"{name.removeprefix(TOP + '.')} [synthesised]", 1, verilog_text, name, ())
+             for name in separate]
+    workers = max(1, min(len(runs), jobs or os.cpu_count() or 1))
+    log(f"synthesising the engine in {len(runs)} parts, {workers} at a time (Yosys synth_xilinx "
+        "-family xcup; an hour or more at board presets)")
+
+    def run(part):
+        name, factor, text, top, blackbox = part
+        start = time.monotonic()
+        counts = synthesis.yosys_resources(text, top, timeout=24 * 3600, blackbox=blackbox)
+        log(f"{name.split(' [')[0]}: done in {time.monotonic() - start:.0f} s")
+        return name, {k: v * factor for k, v in counts.items()}
+
+    with ThreadPoolExecutor(workers) as pool:
+        parts = list(pool.map(run, runs))
     cells = set().union(*(counts for _, counts in parts))
     total = {k: sum(counts.get(k, 0) for _, counts in parts) for k in cells}
     return total, parts

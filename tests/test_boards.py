@@ -96,26 +96,30 @@ def test_draft_cores_estimate_arguments(argv, message, tmp_path, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_board_estimate_synthesises_one_memory_channel_and_a_matrix_slice(monkeypatch):
-    """At a striped board preset the estimate leaves the matrix unit and every memory
-    channel's port out of the engine's synthesis (yowasp's Yosys cannot hold the 32-channel
-    engine) and adds them back scaled: the slice × lanes/slice, one port × mem_ports."""
+def test_board_estimate_synthesises_the_engine_in_parts(monkeypatch):
+    """At a striped board preset the estimate synthesises the engine in parts, each its
+    own Yosys run: the matrix unit from a slice (× lanes/slice), one memory channel's port
+    (× mem_ports), the sampler and the attention unit whole, and the rest with all of
+    them left out, so that every module is counted exactly once."""
     import dfvg_hw.synthesis
     from dfvg_hw import build as flow
 
-    calls = []
+    calls = {}
 
     def fake_yosys(verilog_text, top="top", timeout=1800, blackbox=()):
-        calls.append((top, blackbox))
+        calls[top] = blackbox
         return {"LUT": 10.0, "FF": 20.0, "DSP": 1.0, "BRAM": 0.0, "URAM": 0.0}
 
     monkeypatch.setattr(dfvg_hw.synthesis, "yosys_resources", fake_yosys)
     config = get_preset("alveo-u55c")
-    total, parts = flow.estimate(config, "// the engine's Verilog", log=lambda message: None)
-    engine_boxes = calls[0][1]
-    assert calls[0][0] == flow.TOP and flow.MATRIX_MODULE in engine_boxes
-    assert sorted(engine_boxes[1:]) == sorted(flow.CHANNEL_MODULE.format(p) for p in range(config.mem_ports))
-    assert [top for top, _ in calls[1:]] == ["matrix", "channel"]
+    verilog = "".join(f"module \\{name} (clk);\nendmodule\n" for name in flow.SEPARATE_MODULES)
+    total, parts = flow.estimate(config, verilog, log=lambda message: None, jobs=2)
+    channels = {flow.CHANNEL_MODULE.format(p) for p in range(config.mem_ports)}
+    assert set(calls) == {flow.TOP, "matrix", "channel", *flow.SEPARATE_MODULES}
+    assert set(calls[flow.TOP]) == {flow.MATRIX_MODULE, *channels, *flow.SEPARATE_MODULES}
+    assert all(calls[name] == () for name in flow.SEPARATE_MODULES)
     scale = config.lanes / flow.MATRIX_SLICE_LANES
-    assert total["LUT"] == 10 + 10 * scale + 10 * config.mem_ports
+    assert total["LUT"] == 10 + 10 * scale + 10 * config.mem_ports + 10 * len(flow.SEPARATE_MODULES)
     assert "32 x 512-bit" in parts[2][0] and parts[2][1]["FF"] == 20 * 32
+    assert [name for name, _ in parts[3:]] == [f"{name.removeprefix(flow.TOP + '.')} [synthesised]"
+                                              for name in flow.SEPARATE_MODULES]
