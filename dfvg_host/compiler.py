@@ -738,9 +738,11 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
                     addr=lay.positions),
         Instruction(Op.MATMUL, flags=to_residual | _blocks_flag(lay), rows=rows, dst=v["x"], src=v["pe"], n=s.hidden,
                     k=s.hidden, addr=lay.position_add)]
+    # q and k lie side by side ([q | k | v], heads of whole lines) and rotate by the same
+    # table row: one ROPE over both pays the unit's start (the table read) once
     rope = [
-        Instruction(Op.ROPE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd, addr=lay.rope),
-        Instruction(Op.ROPE, rows=rows, dst=k_line, src=k_line, n=s.kv_heads, k=hd, addr=lay.rope),
+        Instruction(Op.ROPE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads + s.kv_heads, k=hd,
+                    addr=lay.rope),
     ] if s.rope else []
     # ACTMUL reads [gate_i | up_i] (int8 pairs), ungated gate_i alone, and writes int16 h_i
     gated = layout_of(s.model_type).gated
