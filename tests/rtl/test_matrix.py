@@ -14,6 +14,8 @@ no ``blocks`` in its parameters) runs the same plain matmuls to the same results
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -357,8 +359,21 @@ def test_latency(name):
     assert [(r, l, [int(v) for v in d]) for r, l, d in seen["rows"]] == mm.expected
 
 
-def test_lint_clean():
-    v = to_verilog(MatrixUnit(TINY), "matrix")
+def test_no_block_multipliers_without_weight_blocks():
+    """Without ``weight_blocks`` the tiles carry no multipliers, the parameters no
+    ``blocks``, and the accumulators are ``acc_bits`` wide, not 16 bits wider."""
+    for cfg, fields, acc_bits in ((TINY, {"scale", "blocks"}, 48),
+                                  (CONFIGS["tiny-no-blocks"][0], set(), 32)):
+        dut = MatrixUnit(cfg)
+        members = set(dut.w.p.shape().members) | set(dut.q.p.shape().members)
+        assert members & {"scale", "blocks"} == fields
+        v = to_verilog(dut, "matrix")
+        assert re.findall(r"reg (?:signed )?\[(\d+):0\] acc_0_0\b", v) == [str(acc_bits - 1)]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-no-blocks"])
+def test_lint_clean(name):
+    v = to_verilog(MatrixUnit(CONFIGS[name][0]), "matrix")
     # The requantisers are submodules; Verilator's DECLFILENAME (one module per file) is a
     # file-naming style rule that no multi-module Amaranth output can meet.
     clean, output = verilator_lint("/* verilator lint_off DECLFILENAME */\n" + v, "matrix")
