@@ -45,8 +45,9 @@ of this: no multipliers at the accumulators (``acc += sum``), accumulators of
 ``acc_bits``, no rounding path, and neither the tiles' ``scale`` nor the parameters'
 ``blocks`` field (its MATMUL sequencer refuses ``BLOCKS`` before anything reaches the
 unit). A 4-lane slice of alveo-u55c's unit synthesises (Yosys ``synth_xilinx -family
-xcup``) to 264 DSP48E2s instead of 288, 13.9k LUTs instead of 15.0k and 16.8k FFs instead
-of 17.4k: at its 64 lanes, 384 DSPs, about 18.5k LUTs and 9.3k FFs fewer.
+xcup``, as ``build.estimate`` does) to 264 DSP48E2s instead of 288, 14.0k LUTs instead of
+15.2k and 16.8k FFs instead of 17.4k: at its 64 lanes, 384 DSPs, about 18.8k LUTs and
+9.3k FFs fewer.
 """
 
 from __future__ import annotations
