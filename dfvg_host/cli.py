@@ -21,9 +21,7 @@ class CliError(Exception):
 #: ``--weight-blocks`` of compile, generate and accuracy
 WEIGHT_BLOCKS_HELP = ("block-scaled int8 weights: a 16-bit multiplier per block of the preset's "
                       "reduce inputs of every matrix row (MATMUL BLOCKS, engine 2.6; 2/reduce more "
-                      "weight bytes, 1/16 at reduce 32)")
-#: ... where a draft is compiled on the way
-WEIGHT_BLOCKS_UNCACHED = WEIGHT_BLOCKS_HELP + "; a draft that needs compiling is compiled now, not cached"
+                      "weight bytes, 1/16 at reduce 32); for a preset built with weight_blocks")
 
 
 def _preset(name: str):
@@ -51,12 +49,13 @@ def _read_calibration(path: str | None, required_for: Path) -> tuple[str | None,
 
 
 def cmd_compile(args) -> int:
-    from dfvg_host.compiler import (check_fits, compile_draft, describe_model, load_config,
-                                    read_token_ids, require_tokenizer)
+    from dfvg_host.compiler import (check_fits, check_weight_blocks, compile_draft, describe_model,
+                                    load_config, read_token_ids, require_tokenizer)
     from dfvg_host.families import FAMILIES
     from dfvg_host.report import compile_report
 
     engine = _preset(args.preset)
+    check_weight_blocks(engine, args.weight_blocks)
     draft = Path(args.draft)
     if not draft.is_dir():
         raise CliError(f"--draft {draft} is not a directory")
@@ -180,13 +179,12 @@ def _compile_source(source: DraftSource, engine, calibration: str | None, log, *
     """The compiled draft of ``source``: as loaded, or its model compiled (and cached) now.
     The demo draft calibrates on the demo's Python; a draft without a tokenizer of its own
     is calibrated through the ``target``'s (they must share one). ``weight_blocks``
-    (``--weight-blocks``): block-scaled weights, compiled now and not cached (the cache's
-    key does not know the option)."""
-    from dfvg_host.cache import calibration_text
+    (``--weight-blocks``): block-scaled weights (cached apart from the plain ones)."""
     from dfvg_host.checkpoints import has_tokenizer
-    from dfvg_host.compiler import compile_draft
+    from dfvg_host.compiler import check_weight_blocks
     from dfvg_host.demo import DEMO_DATA, compile_cached
 
+    check_weight_blocks(engine, weight_blocks)
     if source.compiled is not None:
         if weight_blocks and not source.compiled.manifest["layout"].get("blocks"):
             raise CliError(f"--weight-blocks: --draft {source.model_dir} is a compiled draft without "
@@ -203,11 +201,8 @@ def _compile_source(source: DraftSource, engine, calibration: str | None, log, *
                            f"{'' if target is None else f', nor has --target {target}'}: compile it "
                            f"first with `dfvg compile --draft {path} --tokenizer DIR` (or "
                            "--calibration-tokens FILE) and pass the compile output as --draft")
-    if weight_blocks:
-        log(f"compiling {path} for {engine.name} with block-scaled weights (not cached) ...")
-        return compile_draft(path, engine, calibration_text=calibration_text(cal_path),
-                             tokenizer_dir=tokenizer_dir, weight_blocks=True)
-    return compile_cached(path, engine, cal_path, log=log, tokenizer_dir=tokenizer_dir)
+    return compile_cached(path, engine, cal_path, log=log, tokenizer_dir=tokenizer_dir,
+                          weight_blocks=weight_blocks)
 
 
 def _open_device(url: str):
@@ -1016,7 +1011,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="verifier dtype: float32, bfloat16, float16")
     g.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
     g.add_argument("--calibration", help="calibration text when --draft needs compiling")
-    g.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_UNCACHED)
+    g.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_HELP)
     g.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
     g.add_argument("--schedule", choices=["serial", "pipelined"], default="serial",
                    help="serial: draft, then verify; pipelined: the engine drafts the next round "
@@ -1125,7 +1120,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--positions", type=int, default=1024, help="positions compared (default 1024)")
     a.add_argument("--segment", type=int, default=256, help="tokens per segment, each from position 0")
     a.add_argument("--calibration", help="calibration text when --draft needs compiling")
-    a.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_UNCACHED)
+    a.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_HELP)
     a.add_argument("--json", action="store_true", help="print the figures as JSON")
     a.set_defaults(func=cmd_accuracy)
 

@@ -36,7 +36,8 @@ from dfvg_host.draft_vocab import DraftVocabulary, choose_draft_vocabulary
 from dfvg_host.families import FAMILIES, NOT_YET, FamilyLayout, layout_of
 
 __all__ = ["CompileError", "UnsupportedModel", "DoesNotFit", "ModelShape", "CompiledDraft",
-           "describe_model", "check_fits", "calibrate", "compile_draft", "emit_program"]
+           "describe_model", "check_fits", "check_weight_blocks", "calibrate", "compile_draft",
+           "emit_program"]
 
 SUPPORTED = tuple(FAMILIES)
 
@@ -87,6 +88,14 @@ def describe_model(hf_config) -> ModelShape:
         rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", None) or 1e-5),
         hidden_act=getattr(hf_config, "hidden_act", None) or hf_config.activation_function,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+
+def check_weight_blocks(engine: EngineConfig, weight_blocks: bool) -> None:
+    """Raise :class:`CompileError` if block-scaled weights are asked of an engine built
+    without block multipliers (``EngineConfig.weight_blocks``: its MATMUL BLOCKS faults)."""
+    if weight_blocks and not engine.weight_blocks:
+        raise CompileError(f"--weight-blocks: the '{engine.name}' preset is built without block "
+                           "multipliers (weight_blocks = False); compile without --weight-blocks")
 
 
 def check_fits(shape: ModelShape, engine: EngineConfig, draft_vocab: int | None = None) -> None:
@@ -915,7 +924,8 @@ def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_te
     ``tokenizer_dir``, default ``model_dir``), else random ids. ``draft_vocab``: the engine
     drafts over that many of the model's tokens (:mod:`dfvg_host.draft_vocab`).
     ``weight_blocks``: block-scaled int8 weights, one scale per ``reduce`` inputs of a row
-    (MATMUL ``BLOCKS``, numerics.md §13.2)."""
+    (MATMUL ``BLOCKS``, numerics.md §13.2), for an engine that has them."""
+    check_weight_blocks(engine, weight_blocks)
     model_dir = Path(model_dir)
     model = model if model is not None else load_model(model_dir, random_weights=random_weights)
     shape = describe_model(model.config)

@@ -31,9 +31,10 @@ def demo_paths() -> tuple[Path, Path]:
 
 def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | tuple[Path, ...] | None,
                    log=print, *,
-                   tokenizer_dir: Path | None = None):
+                   tokenizer_dir: Path | None = None, weight_blocks: bool = False):
     """The compiled draft for ``engine``, from the cache when its inputs are unchanged; the
     calibration text is tokenised by the tokenizer in ``tokenizer_dir`` (default ``model_dir``).
+    ``weight_blocks``: block-scaled weights (``compile_draft``), cached apart from the plain.
 
     Concurrent callers (pytest-xdist workers, two ``dfvg`` commands) compile an entry once:
     the others wait for it and load it (:func:`dfvg_host.cache.build_dir_once`).
@@ -41,13 +42,14 @@ def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | tu
     from dfvg_host.compiler import CompiledDraft, compile_draft
 
     key = fingerprint(model_dir, calibration, engine, tokenizer_dir)
-    out = cache_dir() / f"{model_dir.name}-{engine.name}-{key}"
+    out = cache_dir() / f"{model_dir.name}-{engine.name}{'-blocks' if weight_blocks else ''}-{key}"
     built = []
 
     def build(tmp: Path) -> None:
         log(f"compiling {model_dir} for {engine.name} (cached in {out}) ...")
         text = calibration_text(calibration)
-        built.append(compile_draft(model_dir, engine, calibration_text=text, tokenizer_dir=tokenizer_dir))
+        built.append(compile_draft(model_dir, engine, calibration_text=text, tokenizer_dir=tokenizer_dir,
+                                   weight_blocks=weight_blocks))
         built[0].save(tmp)
 
     build_dir_once(out, build, complete=CompiledDraft.is_complete)

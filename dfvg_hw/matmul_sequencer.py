@@ -25,7 +25,9 @@ wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits
    logit buffer.
 
 **Checks**, all before the first pass and in the functional model's order, so a refused
-MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), the weight block past
+MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), ``BLOCKS`` on an engine
+built without block multipliers (``PROGRAM``: ``EngineConfig.weight_blocks``; no scale
+tile then ever reaches the matrix unit), the weight block past
 device memory (``BAD_ADDRESS``; its records' biases too with ``BIAS``), the source span
 outside VMEM (``BAD_ADDRESS``), LOGITS
 with ``n > vocab_max`` (``PROGRAM``), the destination span outside VMEM
@@ -331,7 +333,8 @@ class MatmulSequencer(wiring.Component):
         mode = flags_view(job.flags).mode
         wide = flags_view(job.flags).wide
         bias = flags_view(job.flags).bias
-        blocks = flags_view(job.flags).blocks
+        # without block multipliers a BLOCKS job is refused in RANGE, so none streams
+        blocks = flags_view(job.flags).blocks if c.weight_blocks else Const(0)
         # g_tiles: the tiles of a group's read, its scale tiles (BLOCKS) included
         n_groups, k_tiles, g_tiles = Signal(16), Signal(16), Signal(17)
         T = scale_run_tiles(K)          # weight tiles per scale tile
@@ -389,6 +392,9 @@ class MatmulSequencer(wiring.Component):
                     return Mux(pitched, vmem_span_outside(c, last_row, 1, row_bytes),
                                vmem_span_outside(c, line, job.rows, row_bytes))
                 with m.If(job.rows > M):
+                    m.d.sync += self.error.eq(ErrorCode.PROGRAM)
+                    m.next = "DONE"
+                with m.Elif(flags_view(job.flags).blocks & (not c.weight_blocks)):
                     m.d.sync += self.error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
                 with m.Elif(end > c.mem_bytes):
@@ -582,8 +588,9 @@ class MatmulSequencer(wiring.Component):
                 m.d.comb += [mx.q.valid.eq(q_full), mx.q.payload.words.as_value().eq(words),
                              mx.q.payload.bias.as_value().eq(Mux(bias, records[1][32 * N:], 0)),
                              mx.q.payload.mode.eq(mode), mx.q.payload.wide.eq(wide),
-                             mx.q.payload.blocks.eq(blocks),
                              mx.q.payload.rows.eq(pass_rows)]
+                if c.weight_blocks:
+                    m.d.comb += mx.q.payload.blocks.eq(blocks)
                 with m.If(mx.q.valid & mx.q.ready):
                     m.d.sync += q_group.eq(q_group + 1)
                 # tiles meet x-buffer entries: the read port shows entry `x_at`
@@ -601,12 +608,13 @@ class MatmulSequencer(wiring.Component):
                                                tiles.o.valid & ~scale_tile & (x_at == kt))),
                              mx.w.payload.data.as_value().eq(Mux(k_zero, 0, tiles.o.p)),
                              mx.w.payload.last.eq(k_zero | (kt + 1 == k_tiles)),
-                             mx.w.payload.scale.as_value().eq(
-                                 Mux(blocks, scales.word_select(kt[:exact_log2(T)], 16 * N),
-                                     Cat(*(Const(1, 16) for _ in range(N))))),
                              tiles.o.ready.eq(scale_tile | (mx.w.ready & (x_at == kt))),
                              mx.x.valid.eq(mx.w.valid),
                              mx.x.payload.as_value().eq(xr.data)]
+                if c.weight_blocks:
+                    m.d.comb += mx.w.payload.scale.as_value().eq(
+                        Mux(blocks, scales.word_select(kt[:exact_log2(T)], 16 * N),
+                            Cat(*(Const(1, 16) for _ in range(N)))))
                 m.d.sync += x_at.eq(xr.addr)
                 with m.If(tiles.o.valid & scale_tile):
                     m.d.sync += [scales.eq(tiles.o.p), scales_in.eq(1)]

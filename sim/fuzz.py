@@ -16,15 +16,17 @@ slots, sometimes one slot past them or any 16-bit value) and the device addresse
 * **random**: random 128-bit words mixed with random *legal* instructions of every
   opcode, fields drawn around the engine's limits (most stop at their first unit
   instruction, which is the point: the legality checks); MATMUL in all four modes, with
-  and without ``BIAS``; RMSNORM of ``k`` ∈ {0, 1, 2, 3} segments, mostly of a multiple of
-  16 elements (else ``PROGRAM`` when ``k ≥ 2``);
+  and without ``BIAS`` and ``BLOCKS`` (on an engine without block multipliers a tenth of
+  what would have it, each meeting its ``PROGRAM`` fault); RMSNORM of ``k`` ∈ {0, 1, 2,
+  3} segments, mostly of a multiple of 16 elements (else ``PROGRAM`` when ``k ≥ 2``);
 * **forward**: a model-shaped program (EMBED, RMSNORM, the QKV matmul, ROPE, KVAPPEND,
   ATTN, RESADD, ACTMUL in an optional layer loop, then BRANCH NO_SAMPLE over the final
   norm, the LOGITS matmul and SAMPLE, NEXT, HALT) with random shapes and VMEM places that
   fit, over an image with valid parameter blocks, then a few mutations (an instruction
   replaced, dropped, swapped or a field nudged, a random word put in) so that faults
   also come mid-request, after real work. The q/k/v matmuls now and then have biases
-  (Qwen2), and q is now and then an INT32 row normalised per head (RMSNORM of ``k =``
+  (Qwen2), every matrix now and then block-scaled weights (``BLOCKS``, where the engine has
+  them), and q is now and then an INT32 row normalised per head (RMSNORM of ``k =``
   heads segments, Qwen3's QK-norm) before ROPE.
 
 :func:`run_case` executes a case on a fresh :class:`~sim.device.SimDevice` the way the host
@@ -51,7 +53,8 @@ from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_FIELDS, REQUEST_HEADER_
                                       ErrorCode,
                                       pack_fields, result_bytes)
 from dfvg_hw.spec.image import (ACT_PARAM_BYTES, NORM_PARAM_BYTES, pack_attn_params,
-                                pack_norm_params, pack_requant_records, padded)
+                                pack_norm_params, pack_requant_records, padded, tile_weights,
+                                untile_weights)
 from dfvg_hw.spec.isa import (INSTRUCTION_BITS, Cond, Flag, IllegalInstruction, Instruction,
                               MatmulMode, Op, decode, encode, opcode_rules, to_bytes)
 from dfvg_hw.spec.numerics import GAMMA_SHIFT_MAX
@@ -111,6 +114,9 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> i
             f["flags"] = int(rng.choice([int(x) for x in Cond]))
         else:
             f["flags"] = int(rng.integers(0, 256)) & legal_flags
+            if op == Op.MATMUL and not c.weight_blocks and rng.random() < 0.9:
+                # mostly what the engine has; now and then the PROGRAM fault of BLOCKS
+                f["flags"] &= ~int(Flag.BLOCKS)
     if "rows" in used:
         f["rows"] = 1 if rng.random() < 0.6 else int(rng.integers(1, c.rows + 2)) if rng.random() < 0.9 \
             else int(rng.integers(1, 256))
@@ -264,17 +270,22 @@ class _Image:
         self.data += bytes(-len(self.data) % 16)
         return at
 
-    def weights(self, n: int, k: int, c: EngineConfig, bias: bool = False) -> int:
+    def weights(self, n: int, k: int, c: EngineConfig, bias: bool = False, scales=None) -> int:
         """An ``n × k`` int8 block: random tiles, then requant records: words with shifts
         that keep some outputs off the rails and (``bias``) int32 biases of random
-        magnitudes."""
-        npad = padded(n, c.lanes)
-        tiles = npad * padded(k, c.reduce)
+        magnitudes. With ``scales`` (a generator: MATMUL ``BLOCKS``) the same tiles with
+        scale tiles of random block multipliers from it among them."""
+        npad, kpad = padded(n, c.lanes), padded(k, c.reduce)
         mult = self.rng.integers(1, 1 << 16, npad)
         shift = self.rng.integers(12, 36, npad)
         biases = (self.rng.integers(-(1 << 31), 1 << 31, npad) >> self.rng.integers(0, 32, npad)
                   if bias else None)
-        return self.put(self.rng.bytes(tiles) + pack_requant_records(mult, shift, biases, npad, c.lanes),
+        tiles = self.rng.bytes(npad * kpad)
+        if scales is not None:
+            w = untile_weights(np.frombuffer(tiles, np.int8), npad, kpad, c.lanes, c.reduce)
+            m = scales.integers(0, 1 << 16, (npad, kpad // c.reduce))
+            tiles = tile_weights(w, c.lanes, c.reduce, m).tobytes()
+        return self.put(tiles + pack_requant_records(mult, shift, biases, npad, c.lanes),
                         misalign=self.rng.random() < 0.1)
 
     def norm(self, n: int) -> int:
@@ -351,7 +362,16 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     # Qwen2's q/k/v biases; Qwen3's QK-norm: q as an int32 row, each head normalised on its
     # own (RMSNORM segments start on VMEM lines: whole-line heads)
     bias_q, bias_kv = (int(Flag.BIAS) if rng.random() < 0.3 else 0 for _ in range(2))
+    # block-scaled weights (MATMUL BLOCKS) where the engine has the block multipliers, from
+    # a stream of their own: every other draw is what the same seed gave before BLOCKS was
+    # drawn, so seeded samples keep their cases
+    brng = rng.spawn(1)[0]
+    bq, bkv, bo, bgu, bd, bhead = (int(Flag.BLOCKS) if c.weight_blocks and brng.random() < 0.3 else 0
+                                   for _ in range(6))
     qk_norm = hd % VMEM_LINE_BYTES == 0 and rng.random() < 0.4
+
+    def scales(blocks_flag):
+        return brng if blocks_flag else None
 
     def lrel():
         return int(Flag.LREL) if in_loop and rng.random() < 0.8 else 0
@@ -371,36 +391,37 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
 
     # the layer's blocks; layers after the first are copies at LSTRIDE (LREL reaches them)
     start = len(img.data)
-    b = dict(norm1=img.norm(h), wq=img.weights(nh * hd, h, c, bool(bias_q)),
-             wkv=img.weights(2 * g * hd, h, c, bool(bias_kv)), qnorm=img.norm(hd),
-             attn=img.attn(g), wo=img.weights(h, nh * hd, c), norm2=img.norm(h),
-             wgu=img.weights(2 * inter, h, c), act=img.act(), wd=img.weights(h, inter, c))
+    b = dict(norm1=img.norm(h), wq=img.weights(nh * hd, h, c, bool(bias_q), scales(bq)),
+             wkv=img.weights(2 * g * hd, h, c, bool(bias_kv), scales(bkv)), qnorm=img.norm(hd),
+             attn=img.attn(g), wo=img.weights(h, nh * hd, c, scales=scales(bo)), norm2=img.norm(h),
+             wgu=img.weights(2 * inter, h, c, scales=scales(bgu)), act=img.act(),
+             wd=img.weights(h, inter, c, scales=scales(bd)))
     stride = len(img.data) - start
     img.data += bytes(img.data[start:]) * (max(layers, 1) - 1)
-    final_norm, lm_head = img.norm(h), img.weights(vocab, h, c)
+    final_norm, lm_head = img.norm(h), img.weights(vocab, h, c, scales=scales(bhead))
 
     w1, w2, w3 = wide(), wide(), wide()
     M = lambda mode: int(mode) << 1                                        # noqa: E731
     body = [
         Instruction(Op.RMSNORM, flags=lrel() | w1, rows=r, dst=xn, src=x, n=h, addr=b["norm1"]),
-        Instruction(Op.MATMUL, flags=lrel() | w1 | bias_q
+        Instruction(Op.MATMUL, flags=lrel() | w1 | bias_q | bq
                     | M(MatmulMode.INT32 if qk_norm else MatmulMode.INT8),
                     rows=r, dst=q32, src=xn, n=nh * hd, k=h, addr=b["wq"]),
         *([Instruction(Op.RMSNORM, flags=lrel(), rows=r, dst=q, src=q32, n=hd, k=nh,
                        addr=b["qnorm"])] if qk_norm else []),
-        Instruction(Op.MATMUL, flags=lrel() | w1 | bias_kv | M(MatmulMode.INT8), rows=r, dst=kv,
+        Instruction(Op.MATMUL, flags=lrel() | w1 | bias_kv | bkv | M(MatmulMode.INT8), rows=r, dst=kv,
                     src=xn, n=2 * g * hd, k=h, addr=b["wkv"]),
         Instruction(Op.ROPE, rows=r, dst=q, src=q, n=nh, k=hd, addr=rope),
         Instruction(Op.ROPE, rows=r, dst=kv, src=kv, n=g, k=hd, addr=rope),
         Instruction(Op.KVAPPEND, rows=1, src=kv, n=g, k=hd),
         Instruction(Op.ATTN, flags=lrel() | w2, rows=1, dst=att, src=q, n=nh, k=hd, addr=b["attn"]),
-        Instruction(Op.MATMUL, flags=lrel() | w2 | M(MatmulMode.RESADD), rows=1, dst=x, src=att,
+        Instruction(Op.MATMUL, flags=lrel() | w2 | bo | M(MatmulMode.RESADD), rows=1, dst=x, src=att,
                     n=h, k=nh * hd, addr=b["wo"]),
         Instruction(Op.RMSNORM, flags=lrel(), rows=r, dst=xn, src=x, n=h, addr=b["norm2"]),
-        Instruction(Op.MATMUL, flags=lrel() | M(MatmulMode.INT8), rows=r, dst=gu, src=xn,
+        Instruction(Op.MATMUL, flags=lrel() | bgu | M(MatmulMode.INT8), rows=r, dst=gu, src=xn,
                     n=2 * inter, k=h, addr=b["wgu"]),
         Instruction(Op.ACTMUL, flags=lrel() | w3, rows=r, dst=act, src=gu, n=inter, addr=b["act"]),
-        Instruction(Op.MATMUL, flags=lrel() | w3 | M(MatmulMode.RESADD), rows=r, dst=x, src=act,
+        Instruction(Op.MATMUL, flags=lrel() | w3 | bd | M(MatmulMode.RESADD), rows=r, dst=x, src=act,
                     n=h, k=inter, addr=b["wd"]),
     ]
     if rng.random() < 0.3:                            # drop a few, as a smaller model might
@@ -412,7 +433,7 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
         prog += body
     w4 = wide()
     tail = [Instruction(Op.RMSNORM, flags=w4, rows=1, dst=xn, src=x, n=h, addr=final_norm),
-            Instruction(Op.MATMUL, flags=w4 | M(MatmulMode.LOGITS), rows=1, src=xn, n=vocab, k=h,
+            Instruction(Op.MATMUL, flags=w4 | bhead | M(MatmulMode.LOGITS), rows=1, src=xn, n=vocab, k=h,
                         addr=lm_head),
             Instruction(Op.SAMPLE, n=vocab)]
     after = len(prog) + 1 + len(tail)

@@ -57,6 +57,27 @@ def test_model_that_does_not_fit_names_the_limit(tmp_path):
             "kv_slots = 4") in line
 
 
+def test_weight_blocks_on_a_preset_without_block_multipliers(tiny_draft_dir, tmp_path, monkeypatch,
+                                                             capsys):
+    """``--weight-blocks`` for a preset built without block multipliers: one line naming the
+    preset and the option, exit 2, before the draft is read; the compiler refuses it too."""
+    from dfvg_hw.spec import config
+    from dfvg_host import cli
+    from dfvg_host.compiler import CompileError, compile_draft
+    plain = config.PRESETS["tiny"].with_changes(name="tiny-plain", weight_blocks=False)
+    monkeypatch.setitem(config.PRESETS, plain.name, plain)
+    message = ("--weight-blocks: the 'tiny-plain' preset is built without block multipliers "
+               "(weight_blocks = False); compile without --weight-blocks")
+    code = cli.main(["compile", "--draft", str(tmp_path / "absent"), "--preset", "tiny-plain",
+                     "-o", str(tmp_path / "o"), "--weight-blocks"])
+    assert (code, capsys.readouterr().err.splitlines()) == (2, [f"dfvg: error: {message}"])
+    with pytest.raises(CompileError, match="'tiny-plain' preset is built without"):
+        compile_draft(tiny_draft_dir, plain, random_weights=True, weight_blocks=True)
+    # without the option the preset compiles
+    assert cli.main(["compile", "--draft", str(tiny_draft_dir), "--preset", "tiny-plain",
+                     "-o", str(tmp_path / "o"), "--random-weights"]) == 0
+
+
 def test_embedding_rows_of_any_width_are_padded_to_engine_beats(tmp_path):
     """EMBED rows are padded to whole engine beats (docs/isa.md §3.2): a 36-wide draft (a
     144-byte int32 row) compiles for alveo-u55c, whose engine beat is 32 channels x 64 bytes."""

@@ -93,8 +93,8 @@ class EngineConfig:
     weight_blocks : bool
         Whether the matrix unit has the block multipliers of MATMUL ``BLOCKS``
         (block-scaled int8 weights, docs/numerics.md §3): a 16-bit multiplier per
-        accumulator. Without them a ``BLOCKS`` instruction is illegal and the compiler
-        refuses ``--weight-blocks``.
+        accumulator. Without them a ``BLOCKS`` MATMUL faults ``PROGRAM`` (docs/isa.md
+        §3.4) and the compiler refuses ``--weight-blocks``.
     kv_banks : int
         Banks of the KV buffer: position ``t`` lives in bank ``t mod kv_banks``, and ATTN
         reads one K or V row from every bank a cycle (docs/isa.md §1.4).

@@ -463,6 +463,27 @@ def test_blocks_records_past_memory():
     assert errors == [ErrorCode.OK, ErrorCode.BAD_ADDRESS, ErrorCode.BAD_ADDRESS, ErrorCode.OK]
 
 
+def test_an_engine_without_block_multipliers():
+    """``weight_blocks=False``: plain jobs of every mode compute and time as at tiny, and a
+    BLOCKS job is refused with PROGRAM as the functional model refuses it, after
+    ``rows > config.rows`` and before a weight block past memory, whatever its mode; the
+    sequencer runs on after it."""
+    config = TINY.with_changes(weight_blocks=False)
+    _check_random(51, config, count=6)
+    rng = np.random.default_rng(48)
+    memory, addrs = _blocks(rng, config, shapes=((8, 8), (33, 17)))
+    a, b = addrs[(8, 8)], addrs[(33, 17)]
+    past = config.mem_bytes - 4
+    jobs = [_mm(INT8, 3, 8, 8, 0, 40, a, blocks=True),              # rows > config.rows: PROGRAM
+            _mm(INT8, 1, 8, 8, 0, 40, past, blocks=True),           # BLOCKS before the weights' end
+            _mm(RESADD, 2, 33, 17, 0, 40, b, wide=True, blocks=True),
+            _mm(LOGITS, 1, 8, 8, 0, 0, a, blocks=True, bias=True),
+            _mm(INT32, 1, 33, 17, 0, 40, b),                        # and a plain job runs
+            _mm(INT8, 1, 8, 8, 0, 40, past)]                        # (its weights past memory)
+    errors = _check(rng, config, jobs, memory)
+    assert errors == [ErrorCode.PROGRAM] * 4 + [ErrorCode.OK, ErrorCode.BAD_ADDRESS]
+
+
 # -- timing corners: each term of the cycle model decides some job's count -------------------
 
 #: Geometry (config, bus width) and jobs ``(mode, rows, n, k, weight address, wide)`` where a

@@ -7,9 +7,14 @@ reference is ``x @ W.T`` in int64 (``numerics.block_matmul`` for a ``BLOCKS`` ma
 whose tiles carry random block multipliers, 0 and 65535 among them), the bias added
 (``numerics.add_bias``, half the MATMULs have one), followed by the functional model's
 numerics in each of the four modes.
+
+A unit built without block multipliers (``weight_blocks=False``: no ``scale`` on its tiles,
+no ``blocks`` in its parameters) runs the same plain matmuls to the same results.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -30,6 +35,9 @@ CONFIGS = {
     "tiny-unpacked": (TINY, False),
     "m3n2k4": (TINY.with_changes(rows=3, lanes=2, reduce=4), True),   # a pair and an odd row
     "m5n8k4": (TINY.with_changes(rows=5, lanes=8, reduce=4), True),   # two pairs and an odd row
+    # without block multipliers: plain matmuls only
+    "tiny-no-blocks": (TINY.with_changes(weight_blocks=False), True),
+    "m5n8k4-no-blocks": (TINY.with_changes(rows=5, lanes=8, reduce=4, weight_blocks=False), True),
 }
 
 
@@ -84,19 +92,24 @@ class Matmul:
             digits[0:2 * x_rows:2], digits[1:2 * x_rows:2] = nx.wide_digits(xp)
         else:
             digits[:] = xp
+        # a unit without block multipliers has no scale / blocks fields (nor BLOCKS matmuls)
+        assert cfg.weight_blocks or not blocks
         self.tiles = []                  # (w payload, x payload)
         for nt in range(np_ // N):
             for kt in range(kp // K):
-                self.tiles.append(({"data": tiles[nt, kt].astype(np.int64).tolist(),
-                                    "last": int(kt == kp // K - 1),
-                                    "scale": scales[nt * N:(nt + 1) * N, kt].tolist()},
-                                   digits[:, kt * K:(kt + 1) * K].tolist()))
+                w = {"data": tiles[nt, kt].astype(np.int64).tolist(), "last": int(kt == kp // K - 1)}
+                if cfg.weight_blocks:
+                    w["scale"] = scales[nt * N:(nt + 1) * N, kt].tolist()
+                self.tiles.append((w, digits[:, kt * K:(kt + 1) * K].tolist()))
         self.qbeats = [{"words": [{"mult": int(wd) & 0xFFFF, "shift": (int(wd) >> 16) & 0x3F,
                                    "reserved": int(wd) >> 22} for wd in words[nt * N:(nt + 1) * N]],
                         "bias": records[nt, 1].astype(np.uint32).view(np.int32).tolist(),
-                        "mode": int(mode), "wide": int(wide), "blocks": int(blocks),
+                        "mode": int(mode), "wide": int(wide),
                         "rows": rows if rows < x_rows or rng.random() < 0.5 else 0}
                        for nt in range(np_ // N)]
+        if cfg.weight_blocks:
+            for q in self.qbeats:
+                q["blocks"] = int(blocks)
         Wp = np.zeros((np_, kp), np.int64)
         Wp[:n, :k] = W
         # [x_rows, Np], exact in int64
@@ -170,8 +183,11 @@ def simulate(dut, matmuls, rng, *, gaps=0.3, backpressure=0.3):
 
 def random_matmuls(rng, cfg, count, *, min_values=0, blocks=None, **kw):
     """``count`` random MATMULs, more if needed to reach ``min_values`` real outputs;
-    ``blocks``: all with ``BLOCKS`` (True), none (False) or a random half (None)."""
+    ``blocks``: all with ``BLOCKS`` (True), none (False) or a random half (None: none
+    where the unit has no block multipliers)."""
     M, N, K = cfg.rows, cfg.lanes, cfg.reduce
+    if not cfg.weight_blocks:
+        blocks = False
     out = []
     while len(out) < count or sum(mm.n_values for mm in out) < min_values:
         wide = bool(rng.random() < 0.4)
@@ -343,8 +359,21 @@ def test_latency(name):
     assert [(r, l, [int(v) for v in d]) for r, l, d in seen["rows"]] == mm.expected
 
 
-def test_lint_clean():
-    v = to_verilog(MatrixUnit(TINY), "matrix")
+def test_no_block_multipliers_without_weight_blocks():
+    """Without ``weight_blocks`` the tiles carry no multipliers, the parameters no
+    ``blocks``, and the accumulators are ``acc_bits`` wide, not 16 bits wider."""
+    for cfg, fields, acc_bits in ((TINY, {"scale", "blocks"}, 48),
+                                  (CONFIGS["tiny-no-blocks"][0], set(), 32)):
+        dut = MatrixUnit(cfg)
+        members = set(dut.w.p.shape().members) | set(dut.q.p.shape().members)
+        assert members & {"scale", "blocks"} == fields
+        v = to_verilog(dut, "matrix")
+        assert re.findall(r"reg (?:signed )?\[(\d+):0\] acc_0_0\b", v) == [str(acc_bits - 1)]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-no-blocks"])
+def test_lint_clean(name):
+    v = to_verilog(MatrixUnit(CONFIGS[name][0]), "matrix")
     # The requantisers are submodules; Verilator's DECLFILENAME (one module per file) is a
     # file-naming style rule that no multi-module Amaranth output can meet.
     clean, output = verilator_lint("/* verilator lint_off DECLFILENAME */\n" + v, "matrix")
