@@ -407,12 +407,16 @@ class Normalizer(wiring.Component):
         return m
 
 
-class _AttnPhase(enum.Enum, shape=3):
+class _ScorePhase(enum.Enum, shape=2):
+    IDLE = 0          # q may be taken
+    SCORE = 1         # K groups
+    DONE = 2          # the head's scores wait for the weights pass
+
+
+class _WeightPhase(enum.Enum, shape=2):
     IDLE = 0
-    SCORE = 1
-    EXP = 2
-    DIV = 3
-    NORM = 4
+    WEIGHTS = 1       # scores read back, weights meet V
+    DIV = 2           # E waits for the reciprocal
 
 
 class Attention(wiring.Component):
@@ -523,20 +527,23 @@ class Attention(wiring.Component):
         nm = m.submodules.norm = Normalizer(d, self.num_bits)
         score_shape = signed(sb) if B == 1 else data.StructLayout({
             "s": data.ArrayLayout(signed(sb), B), "keep": unsigned(B)})
-        scores = m.submodules.scores = Memory(shape=score_shape, depth=depth, init=[])
+        # two score buffers, groups ``0 … depth − 1`` and ``depth …``: one head's score pass
+        # writes one while the previous head's weights pass reads the other
+        scores = m.submodules.scores = Memory(shape=score_shape, depth=2 * depth, init=[])
         wp, rp = scores.write_port(), scores.read_port()
-        phase = Signal(_AttnPhase)
+        k_phase, v_phase = Signal(_ScorePhase), Signal(_WeightPhase)
+        k_buf, v_buf = Signal(), Signal()       # the score buffer of each pass's head
 
         q = Signal(data.ArrayLayout(signed(nx.ACT_BITS), d))
         mult, shift, wide = Signal(unsigned(nx.MULT_BITS)), Signal(6), Signal()
         take_q = Signal()
-        m.d.comb += [self.q.ready.eq(phase == _AttnPhase.IDLE),
+        m.d.comb += [self.q.ready.eq(k_phase == _ScorePhase.IDLE),
                      take_q.eq(self.q.valid & self.q.ready)]
 
         # -- scores: B dot products a cycle --------------------------------------------------
         take_k = Signal()
         k_open = Signal()                       # K rows still expected
-        m.d.comb += [self.k.ready.eq((phase == _AttnPhase.SCORE) & k_open),
+        m.d.comb += [self.k.ready.eq((k_phase == _ScorePhase.SCORE) & k_open),
                      take_k.eq(self.k.valid & self.k.ready)]
         k_rows = [self.k.payload.row] if B == 1 else list(self.k.payload.rows)
         p_v, p_last = Signal(), Signal()
@@ -562,7 +569,7 @@ class Attention(wiring.Component):
         n_rows = Signal(range(depth + 1))       # groups written
         smax = Signal(signed(sb))
         lo = -(1 << (sb - 1))
-        m.d.comb += [wp.en.eq(s_v), wp.addr.eq(n_rows)]
+        m.d.comb += [wp.en.eq(s_v), wp.addr.eq(Mux(k_buf, depth + n_rows, n_rows))]
         if B == 1:
             m.d.comb += wp.data.eq(bank_scores[0])
         else:
@@ -576,7 +583,7 @@ class Attention(wiring.Component):
             m.d.sync += [q.eq(self.q.payload.q), mult.eq(self.q.payload.mult),
                          shift.eq(self.q.payload.shift), wide.eq(self.q.payload.wide),
                          n_rows.eq(0), smax.eq(lo),
-                         k_open.eq(1), phase.eq(_AttnPhase.SCORE)]
+                         k_open.eq(1), k_phase.eq(_ScorePhase.SCORE)]
         with m.If(take_k & self.k.payload.last):
             m.d.sync += k_open.eq(0)
         with m.If(s_v):
@@ -584,7 +591,19 @@ class Attention(wiring.Component):
         with m.If(g_v):
             m.d.sync += smax.eq(_smax(smax, gmax))
             with m.If(g_last):
-                m.d.sync += phase.eq(_AttnPhase.EXP)
+                m.d.sync += k_phase.eq(_ScorePhase.DONE)
+
+        # -- hand-over: the weights pass takes the head whose scores are complete (on the
+        # edge of its last maximum, at the earliest) once the previous head's E has gone to
+        # the reciprocal (on that edge, at the earliest); the score pass is then free for
+        # the next q, and writes the other buffer
+        v_smax = Signal(signed(sb))
+        v_groups = Signal(range(depth + 1))
+        v_mult, v_shift, v_wide = Signal(unsigned(nx.MULT_BITS)), Signal(6), Signal()
+        handed_off = Signal()                  # this head's E goes to the reciprocal
+        start = Signal()
+        m.d.comb += start.eq(((k_phase == _ScorePhase.DONE) | (g_v & g_last))
+                             & ((v_phase == _WeightPhase.IDLE) | handed_off))
 
         # -- weights: read the scores back through the exp path, meet the V rows ---------------
         rd = Signal(range(depth + 1))
@@ -593,22 +612,20 @@ class Attention(wiring.Component):
         m.d.comb += [
             r_adv.eq(~r_v | ex.i.ready),
             issue.eq(r_adv & issuing),
-            rp.en.eq(r_adv), rp.addr.eq(rd),
+            rp.en.eq(r_adv), rp.addr.eq(Mux(v_buf, depth + rd, rd)),
             ex.i.valid.eq(r_v),
-            ex.i.payload.max.eq(smax), ex.i.payload.mult.eq(mult),
-            ex.i.payload.shift.eq(shift), ex.i.payload.last.eq(r_last),
+            ex.i.payload.max.eq(v_smax), ex.i.payload.mult.eq(v_mult),
+            ex.i.payload.shift.eq(v_shift), ex.i.payload.last.eq(r_last),
         ]
         if B == 1:
             m.d.comb += [ex.i.payload.s[0].eq(rp.data), ex.i.payload.keep.eq(1)]
         else:
             m.d.comb += [ex.i.payload.s.eq(rp.data.s), ex.i.payload.keep.eq(rp.data.keep)]
         with m.If(r_adv):
-            m.d.sync += [r_v.eq(issue), r_last.eq(rd == n_rows - 1)]
-        with m.If(g_v & g_last):
-            m.d.sync += [rd.eq(0), issuing.eq(1)]
+            m.d.sync += [r_v.eq(issue), r_last.eq(rd == v_groups - 1)]
         with m.If(issue):
             m.d.sync += rd.eq(rd + 1)
-            with m.If(rd == n_rows - 1):
+            with m.If(rd == v_groups - 1):
                 m.d.sync += issuing.eq(0)
 
         e_sum = Signal(self.sum_bits)
@@ -641,10 +658,8 @@ class Attention(wiring.Component):
                 m.d.sync += num[j].eq(num[j] + col)
         with m.If(e_v):
             m.d.sync += e_sum.eq(e_sum + e_tot)
-        with m.If(take_q):
-            m.d.sync += [e_sum.eq(0)] + [n.eq(0) for n in num]
         with m.If(col_v & col_last):
-            m.d.sync += phase.eq(_AttnPhase.DIV)
+            m.d.sync += v_phase.eq(_WeightPhase.DIV)
 
         # -- reciprocal and output --------------------------------------------------------------
         # The head's numerators move to hold registers as the reciprocal takes E, so the
@@ -653,10 +668,18 @@ class Attention(wiring.Component):
         # the normaliser, which frees the hold registers on the same edge.
         num_hold = [Signal(signed(self.num_bits), name=f"num_hold{j}") for j in range(d)]
         wide_hold = Signal()
-        m.d.comb += [rc.i.valid.eq(phase == _AttnPhase.DIV), rc.i.payload.eq(e_sum)]
-        with m.If(rc.i.valid & rc.i.ready):
-            m.d.sync += [phase.eq(_AttnPhase.IDLE), wide_hold.eq(wide)]
+        m.d.comb += [rc.i.valid.eq(v_phase == _WeightPhase.DIV), rc.i.payload.eq(e_sum),
+                     handed_off.eq(rc.i.valid & rc.i.ready)]
+        with m.If(handed_off):
+            m.d.sync += [v_phase.eq(_WeightPhase.IDLE), wide_hold.eq(v_wide)]
             m.d.sync += [num_hold[j].eq(num[j]) for j in range(d)]
+        with m.If(start):
+            # the head's maximum, the final one on the edge of its last group
+            m.d.sync += [v_smax.eq(Mux(g_v, _smax(smax, gmax), smax)), v_groups.eq(n_rows + s_v),
+                         v_mult.eq(mult), v_shift.eq(shift), v_wide.eq(wide), v_buf.eq(k_buf),
+                         k_buf.eq(~k_buf), k_phase.eq(_ScorePhase.IDLE),
+                         v_phase.eq(_WeightPhase.WEIGHTS), rd.eq(0), issuing.eq(1),
+                         e_sum.eq(0)] + [n.eq(0) for n in num]
         m.d.comb += [nm.i.valid.eq(rc.o.valid), nm.i.payload.recip.eq(rc.o.payload),
                      nm.i.payload.wide.eq(wide_hold), rc.o.ready.eq(nm.i.ready)]
         for j in range(d):

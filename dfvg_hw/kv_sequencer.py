@@ -83,6 +83,7 @@ from __future__ import annotations
 
 from amaranth import Cat, Module, Mux, Signal
 from amaranth.lib import stream, wiring
+from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec import timing
@@ -168,7 +169,15 @@ class KvSequencer(wiring.Component):
         self.kv_buffer = kv                     # co-simulation reads the KV through it
         WB, W, B = kv.word_bytes, kv.words, kv.banks
         attn = m.submodules.attention = Attention(c, path_entries=PATH_ENTRIES)
-        m.d.comb += [self.path_index.eq(kv.path_index), kv.path_pos.eq(self.path_pos)]
+        # The K channel asks the controller for a path entry's position; the V channel reads
+        # the same head's path after it, from a copy of the answers (every head of a tree
+        # row has the row's path, and a head's V read starts once its K read has ended)
+        m.d.comb += [self.path_index.eq(kv.k_path_index), kv.k_path_pos.eq(self.path_pos)]
+        path_copy = m.submodules.path_copy = Memory(shape=16, depth=PATH_ENTRIES, init=[])
+        copy_wr, copy_rd = path_copy.write_port(), path_copy.read_port(domain="comb")
+        m.d.comb += [copy_wr.en.eq(1), copy_wr.addr.eq(kv.k_path_index),
+                     copy_wr.data.eq(self.path_pos),
+                     copy_rd.addr.eq(kv.v_path_index), kv.v_path_pos.eq(copy_rd.data)]
         params = m.submodules.params = BlockReader(c, self.data_width, ATTN_PARAM_BYTES)
         window = m.submodules.window = VmemWindow(c, 2 * D)      # a WIDE output head
         wiring.connect(m, params.read_cmd, wiring.flipped(self.read_cmd))
@@ -200,7 +209,8 @@ class KvSequencer(wiring.Component):
         clearing_kv = Signal()              # the append states serve a clear
         clear_pending = Signal()
         clear_pos = Signal(range(c.kv_positions))
-        v_phase = Signal()                  # the attention unit is taking V rows
+        v_owed = Signal()                   # a head's K read is issued, its V read is not
+        v_slot = Signal.like(kv_slot)       # ... that head's slot
         result = Signal(16 * D)
         # compaction: the job, its level, the level's first storage position, the slot
         compaction = Signal(CompactJob())
@@ -214,28 +224,31 @@ class KvSequencer(wiring.Component):
             m.d.sync += clear_pending.eq(1)
 
         if B == 1:
-            # KV words → D-byte rows → the attention unit's K port, then its V port
-            rows_of = m.submodules.kv_rows = Gearbox(WB, D)
-            m.d.comb += [rows_of.i.valid.eq(kv.rdata.valid), kv.rdata.ready.eq(rows_of.i.ready),
-                         rows_of.i.payload.data.as_value().eq(kv.rdata.payload.data.as_value()),
-                         rows_of.i.payload.last.eq(kv.rdata.payload.last),
-                         attn.k.payload.row.as_value().eq(rows_of.o.payload.data.as_value()),
-                         attn.k.payload.last.eq(rows_of.o.payload.last),
-                         attn.v.payload.as_value().eq(rows_of.o.payload.data.as_value())]
-            rows_valid, rows_ready = rows_of.o.valid, rows_of.o.ready
+            # KV words → D-byte rows → the attention unit's K port; the same for V
+            for side, beats, port in (("k", kv.k_data, attn.k), ("v", kv.v_data, attn.v)):
+                rows_of = m.submodules[f"{side}_rows"] = Gearbox(WB, D)
+                row = port.payload.row if side == "k" else port.payload
+                m.d.comb += [rows_of.i.valid.eq(beats.valid), beats.ready.eq(rows_of.i.ready),
+                             rows_of.i.payload.data.as_value().eq(beats.payload.data.as_value()),
+                             rows_of.i.payload.last.eq(beats.payload.last),
+                             row.as_value().eq(rows_of.o.payload.data.as_value()),
+                             port.valid.eq(rows_of.o.valid), rows_of.o.ready.eq(port.ready)]
+            m.d.comb += attn.k.payload.last.eq(m.submodules.k_rows.o.payload.last)
         else:
             # banked: a beat is already a group of B rows (one per bank) with its keep mask
-            m.d.comb += [attn.k.payload.rows.eq(kv.rdata.payload.rows),
-                         attn.k.payload.keep.eq(kv.rdata.payload.keep),
-                         attn.k.payload.last.eq(kv.rdata.payload.last),
-                         attn.v.payload.eq(kv.rdata.payload.rows)]
-            rows_valid, rows_ready = kv.rdata.valid, kv.rdata.ready
-        with m.If(v_phase):
-            m.d.comb += [attn.v.valid.eq(rows_valid), rows_ready.eq(attn.v.ready)]
-        with m.Else():
-            m.d.comb += [attn.k.valid.eq(rows_valid), rows_ready.eq(attn.k.ready)]
-            with m.If(attn.k.valid & attn.k.ready & attn.k.payload.last):
-                m.d.sync += v_phase.eq(1)
+            m.d.comb += [attn.k.payload.rows.eq(kv.k_data.payload.rows),
+                         attn.k.payload.keep.eq(kv.k_data.payload.keep),
+                         attn.k.payload.last.eq(kv.k_data.payload.last),
+                         attn.k.valid.eq(kv.k_data.valid), kv.k_data.ready.eq(attn.k.ready),
+                         attn.v.payload.eq(kv.v_data.payload.rows),
+                         attn.v.valid.eq(kv.v_data.valid), kv.v_data.ready.eq(attn.v.ready)]
+
+        # A head's V read goes out beside the FSM once its K read has ended (the V side of
+        # the attention unit takes it after the previous head's V)
+        m.d.comb += [kv.v_read.valid.eq(v_owed & kv.k_read.ready),
+                     kv.v_read.payload.slot.eq(v_slot), kv.v_read.payload.paths.eq(job.path_len)]
+        with m.If(kv.v_read.valid & kv.v_read.ready):
+            m.d.sync += v_owed.eq(0)
 
         m.d.comb += [attn.q.payload.q.as_value().eq(window.data[:8 * D]),
                      attn.q.payload.mult.eq(mult), attn.q.payload.shift.eq(shift),
@@ -395,9 +408,9 @@ class KvSequencer(wiring.Component):
                         m.next = "GATHER_K"
 
             # -- ATTN, heads overlapped ----------------------------------------------------------
-            # Head h's q is taken (QUERY) as soon as the attention unit has handed head
-            # h − 1 to its reciprocal; then head h − 1's output is scattered and q[h + 1]
-            # gathered while head h streams its K and V rows.
+            # Head h's q is taken (QUERY) as soon as the attention unit's weights pass has
+            # taken head h − 1; READ_K starts head h's K rows (its V rows follow beside the
+            # FSM); then head h − 2's output is scattered and q[h + 1] gathered.
             with m.State("GATHER_Q"):
                 gather(in_offset, "GATHER_Q_WAIT")
             with m.State("GATHER_Q_WAIT"):
@@ -406,16 +419,18 @@ class KvSequencer(wiring.Component):
             with m.State("QUERY"):
                 m.d.comb += attn.q.valid.eq(1)
                 with m.If(attn.q.ready):
-                    m.next = "READ_KV"
-            with m.State("READ_KV"):
-                m.d.comb += kv_command(KVOp.READ, slot=kv_slot, arg=job.path_len)
-                with m.If(kv.cmd.ready):
-                    m.d.sync += [v_phase.eq(0), head.eq(head + 1),
+                    m.next = "READ_K"
+            with m.State("READ_K"):
+                # (the previous head's V read has gone out: v_slot is free)
+                m.d.comb += [kv.k_read.valid.eq(~v_owed), kv.k_read.payload.slot.eq(kv_slot),
+                             kv.k_read.payload.paths.eq(job.path_len)]
+                with m.If(kv.k_read.valid & kv.k_read.ready):
+                    m.d.sync += [v_owed.eq(1), v_slot.eq(kv_slot), head.eq(head + 1),
                                  in_offset.eq(in_offset + job.k), in_group.eq(in_group + 1)]
                     with m.If(in_group + 1 == quotient):       # next KV head's group
                         m.d.sync += [in_group.eq(0), kv_slot.eq(kv_slot + 1)]
-                    with m.If((head != 0) | (head + 1 == job.n)):
-                        m.next = "ATTEND"                       # head − 1's output (or the last)
+                    with m.If((head >= 2) | (head + 1 == job.n)):
+                        m.next = "ATTEND"                       # head − 2's output (or the last)
                     with m.Else():
                         m.next = "GATHER_Q"
             with m.State("ATTEND"):

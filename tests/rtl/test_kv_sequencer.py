@@ -619,8 +619,8 @@ def test_a_path_mutation_is_caught(monkeypatch):
     run = TreeRun(config)
     _tree_request(run, rng, 2, 3, 1)
     run.check(np.random.default_rng(36), _memory(np.random.default_rng(37)))
-    bad = mutant(kv_module, "m.d.comb += self.path_index.eq(path_i)",
-                 "m.d.comb += self.path_index.eq(path_i + 1)")
+    bad = mutant(kv_module, "m.d.comb += path_index.eq(path_i)",
+                 "m.d.comb += path_index.eq(path_i + 1)")
     monkeypatch.setattr("dfvg_hw.kv_sequencer.KVBuffer", bad.KVBuffer)
     with pytest.raises(AssertionError):
         run.check(np.random.default_rng(36), _memory(np.random.default_rng(37)))
