@@ -11,8 +11,9 @@ All bit-exact with :mod:`dfvg_hw.spec.numerics`:
   bit per cycle, 34 cycles).
 * :class:`Normalizer` — ``sat8(round_shift(num · R, 32))`` per lane, on the shared
   requantiser.
-* :class:`Attention` — :func:`numerics.attention` for one query head over streamed K and
-  V rows, composed of the pieces above.
+* :class:`Attention` — :func:`numerics.attention` for query heads over streamed K and
+  V rows, composed of the pieces above; a score pass and a weights pass work on two
+  heads at once.
 """
 
 from __future__ import annotations
@@ -426,29 +427,32 @@ class Attention(wiring.Component):
     ``B = 1``), a group a cycle. Sequence per head (``T`` = number of K rows,
     ``G = ceil(T / B)`` groups, ``D = config.head_dim``):
 
-    1. ``q`` beat: the query and the ATTN block's (mult, shift); clears the accumulators.
-    2. **Scores:** one group of K rows per cycle; ``B·D`` int8 products and ``B``
-       registered adder trees give ``s_t = K[t]·q``, written (with the group's ``keep``
-       mask) to a ``ceil(kv_positions / B)``-deep score buffer, while a registered max tree
-       over the kept lanes (``ceil(log2 B)`` levels) feeds a running maximum. ``last`` on
-       the final group ends the pass.
-    3. **Weights:** the buffer is read back through :class:`SoftmaxExp` (``B`` lanes, a
-       group per cycle; 0 for lanes not kept); the group's weights ``e_t`` meet its V
-       rows (one group per cycle, in order): ``E += Σ e_t`` and ``num[d] += Σ e_t · V[t][d]``
-       through registered adder trees over the ``B`` lanes. Integer sums, so the result
-       is the functional model's in any grouping.
+    1. ``q`` beat: the query and the ATTN block's (mult, shift).
+    2. **Scores** (the score pass): one group of K rows per cycle; ``B·D`` int8 products
+       and ``B`` registered adder trees give ``s_t = K[t]·q``, written (with the group's
+       ``keep`` mask) to one of two ``ceil(kv_positions / B)``-deep score buffers, while a
+       registered max tree over the kept lanes (``ceil(log2 B)`` levels) feeds a running
+       maximum. ``last`` on the final group ends the pass.
+    3. **Weights** (the weights pass): takes the head (its maximum, group count, mult,
+       shift and width; the accumulators cleared) once its scores are complete and the
+       previous head's ``E`` has gone to the reciprocal. The buffer is read back through
+       :class:`SoftmaxExp` (``B`` lanes, a group per cycle; 0 for lanes not kept); the
+       group's weights ``e_t`` meet its V rows (one group per cycle, in order): ``E += Σ
+       e_t`` and ``num[d] += Σ e_t · V[t][d]`` through registered adder trees over the ``B``
+       lanes. Integer sums, so the result is the functional model's in any grouping.
     4. **Reciprocal:** ``R = floor(2^32 / E)`` (:class:`Reciprocal`, 34 cycles).
     5. **Output:** ``o[d] = sat8(round_shift(num[d] · R, 32))``, or int16 with the q beat's
        ``wide`` (:class:`Normalizer`).
 
     With all streams ready, the output is valid ``cycles(T) = 2·G + ceil(log2 D) +
     2·ceil(log2 B) + 45`` edges after the edge that accepts ``q``
-    (:func:`dfvg_hw.spec.kv_timing.attention_head_cycles`). The next head's ``q`` is
-    accepted the cycle after this head's ``E`` goes to the reciprocal (its numerators
-    move to hold registers on that edge), so the next K pass overlaps this head's
-    reciprocal and normaliser; the reciprocal takes the next ``E`` once its quotient has
-    gone to the normaliser. Grouped-query attention
-    streams the same K/V for every query head of the group.
+    (:func:`dfvg_hw.spec.kv_timing.attention_head_cycles`). **Two heads in flight:** the
+    next head's ``q`` is accepted the cycle after the weights pass takes this head (the
+    score pass is free, and writes the other score buffer), so the next head's K groups
+    stream while this head's V groups do; a head's numerators move to hold registers as
+    its ``E`` goes to the reciprocal, which takes the next ``E`` once its quotient has
+    gone to the normaliser. Outputs come in head order. Grouped-query attention streams
+    the same K/V for every query head of the group.
 
     A tree row's path (docs/isa.md §9.2) comes after its positions as groups of one row
     each (row 0, ``keep = 1``): they lie in any bank. The sums are the same in any
@@ -459,7 +463,7 @@ class Attention(wiring.Component):
     config : EngineConfig
         ``head_dim`` (D), ``kv_positions`` (largest T) and ``kv_banks`` (B).
     path_entries : int, optional
-        The most one-row groups a head's rows may end with (a tree row's path); the score
+        The most one-row groups a head's rows may end with (a tree row's path); each score
         buffer holds ``min(kv_positions, ceil(kv_positions / B) + path_entries)`` groups
         (T ≤ kv_positions still). Default 0: positions only.
 
@@ -473,7 +477,8 @@ class Attention(wiring.Component):
         ``g·B … g·B + B − 1``, ``keep`` marking the rows ``< T`` (at least row ``g·B``,
         lane 0; a path row is a group of its own in lane 0).
     v : In(stream.Signature(ArrayLayout(signed(8), D)))
-        V rows 0 … T−1 (taken after all K rows); with ``B ≥ 2``
+        V rows 0 … T−1 (taken once the head's K rows are all in, while the next head's
+        K rows come); with ``B ≥ 2``
         ``ArrayLayout(ArrayLayout(signed(8), D), B)``, the same groups (rows not kept
         are ignored).
     o : Out(stream.Signature(ArrayLayout(signed(16), D)))
@@ -484,7 +489,7 @@ class Attention(wiring.Component):
         self.head_dim = d = config.head_dim
         self.banks = b = config.kv_banks
         self.max_t = config.kv_positions
-        #: score buffer groups: the positions' ceil(T / B), and a path's one row a group
+        #: groups of a score buffer: the positions' ceil(T / B), and a path's one row a group
         self.depth = min(self.max_t, -(-self.max_t // b) + path_entries)
         self.score_bits = ceil_log2(d) + 2 * nx.ACT_BITS    # |s| ≤ D·2^14
         self.sum_bits = (self.max_t * nx.EXP_ONE).bit_length()

@@ -36,20 +36,25 @@ the controller's reset); its ``G = kv_heads`` word 0, ``base + (layer + 1) · G 
 gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add nothing to
 a score), stream slot ``base + layer · G + h // (n / G)``, positions ``0 … prefix − 1`` and
 then the ``path_len`` path positions, through the attention unit (K words packed into
-rows, then V rows), and scatter the ``k`` outputs
-(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap: QUERY hands ``q[h]``
-to the attention unit as soon as it has passed head ``h − 1`` to its reciprocal, then
-READ_KV starts head ``h``'s K/V stream, and while it runs the sequencer takes head
-``h − 1``'s output, scatters it and gathers ``q[h + 1]``.
+rows, and V words into rows on a second gearbox), and scatter the ``k`` outputs
+(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap, two at a time in the
+attention unit: QUERY hands ``q[h]`` to it as soon as its weights pass has taken head
+``h − 1``, then READ_K starts head ``h``'s K stream on the KV buffer's K channel (while
+head ``h − 1``'s V streams on the V channel); head ``h``'s V read goes out beside the FSM
+once its K read has ended (the V channel free). Meanwhile the sequencer takes head
+``h − 2``'s output, scatters it and gathers ``q[h + 1]``: the outputs trail by two heads,
+so that the next q never waits for the reciprocal.
 
 **Tree rows** (docs/isa.md §9.2). The controller issues a tree forward's KVAPPEND and
 ATTN one row at a time (``rows = 1``, ``src``/``dst`` at the row): KVAPPEND at the node's
 storage position ``kv_pos = S(d, r)``; ATTN with ``prefix = P0`` and ``path_len = d``.
-The KV buffer reads the path entry by entry during each of a head's K and V passes,
+The KV buffer's K channel reads the path entry by entry during each head's K pass,
 asking the ``path_index`` → ``path_pos`` port (the controller's table of the row's
-ancestors, combinational); a path entry is a beat of its own (banked: a group with one
-row), so a head streams ``ceil(prefix / B) + path_len`` groups, ``W`` words a group
-with one bank.
+ancestors, combinational); the V channel reads the same entries from a copy of those
+answers (a head's V read starts after its K read has ended, and every head of the row
+has the row's path), so the one port serves both. A path entry is a beat of its own
+(banked: a group with one row), so a head streams ``ceil(prefix / B) + path_len``
+groups, ``W`` words a group with one bank.
 
 **Compaction** (§9.3). A ``compact`` job (before the program, no job running) copies,
 for each level ``d < count`` in order and each slot ``slot_base … slot_base + slots −
@@ -63,19 +68,22 @@ writes zeros over every entry: APPENDs of all-zero entries, position by position
 an extra member rather than a job because a soft reset is no instruction: it has no
 fields, no error and no ``done`` in the instruction flow.
 
-Cycles (measured on ``tiny``, 128-bit bus; ``T = prefix + path_len``, ``W = head_dim /
+Cycles (``tiny``, 128-bit bus; ``T = prefix + path_len``, ``W = head_dim /
 gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND about ``5 + 14·n`` for
-line-aligned heads (n = 2, k = 16: 33); ATTN about ``40 + n·(2·W·T + ceil(log2 D) + 55)``
-including the parameter read (n = 4, k = 16: 293 at T = 1, 533 at T = 16, 1301 at
-T = 64). The KV buffer streams one word per cycle, so a head spends ``W`` cycles per
-position on K and again on V where the attention unit could take a row per cycle (its
-own ``2·T + ceil(log2 D) + 45``). Figures before overlapping heads (about 44 cycles
-a head less now on tiny): :mod:`sim.attention_timing` has the exact counts. Clear: about
+line-aligned heads (n = 2, k = 16: 33); ATTN about ``80 + (n + 1)·(W·T + ceil(log2 D) +
+6)`` including the parameter read (the last head's V pass is not hidden; at short
+contexts the reciprocal's 34 cycles a head are the pace instead): n = 4, k = 16: 208 at
+T = 1, 292 at T = 16, 772 at T = 64 (406 and 1174 with a head's V pass after its K pass,
+before the two channels).
+Each channel streams one word per cycle, so a head spends ``W`` cycles per position on
+K, and the V pass of the head before runs beside it; at long contexts the score pass,
+``W·T`` plus the read latency and the dot-product and max trees, is the pace.
+:mod:`sim.attention_timing` has the exact counts. Clear: about
 ``kv_positions · (1 + kv_slots · (2·W + 3))`` (tiny: ~1.9k).
 
 **Banks.** With ``kv_banks = B ≥ 2`` a KV buffer beat is ``B`` whole rows (one per bank,
 ``keep`` masking positions past ``pos``) and goes straight to the attention unit (no
-gearbox): ``G = ceil(T / B)`` beats per pass, ``W = 1`` (an APPEND is one K and one V
+gearboxes): ``G = ceil(T / B)`` beats per pass, ``W = 1`` (an APPEND is one K and one V
 row into bank ``pos mod B``). :mod:`sim.attention_timing` has the exact counts.
 """
 
@@ -143,7 +151,8 @@ class KvSequencer(wiring.Component):
         request's sequence, added to every job's slots. Taken with the job; 0 where left
         undriven, the slot mapping without it.
     path_index : Out(range(PATH_ENTRIES))
-        During an ATTN's path: the path entry the KV buffer reads (0-based), else 0.
+        During an ATTN's path: the path entry the KV buffer's K channel reads (0-based),
+        else 0.
     path_pos : In(16)
         The KV position of path entry ``path_index``, combinational (same cycle).
     compact : In(stream.Signature(CompactJob()))
