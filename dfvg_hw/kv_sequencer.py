@@ -36,20 +36,25 @@ the controller's reset); its ``G = kv_heads`` word 0, ``base + (layer + 1) · G 
 gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add nothing to
 a score), stream slot ``base + layer · G + h // (n / G)``, positions ``0 … prefix − 1`` and
 then the ``path_len`` path positions, through the attention unit (K words packed into
-rows, then V rows), and scatter the ``k`` outputs
-(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap: QUERY hands ``q[h]``
-to the attention unit as soon as it has passed head ``h − 1`` to its reciprocal, then
-READ_KV starts head ``h``'s K/V stream, and while it runs the sequencer takes head
-``h − 1``'s output, scatters it and gathers ``q[h + 1]``.
+rows, and V words into rows on a second gearbox), and scatter the ``k`` outputs
+(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap, two at a time in the
+attention unit: QUERY hands ``q[h]`` to it as soon as its weights pass has taken head
+``h − 1``, then READ_K starts head ``h``'s K stream on the KV buffer's K channel (while
+head ``h − 1``'s V streams on the V channel); head ``h``'s V read goes out beside the FSM
+once its K read has ended (the V channel free). Meanwhile the sequencer takes head
+``h − 2``'s output, scatters it and gathers ``q[h + 1]``: the outputs trail by two heads,
+so that the next q never waits for the reciprocal.
 
 **Tree rows** (docs/isa.md §9.2). The controller issues a tree forward's KVAPPEND and
 ATTN one row at a time (``rows = 1``, ``src``/``dst`` at the row): KVAPPEND at the node's
 storage position ``kv_pos = S(d, r)``; ATTN with ``prefix = P0`` and ``path_len = d``.
-The KV buffer reads the path entry by entry during each of a head's K and V passes,
+The KV buffer's K channel reads the path entry by entry during each head's K pass,
 asking the ``path_index`` → ``path_pos`` port (the controller's table of the row's
-ancestors, combinational); a path entry is a beat of its own (banked: a group with one
-row), so a head streams ``ceil(prefix / B) + path_len`` groups, ``W`` words a group
-with one bank.
+ancestors, combinational); the V channel reads the same entries from a copy of those
+answers (a head's V read starts after its K read has ended, and every head of the row
+has the row's path), so the one port serves both. A path entry is a beat of its own
+(banked: a group with one row), so a head streams ``ceil(prefix / B) + path_len``
+groups, ``W`` words a group with one bank.
 
 **Compaction** (§9.3). A ``compact`` job (before the program, no job running) copies,
 for each level ``d < count`` in order and each slot ``slot_base … slot_base + slots −
@@ -63,19 +68,22 @@ writes zeros over every entry: APPENDs of all-zero entries, position by position
 an extra member rather than a job because a soft reset is no instruction: it has no
 fields, no error and no ``done`` in the instruction flow.
 
-Cycles (measured on ``tiny``, 128-bit bus; ``T = prefix + path_len``, ``W = head_dim /
+Cycles (``tiny``, 128-bit bus; ``T = prefix + path_len``, ``W = head_dim /
 gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND about ``5 + 14·n`` for
-line-aligned heads (n = 2, k = 16: 33); ATTN about ``40 + n·(2·W·T + ceil(log2 D) + 55)``
-including the parameter read (n = 4, k = 16: 293 at T = 1, 533 at T = 16, 1301 at
-T = 64). The KV buffer streams one word per cycle, so a head spends ``W`` cycles per
-position on K and again on V where the attention unit could take a row per cycle (its
-own ``2·T + ceil(log2 D) + 45``). Figures before overlapping heads (about 44 cycles
-a head less now on tiny): :mod:`sim.attention_timing` has the exact counts. Clear: about
+line-aligned heads (n = 2, k = 16: 33); ATTN about ``80 + (n + 1)·(W·T + ceil(log2 D) +
+6)`` including the parameter read (the last head's V pass is not hidden; at short
+contexts the reciprocal's 34 cycles a head are the pace instead): n = 4, k = 16: 208 at
+T = 1, 292 at T = 16, 772 at T = 64 (406 and 1174 with a head's V pass after its K pass,
+before the two channels).
+Each channel streams one word per cycle, so a head spends ``W`` cycles per position on
+K, and the V pass of the head before runs beside it; at long contexts the score pass,
+``W·T`` plus the read latency and the dot-product and max trees, is the pace.
+:mod:`sim.attention_timing` has the exact counts. Clear: about
 ``kv_positions · (1 + kv_slots · (2·W + 3))`` (tiny: ~1.9k).
 
 **Banks.** With ``kv_banks = B ≥ 2`` a KV buffer beat is ``B`` whole rows (one per bank,
 ``keep`` masking positions past ``pos``) and goes straight to the attention unit (no
-gearbox): ``G = ceil(T / B)`` beats per pass, ``W = 1`` (an APPEND is one K and one V
+gearboxes): ``G = ceil(T / B)`` beats per pass, ``W = 1`` (an APPEND is one K and one V
 row into bank ``pos mod B``). :mod:`sim.attention_timing` has the exact counts.
 """
 
@@ -83,6 +91,7 @@ from __future__ import annotations
 
 from amaranth import Cat, Module, Mux, Signal
 from amaranth.lib import stream, wiring
+from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec import timing
@@ -142,7 +151,8 @@ class KvSequencer(wiring.Component):
         request's sequence, added to every job's slots. Taken with the job; 0 where left
         undriven, the slot mapping without it.
     path_index : Out(range(PATH_ENTRIES))
-        During an ATTN's path: the path entry the KV buffer reads (0-based), else 0.
+        During an ATTN's path: the path entry the KV buffer's K channel reads (0-based),
+        else 0.
     path_pos : In(16)
         The KV position of path entry ``path_index``, combinational (same cycle).
     compact : In(stream.Signature(CompactJob()))
@@ -168,7 +178,15 @@ class KvSequencer(wiring.Component):
         self.kv_buffer = kv                     # co-simulation reads the KV through it
         WB, W, B = kv.word_bytes, kv.words, kv.banks
         attn = m.submodules.attention = Attention(c, path_entries=PATH_ENTRIES)
-        m.d.comb += [self.path_index.eq(kv.path_index), kv.path_pos.eq(self.path_pos)]
+        # The K channel asks the controller for a path entry's position; the V channel reads
+        # the same head's path after it, from a copy of the answers (every head of a tree
+        # row has the row's path, and a head's V read starts once its K read has ended)
+        m.d.comb += [self.path_index.eq(kv.k_path_index), kv.k_path_pos.eq(self.path_pos)]
+        path_copy = m.submodules.path_copy = Memory(shape=16, depth=PATH_ENTRIES, init=[])
+        copy_wr, copy_rd = path_copy.write_port(), path_copy.read_port(domain="comb")
+        m.d.comb += [copy_wr.en.eq(1), copy_wr.addr.eq(kv.k_path_index),
+                     copy_wr.data.eq(self.path_pos),
+                     copy_rd.addr.eq(kv.v_path_index), kv.v_path_pos.eq(copy_rd.data)]
         params = m.submodules.params = BlockReader(c, self.data_width, ATTN_PARAM_BYTES)
         window = m.submodules.window = VmemWindow(c, 2 * D)      # a WIDE output head
         wiring.connect(m, params.read_cmd, wiring.flipped(self.read_cmd))
@@ -200,7 +218,8 @@ class KvSequencer(wiring.Component):
         clearing_kv = Signal()              # the append states serve a clear
         clear_pending = Signal()
         clear_pos = Signal(range(c.kv_positions))
-        v_phase = Signal()                  # the attention unit is taking V rows
+        v_owed = Signal()                   # a head's K read is issued, its V read is not
+        v_slot = Signal.like(kv_slot)       # ... that head's slot
         result = Signal(16 * D)
         # compaction: the job, its level, the level's first storage position, the slot
         compaction = Signal(CompactJob())
@@ -214,28 +233,31 @@ class KvSequencer(wiring.Component):
             m.d.sync += clear_pending.eq(1)
 
         if B == 1:
-            # KV words → D-byte rows → the attention unit's K port, then its V port
-            rows_of = m.submodules.kv_rows = Gearbox(WB, D)
-            m.d.comb += [rows_of.i.valid.eq(kv.rdata.valid), kv.rdata.ready.eq(rows_of.i.ready),
-                         rows_of.i.payload.data.as_value().eq(kv.rdata.payload.data.as_value()),
-                         rows_of.i.payload.last.eq(kv.rdata.payload.last),
-                         attn.k.payload.row.as_value().eq(rows_of.o.payload.data.as_value()),
-                         attn.k.payload.last.eq(rows_of.o.payload.last),
-                         attn.v.payload.as_value().eq(rows_of.o.payload.data.as_value())]
-            rows_valid, rows_ready = rows_of.o.valid, rows_of.o.ready
+            # KV words → D-byte rows → the attention unit's K port; the same for V
+            for side, beats, port in (("k", kv.k_data, attn.k), ("v", kv.v_data, attn.v)):
+                rows_of = m.submodules[f"{side}_rows"] = Gearbox(WB, D)
+                row = port.payload.row if side == "k" else port.payload
+                m.d.comb += [rows_of.i.valid.eq(beats.valid), beats.ready.eq(rows_of.i.ready),
+                             rows_of.i.payload.data.as_value().eq(beats.payload.data.as_value()),
+                             rows_of.i.payload.last.eq(beats.payload.last),
+                             row.as_value().eq(rows_of.o.payload.data.as_value()),
+                             port.valid.eq(rows_of.o.valid), rows_of.o.ready.eq(port.ready)]
+            m.d.comb += attn.k.payload.last.eq(m.submodules.k_rows.o.payload.last)
         else:
             # banked: a beat is already a group of B rows (one per bank) with its keep mask
-            m.d.comb += [attn.k.payload.rows.eq(kv.rdata.payload.rows),
-                         attn.k.payload.keep.eq(kv.rdata.payload.keep),
-                         attn.k.payload.last.eq(kv.rdata.payload.last),
-                         attn.v.payload.eq(kv.rdata.payload.rows)]
-            rows_valid, rows_ready = kv.rdata.valid, kv.rdata.ready
-        with m.If(v_phase):
-            m.d.comb += [attn.v.valid.eq(rows_valid), rows_ready.eq(attn.v.ready)]
-        with m.Else():
-            m.d.comb += [attn.k.valid.eq(rows_valid), rows_ready.eq(attn.k.ready)]
-            with m.If(attn.k.valid & attn.k.ready & attn.k.payload.last):
-                m.d.sync += v_phase.eq(1)
+            m.d.comb += [attn.k.payload.rows.eq(kv.k_data.payload.rows),
+                         attn.k.payload.keep.eq(kv.k_data.payload.keep),
+                         attn.k.payload.last.eq(kv.k_data.payload.last),
+                         attn.k.valid.eq(kv.k_data.valid), kv.k_data.ready.eq(attn.k.ready),
+                         attn.v.payload.eq(kv.v_data.payload.rows),
+                         attn.v.valid.eq(kv.v_data.valid), kv.v_data.ready.eq(attn.v.ready)]
+
+        # A head's V read goes out beside the FSM once its K read has ended (the V side of
+        # the attention unit takes it after the previous head's V)
+        m.d.comb += [kv.v_read.valid.eq(v_owed & kv.k_read.ready),
+                     kv.v_read.payload.slot.eq(v_slot), kv.v_read.payload.paths.eq(job.path_len)]
+        with m.If(kv.v_read.valid & kv.v_read.ready):
+            m.d.sync += v_owed.eq(0)
 
         m.d.comb += [attn.q.payload.q.as_value().eq(window.data[:8 * D]),
                      attn.q.payload.mult.eq(mult), attn.q.payload.shift.eq(shift),
@@ -395,9 +417,9 @@ class KvSequencer(wiring.Component):
                         m.next = "GATHER_K"
 
             # -- ATTN, heads overlapped ----------------------------------------------------------
-            # Head h's q is taken (QUERY) as soon as the attention unit has handed head
-            # h − 1 to its reciprocal; then head h − 1's output is scattered and q[h + 1]
-            # gathered while head h streams its K and V rows.
+            # Head h's q is taken (QUERY) as soon as the attention unit's weights pass has
+            # taken head h − 1; READ_K starts head h's K rows (its V rows follow beside the
+            # FSM); then head h − 2's output is scattered and q[h + 1] gathered.
             with m.State("GATHER_Q"):
                 gather(in_offset, "GATHER_Q_WAIT")
             with m.State("GATHER_Q_WAIT"):
@@ -406,16 +428,18 @@ class KvSequencer(wiring.Component):
             with m.State("QUERY"):
                 m.d.comb += attn.q.valid.eq(1)
                 with m.If(attn.q.ready):
-                    m.next = "READ_KV"
-            with m.State("READ_KV"):
-                m.d.comb += kv_command(KVOp.READ, slot=kv_slot, arg=job.path_len)
-                with m.If(kv.cmd.ready):
-                    m.d.sync += [v_phase.eq(0), head.eq(head + 1),
+                    m.next = "READ_K"
+            with m.State("READ_K"):
+                # (the previous head's V read has gone out: v_slot is free)
+                m.d.comb += [kv.k_read.valid.eq(~v_owed), kv.k_read.payload.slot.eq(kv_slot),
+                             kv.k_read.payload.paths.eq(job.path_len)]
+                with m.If(kv.k_read.valid & kv.k_read.ready):
+                    m.d.sync += [v_owed.eq(1), v_slot.eq(kv_slot), head.eq(head + 1),
                                  in_offset.eq(in_offset + job.k), in_group.eq(in_group + 1)]
                     with m.If(in_group + 1 == quotient):       # next KV head's group
                         m.d.sync += [in_group.eq(0), kv_slot.eq(kv_slot + 1)]
-                    with m.If((head != 0) | (head + 1 == job.n)):
-                        m.next = "ATTEND"                       # head − 1's output (or the last)
+                    with m.If((head >= 2) | (head + 1 == job.n)):
+                        m.next = "ATTEND"                       # head − 2's output (or the last)
                     with m.Else():
                         m.next = "GATHER_Q"
             with m.State("ATTEND"):

@@ -59,67 +59,83 @@ def attn_job_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src:
                     prefix: int, path_len: int, wide: bool, addr: int) -> int:
     """One ATTN job (a chain's, or one row of a tree forward's: ``prefix = P0``,
     ``path_len = d``, ``src``/``dst`` the row's lines), from the job's hand-over to
-    ``done`` plus the unit overhead. kv_sequencer.py + attention.Attention, heads
-    overlapped (:func:`_overlapped_heads`): per head the K rows stream at one KV word a
-    cycle (W·T) — with ``B = kv_banks ≥ 2`` a group of B rows a cycle (``ceil(prefix /
-    B)`` groups), and each path entry a group of its own (``G = ceil(prefix / B) +
-    path_len``; one bank: ``T = prefix + path_len`` rows) — the scores go through the dot-product
-    tree (and the B-lane max tree) and exp, the V rows stream again (the gearbox holds
-    one row, so V cannot be fetched ahead), then the B-lane column sums, reciprocal and
-    normaliser. Banked, the beats skip the gearbox (``row_packing``): a cycle less a
-    head. ``ATTN_HEAD_TAIL`` counts the one-bank gearbox among its hand-offs.
-    ``per_head_kv`` is one head alone, q to its output taken."""
+    ``done`` plus the unit overhead: the checks, the parameter block and the GQA divide,
+    then the heads (:func:`_overlapped_heads`). A head streams ``G`` groups of K (one KV
+    word a cycle: ``W`` words a row with one bank, through the gearbox; with ``B =
+    kv_banks ≥ 2`` a group of B rows a cycle, ``G = ceil(prefix / B) + path_len``, each path
+    entry a group of its own; one bank: ``G = prefix + path_len`` rows) and ``G`` of V, on
+    the KV buffer's two channels, so head h + 1's K pass runs during head h's V pass."""
     w = _kv_words(config)
     banks = config.kv_banks
     g = kvt.kv_groups(prefix, banks) + path_len
-    levels = kvt.bank_tree_levels(banks)
     out_bytes = 2 * k if wide else k
     beats = ceil((addr % port.bus_bytes + ATTN_PARAM_BYTES) / port.bus_bytes)
     params = (tm.ATTN_PARAMS + READ_OVERHEAD + port.latency
               + port.at(addr).beat_offset(beats - 1))
-    score_to_v = tm.ceil_log2(config.head_dim) + tm.ATTN_SCORE_TO_V + levels
-    per_head_kv = (2 * w * g - w + max(score_to_v, w) + tm.ATTN_HEAD_TAIL + levels
-                   + kvt.row_packing(banks) - kvt.row_packing(1))
     gathers = [window_cycles(src * LINE + h * k, k) for h in range(n)]
     scatters = [window_cycles(dst * LINE + h * out_bytes, out_bytes) for h in range(n)]
     return (UNIT_OVERHEAD + tm.ATTN_CHECK + params + tm.ATTN_GROUPS + tm.GQA_DIVIDE_STEPS
-            + tm.ATTN_END_STATES + _overlapped_heads(n, per_head_kv, gathers, scatters))
+            + tm.ATTN_END_STATES
+            + _overlapped_heads(config, g, w, gathers, scatters))
 
 
-def _overlapped_heads(n: int, per_head_kv: int, gathers: list[int], scatters: list[int]) -> int:
-    """Cycles of ``n`` overlapped heads (kv_sequencer.py's ATTN loop), from the first
-    GATHER_Q to the end of the last scatter. Times are cycles; per head ``h``:
+def _overlapped_heads(config: EngineConfig, g: int, w: int, gathers: list[int],
+                      scatters: list[int]) -> int:
+    """Cycles of the ATTN loop of kv_sequencer.py over ``len(gathers)`` heads of ``g``
+    groups (``w`` KV words each), from the first GATHER_Q to the end of the last scatter.
+    Per head ``h``, in cycles (a step happens at the end of its cycle):
 
-    * ``query[h]``: the attention unit takes q[h], at the later of the sequencer reaching
-      QUERY and the unit handing head h − 1 to its reciprocal (``recip[h − 1] + 1``);
-    * ``recip[h]``: the reciprocal takes head h's ``E``: ``per_head_kv −
-      kvt.ATTN_RECIP_TO_OUT`` after q with a free reciprocal, else when the previous quotient leaves
-      (``recip[h − 1] + kvt.ATTN_RECIP_BUSY``);
-    * the output is valid ``kvt.ATTN_RECIP_TO_OUT`` after ``recip[h]``; the sequencer
-      takes head h − 1's output after head h's READ_KV (head 0: gathers q[1] first), then
-      scatters it and gathers q[h + 1].
+    * ``query``: the attention unit takes q[h] once the sequencer has gathered it and
+      the unit's weights pass has taken head h − 1 (``start[h − 1] + 1``);
+    * ``read_k``: the K request, the cycle after, once head h − 1's V request is out;
+      its ``w·g`` words stream at one a cycle, the attention unit takes each row as it
+      comes (``kvt.row_packing``: the one-bank gearbox), and the scores are complete
+      ``kvt.ATTN_SCORES_DONE`` after the last (the dot-product tree, the B-lane max tree);
+    * ``read_v``: the V request, once the K channel is idle and the V channel has issued
+      head h − 1's last address (a cycle before that head's last V row is taken with one
+      bank, the cycle it is taken when banked);
+    * ``start``: the weights pass takes the head at the later of its scores being done and
+      head h − 1's ``E`` going to the reciprocal (``hand[h − 1]``); its first weight meets
+      V ``kvt.ATTN_START_TO_JOIN`` later or when the first V row is there, then a group
+      every ``w`` cycles (V comes at one word a cycle, prefetched);
+    * ``hand``: E goes to the reciprocal ``kvt.ATTN_JOIN_TO_DIV`` after the last join,
+      or when the reciprocal is free (``kvt.ATTN_RECIP_BUSY`` after the previous);
+    * the output is valid ``kvt.ATTN_RECIP_TO_OUT`` after ``hand``.
 
-    A single head is the sequential ``gather + per_head_kv + 1 + scatter``.
+    The sequencer takes head h − 2's output after head h's K request (the outputs
+    trail by two heads, so q[h + 1] is not held up by the reciprocal), scatters it and
+    gathers q[h + 1]; after the last K request it takes the remaining outputs.
     """
+    n = len(gathers)
     if n == 0:
         return 0
-    to_recip = per_head_kv - kvt.ATTN_RECIP_TO_OUT
-    recip_prev = None
-    t = gathers[0]                      # QUERY reached, head 0
-    out_time = []                       # the cycle each output is valid
-    seq = 0                             # the sequencer's next free cycle after a scatter
+    levels = kvt.bank_tree_levels(config.kv_banks)
+    pack = kvt.row_packing(config.kv_banks)
+    words = w * g                                   # KV beats of a head's K (and V) read
+    scores_done = (kvt.READ_TO_LAST_ROW + words + pack
+                   + tm.ceil_log2(config.head_dim) + kvt.ATTN_SCORES_DONE + levels)
+    first_v = kvt.READ_TO_FIRST_ROW + (w - 1) + pack
+    start = hand = read_v = last_join = None
+    out = []
+    t, outs = 0, 0                                  # GATHER_Q(0); outputs taken
     for h in range(n):
-        q = t if recip_prev is None else max(t, recip_prev + 1)
-        r = q + to_recip if recip_prev is None else max(q + to_recip,
-                                                        recip_prev + kvt.ATTN_RECIP_BUSY)
-        out_time.append(r + kvt.ATTN_RECIP_TO_OUT)
-        recip_prev = r
-        after_read = q + 2              # QUERY, READ_KV
-        if h == 0:
-            seq = after_read
-        else:                           # ATTEND head h − 1, scatter it
-            seq = max(after_read, out_time[h - 1]) + 1 + scatters[h - 1]
-        if h + 1 < n:
-            t = seq + gathers[h + 1]
-    end = max(seq, out_time[n - 1]) + 1 + scatters[n - 1]
-    return end
+        query = t + gathers[h] if h == 0 else max(t + gathers[h], start + 1)
+        read_k = query + 1 if h == 0 else max(query + 1, read_v + 1)
+        k_idle = read_k + kvt.READ_CHANNEL_BUSY + words
+        read_v = k_idle if h == 0 else max(k_idle, read_v + kvt.READ_CHANNEL_BUSY + words,
+                                           last_join - pack)
+        start = read_k + scores_done if h == 0 else max(read_k + scores_done, hand)
+        first_join = max(start + kvt.ATTN_START_TO_JOIN, read_v + first_v)
+        last_join = first_join + (g - 1) * w
+        hand = (last_join + kvt.ATTN_JOIN_TO_DIV + levels if h == 0 else
+                max(last_join + kvt.ATTN_JOIN_TO_DIV + levels, hand + kvt.ATTN_RECIP_BUSY))
+        out.append(hand + kvt.ATTN_RECIP_TO_OUT)
+        t = read_k + 1
+        if h >= 2 or h == n - 1:                    # ATTEND: head h − 2's output, or all
+            while True:
+                t = max(t, out[outs]) + 1 + scatters[outs]
+                outs += 1
+                if outs == n:
+                    return t
+                if h < n - 1:
+                    break

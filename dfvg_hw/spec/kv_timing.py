@@ -23,6 +23,23 @@ ATTN_RECIP_TO_OUT = tm.ATTN_RECIP_LATENCY + tm.NORMALIZER_LATENCY
 #: Attention: the reciprocal takes the next ``E`` this many cycles after the previous one
 #: (its latency; the normaliser takes the quotient on the cycle it is valid).
 ATTN_RECIP_BUSY = tm.ATTN_RECIP_LATENCY
+#: Attention: from the weights pass taking a head to its first weight meeting V: the
+#: first score read issued (1), read (1), the exp path.
+ATTN_START_TO_JOIN = 1 + 1 + tm.SOFTMAX_EXP_LATENCY
+#: Attention: from a head's last weight meeting V to its ``E`` offered to the reciprocal,
+#: beyond the column-sum tree: the product register (1), the accumulator (1).
+ATTN_JOIN_TO_DIV = 2
+#: Attention: from the last K row taken to the scores complete, beyond the dot-product
+#: tree and the B-lane max tree: the product register.
+ATTN_SCORES_DONE = 1
+#: KVBuffer read channel: from a request's transfer to the channel idle again, beyond its
+#: beats (the setup cycle, then an address a cycle; the consumer keeping up).
+READ_CHANNEL_BUSY = 2
+#: KVBuffer read channel: from a request's transfer to the cycle its last beat is taken,
+#: beyond the beats (1 less: the first is valid ``KV_READ_LATENCY`` after the transfer).
+READ_TO_LAST_ROW = tm.KV_READ_LATENCY - 1
+#: ... and to its first beat valid.
+READ_TO_FIRST_ROW = tm.KV_READ_LATENCY
 
 
 def kv_groups(t: int, banks: int) -> int:

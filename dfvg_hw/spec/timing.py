@@ -106,7 +106,7 @@ MATRIX_ACC_STAGES = 1 + 1 + MATRIX_TREE_STAGES
 #: MatrixUnit: a group's ``last`` tile to its first output row (the accumulate stage, the
 #: requantiser and the output stage after :data:`MATRIX_ACC_STAGES`).
 MATRIX_LATENCY = MATRIX_ACC_STAGES + 1 + REQUANT_LATENCY + 1
-#: KVBuffer: cycles from a READ command's transfer to its first valid word.
+#: KVBuffer: cycles from a read request's transfer to its channel's first valid beat.
 KV_READ_LATENCY = 3
 
 
@@ -135,12 +135,6 @@ ATTN_RECIP_LATENCY = reciprocal_latency(nx.RECIP_BITS)
 ATTN_SCORE_TO_V = 1 + 1 + SOFTMAX_EXP_LATENCY + 1
 #: Attention: the query's and the accumulator's registers (one each) of a head.
 ATTN_MAC_STAGES = 2
-#: KvSequencer: a head's hand-offs around the Attention unit (READ_KV, QUERY, the result
-#: into ATTEND's register, SCATTER's request).
-ATTN_HEAD_HANDOFFS = 4
-#: Per ATTN head after its V rows: query and accumulate, the reciprocal, the normaliser and
-#: the sequencer's hand-offs.
-ATTN_HEAD_TAIL = ATTN_MAC_STAGES + ATTN_RECIP_LATENCY + NORMALIZER_LATENCY + ATTN_HEAD_HANDOFFS
 
 
 def attention_head_cycles(head_dim: int, t: int) -> int:

@@ -224,10 +224,12 @@ def groups(rows, banks, rng, path=0):
     return out
 
 
-def simulate_attention(dut, heads, v_stall=(1,), o_stall=(1,), seed=0, paths=None):
+def simulate_attention(dut, heads, v_stall=(1,), o_stall=(1,), seed=0, paths=None, trace=None):
     """heads: list of (q, k, v, mult, shift, wide) → list of outputs (int16 when wide).
     With ``dut.banks ≥ 2`` the rows go in groups, stale rows past the end; ``paths[i]``
-    of head ``i``'s last rows go a group each (a tree row's path)."""
+    of head ``i``'s last rows go a group each (a tree row's path). ``trace``, a dict,
+    gets the cycles the K and the V groups are taken (``"k"``, ``"v"``) and each head's
+    group count (``"groups"``)."""
     got = []
     B = dut.banks
     rng = np.random.default_rng(seed)
@@ -270,7 +272,19 @@ def simulate_attention(dut, heads, v_stall=(1,), o_stall=(1,), seed=0, paths=Non
                     await ctx.tick()
             got.append(np.array(list(await stream_get(ctx, dut.o))))
 
-    run_simulation(dut, put_q, put_k, put_v, get)
+    async def monitor(ctx):
+        cycle = 0
+        while len(got) < len(heads):
+            _, _, kv, kr, vv, vr = await ctx.tick().sample(dut.k.valid, dut.k.ready,
+                                                          dut.v.valid, dut.v.ready)
+            for name, taken in (("k", kv and kr), ("v", vv and vr)):
+                if taken:
+                    trace[name].append(cycle)
+            cycle += 1
+
+    if trace is not None:
+        trace.update(k=[], v=[], groups=[len(beats) for beats in k_beats])
+    run_simulation(dut, put_q, put_k, put_v, get, *([monitor] if trace is not None else []))
     return got
 
 
@@ -447,6 +461,87 @@ def test_attention_cycles(cfg, t):
     run_simulation(dut, tb)
     levels = (B - 1).bit_length()
     assert result[0] == dut.cycles(t) == 2 * G + 4 + 2 * levels + 45
+
+
+def heads_in_flight(rng, cfg, count):
+    """Heads for two-heads-in-flight runs, and their path lengths (banked): the edges T =
+    1 and T = kv_positions (with and without a path), then random lengths; every other
+    head a GQA partner, a new q over the previous head's K and V."""
+    d, P, B = cfg.head_dim, cfg.kv_positions, cfg.kv_banks
+    heads, paths = [], []
+    lengths = [(1, 0), (P, 0), (1, 1), (P - 3, 3), (2, 0)] if B > 1 else [(1, 0), (P, 0), (2, 0)]
+    while len(lengths) < count:
+        t = int(rng.integers(1, P + 1))
+        path = int(rng.integers(0, min(4, t))) if B > 1 else 0
+        lengths.append((t - path, path))
+    for i, (prefix, path) in enumerate(lengths):
+        t = prefix + path
+        if i % 2 and len(heads[-1][1]) == t:                # GQA: the same K and V
+            k, v = heads[-1][1], heads[-1][2]
+        else:
+            amp = int(rng.integers(16, 129))
+            k, v = rng.integers(-amp, amp, (t, d)), rng.integers(-128, 128, (t, d))
+        heads.append((rng.integers(-128, 128, d), k, v, int(rng.integers(20000, 60000)),
+                      int(rng.integers(18, 26)), bool(rng.random() < 0.5)))
+        paths.append(path)
+    return heads, paths
+
+
+def overlapped(trace) -> int:
+    """Heads whose successor's first K group was taken before their own last V group:
+    the score pass and the weights pass on two heads at once."""
+    k_end = np.cumsum(trace["groups"])
+    first_k = [trace["k"][e] for e in k_end[:-1]]           # head h + 1's first K group
+    last_v = [trace["v"][e - 1] for e in k_end[:-1]]        # head h's last V group
+    return sum(f < l for f, l in zip(first_k, last_v))
+
+
+IN_FLIGHT = {"b1": TINY, "b2": BANKED[0], "b8": BANKED[2]}
+
+
+@pytest.mark.parametrize("name", list(IN_FLIGHT))
+def test_two_heads_in_flight(name):
+    """Heads back to back, the K and V streams always offered: head h + 1's K groups go
+    in while head h's V groups do (two score buffers: the score pass of one head beside
+    the weights pass of the one before), and every output is numerics.attention's:
+    T = 1, T = kv_positions, GQA partners, tree rows with path entries (banked), random
+    lengths; at least 400 output values each, 1200 over the three."""
+    cfg = IN_FLIGHT[name]
+    d, B = cfg.head_dim, cfg.kv_banks
+    rng = np.random.default_rng(300 + B)
+    heads, paths = heads_in_flight(rng, cfg, math.ceil(400 / d))
+    trace = {}
+    dut = Attention(cfg, path_entries=3 if B > 1 else 0)
+    got = simulate_attention(dut, heads, seed=B, paths=paths if B > 1 else None, trace=trace)
+    for (q, k, v, mult, shift, wide), o in zip(heads, got):
+        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift, 16 if wide else 8))
+    assert sum(len(o) for o in got) >= 400
+    assert overlapped(trace) >= len(heads) // 2, overlapped(trace)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("wp.addr.eq(Mux(k_buf, depth + n_rows, n_rows))", "wp.addr.eq(n_rows)"),
+    ("self.q.ready.eq(k_phase == _ScorePhase.IDLE)",
+     "self.q.ready.eq((k_phase == _ScorePhase.IDLE) & (v_phase == _WeightPhase.IDLE))"),
+], ids=["one-score-buffer", "one-head-at-a-time"])
+def test_an_in_flight_mutation_is_caught(old, new):
+    """The two-heads check can fail: one score buffer for both passes gives other
+    outputs; a unit that takes the next q only once the weights pass is idle never has two
+    heads in flight."""
+    import dfvg_hw.attention as attention_module
+    from sequencer_cases import mutant
+    cfg = BANKED[0]
+    heads, paths = heads_in_flight(np.random.default_rng(5), cfg, 12)
+    want = [nx.attention(q, k, v, mult, shift, 16 if wide else 8)
+            for q, k, v, mult, shift, wide in heads]
+    bad = mutant(attention_module, old, new, shared=()).Attention(cfg, path_entries=3)
+    trace = {}
+    got = simulate_attention(bad, heads, seed=2, paths=paths, trace=trace)
+    assert any((o != w).any() for o, w in zip(got, want)) or overlapped(trace) == 0
+    trace = {}
+    got = simulate_attention(Attention(cfg, path_entries=3), heads, seed=2, paths=paths,
+                             trace=trace)
+    assert all((o == w).all() for o, w in zip(got, want)) and overlapped(trace) >= 6
 
 
 # -- lint ----------------------------------------------------------------------------------

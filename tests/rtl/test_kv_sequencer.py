@@ -289,6 +289,24 @@ def test_one_word_entries_and_a_wide_bus():
     assert errors == [OK] * len(jobs)
 
 
+def test_long_entries_v_rows_pace_the_weights():
+    """head_dim 64 with reduce 4: 16 KV words an entry, so a head's V rows (a row every 16
+    cycles through the V gearbox, its read going out once the K read has ended) and not
+    its scores decide when its weights first meet V; cycles equal to the cycle model's,
+    whose V terms only this configuration exercises."""
+    config = TINY.with_changes(head_dim=64, reduce=4, kv_positions=8)
+    rng = np.random.default_rng(16)
+    jobs = []
+    for pos in range(5):
+        jobs += [_append(2, int(rng.choice([64, 40])), int(rng.integers(0, 150)), pos, layer)
+                 for layer in range(2)]
+        jobs.append(_attn(int(rng.choice([2, 4])), int(rng.choice([64, 37])),
+                          int(rng.integers(0, 100)), int(rng.integers(100, 200)), pos,
+                          [GQA2, MHA1][pos % 2], layer=pos % 2, wide=bool(pos % 2)))
+    errors = _run(rng, jobs, _memory(rng), config=config)
+    assert errors == [OK] * len(jobs)
+
+
 @pytest.mark.parametrize("name", ["b1", "b2"])
 def test_lint_clean(name):
     seq = KvSequencer(BANKED.get(name, TINY), 128)
@@ -619,8 +637,8 @@ def test_a_path_mutation_is_caught(monkeypatch):
     run = TreeRun(config)
     _tree_request(run, rng, 2, 3, 1)
     run.check(np.random.default_rng(36), _memory(np.random.default_rng(37)))
-    bad = mutant(kv_module, "m.d.comb += self.path_index.eq(path_i)",
-                 "m.d.comb += self.path_index.eq(path_i + 1)")
+    bad = mutant(kv_module, "m.d.comb += path_index.eq(path_i)",
+                 "m.d.comb += path_index.eq(path_i + 1)")
     monkeypatch.setattr("dfvg_hw.kv_sequencer.KVBuffer", bad.KVBuffer)
     with pytest.raises(AssertionError):
         run.check(np.random.default_rng(36), _memory(np.random.default_rng(37)))
