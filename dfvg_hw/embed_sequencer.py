@@ -106,6 +106,11 @@ class EmbedSequencer(wiring.Component):
         # image.embed_row_stride: the row padded to whole beats
         row_beat, row_beat_bits = self.row_beat_bytes, exact_log2(self.row_beat_bytes)
         row_stride = ((row_bytes + (row_beat - 1)) >> row_beat_bits) << row_beat_bits
+        # the span's byte field is narrower than 4·n: a row too long for it saturates to the
+        # field's maximum (more than VMEM holds), so VMEM refuses it as BAD_ADDRESS instead
+        # of writing a truncated row (VmemSpan's rule)
+        span_max = (1 << len(self.vmem_wr_cmd.payload.row_bytes)) - 1
+        span_bytes = Mux(row_bytes > span_max, span_max, row_bytes)
 
         def read(addr, length):
             m.d.comb += [self.read_cmd.valid.eq(1), self.read_cmd.payload.addr.eq(addr),
@@ -146,7 +151,7 @@ class EmbedSequencer(wiring.Component):
                     m.d.comb += [self.vmem_wr_cmd.valid.eq(1),
                                  self.vmem_wr_cmd.payload.line.eq(job.dst),
                                  self.vmem_wr_cmd.payload.rows.eq(1),
-                                 self.vmem_wr_cmd.payload.row_bytes.eq(row_bytes)]
+                                 self.vmem_wr_cmd.payload.row_bytes.eq(span_bytes)]
                     with m.If(self.vmem_wr_cmd.ready):
                         m.next = "READ"
             with m.State("READ"):

@@ -95,6 +95,15 @@ def test_rows_and_refusals_as_the_functional_model():
     assert errors == [ErrorCode.OK] * 3
 
 
+def test_a_row_longer_than_the_span_field_is_refused():
+    """``4n`` wider than VMEM's span byte field saturates instead of wrapping into a short
+    row that fits (a case the engine fuzz found: the RTL wrote 1728 bytes and said OK)."""
+    vmem = np.zeros(TINY.vmem_bytes, dtype=np.uint8)
+    for job in (_embed(61872, 78, TABLE + 64), dict(_embed(61872, 78), flags=Flag.POSITION, pos=0)):
+        errors = compare_with_reference(TINY, EmbedSequencer(TINY, 128), vmem, _memory(0), [job])
+        assert errors == [ErrorCode.BAD_ADDRESS]
+
+
 def test_the_input_token_selects_the_row():
     """Token 3 at ``TABLE`` is the functional model's token 0 three rows on."""
     vmem = np.zeros(TINY.vmem_bytes, np.uint8)
