@@ -86,7 +86,7 @@ from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec import timing
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
 from dfvg_hw.spec.isa import Op
@@ -99,7 +99,6 @@ from dfvg_hw.vmem import Gearbox
 
 __all__ = ["KvSequencer"]
 
-L = VMEM_LINE_BYTES
 #: bits of ``n``, the dividend of the GQA group size ``n / G``: DIVIDE's steps
 N_BITS = timing.GQA_DIVIDE_STEPS
 
@@ -162,6 +161,7 @@ class KvSequencer(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
+        L = self.config.vmem_line_bytes
         c = self.config
         D = c.head_dim
         kv = m.submodules.kv = KVBuffer(c)
