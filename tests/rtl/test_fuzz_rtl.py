@@ -41,10 +41,14 @@ TINY = get_preset("tiny")
 HBM = get_preset("tiny-hbm")
 #: the tiny-hbm sample (the tiny-hbm Verilator build is the multi-channel driver tests')
 HBM_SEED, HBM_CASES = 17, 40
-#: tiny-hbm with 32-byte VMEM lines (a 256-bit channel's beat; head_dim whole lines), and
+#: tiny-hbm with 32-byte VMEM lines (a 256-bit channel's beat; head_dim whole lines; 16
+#: lanes, so a weight tile is a whole 128-byte engine beat), each channel at a beat a
+#: cycle: below that the cycle model under-counts RMSNORM rows longer than a few beats
+#: (its gamma read's backpressure; at 16-byte lines too, not this test's subject), and
 #: its sample
 WIDE_LINE = HBM.with_changes(name="tiny-hbm-line32", mem_port_bits=256, vmem_line_bytes=32,
-                             head_dim=32)
+                             head_dim=32, lanes=16, mem_bandwidth_gbps=12.8,
+                             mem_achievable_gbps=0.0)
 WIDE_LINE_SEED, WIDE_LINE_CASES = 23, 60
 #: the random sample: its seed, its size, and the longest case it runs (model cycles;
 #: a watchdog case runs millions, minutes on Verilator). ~20 s on one loaded core.
