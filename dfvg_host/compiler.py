@@ -120,8 +120,16 @@ def check_fits(shape: ModelShape, engine: EngineConfig, draft_vocab: int | None 
                          f"{engine.vocab_max} (16-bit token ids): compile it with `dfvg compile --draft-vocab "
                          f"{engine.vocab_max}` to draft over {engine.vocab_max - 1} of its tokens (the "
                          f"target still verifies every token)")
-    if shape.head_dim % VMEM_LINE_BYTES:
-        raise DoesNotFit(f"head_dim {shape.head_dim} is not a multiple of {VMEM_LINE_BYTES}")
+    line, hd = engine.vmem_line_bytes, shape.head_dim
+    if hd % VMEM_LINE_BYTES:
+        raise DoesNotFit(f"head_dim {hd} is not a multiple of {VMEM_LINE_BYTES}")
+    # k and v start on VMEM lines after q in the qkv row (KVAPPEND's and ROPE's src)
+    if shape.heads * hd % line or shape.kv_heads * hd % line:
+        raise DoesNotFit(f"{shape.heads} query heads and {shape.kv_heads} KV heads of {hd}: q and "
+                         f"k must each be whole {line}-byte VMEM lines of the '{engine.name}' preset")
+    if shape.qk_norm and hd % line:
+        raise DoesNotFit(f"head_dim {hd} with QK-norm: each head is an RMSNORM segment, which "
+                         f"starts on a {line}-byte VMEM line of the '{engine.name}' preset")
     if shape.heads % shape.kv_heads:
         raise DoesNotFit(f"{shape.heads} heads are not a multiple of {shape.kv_heads} KV heads")
 
@@ -328,8 +336,17 @@ def up_down_smoothing(up_max: np.ndarray, w_down: np.ndarray, alpha: float = UP_
 
 #: Channel counts of the gated activation's groups, largest gate first (the last group
 #: takes the rest): each group has its own gate and up scales, LUT and ACTMUL. Multiples
-#: of 8, so that every group starts on a VMEM line in gate/up (int8) and in h (int16).
+#: of 8, so that with 16-byte VMEM lines every group starts on a line in gate/up (int8
+#: pairs) and in h (int16); a wider line takes the sizes that are multiples of its
+#: :func:`act_group_unit`.
 ACT_GROUP_SIZES = (8, 8, 16, 32, 64, 128)
+
+
+def act_group_unit(gated: bool, line_bytes: int = VMEM_LINE_BYTES) -> int:
+    """The channels every ACTMUL group is a multiple of, so that each starts on a VMEM line
+    of ``line_bytes``: in gate/up (``2`` int8 a channel gated, ``1`` ungated) and in h
+    (int16). 8 gated and 16 ungated at 16-byte lines; 32 and 64 at 64-byte lines."""
+    return line_bytes // 2 if gated else line_bytes
 
 
 def act_groups(intermediate: int, unit: int = 8) -> list[int]:
@@ -381,15 +398,16 @@ class LayerScales:
     k32: float = 0.0
 
     @classmethod
-    def calibrated(cls, c: dict, w_down: np.ndarray, gated: bool = True) -> "LayerScales":
+    def calibrated(cls, c: dict, w_down: np.ndarray, gated: bool = True,
+                   line_bytes: int = VMEM_LINE_BYTES) -> "LayerScales":
         # Matmul inputs are wide (int16); q, k, v (the KV cache), gate and up stay int8.
-        # An ungated MLP (OPT) has no up: u = 1, and groups of 16 int8 gate channels (a
-        # VMEM line each, as gate/up pairs of 8 are).
+        # An ungated MLP (OPT) has no up: u = 1, and groups of a VMEM line of int8 gate
+        # channels (16 at 16-byte lines, as gate/up pairs of 8 are: act_group_unit).
         order = np.argsort(-c["gate"], kind="stable")
         gate_max, h_max = c["gate"][order], c["down_in"][order]
         up_max = c["up"][order] if gated else np.ones(len(order))
         u = up_down_smoothing(up_max, w_down[:, order]) if gated else np.ones(len(order))
-        groups = tuple(act_groups(len(order), 8 if gated else 16))
+        groups = tuple(act_groups(len(order), act_group_unit(gated, line_bytes)))
         spans = _group_bounds(groups)
         s_v = _act_scale(c["v"])
         return cls(n1=_act_scale(c["norm1"], 16), q=_act_scale(c["q"]), k=_act_scale(c["k"]), v=s_v,
@@ -452,7 +470,8 @@ def _joined(*linears) -> np.ndarray | None:
 
 @dataclass
 class Layout:
-    """Addresses (image offsets) of every block, and the VMEM map (in lines)."""
+    """Addresses (image offsets) of every block, and the VMEM map (in lines of ``line``
+    bytes, the engine's ``vmem_line_bytes``)."""
     embed: int = 0
     rope: int = 0
     layers_base: int = 0
@@ -467,6 +486,7 @@ class Layout:
     act_groups: list = field(default_factory=list)  # channels of each ACTMUL's group
     positions: int = 0                          # learned position table (int16 rows)
     position_add: int = 0                       # the identity matmul that adds a position row
+    line: int = VMEM_LINE_BYTES                 # bytes of a VMEM line
 
 
 def _mlp_blocks(parts: dict, linear, sd: dict, key, li: int, fam: FamilyLayout, ls: "LayerScales",
@@ -547,11 +567,11 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     fam = layout_of(shape.model_type)
     sd = decoder_state(model, shape)
     key = lambda li, part, what="weight": f"{fam.layers}.{li}.{part}.{what}"
-    layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated)
+    layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated, engine.vmem_line_bytes)
                     for li, c in enumerate(cal.layers)]
     s_x = _residual_scale(sd, cal, layer_scales, fam)
     b = ImageBuilder(engine.mem_beat_bytes)
-    lay = Layout(blocks=weight_blocks)
+    lay = Layout(blocks=weight_blocks, line=engine.vmem_line_bytes)
     scales = dict(residual=s_x, layers=[])
 
     emb = sd[f"{fam.embed}.weight"]
@@ -670,8 +690,9 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
 
 # -- program ------------------------------------------------------------------------------
 def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
-    """VMEM regions (in 16-byte lines) for one draft row; ``row_lines`` is the row's whole
-    span, the row pitch of a tree forward (docs/isa.md §9.2)."""
+    """VMEM regions (in lines of the preset's ``vmem_line_bytes``) for one draft row;
+    ``row_lines`` is the row's whole span, the row pitch of a tree forward (docs/isa.md
+    §9.2)."""
     sizes = dict(x=4 * shape.hidden, xn=2 * shape.hidden, qkv=shape.qkv_out,
                  attn=2 * shape.heads * shape.head_dim, gateup=2 * shape.intermediate,
                  h=2 * shape.intermediate)
@@ -679,12 +700,12 @@ def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
         sizes["qk32"] = 4 * shape.qk_out
     if not shape.rope:
         sizes["pe"] = 2 * shape.hidden
-    vmem, line = {}, 0
+    vmem, line, line_bytes = {}, 0, engine.vmem_line_bytes
     for name, nbytes in sizes.items():
         vmem[name] = line
-        line += padded(nbytes, VMEM_LINE_BYTES) // VMEM_LINE_BYTES
-    if line * VMEM_LINE_BYTES > engine.vmem_bytes:
-        raise DoesNotFit(f"activations need {line * VMEM_LINE_BYTES} bytes of VMEM, the "
+        line += padded(nbytes, line_bytes) // line_bytes
+    if line * line_bytes > engine.vmem_bytes:
+        raise DoesNotFit(f"activations need {line * line_bytes} bytes of VMEM, the "
                          f"'{engine.name}' preset has vmem_bytes = {engine.vmem_bytes}")
     vmem["row_lines"] = line
     return vmem
@@ -693,7 +714,7 @@ def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
 def tree_width(vmem: dict, engine: EngineConfig) -> int:
     """The widest tree the program drafts: the engine's rows, as many as VMEM holds rows
     of activations ``row_lines`` apart (0 below two: a one-row tree is a chain)."""
-    fits = min(engine.rows, engine.vmem_bytes // (VMEM_LINE_BYTES * vmem["row_lines"]))
+    fits = min(engine.rows, engine.vmem_bytes // (engine.vmem_line_bytes * vmem["row_lines"]))
     return fits if fits >= 2 else 0
 
 
@@ -734,7 +755,7 @@ def _head(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
 def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     """The embedding and the layer loop over ``rows`` rows."""
     v, s, hd = lay.vmem, shape, shape.head_dim
-    q_lines = s.heads * hd // VMEM_LINE_BYTES
+    q_lines = s.heads * hd // lay.line
     k_line = v["qkv"] + q_lines
     L = lambda name: lay.layers_base + lay.sub[name]
     wide = Flag.WIDE
@@ -774,7 +795,7 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
         Instruction(Op.MATMUL, flags=lrel | to_int8 | bias("gateup"), rows=rows, dst=v["gateup"],
                     src=v["xn"], n=streams * s.intermediate, k=s.hidden, addr=L("gateup")),
         *[Instruction(Op.ACTMUL, flags=lrel | wide | (0 if gated else Flag.UNGATED), rows=rows,
-                      dst=v["h"] + 2 * a // VMEM_LINE_BYTES, src=v["gateup"] + streams * a // VMEM_LINE_BYTES,
+                      dst=v["h"] + 2 * a // lay.line, src=v["gateup"] + streams * a // lay.line,
                       n=b - a, addr=L(f"act{i}"))
           for i, (a, b) in enumerate(_group_bounds(lay.act_groups))],
         Instruction(Op.MATMUL, flags=lrel | to_residual | bias("down"), rows=rows, dst=v["x"], src=v["h"],
@@ -803,9 +824,9 @@ def _qkv(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     if not s.qk_norm:
         return [Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "qkv"), rows=rows, dst=v["qkv"],
                             src=v["xn"], n=s.qkv_out, k=s.hidden, addr=L("qkv"))]
-    k_line = v["qkv"] + s.heads * hd // VMEM_LINE_BYTES
-    v_line = k_line + s.kv_heads * hd // VMEM_LINE_BYTES
-    k32_line = v["qk32"] + 4 * s.heads * hd // VMEM_LINE_BYTES
+    k_line = v["qkv"] + s.heads * hd // lay.line
+    v_line = k_line + s.kv_heads * hd // lay.line
+    k32_line = v["qk32"] + 4 * s.heads * hd // lay.line
     return [
         Instruction(Op.MATMUL, flags=flags(MatmulMode.INT32, "qk"), rows=rows, dst=v["qk32"], src=v["xn"],
                     n=s.qk_out, k=s.hidden, addr=L("qk")),

@@ -4,8 +4,9 @@ and up halves (with ``UNGATED``, its gate alone) through it, the results into VM
 
 Per job:
 
-1. **Parameters.** The whole 528-byte block is read as one stream
-   (:class:`~dfvg_hw.line_streams.UnalignedReader`, any byte address): its first line gives
+1. **Parameters.** The whole 528-byte block is read as one stream of 16-byte lines,
+   whatever the VMEM line (:class:`~dfvg_hw.line_streams.UnalignedReader`, any byte
+   address; the block is laid out in 16-byte words): its first line gives
    ``mult = word0 & 0xFFFF`` and ``shift = (word0 >> 16) & 0x3F``, the next 32 lines the
    256 int16 table entries, written into ActMul's table a line (8 entries) per cycle. A block past
    device memory is refused by the memory port (``BAD_ADDRESS``; the controller resets
@@ -15,7 +16,7 @@ Per job:
    outside VMEM (``BAD_ADDRESS``) before VMEM's writer is given the destination, so a
    refused instruction changes nothing.
 3. **Rows.** The destination is one write span; each source row is one read span whose
-   lines are forked: the first ``ceil(n/16)`` (the gate half) into an on-chip **gate
+   lines (``L = vmem_line_bytes`` bytes) are forked: the first ``ceil(n/L)`` (the gate half) into an on-chip **gate
    buffer**, and all of them into a :class:`~dfvg_hw.line_streams.LineAligner` that
    re-cuts the row from byte ``n`` (the up half). Each up line meets the gate line of the
    same elements from the buffer, both are cut into ``lanes``-element beats and go
@@ -25,9 +26,9 @@ Per job:
    ``n`` gate bytes alone, and ActMul takes ``up = 1``: the row's span is ``n`` bytes, the
    aligner re-cuts it from byte 0 and its lines are the gate lines themselves, past the
    gate buffer (a narrow row may be up to all of VMEM, twice the buffer). The pairs
-   run as a gated row's, without the ``⌊n/16⌋`` lines a gated row's aligner drops first.
+   run as a gated row's, without the ``⌊n/L⌋`` lines a gated row's aligner drops first.
 
-The gate buffer holds ``ceil(vmem_bytes / 32)`` lines (half of VMEM: the longest gate a
+The gate buffer holds ``ceil(vmem_bytes / 2L)`` lines (half of VMEM: the longest gate a
 row inside VMEM can have). It is what makes ``src == dst`` exact for wide results too:
 a wide output line overlays gate bytes needed by later outputs, which the buffer has
 already taken; every other byte an output line overlays was read before that line is
@@ -38,10 +39,10 @@ overlays the gate line it came from); a wide ungated result, twice its source ro
 overlays gates not yet read, so a ``WIDE UNGATED`` destination must not overlap the
 source (its row ``r`` also overlays the source's row ``r + 1``).
 
-A row takes about ``ceil(2n/16)`` cycles of VMEM reads (``ceil(n/16)`` ungated) plus the
+A row takes about ``ceil(2n/L)`` cycles of VMEM reads (``ceil(n/L)`` ungated) plus the
 read latency and the pipeline's drain (ActMul's is
-:attr:`~dfvg_hw.elementwise.ActMul.LATENCY`); at ``lanes < 16`` ActMul's
-``ceil(n/16)·16/lanes`` beats set the pace instead.
+:attr:`~dfvg_hw.elementwise.ActMul.LATENCY`); at ``lanes < L`` ActMul's
+``ceil(n/L)·L/lanes`` beats set the pace instead.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from amaranth.lib import wiring
 from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.memory import Memory
 
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.elementwise import ActMul
 from dfvg_hw.spec.image import ACT_PARAM_BYTES
@@ -65,10 +66,11 @@ from dfvg_hw.vmem import Gearbox
 
 __all__ = ["ActMulSequencer"]
 
-L = VMEM_LINE_BYTES
+#: bytes of the parameter block's lines: one table word (ActMul's LUT write) each
+_PARAM_LINE = 2 * ActMul.LUT_WRITE_ENTRIES
 #: the parameter block's lines: the head word's line, then 32 lines of table entries
 _HEAD_LINES = 1
-_TABLE_LINES = 2 * ActMul.LUT_DEPTH // L
+_TABLE_LINES = ActMul.LUT_WORDS
 #: result-row ``last`` flags in flight through ActMul (its beats carry none); a full FIFO
 #: only pauses the input, so this sets no bound on correctness
 _LAST_FIFO_DEPTH = 8
@@ -81,7 +83,8 @@ class ActMulSequencer(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        ``lanes``, ``rows``, ``vmem_bytes`` (the gate buffer), ``mem_bytes``.
+        ``lanes``, ``rows``, ``vmem_bytes`` and ``vmem_line_bytes`` (the gate buffer),
+        ``mem_bytes``.
     data_width : int
         Memory bus width in bits (at least 128).
 
@@ -104,16 +107,16 @@ class ActMulSequencer(wiring.Component):
 
     def __init__(self, config: EngineConfig, data_width: int):
         self.config, self.data_width = config, data_width
-        self.gate_depth = -(-config.vmem_bytes // (2 * L))
+        self.gate_depth = -(-config.vmem_bytes // (2 * config.vmem_line_bytes))
         super().__init__(OpSequencerSignature(config, data_width))
 
     def elaborate(self, platform):
         m = Module()
         c = self.config
-        lanes = c.lanes
-        reader = m.submodules.reader = UnalignedReader(c, self.data_width)
+        lanes, L = c.lanes, c.vmem_line_bytes
+        reader = m.submodules.reader = UnalignedReader(c, self.data_width, _PARAM_LINE)
         act = m.submodules.act = ActMul(c)
-        up_align = m.submodules.up_align = LineAligner()
+        up_align = m.submodules.up_align = LineAligner(L)
         gate_cut = m.submodules.gate_cut = Gearbox(L, lanes)        # lines → lanes × int8
         up_cut = m.submodules.up_cut = Gearbox(L, lanes)
         lasts = m.submodules.row_lasts = SyncFIFOBuffered(width=1, depth=_LAST_FIFO_DEPTH)
@@ -129,7 +132,7 @@ class ActMulSequencer(wiring.Component):
         wide, ungated = flags_view(job.flags).wide, flags_view(job.flags).ungated
         in_bytes = Signal(17)                       # 2n: gate and up; n: an ungated gate
         out_bytes = Signal(17)                      # n, or 2n when wide
-        gate_lines = lines_of(job.n)
+        gate_lines = lines_of(job.n, L)
         head = Signal(32)
         table_index = Signal(range(ActMul.LUT_WORDS + 1))
         row = Signal(8)
@@ -251,7 +254,7 @@ class ActMulSequencer(wiring.Component):
                 with m.If(up_align.setup.ready):
                     m.next = "ROW_CMD"
             with m.State("ROW_CMD"):
-                m.d.comb += span_request(self.vmem_rd_cmd, job.src + row * lines_of(in_bytes), 1,
+                m.d.comb += span_request(self.vmem_rd_cmd, job.src + row * lines_of(in_bytes, L), 1,
                                          in_bytes)
                 with m.If(self.vmem_rd_cmd.ready):
                     m.next = "ROW"

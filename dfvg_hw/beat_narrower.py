@@ -4,7 +4,7 @@ The striped memory path (:class:`~dfvg_hw.striped_memory_port.StripedMemoryPort`
 *engine beat* of ``W = mem_ports · mem_port_bits`` bits: 2 KiB at ``alveo-u55c``. Only the
 matrix path (MATMUL's weight tiles and requant records) needs a beat that wide; every other
 part of the controller (program load, request header and tokens, result writer, EMBED,
-RMSNORM, ROPE, the KV sequencer, ACTMUL) reads small blocks a 16-byte VMEM line at a time,
+RMSNORM, ROPE, the KV sequencer, ACTMUL) reads small blocks a VMEM line at a time,
 and a 2 KiB beat would only make their gearboxes and word selects 32 times wider. This
 component gives them a memory port of ``D = mem_port_bits`` bits (one channel's beat) on
 top of the wide one::

@@ -39,7 +39,7 @@ from amaranth.utils import exact_log2
 from dfvg_hw.layouts import flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.spec import numerics as nx
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.vmem import Gearbox
 
@@ -94,7 +94,7 @@ class EmbedSequencer(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         beat_bytes, beat_words = self.data_width // 8, self.data_width // 32
-        to_lines = Gearbox(beat_bytes, VMEM_LINE_BYTES)
+        to_lines = Gearbox(beat_bytes, self.config.vmem_line_bytes)
         flush_lines = Signal()
         m.submodules.beats_to_lines = ResetInserter({"sync": flush_lines})(to_lines)
 

@@ -48,8 +48,8 @@ class DraftEngine(wiring.Component):
     config : EngineConfig
     data_width : int, optional
         Width of each AXI4 master's data bus in bits; by default the configuration's
-        ``mem_port_bits`` (128 for ``tiny``: one 16-byte VMEM line per beat; 256 for an
-        Alveo HBM pseudo-channel), which is what the cycle model assumes. The engine beat
+        ``mem_port_bits`` (128 for ``tiny``: one 16-byte VMEM line per beat; 512 for an
+        Alveo HBM pseudo-channel's bridged port, one 64-byte line), which is what the cycle model assumes. The engine beat
         is ``config.mem_ports`` times it.
     tree_width : int, optional
         The widest tree the engine drafts, 0 … ``config.rows`` (``P_TREE_WIDTH``, docs/isa.md

@@ -95,7 +95,7 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from dfvg_hw.spec import timing
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
 from dfvg_hw.spec.isa import Op
@@ -108,7 +108,6 @@ from dfvg_hw.vmem import Gearbox
 
 __all__ = ["KvSequencer"]
 
-L = VMEM_LINE_BYTES
 #: bits of ``n``, the dividend of the GQA group size ``n / G``: DIVIDE's steps
 N_BITS = timing.GQA_DIVIDE_STEPS
 
@@ -172,6 +171,7 @@ class KvSequencer(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
+        L = self.config.vmem_line_bytes
         c = self.config
         D = c.head_dim
         kv = m.submodules.kv = KVBuffer(c)

@@ -1,8 +1,8 @@
 """Line-stream building blocks shared by the unit-instruction sequencers (RMSNORM, ACTMUL).
 
-The sequencers move operands as streams of 16-byte VMEM lines (:class:`ByteBeat` of 16
-bytes, ``last`` on a stream's final line). Three things they all need sit here, so each
-exists once:
+The sequencers move operands as streams of VMEM lines (:class:`ByteBeat` of
+``L = vmem_line_bytes`` bytes, ``last`` on a stream's final line). Three things they all
+need sit here, so each exists once:
 
 * :class:`LineAligner` — the lines of a byte stream that starts ``skip`` bytes into
   another line stream: a parameter block at an address that is not bus-aligned, or the
@@ -13,7 +13,7 @@ exists once:
   for the enclosing aligned range and drops the leading bytes.
 * :class:`RowWriter` — a unit's result beats (``lanes`` int16 values, ``last`` per row)
   as the exact lines VMEM's span writer counts: int8 or int16 bytes, packed into lines,
-  and lines past the row's ``ceil(row_bytes / 16)`` dropped (vmem.py: the writer counts
+  and lines past the row's ``ceil(row_bytes / L)`` dropped (vmem.py: the writer counts
   lines, and a split of wide beats overshoots a partial row).
 
 :class:`~dfvg_hw.operand_access.BlockReader` fetches a small block into a register;
@@ -26,8 +26,9 @@ from __future__ import annotations
 from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
 
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 from dfvg_hw.vmem import ByteBeat, Gearbox, VmemWriteBeat
 
@@ -35,17 +36,16 @@ __all__ = ["lines_of", "LineAlignSetup", "LineAligner", "ReadRequest",
            "UnalignedReader", "UnitRowBeat", "RowWriter", "read_request", "span_request",
            "RowWriteProgress"]
 
-L = VMEM_LINE_BYTES
 #: widest skip a LineAligner takes: a 16-bit element count (ACTMUL's up half starts n bytes in)
 SKIP_BITS = 16
-#: widest line count: a row of 2·65535 bytes is 8192 lines
+#: widest line count: a row of 2·65535 bytes is 8192 lines of 16 bytes
 LINE_COUNT_BITS = 16
 
 
-def lines_of(nbytes):
-    """``ceil(nbytes / 16)``: the VMEM lines a row of ``nbytes`` bytes occupies (an
-    expression)."""
-    return (nbytes + L - 1) >> 4
+def lines_of(nbytes, line_bytes: int):
+    """``ceil(nbytes / line_bytes)``: the VMEM lines a row of ``nbytes`` bytes occupies
+    (an expression; ``line_bytes`` a power of two)."""
+    return (nbytes + line_bytes - 1) >> exact_log2(line_bytes)
 
 
 
@@ -62,7 +62,7 @@ class LineAligner(wiring.Component):
 
     For each ``setup`` the aligner consumes one input stream up to and including its line
     with ``last``, and emits exactly ``setup.lines`` lines: output line ``j`` is bytes
-    ``[skip + 16j, skip + 16j + 16)`` of the input stream, zero past the input's end;
+    ``[skip + Lj, skip + Lj + L)`` of the input stream, zero past the input's end;
     ``last`` on the final one. Input lines after those it needs are consumed and dropped,
     so the input may be longer than the output (a memory read split from a wider bus).
 
@@ -71,17 +71,23 @@ class LineAligner(wiring.Component):
     after the input's ``last``. ``setup`` is ready when the previous input stream is fully
     consumed (its last output line may still wait on ``o``). ``lines ≥ 1``.
 
+    Parameters
+    ----------
+    line_bytes : int
+        ``L``, bytes of a line (a power of two, at least 16).
+
     Members
     -------
     setup : In(stream.Signature(LineAlignSetup()))
         The next stream's ``skip`` and output line count.
-    i : In(stream.Signature(ByteBeat(16)))
+    i : In(stream.Signature(ByteBeat(line_bytes)))
         Input lines, ``last`` on the stream's final one.
-    o : Out(stream.Signature(ByteBeat(16)))
+    o : Out(stream.Signature(ByteBeat(line_bytes)))
         Aligned lines, ``last`` on the final one.
     """
 
-    def __init__(self):
+    def __init__(self, line_bytes: int):
+        self.line_bytes = L = line_bytes
         super().__init__(wiring.Signature({
             "setup": In(stream.Signature(LineAlignSetup())),
             "i": In(stream.Signature(ByteBeat(L))),
@@ -90,8 +96,10 @@ class LineAligner(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        drop_lines = Signal(SKIP_BITS - 4)          # whole input lines before the first byte
-        shift = Signal(4)                           # byte offset of the first byte in its line
+        L = self.line_bytes
+        offset_bits = exact_log2(L)
+        drop_lines = Signal(SKIP_BITS - offset_bits)  # whole input lines before the first byte
+        shift = Signal(offset_bits)                   # byte offset of the first byte in its line
         lines_left = Signal(LINE_COUNT_BITS)
         input_done = Signal(init=1)                 # the input's last line is consumed
         held = Signal(8 * L)
@@ -114,7 +122,8 @@ class LineAligner(wiring.Component):
             m.d.sync += input_done.eq(self.i.p.last)
 
         with m.If(self.setup.valid & self.setup.ready):
-            m.d.sync += [drop_lines.eq(self.setup.p.skip >> 4), shift.eq(self.setup.p.skip[:4]),
+            m.d.sync += [drop_lines.eq(self.setup.p.skip >> offset_bits),
+                         shift.eq(self.setup.p.skip[:offset_bits]),
                          lines_left.eq(self.setup.p.lines), input_done.eq(0), held.eq(0),
                          have_held.eq(0)]
         with m.Elif((drop_lines != 0) & ~input_done):
@@ -144,7 +153,7 @@ class LineAligner(wiring.Component):
 
 class ReadRequest(data.StructLayout):
     """``length`` (≥ 1) bytes of device memory from byte address ``addr`` (any alignment),
-    delivered as ``lines`` 16-byte lines (fewer than ``ceil(length/16)`` drops the rest;
+    delivered as ``lines`` VMEM lines (fewer than ``ceil(length/L)`` drops the rest;
     more pads with zeros)."""
 
     def __init__(self, config: EngineConfig):
@@ -153,7 +162,7 @@ class ReadRequest(data.StructLayout):
 
 
 class UnalignedReader(wiring.Component):
-    """Device-memory reads from any byte address, as 16-byte lines.
+    """Device-memory reads from any byte address, as VMEM lines (``vmem_line_bytes``).
 
     A request becomes one memory-port command for the enclosing bus-aligned range —
     ``addr − addr mod B`` for ``length + addr mod B`` bytes, ``B = data_width/8`` — which
@@ -167,9 +176,12 @@ class UnalignedReader(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        ``mem_bytes`` (the length field).
+        ``mem_bytes`` (the length field), ``vmem_line_bytes``.
     data_width : int
-        Memory bus width in bits, at least 128 (a bus beat holds whole lines).
+        Memory bus width in bits, at least a line (a bus beat holds whole lines).
+    line_bytes : int or None
+        Bytes of the lines it delivers: ``vmem_line_bytes`` by default; a parameter block
+        laid out in 16-byte words (ACTMUL's table) asks for 16.
 
     Members
     -------
@@ -178,11 +190,12 @@ class UnalignedReader(wiring.Component):
     read_cmd : Out(stream.Signature(MemoryCommand(config)))
     read_data : In(stream.Signature(ReadBeat(data_width)))
         The memory port's read side.
-    o : Out(stream.Signature(ByteBeat(16)))
+    o : Out(stream.Signature(ByteBeat(line_bytes)))
         Each request's lines, ``last`` on its final one.
     """
 
-    def __init__(self, config: EngineConfig, data_width: int):
+    def __init__(self, config: EngineConfig, data_width: int, line_bytes: int | None = None):
+        self.line_bytes = L = config.vmem_line_bytes if line_bytes is None else line_bytes
         if data_width < 8 * L:
             raise ValueError(f"UnalignedReader needs a bus of at least {8 * L} bits, got {data_width}")
         self.config, self.data_width = config, data_width
@@ -196,8 +209,9 @@ class UnalignedReader(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         beat_bytes = self.data_width // 8
+        L = self.line_bytes
         to_lines = m.submodules.to_lines = Gearbox(beat_bytes, L)
-        aligner = m.submodules.aligner = LineAligner()
+        aligner = m.submodules.aligner = LineAligner(L)
         skip = self.cmd.p.addr[:(beat_bytes - 1).bit_length()]
         # the command is held until the port takes it; the aligner is set up at once, as
         # it cannot see data before the command is out
@@ -233,15 +247,15 @@ class RowWriter(wiring.Component):
     """Result beats to the lines VMEM's span writer takes.
 
     Each beat's values become bytes — the low byte of each (int8 rows) or both (``wide``,
-    int16 rows) — and are packed into 16-byte lines by a :class:`~dfvg_hw.vmem.Gearbox`
+    int16 rows) — and are packed into VMEM lines by a :class:`~dfvg_hw.vmem.Gearbox`
     per width, rows kept apart by ``last``. Of each row only its first ``row_lines``
-    lines (``ceil(row_bytes/16)``) go on: the rest hold only lanes past ``n``, and the
+    lines (``ceil(row_bytes/L)``) go on: the rest hold only lanes past ``n``, and the
     writer counts lines. One line per cycle.
 
     Parameters
     ----------
     config : EngineConfig
-        ``lanes``.
+        ``lanes``, ``vmem_line_bytes``.
 
     Members
     -------
@@ -251,7 +265,7 @@ class RowWriter(wiring.Component):
         int16 results (stable while a job's beats flow).
     row_lines : In(16)
         Lines each output row occupies (stable likewise).
-    o : Out(stream.Signature(VmemWriteBeat()))
+    o : Out(stream.Signature(VmemWriteBeat(vmem_line_bytes)))
         Lines for ``VectorMemory.wr``.
     row_done : Out(1)
         One-cycle pulse: a row's final line has left (written or dropped). A job is over
@@ -261,18 +275,18 @@ class RowWriter(wiring.Component):
     """
 
     def __init__(self, config: EngineConfig):
-        self.lanes = config.lanes
+        self.lanes, self.line_bytes = config.lanes, config.vmem_line_bytes
         super().__init__(wiring.Signature({
             "i": In(stream.Signature(UnitRowBeat(self.lanes))),
             "wide": In(1),
             "row_lines": In(LINE_COUNT_BITS),
-            "o": Out(stream.Signature(VmemWriteBeat())),
+            "o": Out(stream.Signature(VmemWriteBeat(self.line_bytes))),
             "row_done": Out(1),
         }))
 
     def elaborate(self, platform):
         m = Module()
-        lanes = self.lanes
+        lanes, L = self.lanes, self.line_bytes
         pack8 = m.submodules.pack_int8 = Gearbox(lanes, L)
         pack16 = m.submodules.pack_int16 = Gearbox(2 * lanes, L)
         y = self.i.p.y
@@ -363,7 +377,7 @@ class RowWriteProgress:
         self.rows_written = Signal(8, name="rows_written")
         self.writes_done = Signal(name="writes_done")
         m.d.comb += [
-            writer.wide.eq(wide), writer.row_lines.eq(lines_of(row_bytes)),
+            writer.wide.eq(wide), writer.row_lines.eq(lines_of(row_bytes, writer.line_bytes)),
             vmem_wr.valid.eq(writer.o.valid), vmem_wr.p.eq(writer.o.p),
             writer.o.ready.eq(vmem_wr.ready),
         ]

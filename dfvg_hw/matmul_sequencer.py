@@ -111,7 +111,7 @@ from amaranth.lib.memory import Memory
 from amaranth.utils import exact_log2
 
 from dfvg_hw.spec import numerics as nx
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import requant_record_bytes, scale_run_tiles
 from dfvg_hw.spec.timing import matmul_records_per_beat
@@ -126,7 +126,6 @@ from dfvg_hw.vmem import Gearbox
 
 __all__ = ["MatmulSequencer", "BeatAligner", "TilePacker"]
 
-L = VMEM_LINE_BYTES
 #: the longest k the 16-bit instruction field allows
 K_MAX = (1 << 16) - 1
 
@@ -317,7 +316,7 @@ class MatmulSequencer(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         c, DW = self.config, self.data_width
-        M, N, K = c.rows, c.lanes, c.reduce
+        M, N, K, L = c.rows, c.lanes, c.reduce, c.vmem_line_bytes
         beat_bytes = DW // 8
         slot_bits = K * DIGIT_BITS
         mx = m.submodules.matrix = MatrixUnit(c)

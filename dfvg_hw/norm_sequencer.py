@@ -18,7 +18,7 @@ Per job:
    (the row's shift ``p``), its x beats kept in the **row buffer**
    (``timing.NORM_ROW_BUFFER_BYTES``, 16 KiB: rows up to 4096 elements); pass 1 (Σx'²)
    and pass 2 (every x beat meets the gamma beat of the same lanes) replay the buffer a
-   beat a cycle instead of reading VMEM's 16-byte lines again. A row longer than the
+   beat a cycle instead of reading VMEM's lines again. A row longer than the
    buffer is read from VMEM three times, as three one-row spans. **Gamma** is read from
    device memory as the first row starts (issued as soon as the reader has emptied the
    head's beat, without holding up pass 0, so its latency hides behind passes 0 and 1;
@@ -37,7 +37,7 @@ Per job:
 
 **Segments** (``k ≥ 2``: Qwen3's QK-norm, a row of heads each normalised on its own
 with the one gamma of ``n``). Each row is ``k`` segments of ``n`` elements, and ``n``
-must be a multiple of 16 (else ``PROGRAM``), so every segment starts on a VMEM line in
+must be a multiple of the VMEM line (``vmem_line_bytes``, else ``PROGRAM``), so every segment starts on a VMEM line in
 the int32 source (``4n`` bytes) and in the int8 or int16 output (``n`` or ``2n``): the
 rows' segments lie end to end, and the job runs as ``rows·k`` rows of ``n`` — the
 checks, the row loop, the gamma buffer, the cycle model's price (``rmsnorm_cycles`` of
@@ -50,9 +50,9 @@ compiled images align them to 16 bytes, but a 256-bit bus needs 32, and gamma it
 is at ``addr + 40``.
 
 A row of ``n`` elements that fits the buffer takes about ``max(ℓ, b) + 2b`` cycles of
-beats (``ℓ = ceil(4n/16)`` VMEM lines, ``b = ℓ·max(1, 4/lanes)`` beats, or
-``ceil(ℓ·4/lanes)`` from 8 lanes on; pass 2 can be paced by gamma's lines, ``2·lanes/16``
-a beat, and the writer's) plus one VMEM read latency (``NORM_PASS_START``), the shift's
+beats (``ℓ = ceil(4n/L)`` VMEM lines of ``L`` bytes, ``b = ℓ·max(1, L/(4·lanes))`` beats,
+or ``ceil(ℓ·L/(4·lanes))`` from ``4·lanes > L`` on; pass 2 can be paced by gamma's lines,
+``2·lanes/L`` a beat, and the writer's) plus one VMEM read latency (``NORM_PASS_START``), the shift's
 ``RMSNORM_SHIFT_TURNAROUND`` and :meth:`~dfvg_hw.rmsnorm.RMSNorm.turnaround`; a longer
 row ``3·max(ℓ, b)`` plus three VMEM read latencies, the shift's turnaround hidden behind
 the second one, and the rsqrt's turnaround; results are written as they come
@@ -67,10 +67,11 @@ from __future__ import annotations
 from amaranth import Cat, Module, Mux, ResetInserter, Signal, unsigned
 from amaranth.lib import wiring
 from amaranth.lib.memory import Memory
+from amaranth.utils import exact_log2
 
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import NORM_PARAM_BYTES
 
@@ -84,7 +85,6 @@ from dfvg_hw.vmem import Gearbox
 
 __all__ = ["NormSequencer"]
 
-L = VMEM_LINE_BYTES
 
 
 class NormSequencer(wiring.Component):
@@ -125,7 +125,7 @@ class NormSequencer(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         c = self.config
-        lanes = c.lanes
+        lanes, L = c.lanes, c.vmem_line_bytes
         reader = m.submodules.reader = UnalignedReader(c, self.data_width)
         norm = m.submodules.norm = RMSNorm(c)
         x_cut = m.submodules.x_cut = Gearbox(L, 4 * lanes)         # VMEM lines → lanes × int32
@@ -151,7 +151,7 @@ class NormSequencer(wiring.Component):
         gamma_wr, gamma_rd = gamma_buffer.write_port(), gamma_buffer.read_port()
         gamma_fits = Signal()                       # this row's gamma beats fit the buffer
         gamma_kept = Signal()                       # the buffer holds the job's gamma
-        pace_cycles = timing.norm_gamma_replay_pace(lanes)
+        pace_cycles = timing.norm_gamma_replay_pace(lanes, L)
         # cycles until the next replayed gamma beat (a bit at least: no empty Verilog vector)
         pace = Signal(range(max(pace_cycles, 2)))
 
@@ -165,7 +165,7 @@ class NormSequencer(wiring.Component):
         out_bytes = Signal(17)                      # n, or 2n when wide
         eps, gamma_shift = Signal(32), Signal(32)
         # k ≥ 2: each row is k segments of n, each normalised on its own; a segment starts
-        # on a line in the source and the destination alike (n % 16 == 0, checked), so the
+        # on a line in the source and the destination alike (n % L == 0, checked), so the
         # job runs as rows·k rows of n laid end to end
         segments = Mux(job.k > 1, job.k, 1)
         segment_rows = Signal(len(job.rows) + len(job.k))
@@ -215,7 +215,7 @@ class NormSequencer(wiring.Component):
         # does not wait for it
         gamma_wanted = Signal()
         with m.If(gamma_wanted):
-            m.d.comb += [*read_request(reader, gamma_addr, gamma_bytes, lines_of(gamma_bytes)),
+            m.d.comb += [*read_request(reader, gamma_addr, gamma_bytes, lines_of(gamma_bytes, L)),
                          flush_gamma.eq(reader.cmd.ready)]
             with m.If(reader.cmd.ready):
                 m.d.sync += gamma_wanted.eq(0)
@@ -227,7 +227,7 @@ class NormSequencer(wiring.Component):
 
         def request_source_row():
             """Source segment-row ``row`` as a one-row span (each is read up to three times)."""
-            return span_request(self.vmem_rd_cmd, job.src + row * lines_of(in_bytes), 1, in_bytes)
+            return span_request(self.vmem_rd_cmd, job.src + row * lines_of(in_bytes, L), 1, in_bytes)
 
         with m.FSM(name="rmsnorm"):
             with m.State("IDLE"):
@@ -240,7 +240,7 @@ class NormSequencer(wiring.Component):
                                  error.eq(ErrorCode.OK), *progress.restart()]
                     m.next = "HEAD_CMD"
             with m.State("HEAD_CMD"):
-                with m.If((job.rows > c.rows) | ((job.k > 1) & (job.n[:4] != 0))):
+                with m.If((job.rows > c.rows) | ((job.k > 1) & (job.n[:exact_log2(L)] != 0))):
                     m.d.sync += error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
                 with m.Else():

@@ -15,7 +15,7 @@ from amaranth import unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 from dfvg_hw.vmem import VmemReadBeat, VmemSpan, VmemWriteBeat
 
@@ -60,23 +60,23 @@ class OpSequencerSignature(wiring.Signature):
         Device-memory reads (:class:`~dfvg_hw.memory_port.MemoryPort`: bus-aligned
         addresses, any length, the tail of the last beat zeroed).
     vmem_rd_cmd : Out(stream.Signature(VmemSpan(config)))
-    vmem_rd : In(stream.Signature(VmemReadBeat()))
+    vmem_rd : In(stream.Signature(VmemReadBeat(vmem_line_bytes)))
     vmem_wr_cmd : Out(stream.Signature(VmemSpan(config)))
-    vmem_wr : Out(stream.Signature(VmemWriteBeat()))
+    vmem_wr : Out(stream.Signature(VmemWriteBeat(vmem_line_bytes)))
     vmem_wr_done : In(1)
     vmem_error : In(1)
         VMEM spans (:class:`~dfvg_hw.vmem.VectorMemory`); ``vmem_error`` is its sticky
         refusal flag (BAD_ADDRESS).
     peek_addr : Out(16)
-    peek_data : In(128)
-    poke_en : Out(16)
+    peek_data : In(8 · vmem_line_bytes)
+    poke_en : Out(vmem_line_bytes)
     poke_addr : Out(16)
-    poke_data : Out(128)
+    poke_data : Out(8 · vmem_line_bytes)
         VMEM random line reads and byte-masked writes, while no span uses the same port.
     """
 
     def __init__(self, config: EngineConfig, data_width: int):
-        line_bits = 8 * VMEM_LINE_BYTES
+        line_bytes = config.vmem_line_bytes
         super().__init__({
             "job": In(stream.Signature(OpJob())),
             "done": Out(1),
@@ -84,14 +84,14 @@ class OpSequencerSignature(wiring.Signature):
             "read_cmd": Out(stream.Signature(MemoryCommand(config))),
             "read_data": In(stream.Signature(ReadBeat(data_width))),
             "vmem_rd_cmd": Out(stream.Signature(VmemSpan(config))),
-            "vmem_rd": In(stream.Signature(VmemReadBeat())),
+            "vmem_rd": In(stream.Signature(VmemReadBeat(line_bytes))),
             "vmem_wr_cmd": Out(stream.Signature(VmemSpan(config))),
-            "vmem_wr": Out(stream.Signature(VmemWriteBeat())),
+            "vmem_wr": Out(stream.Signature(VmemWriteBeat(line_bytes))),
             "vmem_wr_done": In(1),
             "vmem_error": In(1),
             "peek_addr": Out(16),
-            "peek_data": In(line_bits),
-            "poke_en": Out(VMEM_LINE_BYTES),
+            "peek_data": In(8 * line_bytes),
+            "poke_en": Out(line_bytes),
             "poke_addr": Out(16),
-            "poke_data": Out(line_bits),
+            "poke_data": Out(8 * line_bytes),
         })

@@ -23,19 +23,19 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2, exact_log2
 
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.memory_port import MemoryCommand, ReadBeat
 
 __all__ = ["BlockRead", "BlockReader", "WindowAccess", "VmemWindow", "vmem_span_outside",
            "job_spans_outside", "window_request", "byte_mask"]
 
-L = VMEM_LINE_BYTES
-
 
 def vmem_span_outside(config: EngineConfig, line, rows, row_bytes):
     """Whether the VMEM operand ``rows × row_bytes`` at ``line`` lies (partly) outside VMEM:
-    ``line·16 + (rows − 1)·stride + row_bytes > vmem_bytes`` with ``stride = row_bytes``
-    rounded up to whole lines (docs/isa.md §1.3). ``rows`` must be ≥ 1."""
+    ``line·L + (rows − 1)·stride + row_bytes > vmem_bytes`` with ``stride = row_bytes``
+    rounded up to whole lines of ``L = vmem_line_bytes`` (docs/isa.md §1.3). ``rows`` must
+    be ≥ 1."""
+    L = config.vmem_line_bytes
     stride = (row_bytes + L - 1) // L * L
     return line * L + (rows - 1) * stride + row_bytes > config.vmem_bytes
 
@@ -178,7 +178,7 @@ def window_request(window: "VmemWindow", addr, count, data=None):
 class VmemWindow(wiring.Component):
     """Gathers or scatters a run of up to ``max_bytes`` bytes at any VMEM byte address.
 
-    The run covers ``ceil((addr mod 16 + count) / 16)`` lines (at most
+    The run covers ``ceil((addr mod L + count) / L)`` lines (``L = vmem_line_bytes``) (at most
     :attr:`max_lines`). A gather peeks them one per cycle into a line register and
     shifts the run down to byte 0 (``data``, bytes past ``count`` zero); a scatter shifts
     ``data`` up into that register and pokes the lines with a byte mask of exactly the run.
@@ -189,7 +189,7 @@ class VmemWindow(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        ``vmem_bytes`` (address width).
+        ``vmem_bytes`` (address width), ``vmem_line_bytes``.
     max_bytes : int
         Longest run.
 
@@ -202,15 +202,16 @@ class VmemWindow(wiring.Component):
     data : Out(8 · max_bytes)
         The last gather's bytes, held until the next command is taken.
     peek_addr : Out(16)
-    peek_data : In(128)
-    poke_en : Out(16)
+    peek_data : In(8 · vmem_line_bytes)
+    poke_en : Out(vmem_line_bytes)
     poke_addr : Out(16)
-    poke_data : Out(128)
+    poke_data : Out(8 · vmem_line_bytes)
         VMEM's random line ports (:class:`~dfvg_hw.vmem.VectorMemory`).
     """
 
     def __init__(self, config: EngineConfig, max_bytes: int):
         self.config, self.max_bytes = config, max_bytes
+        L = config.vmem_line_bytes
         self.max_lines = -(-(L - 1 + max_bytes) // L)
         super().__init__(wiring.Signature({
             "cmd": In(stream.Signature(WindowAccess(config, max_bytes))),
@@ -226,6 +227,7 @@ class VmemWindow(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         W = self.max_lines
+        L = self.config.vmem_line_bytes
         line_bits = 8 * L
         lines_held = Signal(W * line_bits)
         run_mask = Signal(W * L)                # scatter: the run's bytes

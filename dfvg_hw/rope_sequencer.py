@@ -30,7 +30,7 @@ from __future__ import annotations
 from amaranth import Cat, Module, Signal
 from amaranth.lib import wiring
 
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import (BlockReader, VmemWindow, byte_mask, job_spans_outside,
@@ -39,7 +39,6 @@ from dfvg_hw.rope import Rope
 
 __all__ = ["RopeSequencer"]
 
-L = VMEM_LINE_BYTES
 
 
 class RopeSequencer(wiring.Component):
@@ -76,6 +75,7 @@ class RopeSequencer(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
+        L = self.config.vmem_line_bytes
         c = self.config
         D = c.head_dim
         pairs = D // 2

@@ -1,29 +1,30 @@
 """VMEM, the activation scratchpad (docs/isa.md §1.3), and the width converters that move
 its rows to and from the compute units.
 
-:class:`VectorMemory` is ``vmem_bytes / 16`` lines of 16 bytes with one reader and one
-writer. Each takes an operand as a :class:`VmemSpan` — ``rows`` rows of ``row_bytes``
-bytes starting at line ``line``, row ``r`` at byte ``line·16 + r·stride`` with
-``stride = ceil(row_bytes / 16)·16`` — exactly the functional model's ``_vspan``
+A VMEM line is ``L = config.vmem_line_bytes`` bytes (16 for the small presets, 64 for the
+512-bit Alveo ones). :class:`VectorMemory` is ``vmem_bytes / L`` lines with one reader
+and one writer. Each takes an operand as a :class:`VmemSpan` — ``rows`` rows of
+``row_bytes`` bytes starting at line ``line``, row ``r`` at byte ``line·L + r·stride``
+with ``stride = ceil(row_bytes / L)·L`` — exactly the functional model's ``_vspan``
 (sim/functional.py). Because the stride is whole lines, a span is one run of consecutive
-lines, ``rows · ceil(row_bytes / 16)`` of them, so both ports walk a single incrementing
+lines, ``rows · ceil(row_bytes / L)`` of them, so both ports walk a single incrementing
 line address; only the last line of each row is partial.
 
-:class:`Gearbox` converts between the 16-byte line stream and a unit's beat
+:class:`Gearbox` converts between the line stream and a unit's beat
 (``lanes`` elements of 1 or 2 bytes), splitting or packing; rows are the unit of
 ``last`` on both sides, so a row that does not fill its last beat ends cleanly.
 
-Typical operand paths (lanes = 4, the ``tiny`` preset)::
+Typical operand paths (lanes = 4, the ``tiny`` preset, L = 16)::
 
     RMSNORM src (int16):  VectorMemory.rd ─► Gearbox(16, 8)  ─► unit (4 × int16 per beat)
     RMSNORM dst (int8):   unit (4 × int8)  ─► Gearbox(4, 16)  ─► VectorMemory.wr
 
 The writer counts lines, it does not look for ``last``: each row must arrive as exactly
-``ceil(row_bytes / 16)`` lines. Packing (unit beats ≤ 16 bytes) gives that whenever the
+``ceil(row_bytes / L)`` lines. Packing (unit beats ≤ L bytes) gives that whenever the
 unit's row is at most that many lines. Splitting a unit beat wider than a line always
-yields ``beat / 16`` lines, so a row whose last beat is partial (alveo-u55c: 64-lane int8
-beats, a 100-byte row → 8 lines, not 7) has surplus lines the controller must drop
-before ``wr``.
+yields ``beat / L`` lines, so a row whose last beat is partial (64-lane int8 beats and
+16-byte lines: a 100-byte row → 8 lines, not 7) has surplus lines the controller must
+drop before ``wr``.
 """
 
 from __future__ import annotations
@@ -35,12 +36,16 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2
 
 from dfvg_hw.spec import timing
-from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 
-__all__ = ["VmemSpan", "VmemReadBeat", "VmemWriteBeat", "ByteBeat", "VectorMemory", "Gearbox"]
+__all__ = ["VmemSpan", "VmemReadBeat", "VmemWriteBeat", "ByteBeat", "VectorMemory", "Gearbox",
+           "line_layout"]
 
-#: one VMEM line as bytes (byte ``b`` at bits ``8b``: little-endian, as the ISA stores elements)
-LINE = data.ArrayLayout(unsigned(8), VMEM_LINE_BYTES)
+
+def line_layout(line_bytes: int) -> data.ArrayLayout:
+    """One VMEM line of ``line_bytes`` bytes (byte ``b`` at bits ``8b``: little-endian, as
+    the ISA stores elements)."""
+    return data.ArrayLayout(unsigned(8), line_bytes)
 
 
 class VmemSpan(data.StructLayout):
@@ -62,19 +67,20 @@ class VmemSpan(data.StructLayout):
 
 
 class VmemReadBeat(data.StructLayout):
-    """One line read from VMEM: ``data`` (16 bytes, those past the row's end zero),
-    ``row_last`` on each row's final line and ``last`` on the span's final line."""
+    """One line read from VMEM: ``data`` (``line_bytes`` bytes, those past the row's end
+    zero), ``row_last`` on each row's final line and ``last`` on the span's final line."""
 
-    def __init__(self):
-        super().__init__({"data": LINE, "row_last": unsigned(1), "last": unsigned(1)})
+    def __init__(self, line_bytes: int):
+        super().__init__({"data": line_layout(line_bytes), "row_last": unsigned(1),
+                          "last": unsigned(1)})
 
 
 class VmemWriteBeat(data.StructLayout):
-    """One line to write to VMEM: ``data`` (16 bytes; those past the row's end are
-    ignored)."""
+    """One line to write to VMEM: ``data`` (``line_bytes`` bytes; those past the row's end
+    are ignored)."""
 
-    def __init__(self):
-        super().__init__({"data": LINE})
+    def __init__(self, line_bytes: int):
+        super().__init__({"data": line_layout(line_bytes)})
 
 
 class ByteBeat(data.StructLayout):
@@ -102,7 +108,7 @@ class _SpanSequencer(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        ``vmem_bytes``.
+        ``vmem_bytes``, ``vmem_line_bytes``.
 
     Members
     -------
@@ -119,7 +125,7 @@ class _SpanSequencer(wiring.Component):
         Its line address.
     row_last, last : Out(1)
         It is the final line of its row / of the span.
-    byte_mask : Out(16)
+    byte_mask : Out(vmem_line_bytes)
         Its bytes that lie inside the row (all, except on a row's final line).
     refused : Out(1)
         One-cycle pulse: the span being checked lies (partly) outside VMEM, or has no rows.
@@ -138,14 +144,14 @@ class _SpanSequencer(wiring.Component):
             "line": Out(16),
             "row_last": Out(1),
             "last": Out(1),
-            "byte_mask": Out(VMEM_LINE_BYTES),
+            "byte_mask": Out(config.vmem_line_bytes),
             "refused": Out(1),
             "done": Out(1),
         }))
 
     def elaborate(self, platform):
         m = Module()
-        L = VMEM_LINE_BYTES
+        L = self.config.vmem_line_bytes
         span = Signal(VmemSpan(self.config))
         max_row_lines = -(-((1 << len(span.row_bytes)) - 1) // L)
         row_lines = Signal(range(max_row_lines + 1))
@@ -153,7 +159,7 @@ class _SpanSequencer(wiring.Component):
         row_lines_left = Signal.like(row_lines)     # lines of the current row after this one
         state = Signal(_SpanState)
 
-        # docs/isa.md §1.3: [line·16, line·16 + (rows−1)·stride + row_bytes) ⊆ VMEM.
+        # docs/isa.md §1.3: [line·L, line·L + (rows−1)·stride + row_bytes) ⊆ VMEM.
         end = Signal(range(((1 << 16) + 255 * max_row_lines) * L + (1 << len(span.row_bytes))))
         bad = Signal()
         # index of the row's final byte within its last line (row_bytes ≥ 1 when walking)
@@ -201,21 +207,21 @@ class _SpanSequencer(wiring.Component):
 
 
 class VectorMemory(wiring.Component):
-    """The engine's VMEM: ``vmem_bytes / 16`` lines of 16 bytes, one span reader and one
-    span writer working concurrently.
+    """The engine's VMEM: ``vmem_bytes / L`` lines of ``L = vmem_line_bytes`` bytes, one
+    span reader and one span writer working concurrently.
 
-    Storage is one :class:`~amaranth.lib.memory.Memory` of 128-bit words (one line each)
+    Storage is one :class:`~amaranth.lib.memory.Memory` of ``8·L``-bit words (one line each)
     with a byte-granular write port — so a row's final, partial line is written without
     disturbing the bytes after the row — and one synchronous read port.
 
-    **Reader.** A span on ``rd_cmd`` streams its ``rows · ceil(row_bytes/16)`` lines on
+    **Reader.** A span on ``rd_cmd`` streams its ``rows · ceil(row_bytes/L)`` lines on
     ``rd``, row by row, one line per cycle while ``rd`` is ready. Bytes past a row's end
     are zero (VMEM may hold anything there). The read port's own data register is the
     output register: it is enabled only while ``rd`` can advance, so a stall holds the
     line and nothing is lost or duplicated. The first line is valid :attr:`READ_LATENCY`
     cycles after the command's transfer.
 
-    **Writer.** A span on ``wr_cmd`` takes exactly ``rows · ceil(row_bytes/16)`` lines from
+    **Writer.** A span on ``wr_cmd`` takes exactly ``rows · ceil(row_bytes/L)`` lines from
     ``wr`` and writes them in order, one per cycle, each line in the cycle it is
     transferred; only the first ``row_bytes`` bytes of each row are written (byte
     enables), the rest of a row's last line keeps its contents. ``wr`` is ready from
@@ -229,7 +235,7 @@ class VectorMemory(wiring.Component):
     (source = destination) are safe as long as every row is read before it is written,
     which any unit that computes a row from that row guarantees.
 
-    **Bounds.** A span with ``line·16 + (rows−1)·stride + row_bytes > vmem_bytes``, or with
+    **Bounds.** A span with ``line·L + (rows−1)·stride + row_bytes > vmem_bytes``, or with
     ``rows = 0``, is refused: nothing is read, written, emitted or taken, the port is idle
     again and ``error`` is set, :attr:`CHECK_LATENCY` cycles after the command's transfer
     (the controller's BAD_ADDRESS). A span with ``row_bytes = 0`` inside VMEM moves no
@@ -241,17 +247,17 @@ class VectorMemory(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        ``vmem_bytes``.
+        ``vmem_bytes``, ``vmem_line_bytes``.
 
     Members
     -------
     rd_cmd : In(stream.Signature(VmemSpan(config)))
         Spans to read.
-    rd : Out(stream.Signature(VmemReadBeat()))
+    rd : Out(stream.Signature(VmemReadBeat(vmem_line_bytes)))
         Their lines: ``data``, ``row_last``, ``last``.
     wr_cmd : In(stream.Signature(VmemSpan(config)))
         Spans to write.
-    wr : In(stream.Signature(VmemWriteBeat()))
+    wr : In(stream.Signature(VmemWriteBeat(vmem_line_bytes)))
         Their lines: ``data``.
     wr_done : Out(1)
         One-cycle pulse: a write span is complete.
@@ -262,10 +268,10 @@ class VectorMemory(wiring.Component):
     cancel : In(1)
         Drops both ports' spans (after a fault): idle from the next cycle, ``rd`` empty,
         nothing further read or written; lines already written stay written.
-    peek_addr, peek_data : In(16), Out(128)
+    peek_addr, peek_data : In(16), Out(8 · vmem_line_bytes)
         Random line reads while no span read is active: ``peek_data`` is the line at the
         ``peek_addr`` of the previous cycle (read-first, like the span reader).
-    poke_en, poke_addr, poke_data : In(16), In(16), In(128)
+    poke_en, poke_addr, poke_data : In(vmem_line_bytes), In(16), In(8 · vmem_line_bytes)
         Random line writes with a byte mask (``poke_en``), while no span write is active:
         the MATMUL write-back puts each result row where it belongs in its line.
     """
@@ -277,26 +283,27 @@ class VectorMemory(wiring.Component):
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.depth = config.vmem_bytes // VMEM_LINE_BYTES
+        L = config.vmem_line_bytes
+        self.depth = config.vmem_bytes // L
         super().__init__(wiring.Signature({
             "rd_cmd": In(stream.Signature(VmemSpan(config))),
-            "rd": Out(stream.Signature(VmemReadBeat())),
+            "rd": Out(stream.Signature(VmemReadBeat(L))),
             "wr_cmd": In(stream.Signature(VmemSpan(config))),
-            "wr": In(stream.Signature(VmemWriteBeat())),
+            "wr": In(stream.Signature(VmemWriteBeat(L))),
             "wr_done": Out(1),
             "error": Out(1),
             "clear_error": In(1),
             "cancel": In(1),
             "peek_addr": In(16),
-            "peek_data": Out(8 * VMEM_LINE_BYTES),
-            "poke_en": In(VMEM_LINE_BYTES),
+            "peek_data": Out(8 * L),
+            "poke_en": In(L),
             "poke_addr": In(16),
-            "poke_data": In(8 * VMEM_LINE_BYTES),
+            "poke_data": In(8 * L),
         }))
 
     def elaborate(self, platform):
         m = Module()
-        L = VMEM_LINE_BYTES
+        L = self.config.vmem_line_bytes
         m.submodules.lines = lines = Memory(shape=unsigned(8 * L), depth=self.depth, init=[])
         rd_port = lines.read_port()                       # not transparent: read-first
         wr_port = lines.write_port(granularity=8)

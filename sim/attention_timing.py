@@ -13,7 +13,7 @@ from dfvg_hw.spec import kv_timing as kvt
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
-from sim.timing_common import LINE, PortTiming, window_cycles
+from sim.timing_common import PortTiming, window_cycles
 
 __all__ = ["kvappend_cycles", "attn_cycles", "attn_job_cycles", "compaction_cycles"]
 
@@ -42,8 +42,9 @@ def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
     """kv_sequencer.py: per head, gather K and V from VMEM, then append 2W words (into the
     one bank that holds ``POS``)."""
     w = _kv_words(config)
-    base = src * LINE
-    heads = sum(window_cycles(base + h * k, k) + window_cycles(base + n * k + h * k, k)
+    line = config.vmem_line_bytes
+    base = src * line
+    heads = sum(window_cycles(base + h * k, k, line) + window_cycles(base + n * k + h * k, k, line)
                 + tm.KVAPPEND_HEAD_STATES + 2 * w for h in range(n))
     return UNIT_OVERHEAD + tm.KVAPPEND_STATES + heads
 
@@ -72,8 +73,9 @@ def attn_job_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src:
     beats = ceil((addr % port.bus_bytes + ATTN_PARAM_BYTES) / port.bus_bytes)
     params = (tm.ATTN_PARAMS + READ_OVERHEAD + port.latency
               + port.at(addr).beat_offset(beats - 1))
-    gathers = [window_cycles(src * LINE + h * k, k) for h in range(n)]
-    scatters = [window_cycles(dst * LINE + h * out_bytes, out_bytes) for h in range(n)]
+    line = config.vmem_line_bytes
+    gathers = [window_cycles(src * line + h * k, k, line) for h in range(n)]
+    scatters = [window_cycles(dst * line + h * out_bytes, out_bytes, line) for h in range(n)]
     return (UNIT_OVERHEAD + tm.ATTN_CHECK + params + tm.ATTN_GROUPS + tm.GQA_DIVIDE_STEPS
             + tm.ATTN_END_STATES
             + _overlapped_heads(config, g, w, gathers, scatters))

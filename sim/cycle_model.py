@@ -43,7 +43,7 @@ from sim.attention_timing import attn_cycles, attn_job_cycles, compaction_cycles
 from sim.sample_timing import tree_sample_cycles
 from sim.elementwise_timing import actmul_cycles, rmsnorm_cycles, rmsnorm_gamma_reads, rope_cycles
 from sim.matmul_timing import matmul_cycles, ReadPath
-from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, LineSplitter, PortTiming
+from sim.timing_common import READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, LineSplitter, PortTiming
 
 __all__ = ["CycleModel", "CycleCounts", "TreeTiming", "estimate_request", "BEFORE_FINISH", "ISSUE",
            "UNIT_OVERHEAD", "SPLIT_OPS"]
@@ -155,7 +155,7 @@ class CycleModel:
             # when the gamma buffer keeps it, else once per row
             segment_rows = rows * max(ins.k, 1)
             return (rmsnorm_cycles(unit_port, c.lanes, ins.n, segment_rows, bool(ins.wide), addr),
-                    NORM_PARAM_BYTES + rmsnorm_gamma_reads(c.lanes, ins.n, segment_rows) * 2 * ins.n)
+                    NORM_PARAM_BYTES + rmsnorm_gamma_reads(c.lanes, ins.n, segment_rows, c.vmem_line_bytes) * 2 * ins.n)
         if op == Op.ROPE:
             return rope_cycles(unit_port, ins.n, ins.k, rows, addr, pos), 2 * ins.k
         if op == Op.KVAPPEND:
@@ -180,7 +180,7 @@ class CycleModel:
         hand-over per job. EMBED embeds the row's node (no token read); ATTN attends to
         the ``P0`` committed positions and the row's path of ``level`` entries."""
         c, op = self.config, ins.opcode
-        lines = tree.pitch // LINE
+        lines = tree.pitch // c.vmem_line_bytes
         costs = []
         for r in range(ins.rows):
             row = replace(ins, rows=1, src=ins.src + r * lines, dst=ins.dst + r * lines)
@@ -211,7 +211,7 @@ class CycleModel:
         burst is issued long before its data is due)."""
         port = self.unit_port.at(addr)
         row = RES_BYTES * n                         # an int32 row
-        lines = ceil(row / LINE)
+        lines = ceil(row / port.line)
         token = tm.EMBED_TOKEN + (READ_OVERHEAD + port.latency if token_from_request else 0)
         if n == 0:
             # An empty row: the zero-length read is a no-op (memory_port.py) and the

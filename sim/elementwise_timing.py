@@ -15,18 +15,20 @@ from math import ceil
 
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, NORM_PARAM_BYTES
-from sim.timing_common import LINE, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, PortTiming, window_cycles
+from sim.timing_common import READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, PortTiming, window_cycles
 
 __all__ = ["rmsnorm_cycles", "rmsnorm_gamma_reads", "actmul_cycles", "rope_cycles"]
 
 
-def _writer_tail(row_bytes: int, beats_per_row: int, lanes: int, wide: bool) -> tuple[int, int]:
-    """(lines per result beat, lines of a row's last beat the RowWriter drops)."""
+def _writer_tail(row_bytes: int, beats_per_row: int, lanes: int, wide: bool,
+                 line: int) -> tuple[int, int]:
+    """(lines per result beat, lines of a row's last beat the RowWriter drops), lines of
+    ``line`` bytes."""
     beat_bytes = lanes * (2 if wide else 1)
-    if beat_bytes <= LINE:
+    if beat_bytes <= line:
         return 1, 0
-    s = beat_bytes // LINE
-    return s, beats_per_row * s - ceil(row_bytes / LINE)
+    s = beat_bytes // line
+    return s, beats_per_row * s - ceil(row_bytes / line)
 
 
 def _done_after(last_beat_out: int, s: int, dropped: int) -> int:
@@ -44,27 +46,28 @@ def _writer_last_take(in0: int, in_prev: int, in_last: int, beats: int, s: int) 
     return max(in_last, in_prev + s, in0 + (beats - 1) * s)
 
 
-def _cutting(nbytes: int, beat_bytes: int):
+def _cutting(nbytes: int, beat_bytes: int, line: int):
     """(lines, beats per line or None, lines per beat or None, beats) of a row of
-    ``nbytes`` bytes cut into (or packed into) beats of ``beat_bytes``."""
-    lines = ceil(nbytes / LINE)
-    if beat_bytes <= LINE:                         # beats cut from lines ...
-        return lines, LINE // beat_bytes, None, lines * (LINE // beat_bytes)
-    pack = beat_bytes // LINE                      # ... or packed from several lines
+    ``nbytes`` bytes in lines of ``line`` bytes cut into (or packed into) beats of
+    ``beat_bytes``."""
+    lines = ceil(nbytes / line)
+    if beat_bytes <= line:                         # beats cut from lines ...
+        return lines, line // beat_bytes, None, lines * (line // beat_bytes)
+    pack = beat_bytes // line                      # ... or packed from several lines
     return lines, None, pack, ceil(lines / pack)
 
 
-def _norm_gamma_kept(lanes: int, n: int) -> bool:
+def _norm_gamma_kept(lanes: int, n: int, line: int) -> bool:
     """Whether an RMSNORM's rows of ``n`` fit the row buffer and their gamma beats the
     gamma buffer: the job reads gamma once, in its first row."""
-    beats = _cutting(RES_BYTES * n, RES_BYTES * lanes)[3]
+    beats = _cutting(RES_BYTES * n, RES_BYTES * lanes, line)[3]
     return beats <= min(tm.norm_row_buffer_beats(lanes), tm.norm_gamma_buffer_beats(lanes))
 
 
-def rmsnorm_gamma_reads(lanes: int, n: int, rows: int) -> int:
-    """The gamma reads of an RMSNORM of ``rows`` rows (segments) of ``n``: one when the
-    gamma buffer keeps it, else one per row."""
-    return 1 if _norm_gamma_kept(lanes, n) else rows
+def rmsnorm_gamma_reads(lanes: int, n: int, rows: int, line: int) -> int:
+    """The gamma reads of an RMSNORM of ``rows`` rows (segments) of ``n`` (VMEM lines of
+    ``line`` bytes): one when the gamma buffer keeps it, else one per row."""
+    return 1 if _norm_gamma_kept(lanes, n, line) else rows
 
 
 def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
@@ -80,11 +83,11 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
     x is the int32 row, ``4n`` bytes cut into beats of ``4·lanes``; gamma ``2n`` bytes cut
     into beats of ``2·lanes``: below 8 lanes gamma can have beats past x's last (padding,
     emptied as the next row starts), so pass 2 ends with the gamma beat of x's last."""
-    L, B = port.latency, port.bus_bytes
+    L, B, line = port.latency, port.bus_bytes, port.line
     head_port, gamma_port = port.at(addr), port.at(addr + NORM_PARAM_BYTES)
 
-    ell, cut, pack, beats = _cutting(RES_BYTES * n, RES_BYTES * lanes)
-    g_ell, g_cut, g_pack, _ = _cutting(2 * n, 2 * lanes)
+    ell, cut, pack, beats = _cutting(RES_BYTES * n, RES_BYTES * lanes, line)
+    g_ell, g_cut, g_pack, _ = _cutting(2 * n, 2 * lanes, line)
     stream = max(beats, ell)                       # cycles of one pass over x
     turnaround = tm.rmsnorm_turnaround(lanes)
     first = tm.PARAM_CMD + READ_OVERHEAD + L
@@ -97,13 +100,13 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
         check = gamma_cmd - tm.NORM_HEAD_TO_GAMMA + 1
         return UNIT_OVERHEAD + check + tm.ROW_JOB_DONE
     gamma_skip = (addr + NORM_PARAM_BYTES) % B
-    s, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide)
+    s, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide, line)
 
     buffered = beats <= tm.norm_row_buffer_beats(lanes)
     # the first row's gamma beats stay in the gamma buffer when they fit it: the later rows
     # read no gamma, their pass 2 replays it a beat every `pace` cycles
-    kept = _norm_gamma_kept(lanes, n)
-    pace = tm.norm_gamma_replay_pace(lanes)
+    kept = _norm_gamma_kept(lanes, n, line)
+    pace = tm.norm_gamma_replay_pace(lanes, line)
     # PASS0_CMD follows WRITE_CMD; the row's gamma read is issued once the reader has
     # emptied the previous read's beats (the head's, or the last row's gamma), meanwhile
     g = head_out + tm.NORM_HEAD_TO_GAMMA - 1                   # the cycle before PASS0_CMD
@@ -171,14 +174,14 @@ def _norm_replay_pass2(u, beats, gamma_line, g_cut, g_pack, g_ell):
     return t, (t - t_prev if beats > 1 else 1)
 
 
-def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool):
-    """ACTMUL's row loop from the first ROW_ALIGN in cycle ``a``: (cycle the writer takes
-    the last beat, beats per row)."""
-    g_lines = ceil(n / LINE)
-    d = 0 if ungated else n // LINE                # lines the up-half aligner drops
-    r = max(1, LINE // lanes)                      # cycles per (gate, up) line pair
-    q = max(1, lanes // LINE)                      # lines per ActMul beat when packing
-    if lanes <= LINE:
+def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool, line: int):
+    """ACTMUL's row loop from the first ROW_ALIGN in cycle ``a`` (VMEM lines of ``line``
+    bytes): (cycle the writer takes the last beat, beats per row)."""
+    g_lines = ceil(n / line)
+    d = 0 if ungated else n // line                # lines the up-half aligner drops
+    r = max(1, line // lanes)                      # cycles per (gate, up) line pair
+    q = max(1, lanes // line)                      # lines per ActMul beat when packing
+    if lanes <= line:
         beats, last_lines, spacing = r * g_lines, 1, 1
     else:
         beats = ceil(g_lines / q)
@@ -188,7 +191,7 @@ def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool):
     for _ in range(rows):
         f0 = a + tm.ACTMUL_ROW_START + d
         f_last = f0 + r * (g_lines - 1)
-        if lanes <= LINE:
+        if lanes <= line:
             in0, in_prev, in_last = f0 + 1, f0 + beats - 1, f0 + beats
         else:
             in0 = f0 + min(q, g_lines)
@@ -217,9 +220,11 @@ def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, a
     8 a cycle into the unit's LUT, every instruction), then per row the gate and up halves
     read from VMEM in pairs through ActMul and the RowWriter. An ``ungated`` row is its
     ``n`` gate bytes alone, which go through the up half's aligner from byte 0: it drops
-    no lines before the first pair, and each row reads ``ceil(n/16)`` lines instead of
-    ``ceil(2n/16)`` (the pairs, not the reads, set a row's pace either way)."""
-    port = port.at(addr)
+    no lines before the first pair, and each row reads ``ceil(n/L)`` lines instead of
+    ``ceil(2n/L)`` (the pairs, not the reads, set a row's pace either way). The parameter
+    block is read as 16-byte lines whatever the VMEM line ``L``."""
+    line = port.line
+    port = port.at(addr).with_line(2 * tm.ACTMUL_LUT_WRITE_ENTRIES)
     first = tm.PARAM_CMD + READ_OVERHEAD + port.latency
     skip = addr % port.bus_bytes
     head_out = port.emit(0, first, skip, ACT_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
@@ -231,11 +236,11 @@ def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, a
     if n == 0:                # CHECK goes to DONE in WRITE_CMD's cycle, before ROW_ALIGN's a
         return UNIT_OVERHEAD + a - 1
     beat_bytes = lanes * (2 if wide else 1)
-    s = max(1, beat_bytes // LINE)
-    w_last, beats = _actmul_rows(a, rows, n, lanes, s, ungated)
-    _, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide)
-    if beat_bytes <= LINE and wide:
-        dropped = 2 * ceil(n / LINE) - ceil(2 * n / LINE)
+    s = max(1, beat_bytes // line)
+    w_last, beats = _actmul_rows(a, rows, n, lanes, s, ungated, line)
+    _, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide, line)
+    if beat_bytes <= line and wide:
+        dropped = 2 * ceil(n / line) - ceil(2 * n / line)
     return UNIT_OVERHEAD + _done_after(w_last, s, dropped)
 
 
@@ -254,6 +259,7 @@ def rope_cycles(port: PortTiming, n: int, k: int, rows: int, addr: int, pos: int
              + tm.BLOCK_READ_DONE)
     # heads overlap: head h+1's gather hides head h's rotation, so a head costs its
     # gather, ROTATE and its scatter; only a lone head waits for the Rope
-    per_row = sum(window_cycles(h * k, k) + tm.ROPE_HEAD_STATES + window_cycles(h * k, k) for h in range(n))
+    per_row = sum(window_cycles(h * k, k, port.line) + tm.ROPE_HEAD_STATES
+                  + window_cycles(h * k, k, port.line) for h in range(n))
     lone = tm.ROPE_LATENCY if rows * n == 1 else 0
     return UNIT_OVERHEAD + spans + rows * per_row + lone + tm.ROPE_DONE

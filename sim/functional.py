@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from dfvg_hw.spec import numerics as nx
-from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import (MAX_COMPACT, MAX_DRAFT, REQUEST_HEADER_WORDS,
                                       RESULT_HEADER_WORDS, TREE_FIELDS, Compaction, DraftedToken,
                                       DraftRequest, DraftResult, ErrorCode, watchdog_budget)
@@ -325,10 +325,10 @@ class FunctionalEngine:
                 self._dram(row, 4 * ins.n)
             self._vspan(ins.dst, rows, 4 * ins.n)
         elif op == Op.RMSNORM:
-            if ins.k > 1 and ins.n % VMEM_LINE_BYTES:
+            if ins.k > 1 and ins.n % c.vmem_line_bytes:
                 # segments start on VMEM lines, in the int32 source and the int8 output alike
                 raise EngineFault(ErrorCode.PROGRAM, f"RMSNORM of {ins.k} segments of {ins.n}: "
-                                  f"a segment must be a multiple of {VMEM_LINE_BYTES} elements")
+                                  f"a segment must be a multiple of {c.vmem_line_bytes} elements")
             self._dram(addr, NORM_PARAM_BYTES)      # gamma_shift is checked before gamma's read
         elif op == Op.MATMUL:
             if ins.blocks and not c.weight_blocks:
@@ -530,8 +530,9 @@ class FunctionalEngine:
 
     def _vspan(self, line: int, rows: int, row_bytes: int) -> tuple[int, int]:
         # in a tree forward, rows lie the request's row pitch apart (docs/isa.md §9.2)
-        stride = self._pitch if self._pitch and rows > 1 else padded(row_bytes, VMEM_LINE_BYTES)
-        start = line * VMEM_LINE_BYTES
+        line_bytes = self.config.vmem_line_bytes
+        stride = self._pitch if self._pitch and rows > 1 else padded(row_bytes, line_bytes)
+        start = line * line_bytes
         end = start + (rows - 1) * stride + row_bytes
         if end > self.config.vmem_bytes:
             raise EngineFault(ErrorCode.BAD_ADDRESS, f"VMEM access [0x{start:x}, 0x{end:x}) "
@@ -559,7 +560,7 @@ class FunctionalEngine:
     def set_row_pitch(self, lines: int) -> None:
         """The VMEM row pitch of the instructions that follow (a tree forward's, docs/isa.md
         §9.2); 0: each operand's own stride."""
-        self._pitch = VMEM_LINE_BYTES * lines or None
+        self._pitch = self.config.vmem_line_bytes * lines or None
 
     def _embed_rows(self, ins: Instruction, st: ProgramFlow) -> list[int]:
         """The table row of each of EMBED's rows: the row's token, or with ``POSITION`` the
@@ -586,7 +587,8 @@ class FunctionalEngine:
         if self.tree is None:
             return None
         sources = self.logit_rows.shape[0] if self.logit_rows is not None else 1
-        return TreeTiming(self.tree.width, st.tree_level, st.tree_base, 16 * h["row_pitch"],
+        return TreeTiming(self.tree.width, st.tree_level, st.tree_base,
+                          self.config.vmem_line_bytes * h["row_pitch"],
                           sources, bool(h["sample"]))
 
     def _check_pos(self, pos: int) -> None:

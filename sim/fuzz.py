@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dfvg_hw.spec.config import VMEM_LINE_BYTES, EngineConfig
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_FIELDS, REQUEST_HEADER_WORDS, DraftResult,
                                       ErrorCode,
                                       pack_fields, result_bytes)
@@ -107,7 +107,7 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> i
     """A legal instruction word of a random opcode with random fields near the limits."""
     op = Op(int(rng.choice([int(o) for o in Op])))
     used, legal_flags, needs_rows = opcode_rules(op)
-    lines = c.vmem_bytes // VMEM_LINE_BYTES
+    lines = c.vmem_bytes // c.vmem_line_bytes
     f = {}
     if "flags" in used:
         if op == Op.BRANCH:
@@ -131,7 +131,7 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> i
         elif op == Op.SAMPLE:
             f["n"] = _pick(rng, c.vocab_max + 2, 1 << 16)
         elif op == Op.RMSNORM and rng.random() < 0.7:     # whole VMEM lines: segments allowed
-            f["n"] = VMEM_LINE_BYTES * int(rng.integers(1, 5))
+            f["n"] = c.vmem_line_bytes * int(rng.integers(1, 5))
         else:
             f["n"] = _pick(rng, 80, 1 << 16)
     if "k" in used:
@@ -142,7 +142,7 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> i
     if "addr" in used:
         f["addr"] = _pick(rng, image_len, 1 << 32, 0.1)
         if rng.random() < 0.5:
-            f["addr"] &= ~(VMEM_LINE_BYTES - 1)
+            f["addr"] &= ~15                       # the image's block alignment
     if needs_rows and not f.get("rows"):
         f["rows"] = 1
     return encode(Instruction(op, **f))
@@ -238,19 +238,16 @@ def random_case(rng, c: EngineConfig, forward_p: float = 0.5) -> FuzzCase:
 
 # -- model-shaped programs --------------------------------------------------------------
 
-def _lines(nbytes: int) -> int:
-    return -(-nbytes // VMEM_LINE_BYTES)
-
-
 class _Vmem:
     """Places operands in VMEM one after another (a line or two apart), and now and then
     anywhere they fit, over others (in-place and overlapping operands are legal)."""
 
     def __init__(self, rng, c: EngineConfig):
-        self.rng, self.size, self.next = rng, c.vmem_bytes // VMEM_LINE_BYTES, 0
+        self.rng, self.line = rng, c.vmem_line_bytes
+        self.size, self.next = c.vmem_bytes // self.line, 0
 
     def place(self, rows: int, row_bytes: int) -> int:
-        need = max((rows - 1) * _lines(row_bytes) + _lines(row_bytes), 1)
+        need = max(rows * -(-row_bytes // self.line), 1)
         if self.rng.random() < 0.1 or self.next + need > self.size:
             return int(self.rng.integers(0, max(self.size - need, 0) + 1))
         at, self.next = self.next, self.next + need + int(self.rng.integers(0, 3))
@@ -368,7 +365,7 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     brng = rng.spawn(1)[0]
     bq, bkv, bo, bgu, bd, bhead = (int(Flag.BLOCKS) if c.weight_blocks and brng.random() < 0.3 else 0
                                    for _ in range(6))
-    qk_norm = hd % VMEM_LINE_BYTES == 0 and rng.random() < 0.4
+    qk_norm = hd % c.vmem_line_bytes == 0 and rng.random() < 0.4
 
     def scales(blocks_flag):
         return brng if blocks_flag else None

@@ -12,7 +12,7 @@ from math import ceil
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.image import group_tiles, padded, requant_record_bytes, scale_run_tiles, weight_area_bytes
 from dfvg_hw.spec.isa import MatmulMode
-from sim.timing_common import NEVER, LINE, RES_BYTES, UNIT_OVERHEAD, axi_bursts, PortTiming, ReadCredit
+from sim.timing_common import NEVER, RES_BYTES, UNIT_OVERHEAD, axi_bursts, PortTiming, ReadCredit
 
 __all__ = ["matmul_cycles", "ReadPath"]
 
@@ -277,7 +277,7 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
     B = port.bus_bytes
     reads = ReadPath(port)
     acc = _Accumulate(lanes * reduce // B, scale_run_tiles(reduce) + 1 if blocks else 0)
-    wb = _WriteBack(hold, max(1, RES_BYTES * lanes // LINE), line_of)
+    wb = _WriteBack(hold, max(1, RES_BYTES * lanes // port.line), line_of)
     tile_bytes = lanes * reduce * group_tiles(k_tiles, reduce, blocks)
     q_bytes = requant_record_bytes(lanes, bias)
     batch = _q_batch(B, lanes, addr, k_tiles, bias)
@@ -309,7 +309,7 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     when ``k = 0``), CHECK, STREAM (none when ``n = 0``: CHECK goes to DONE) and NEXT_PASS.
 
     The x load: VMEM's read latency, then one x slice a cycle (a VMEM line cut into
-    ``16 / slice`` slices, the padding slices of a row's last line included) or, for
+    ``line / slice`` slices, the padding slices of a row's last line included) or, for
     slices wider than a line, one line a cycle. ``page_offset`` is the weight block's
     address within its page (``port.page``), ``dst`` the destination line (RESADD only),
     ``bias`` the ``BIAS`` flag (each group's requant record ``8·lanes`` bytes instead of
@@ -324,17 +324,18 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     each row is loaded as a span of its own: X_CMD again and VMEM's read latency per row
     after the pass's first (:data:`~dfvg_hw.spec.timing.MATMUL_ROW_SPAN`).
     """
+    line = port.line                                # the VMEM line
     npad, kpad = padded(n, lanes), padded(k, reduce)
     groups, k_tiles = npad // lanes, kpad // reduce
     per_pass = rows_per_pass // 2 if wide else rows_per_pass
     slice_bytes = 2 * reduce if wide else reduce
     in_bytes = k * (2 if wide else 1)
-    slices_per_row = ceil(in_bytes / LINE) * max(1, LINE // slice_bytes)
+    slices_per_row = ceil(in_bytes / line) * max(1, line // slice_bytes)
     out_bytes = 1 if mode == MatmulMode.INT8 else RES_BYTES
     pitched = pitch and rows > 1
-    row_stride = pitch if pitched else padded(n * out_bytes, LINE)
-    row_spans = pitched and pitch != padded(in_bytes, LINE)
-    hold = 1 if mode == MatmulMode.LOGITS else max(1, lanes * out_bytes // LINE)
+    row_stride = pitch if pitched else padded(n * out_bytes, line)
+    row_spans = pitched and pitch != padded(in_bytes, line)
+    hold = 1 if mode == MatmulMode.LOGITS else max(1, lanes * out_bytes // line)
     total = UNIT_OVERHEAD + tm.MATMUL_STATES
     first = 0
     while first < rows:
@@ -346,7 +347,7 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
         if not groups:                              # nothing to compute: CHECK ends the MATMUL
             break
         def line_of(g, r, first=first):         # residual row of group g, row r: first line
-            return dst + ((first + r) * row_stride + g * RES_BYTES * lanes) // LINE
+            return dst + ((first + r) * row_stride + g * RES_BYTES * lanes) // line
         total += tm.MATMUL_NEXT_PASS + _matmul_stream(port, lanes, reduce, groups, k_tiles, pass_rows, hold,
                                     page_offset, page_offset + weight_area_bytes(n, k, lanes, reduce, blocks),
                                     line_of if mode == MatmulMode.RESADD else None, bias, blocks)

@@ -28,7 +28,7 @@ from amaranth import Module, Mux, ResetInserter, unsigned
 from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.isa import Instruction, Op
 from dfvg_hw.memory_port import MemoryPort
@@ -44,7 +44,6 @@ from sim.testbench import run_simulation, stream_put
 __all__ = ["OpBench", "run_jobs", "functional_reference", "reference_jobs", "compare_with_reference",
            "has_logit_port", "has_path_port", "PATH_ENTRIES"]
 
-L = VMEM_LINE_BYTES
 #: Entries of the bench's path table (a tree row's path has at most MAX_DRAFT levels).
 PATH_ENTRIES = 64
 
@@ -72,6 +71,7 @@ class OpBench(wiring.Component):
         self.config = config
         self.sequencer = sequencer
         self.port = MemoryPort(config, data_width=data_width)
+        L = config.vmem_line_bytes
         super().__init__(wiring.Signature({
             "job": sequencer.signature.members["job"],
             "done": Out(1),
@@ -149,6 +149,7 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
     """
     bench = OpBench(config, sequencer, data_width)
     slave = AXI4SlaveMemory(bench.axi, memory, timing or MemoryTiming.for_config(config, data_width))
+    L = config.vmem_line_bytes
     lines = np.asarray(vmem, np.uint8).reshape(-1, L)
     after = np.zeros_like(lines)
     errors: list[int] = []

@@ -1,5 +1,5 @@
-"""Timing primitives the cycle model's parts share: VMEM lines and window accesses, and the
-memory path (the memory port and the simulated memory behind it).
+"""Timing primitives the cycle model's parts share: VMEM lines (of the config's
+``vmem_line_bytes``) and window accesses, and the memory path (the memory port and the simulated memory behind it).
 
 The memory path has two views (dfvg_hw/controller.py): the MATMUL sequencer reads whole
 engine beats (:meth:`PortTiming.for_config`), every other part reads one channel's beat
@@ -14,13 +14,12 @@ from math import ceil
 
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing as tm
-from dfvg_hw.spec.config import EngineConfig, VMEM_LINE_BYTES
+from dfvg_hw.spec.config import EngineConfig
 from sim.axi_memory import READ_CREDIT
 
-__all__ = ["LINE", "NEVER", "UNIT_OVERHEAD", "READ_OVERHEAD", "PAGE", "RES_BYTES", "window_cycles", "PortTiming",
+__all__ = ["NEVER", "UNIT_OVERHEAD", "READ_OVERHEAD", "PAGE", "RES_BYTES", "window_cycles", "PortTiming",
            "axi_bursts", "ReadCredit", "LineSplitter"]
 
-LINE = VMEM_LINE_BYTES
 UNIT_OVERHEAD = tm.UNIT_OVERHEAD
 READ_OVERHEAD = tm.MEM_READ_OVERHEAD
 PAGE = tm.AXI_BOUNDARY_BYTES
@@ -29,14 +28,15 @@ RES_BYTES = nx.RES_BITS // 8
 NEVER = -10 ** 9     #: "long before": a time that constrains nothing
 
 
-def _lines(byte_addr: int, nbytes: int) -> int:
-    """VMEM lines that ``nbytes`` at VMEM byte ``byte_addr`` touch."""
-    return (byte_addr % LINE + nbytes + LINE - 1) // LINE if nbytes else 0
+def _lines(byte_addr: int, nbytes: int, line: int) -> int:
+    """VMEM lines of ``line`` bytes that ``nbytes`` at VMEM byte ``byte_addr`` touch."""
+    return (byte_addr % line + nbytes + line - 1) // line if nbytes else 0
 
 
-def window_cycles(byte_addr: int, nbytes: int) -> int:
-    """A gather or scatter through ``VmemWindow``: the request state, then lines + 2."""
-    return _lines(byte_addr, nbytes) + tm.WINDOW_ACCESS
+def window_cycles(byte_addr: int, nbytes: int, line: int) -> int:
+    """A gather or scatter through ``VmemWindow`` (VMEM lines of ``line`` bytes): the
+    request state, then lines + 2."""
+    return _lines(byte_addr, nbytes, line) + tm.WINDOW_ACCESS
 
 
 # -- the memory path ---------------------------------------------------------------------------
@@ -48,12 +48,14 @@ class PortTiming:
     channel's beat (``D``) on the narrow one, where each engine beat arrives as ``pieces``
     (``k = W/D``) beats. ``beats_per_cycle`` is the rate of the *engine* beats (each
     channel's memory delivers ``p`` a cycle). ``skip`` is the pieces a read skips in its
-    first engine beat (:meth:`at`), 0 on the wide path.
+    first engine beat (:meth:`at`), 0 on the wide path. ``line`` is the bytes of the lines
+    the reader cuts its beats into: the config's VMEM line.
     """
 
     latency: int        #: L
     bus_bytes: int      #: B: the beat the reader takes
     beats_per_cycle: float  #: p: engine beats a cycle
+    line: int           #: bytes of a line the beats are cut into (the VMEM line)
     page: int = PAGE    #: logical bytes of an AXI page: 4 KiB of each channel
     pieces: int = 1     #: k: reader beats per engine beat
     skip: int = 0       #: s: pieces the read skips in its first engine beat
@@ -62,14 +64,19 @@ class PortTiming:
     def for_config(cls, config: EngineConfig) -> "PortTiming":
         """The wide path: whole engine beats (the MATMUL sequencer's)."""
         return cls(config.mem_latency_cycles, config.mem_beat_bytes,
-                   config.port_beats_per_cycle, PAGE * config.mem_ports)
+                   config.port_beats_per_cycle, config.vmem_line_bytes, PAGE * config.mem_ports)
 
     @classmethod
     def for_units(cls, config: EngineConfig) -> "PortTiming":
         """The narrow path: one channel's beat, behind the BeatNarrower (every part but
         the MATMUL sequencer). Use :meth:`at` for a read's ``skip``."""
         return cls(config.mem_latency_cycles, config.port_bytes, config.port_beats_per_cycle,
-                   PAGE * config.mem_ports, pieces=config.mem_ports)
+                   config.vmem_line_bytes, PAGE * config.mem_ports, pieces=config.mem_ports)
+
+    def with_line(self, line: int) -> "PortTiming":
+        """The same path cut into lines of ``line`` bytes (ACTMUL's parameter block is
+        read as 16-byte lines, whatever the VMEM line)."""
+        return replace(self, line=line)
 
     def at(self, addr: int) -> "PortTiming":
         """The timing of a read issued at device byte ``addr`` (a multiple of
@@ -83,7 +90,7 @@ class PortTiming:
 
     @property
     def lines_per_beat(self) -> int:
-        return self.bus_bytes // LINE
+        return self.bus_bytes // self.line
 
     def _engine_beat_offset(self, j: int) -> int:
         """Cycles from a read's first engine beat to its engine beat ``j`` on the port
@@ -110,9 +117,9 @@ class PortTiming:
     def emit(self, j: int, first: int, skip: int, length: int) -> int:
         """Cycle the LineAligner of an UnalignedReader emits output line ``j`` of a read of
         ``length`` bytes starting ``skip`` bytes into its first beat: it drops
-        ``skip // 16`` lines, holds one, and emits when the next line arrives (or one
+        ``skip // line`` lines, holds one, and emits when the next line arrives (or one
         cycle after the last)."""
-        d = skip // LINE
+        d = skip // self.line
         n_in = ceil((length + skip) / self.bus_bytes) * self.lines_per_beat
         if d + j + 1 < n_in:
             return self.arrival(d + j + 1, first)

@@ -57,6 +57,8 @@ SLOW_TESTS = {
     "test_fuzz_rtl.py::test_random_cases",
     # builds the tiny-hbm engine in Verilator (shared with the multi-channel driver tests)
     "test_fuzz_rtl.py::test_regressions_and_a_sample_at_tiny_hbm",
+    # builds a Verilator engine of its own (tiny-hbm with 32-byte VMEM lines, issue #14)
+    "test_fuzz_rtl.py::test_a_sample_at_a_wider_vmem_line",
     # every case builds the engine's Verilog (and, once, the Verilator harness)
     "test_rtl_device.py::test_rtl_device_matches_the_sim_device",
     "test_cli.py::test_generate_json_on_the_demo_pair",

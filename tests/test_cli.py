@@ -80,13 +80,14 @@ def test_weight_blocks_on_a_preset_without_block_multipliers(tiny_draft_dir, tmp
 
 def test_embedding_rows_of_any_width_are_padded_to_engine_beats(tmp_path):
     """EMBED rows are padded to whole engine beats (docs/isa.md §3.2): a 36-wide draft (a
-    144-byte int32 row) compiles for alveo-u55c, whose engine beat is 32 channels x 64 bytes."""
+    144-byte int32 row) compiles for alveo-u55c, whose engine beat is 32 channels x 64 bytes
+    (four heads of 16: q and k whole 64-byte VMEM lines)."""
     from transformers import LlamaConfig
 
     from dfvg_hw.spec.image import ImageHeader, embed_row_stride
 
-    LlamaConfig(hidden_size=36, head_dim=16, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=2, intermediate_size=64, vocab_size=256,
+    LlamaConfig(hidden_size=36, head_dim=16, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=4, intermediate_size=64, vocab_size=256,
                 max_position_embeddings=128).save_pretrained(tmp_path / "m")
     proc = dfvg("compile", "--draft", tmp_path / "m", "--preset", "alveo-u55c", "-o", tmp_path / "o",
                 "--random-weights")

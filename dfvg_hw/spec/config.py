@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 __all__ = ["EngineConfig", "ConfigError", "PRESETS", "get_preset", "preset_names"]
 
-#: Bytes per line of the on-chip vector memory (VMEM). VMEM addresses in instructions
-#: count lines, so one 16-bit field addresses 1 MiB.
+#: Default bytes per line of the on-chip vector memory (VMEM): the narrowest line, one
+#: 128-bit memory beat. A config's own width is :attr:`EngineConfig.vmem_line_bytes`;
+#: VMEM addresses in instructions count its lines (16-bit fields).
 VMEM_LINE_BYTES = 16
 
 
@@ -243,8 +244,17 @@ class EngineConfig:
         need(_is_pow2(self.lanes), "lanes", "must be a power of two")
         need(_is_pow2(self.reduce), "reduce", "must be a power of two")
         need(self.reduce >= 4, "reduce", "must be at least 4")
-        need(self.head_dim % VMEM_LINE_BYTES == 0, "head_dim",
-             f"must be a multiple of the {VMEM_LINE_BYTES}-byte VMEM line (RoPE pairs and KV "
+        need(self.mem_port_bits in (128, 256, 512), "mem_port_bits",
+             "the memory port is 128, 256 or 512 bits (whole VMEM lines a beat, and weight "
+             "tiles of whole beats)")
+        line = self.vmem_line_bytes
+        need(isinstance(line, int) and not isinstance(line, bool) and _is_pow2(line)
+             and line >= 16, "vmem_line_bytes", "a power of two, at least 16")
+        need(line <= self.port_bytes, "vmem_line_bytes",
+             f"at most the {self.port_bytes}-byte memory port beat (mem_port_bits / 8): one "
+             "narrow memory beat must hold whole VMEM lines")
+        need(self.head_dim % line == 0, "head_dim",
+             f"must be a multiple of the {line}-byte VMEM line (RoPE pairs and KV "
              "rows are line-aligned)")
         need(self.kv_slots <= 65535, "kv_slots", "at most 65535 slots (16-bit LAYER and head "
              "counts)")
@@ -252,13 +262,10 @@ class EngineConfig:
         need(self.vocab_max <= 65535, "vocab_max", "token ids are 16-bit in the ISA's n field")
         need(self.topk_max <= 64, "topk_max", "the sampler keeps at most 64 candidates")
         need(self.topk_max <= self.vocab_max, "topk_max", "cannot exceed vocab_max")
-        need(self.vmem_bytes % VMEM_LINE_BYTES == 0, "vmem_bytes",
-             f"must be a multiple of {VMEM_LINE_BYTES}")
-        need(self.vmem_bytes <= VMEM_LINE_BYTES * 65536, "vmem_bytes",
-             "VMEM addresses are 16-bit line numbers (at most 1 MiB)")
-        need(self.mem_port_bits in (128, 256, 512), "mem_port_bits",
-             "the memory port is 128, 256 or 512 bits (whole VMEM lines a beat, and weight "
-             "tiles of whole beats)")
+        need(self.vmem_bytes % line == 0, "vmem_bytes",
+             f"must be a multiple of the {line}-byte VMEM line")
+        need(self.vmem_bytes <= line * 65536, "vmem_bytes",
+             f"VMEM addresses are 16-bit line numbers (at most 65536 lines of {line} bytes)")
         need(self.imem_words <= 65536, "imem_words", "program counters are 16-bit")
         need(self.mem_bytes <= 1 << 36, "mem_bytes", "device addresses are at most 36-bit (64 GiB)")
         # int8 x int8 products summed over K must not overflow the accumulator for any
@@ -285,6 +292,7 @@ PRESETS: dict[str, EngineConfig] = {
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=16 * GiB,
             mem_port_bits=512, mem_ports=32, mem_clock_mhz=450.0, mem_achievable_gbps=421.0,
+            vmem_line_bytes=64,
             source="Alveo U55C (XCU55C, DS978): 16 GB HBM2 in 32 pseudo-channels at 460 GB/s, "
                    "9024 DSP, 960 URAM (33.75 MB). 421 GB/s achievable: AMD's HBM bandwidth "
                    "example with 32 masters, each on its own pseudo-channel (measured on a U280, "
@@ -292,39 +300,44 @@ PRESETS: dict[str, EngineConfig] = {
                    "256-bit 450 MHz HBM port (docs/boards.md §2.1); 200 ns read latency: the "
                    "~110-140 ns measured at the HBM plus an allowance for the bridge (not "
                    "measured). Tile 4x64x32: one 2 KiB engine beat a cycle, 4 rows for trees. "
-                   "KV (18.9 MB) in URAM, 8 banks. 300 MHz as in the DFVG paper"),
+                   "KV (18.9 MB) in URAM, 8 banks. 300 MHz as in the DFVG paper. 64-byte VMEM lines, "
+                   "the 512-bit port's beat: RMSNORM, ACTMUL, ROPE, KVAPPEND, ATTN's operands and "
+                   "MATMUL's activation load move a line a cycle, and 16-byte lines made them a "
+                   "third of a LLaMA-160M token"),
         EngineConfig(
             name="alveo-u55c-1ch", rows=4, lanes=64, reduce=32,
             kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=16 * GiB,
-            mem_port_bits=256, mem_achievable_gbps=421.0,
+            mem_port_bits=256, mem_achievable_gbps=421.0, vmem_line_bytes=32,
             source="alveo-u55c with one 256-bit memory channel at the engine clock (9.6 GB/s, "
                    "within one pseudo-channel's 13.1): the single-channel engine, smaller to build "
                    "and simulate, and the baseline of the efficiency table. Rooflines are the card's, "
-                   "as for alveo-u55c"),
+                   "as for alveo-u55c. 32-byte VMEM lines: the widest the 256-bit port's beat holds"),
         EngineConfig(
             name="alveo-u280", rows=4, lanes=64, reduce=32,
             kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=8 * GiB,
             mem_port_bits=512, mem_ports=32, mem_clock_mhz=450.0, mem_achievable_gbps=421.0,
+            vmem_line_bytes=64,
             source="Alveo U280 (XCU280, DS963): 8 GB HBM2 in 32 pseudo-channels at 460 GB/s "
                    "(plus 32 GB DDR4, unused), 9024 DSP, 960 URAM. 421 GB/s achievable: AMD's HBM "
                    "bandwidth example on this card (32 masters, one a pseudo-channel). Ports, "
-                   "latency, tile and KV as alveo-u55c; 300 MHz"),
+                   "latency, tile, KV and 64-byte VMEM lines as alveo-u55c; 300 MHz"),
         EngineConfig(
             name="alveo-u250", rows=8, lanes=32, reduce=32,
             kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=77.0, mem_latency_ns=250.0, mem_bytes=64 * GiB,
-            mem_port_bits=512, mem_ports=4, mem_clock_mhz=300.0,
+            mem_port_bits=512, mem_ports=4, mem_clock_mhz=300.0, vmem_line_bytes=64,
             source="Alveo U250 (XCU250, DS962): 64 GB DDR4 in 4 channels at 77 GB/s, "
                    "12288 DSP, 1280 URAM; one 512-bit master per DDR4 controller (its 300 MHz "
                    "AXI clock). No vendor measurement of sustained bandwidth is used, so the "
                    "achievable roofline is the theoretical one. 300 MHz. DDR bandwidth makes the "
                    "tile smaller (32 x 32) while staying memory-bound for chains; KV in URAM, "
-                   "8 banks"),
+                   "8 banks. 64-byte VMEM lines (the 512-bit port's beat), so the elementwise "
+                   "units stream VMEM as fast as the 32-lane units take it"),
         EngineConfig(
             name="nitefury", rows=2, lanes=16, reduce=8,
             kv_slots=24, kv_positions=256, head_dim=64,

@@ -78,7 +78,8 @@ VECTOR_REQUANT_LATENCY = REQUANT_LATENCY
 ACTMUL_LATENCY = 2 + VECTOR_REQUANT_LATENCY
 #: ActMul: SiLU table entries, loaded at every ACTMUL.
 ACTMUL_LUT_DEPTH = 256
-#: ActMul: table entries written together (one 16-byte VMEM-line-wide word of int16s), so
+#: ActMul: table entries written together (one 16-byte word of int16s, a 16-byte line of
+#: the parameter block whatever the VMEM line), so
 #: the table loads in ``ACTMUL_LUT_DEPTH / ACTMUL_LUT_WRITE_ENTRIES`` writes, a line a cycle.
 ACTMUL_LUT_WRITE_ENTRIES = 8
 #: ActMul: the table's writes (words of :data:`ACTMUL_LUT_WRITE_ENTRIES` entries).
@@ -248,12 +249,12 @@ def norm_gamma_buffer_beats(lanes: int) -> int:
     return max(1, NORM_GAMMA_BUFFER_BYTES // (2 * lanes))
 
 
-def norm_gamma_replay_pace(lanes: int) -> int:
+def norm_gamma_replay_pace(lanes: int, line_bytes: int) -> int:
     """Cycles between the gamma beats a row's pass 2 replays from the gamma buffer: as
-    many as a beat has gamma lines (``2·lanes/16``, at least 1), the pace of a gamma read,
-    which no output row writer (``lanes/16`` lines a beat, ``2·lanes/16`` wide) falls
-    behind."""
-    return max(1, 2 * lanes // 16)
+    many as a beat has gamma lines of ``line_bytes`` (``2·lanes/L``, at least 1), the pace
+    of a gamma read, which no output row writer (``lanes/L`` lines a beat, ``2·lanes/L``
+    wide) falls behind."""
+    return max(1, 2 * lanes // line_bytes)
 
 
 #: ActMulSequencer: the reader's LineAligner emitting a table line to the cycle ActMul's

@@ -5,7 +5,8 @@ bytes; ACTMUL: an int8 gate and up pair, ``2n`` bytes) into int8 or, with ``WIDE
 results, with a parameter block at ``addr``; they are checked
 the same way against the functional model (:func:`sim.op_bench.compare_with_reference`).
 Each test file keeps its own parameter blocks and cases. :func:`model_cycles` also times
-KVAPPEND and ATTN jobs (test_kv_sequencer), and :func:`mutant` builds a one-edit copy of
+KVAPPEND and ATTN jobs (test_kv_sequencer), :func:`wide_line` is ``tiny`` with wider VMEM
+lines for every sequencer's wide-line case, and :func:`mutant` builds a one-edit copy of
 an RTL module for the tests that show a check can fail.
 """
 
@@ -23,6 +24,18 @@ TINY = get_preset("tiny")
 L = VMEM_LINE_BYTES
 #: the longest row the random jobs use
 MAX_N = 64
+#: VMEM line widths of the wide-line cases (the 256- and 512-bit Alveo presets')
+WIDE_LINES = (32, 64)
+
+
+def wide_line(line_bytes: int, config=TINY):
+    """``config`` with VMEM lines of ``line_bytes``: as many lines as before (so the cases'
+    line numbers still fit), a memory port one line wide, heads of at least a line
+    (head_dim is whole lines). Returns (config, data_width)."""
+    lines = config.vmem_bytes // config.vmem_line_bytes
+    return (config.with_changes(vmem_line_bytes=line_bytes, mem_port_bits=8 * line_bytes,
+                                vmem_bytes=lines * line_bytes,
+                                head_dim=max(config.head_dim, line_bytes)), 8 * line_bytes)
 
 
 def row_job(opcode, rows, n, src, dst, addr, wide=False) -> dict:
@@ -38,15 +51,16 @@ def source_bytes(opcode) -> int:
     return 4 if opcode == Op.RMSNORM else 2
 
 
-def random_row_job(rng, opcode, blocks) -> dict:
-    """A random row job on ``TINY`` with one of ``blocks`` as its parameter block, either
+def random_row_job(rng, opcode, blocks, config=TINY) -> dict:
+    """A random row job on ``config`` with one of ``blocks`` as its parameter block, either
     in place or with source and destination apart."""
     n = int(rng.integers(1, MAX_N + 1))
-    rows = int(rng.integers(1, TINY.rows + 1))
+    rows = int(rng.integers(1, config.rows + 1))
     wide = bool(rng.integers(2))
-    lines = TINY.vmem_bytes // L
-    src_lines = rows * -(-source_bytes(opcode) * n // L)
-    dst_lines = rows * -(-(2 if wide else 1) * n // L)
+    line = config.vmem_line_bytes
+    lines = config.vmem_bytes // line
+    src_lines = rows * -(-source_bytes(opcode) * n // line)
+    dst_lines = rows * -(-(2 if wide else 1) * n // line)
     src = int(rng.integers(0, lines - src_lines))
     dst = src
     while rng.random() >= 0.25 and dst == src:
@@ -94,13 +108,13 @@ def model_cycles(config, data_width: int, job: dict) -> int:
 
 
 def check_random_row_jobs(rng, sequencer_class, make_memory, opcode, blocks, count=24,
-                          timed=False):
+                          timed=False, config=TINY, data_width=128, min_elements=1000):
     """:func:`check_row_jobs` on ``count`` :func:`random_row_job`\\ s; assert they moved
-    at least 1000 elements, so the run is not a handful of short rows."""
-    jobs = [random_row_job(rng, opcode, blocks) for _ in range(count)]
-    check_row_jobs(rng, sequencer_class, make_memory, jobs, timed=timed)
+    at least ``min_elements`` elements, so the run is not a handful of short rows."""
+    jobs = [random_row_job(rng, opcode, blocks, config) for _ in range(count)]
+    check_row_jobs(rng, sequencer_class, make_memory, jobs, data_width, config, timed=timed)
     elements = sum(j["rows"] * j["n"] for j in jobs)
-    assert elements >= 1000, elements
+    assert elements >= min_elements, elements
 
 
 def check_wide_lanes(rng, sequencer_class, make_memory, opcode, blocks, timed=False):

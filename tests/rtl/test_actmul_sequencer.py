@@ -21,7 +21,7 @@ from sim.elementwise_timing import actmul_cycles
 from sim.op_bench import compare_with_reference
 from sim.lint import verilator_lint
 # the row-job harness shared with the other row sequencer's tests (tests/rtl/)
-from sequencer_cases import (TINY, L, check_random_row_jobs, check_row_jobs, check_wide_lanes,
+from sequencer_cases import (WIDE_LINES, wide_line, TINY, L, check_random_row_jobs, check_row_jobs, check_wide_lanes,
                              mutant, random_row_job, row_job)
 
 #: parameter blocks (bus-aligned, odd, 8 mod 16, 13 mod 16) and their head words: int8
@@ -209,3 +209,14 @@ def test_ungated_mutations_are_caught(old, new):
     jobs = [_ungated(2, 40, 10, 50, wide=True), _ungated(1, 37, 20, 70)]
     with pytest.raises(AssertionError):
         _check_timed(np.random.default_rng(25), jobs, sequencer_class=bad)
+
+
+@pytest.mark.parametrize("line, lanes", [(WIDE_LINES[0], 4), (WIDE_LINES[1], 16)])
+def test_wider_lines(line, lanes):
+    """VMEM lines of 32 bytes at 4 lanes and of 64 bytes at 16 (beats cut from lines, an
+    int32 beat a whole line): random jobs as the functional model, in the cycle model's
+    cycles."""
+    config, data_width = wide_line(line, TINY.with_changes(lanes=lanes))
+    check_random_row_jobs(np.random.default_rng(60 + line), ActMulSequencer, _memory, Op.ACTMUL, list(BLOCKS),
+                          count=6, timed=True, config=config, data_width=data_width,
+                          min_elements=200)

@@ -12,6 +12,7 @@ each, all at the level's POS."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dfvg_hw.embed_sequencer import EmbedSequencer
 from dfvg_hw.spec.config import get_preset
@@ -23,6 +24,7 @@ from sim.lint import verilator_lint
 from sim.memory import DeviceMemory
 from sim.op_bench import compare_with_reference, reference_jobs, run_jobs
 from sim.tree_state import TreeState
+from sequencer_cases import WIDE_LINES, wide_line
 
 TINY = get_preset("tiny")
 TABLE = 0x1000
@@ -215,6 +217,23 @@ def test_position_rows_at_wider_beats():
         jobs.append(_embed_position(4, 9, 3, TABLE + 16))
         errors, _ = _check_timed(config, data_width, vmem, memory, jobs)
         assert errors == [ErrorCode.OK] * 6 + [ErrorCode.BAD_ADDRESS]
+
+
+@pytest.mark.parametrize("line", WIDE_LINES)
+def test_wider_lines(line):
+    """VMEM lines of 32 and 64 bytes, on a port one line wide: POSITION rows (the token
+    rows' path from the table on) split into the wider lines, a row's last line partial,
+    as the functional model, in the cycle model's cycles."""
+    config, data_width = wide_line(line)
+    rng = np.random.default_rng(44 + line)
+    memory = _position_memory(rng, config)
+    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    lines = config.vmem_bytes // line
+    jobs = [_embed_position(int(rng.integers(1, MAX_N + 1)), int(rng.integers(0, lines - 10)),
+                            int(rng.integers(0, config.kv_positions)),
+                            TABLE + line * int(rng.integers(0, 16))) for _ in range(6)]
+    errors, _ = _check_timed(config, data_width, vmem, memory, jobs)
+    assert errors == [ErrorCode.OK] * len(jobs)
 
 
 def test_a_tree_levels_rows_all_embed_pos():

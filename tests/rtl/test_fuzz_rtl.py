@@ -9,6 +9,9 @@ exception but the engine's faults, on
   ``tiny-hbm``, whose four channels put the beat narrower in front of every unit but
   MATMUL (reads off the engine beat, faults that leave a narrow read in flight to drain),
   and
+* a seeded sample at tiny-hbm with 32-byte VMEM lines on 256-bit channels (issue #14:
+  the line is a generator parameter; every unit's VMEM streams, windows and spans at
+  the wider line, behind the narrower), and
 * model-shaped programs as trees of width 1 (NEXT re-enters the program as its tree
   forward, docs/isa.md §9.2): the tree's KV positions and paths, and the row pitch that
   splits RMSNORM, ROPE and ACTMUL of two rows into single-row jobs.
@@ -38,6 +41,15 @@ TINY = get_preset("tiny")
 HBM = get_preset("tiny-hbm")
 #: the tiny-hbm sample (the tiny-hbm Verilator build is the multi-channel driver tests')
 HBM_SEED, HBM_CASES = 17, 40
+#: tiny-hbm with 32-byte VMEM lines (a 256-bit channel's beat; head_dim whole lines; 16
+#: lanes, so a weight tile is a whole 128-byte engine beat), each channel at a beat a
+#: cycle: below that the cycle model under-counts RMSNORM rows longer than a few beats
+#: (its gamma read's backpressure; at 16-byte lines too, not this test's subject), and
+#: its sample
+WIDE_LINE = HBM.with_changes(name="tiny-hbm-line32", mem_port_bits=256, vmem_line_bytes=32,
+                             head_dim=32, lanes=16, mem_bandwidth_gbps=12.8,
+                             mem_achievable_gbps=0.0)
+WIDE_LINE_SEED, WIDE_LINE_CASES = 23, 60
 #: the random sample: its seed, its size, and the longest case it runs (model cycles;
 #: a watchdog case runs millions, minutes on Verilator). ~20 s on one loaded core.
 SEED, CASES, MAX_MODEL_CYCLES = 16, 150, 20_000
@@ -154,6 +166,17 @@ def test_regressions_and_a_sample_at_tiny_hbm(hbm_runner):
     that did not flush the narrower's reads in flight hangs a later request here."""
     _check_regressions(HBM, hbm_runner)
     _agreeing_sample(HBM, hbm_runner, HBM_SEED, HBM_CASES)
+
+
+def test_a_sample_at_a_wider_vmem_line():
+    """A seeded sample at :data:`WIDE_LINE`: results bit for bit and every cycle counter
+    the cycle model's, with every unit opcode run among the cases."""
+    r = fuzz.DeviceRunner(WIDE_LINE, VerilatorDevice, timeout_s=300)
+    try:
+        rtl = _agreeing_sample(WIDE_LINE, r, WIDE_LINE_SEED, WIDE_LINE_CASES)
+    finally:
+        r.close()
+    assert [op.name for op in Op if op != Op.NOP and not rtl.ran[op.name]] == []
 
 
 def test_random_cases(runner):

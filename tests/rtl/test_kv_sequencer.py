@@ -29,7 +29,7 @@ from sim.functional import FunctionalEngine
 from sim.tree_state import TreeState
 from sim.memory import DeviceMemory
 from sim.op_bench import functional_reference, run_jobs
-from sequencer_cases import model_cycles
+from sequencer_cases import WIDE_LINES, model_cycles, wide_line
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
 
@@ -304,6 +304,27 @@ def test_long_entries_v_rows_pace_the_weights():
                           int(rng.integers(0, 100)), int(rng.integers(100, 200)), pos,
                           [GQA2, MHA1][pos % 2], layer=pos % 2, wide=bool(pos % 2)))
     errors = _run(rng, jobs, _memory(rng), config=config)
+    assert errors == [OK] * len(jobs)
+
+
+@pytest.mark.parametrize("line", WIDE_LINES)
+def test_wider_lines(line):
+    """VMEM lines of 32 and 64 bytes (heads of a line, 2 KV banks at 64): KVAPPEND and
+    ATTN gather and scatter heads at byte offsets inside the wider lines, as the
+    functional model, in the cycle model's cycles."""
+    config, data_width = wide_line(line, TINY.with_changes(kv_positions=8))
+    if line == 64:
+        config = config.with_changes(kv_banks=2)
+    D = config.head_dim
+    rng = np.random.default_rng(15 + line)
+    jobs = []
+    for pos in range(4):
+        jobs += [_append(2, int(rng.choice([D, D, D - 7])), int(rng.integers(0, 150)), pos, layer)
+                 for layer in range(2)]
+        jobs.append(_attn(4, int(rng.choice([D, D - 9])), int(rng.integers(0, 100)),
+                          int(rng.integers(100, 230)), pos, [GQA2, GQA2_ODD, MHA1][pos % 3],
+                          layer=pos % 2, wide=bool(pos % 2)))
+    errors = _run(rng, jobs, _memory(rng), config=config, data_width=data_width)
     assert errors == [OK] * len(jobs)
 
 

@@ -51,6 +51,7 @@ from sim.op_bench import compare_with_reference, run_jobs
 from sim.tree_state import TreeState
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
+from sequencer_cases import wide_line
 
 TINY = get_preset("tiny")
 L = VMEM_LINE_BYTES
@@ -132,8 +133,8 @@ def _blocks(rng, config, shapes=SHAPES, misalign=(0,), bias=False, blocks=False)
     return memory, addrs
 
 
-def _lines(nbytes: int) -> int:
-    return -(-nbytes // L)
+def _lines(nbytes: int, line: int = L) -> int:
+    return -(-nbytes // line)
 
 
 def _random_job(rng, config, addrs, bias=False, blocks=False) -> dict:
@@ -144,9 +145,10 @@ def _random_job(rng, config, addrs, bias=False, blocks=False) -> dict:
     mode = MatmulMode(int(rng.integers(4)))
     wide = bool(rng.integers(2))
     rows = 1 if mode == LOGITS else int(rng.integers(1, config.rows + 1))
-    lines = config.vmem_bytes // L
-    src_lines = rows * _lines(k * (2 if wide else 1))
-    dst_lines = 0 if mode == LOGITS else rows * _lines(n * (1 if mode == INT8 else 4))
+    line = config.vmem_line_bytes
+    lines = config.vmem_bytes // line
+    src_lines = rows * _lines(k * (2 if wide else 1), line)
+    dst_lines = 0 if mode == LOGITS else rows * _lines(n * (1 if mode == INT8 else 4), line)
     while True:
         src = int(rng.integers(0, lines - src_lines + 1))
         dst = int(rng.integers(0, lines - dst_lines + 1))
@@ -162,7 +164,7 @@ def model_cycles(config, data_width: int, job: dict) -> int:
     ins = Instruction(Op.MATMUL, **{name: job[name] for name in _INSTRUCTION_FIELDS})
     tree = None
     if _in_tree(job):           # (a tree forward at level 1 of a tree of the job's rows)
-        tree = TreeTiming(job["rows"], 1, 0, L * job["pitch"], 1, False)
+        tree = TreeTiming(job["rows"], 1, 0, config.vmem_line_bytes * job["pitch"], 1, False)
     return model.instruction(ins, addr=job["addr"], tree=tree)[0] - CONTROLLER_CYCLES
 
 
@@ -290,6 +292,15 @@ def test_reduce_32_eight_rows():
     slices packed from two lines (four when wide), up to four wide rows per pass."""
     _check_random(9, TINY.with_changes(reduce=32, rows=8), data_width=256, count=6,
                   misalign=(0, 16))
+
+
+@pytest.mark.parametrize("line, lanes", [(32, 16), (64, 8)])
+def test_wider_lines(line, lanes):
+    """VMEM lines of 32 and 64 bytes: x rows cut from the wider lines, result rows inside a
+    line (INT8) and over two (INT32 and RESADD at 16 lanes, 32-byte lines), residuals
+    peeked a line at a time, with BIAS; as the functional model, in the cycle model's cycles."""
+    config, data_width = wide_line(line, TINY.with_changes(lanes=lanes))
+    _check_random(50 + line, config, data_width=data_width, count=3, misalign=(0, 16), bias=True)
 
 
 def test_tiny_wide_bus():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import NORM_PARAM_BYTES, pack_norm_params
@@ -14,7 +15,7 @@ from sim.tree_state import TreeState
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
 # the row-job harness shared with the other row sequencer's tests (tests/rtl/)
-from sequencer_cases import (MAX_N, TINY, L, check_random_row_jobs, check_row_jobs,
+from sequencer_cases import (WIDE_LINES, wide_line, MAX_N, TINY, L, check_random_row_jobs, check_row_jobs,
                              check_wide_lanes, model_cycles, row_job)
 
 #: parameter blocks: bus-aligned, odd (the head and gamma at every byte offset), 8 mod 16
@@ -276,3 +277,14 @@ def test_segment_errors_in_the_functional_models_order():
     ]
     P, B = ErrorCode.PROGRAM, ErrorCode.BAD_ADDRESS
     assert _check(rng, jobs) == [P, P, P, 0, P, B, B, B, 0, 0, 0]
+
+
+@pytest.mark.parametrize("line, lanes", [(WIDE_LINES[0], 4), (WIDE_LINES[1], 16)])
+def test_wider_lines(line, lanes):
+    """VMEM lines of 32 bytes at 4 lanes and of 64 bytes at 16 (beats cut from lines, an
+    int32 beat a whole line): random jobs as the functional model, in the cycle model's
+    cycles."""
+    config, data_width = wide_line(line, TINY.with_changes(lanes=lanes))
+    check_random_row_jobs(np.random.default_rng(60 + line), NormSequencer, _memory, Op.RMSNORM, BLOCKS,
+                          count=6, timed=True, config=config, data_width=data_width,
+                          min_elements=200)

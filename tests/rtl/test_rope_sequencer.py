@@ -16,6 +16,7 @@ from sim.memory import DeviceMemory
 from sim.op_bench import functional_reference, run_jobs
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
+from sequencer_cases import WIDE_LINES, wide_line
 
 TINY = get_preset("tiny")
 L = VMEM_LINE_BYTES
@@ -25,9 +26,9 @@ OK, PROGRAM, KV_OVERFLOW, BAD_ADDRESS = (ErrorCode.OK, ErrorCode.PROGRAM, ErrorC
 TABLE = 0x2000 + 6
 
 
-def _memory(rng) -> DeviceMemory:
-    memory = DeviceMemory(TINY.mem_bytes)
-    span = TINY.kv_positions * 2 * TINY.head_dim + 64
+def _memory(rng, config=TINY) -> DeviceMemory:
+    memory = DeviceMemory(config.mem_bytes)
+    span = config.kv_positions * 2 * config.head_dim + 64
     memory.write(TABLE, rng.integers(0, 256, span, dtype=np.uint8).tobytes())
     return memory
 
@@ -36,13 +37,13 @@ def _rope(rows, n, k, src, dst, pos, addr=TABLE):
     return dict(opcode=Op.ROPE, rows=rows, n=n, k=k, src=src, dst=dst, pos=pos, addr=addr)
 
 
-def _run(rng, jobs, *, data_width=128):
+def _run(rng, jobs, *, data_width=128, config=TINY, cycles=None):
     """Run ``jobs`` on the RTL and on the functional model; compare errors and VMEM."""
-    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
-    memory = _memory(rng)
-    after, errors = run_jobs(TINY, RopeSequencer(TINY, data_width), vmem, memory, jobs,
-                             data_width=data_width)
-    engine = FunctionalEngine(TINY, memory)
+    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    memory = _memory(rng, config)
+    after, errors = run_jobs(config, RopeSequencer(config, data_width), vmem, memory, jobs,
+                             data_width=data_width, cycles=cycles)
+    engine = FunctionalEngine(config, memory)
     engine.vmem[:] = vmem
     expected = [functional_reference(engine, Instruction(Op.ROPE, rows=j["rows"], dst=j["dst"],
                                                          src=j["src"], n=j["n"], k=j["k"],
@@ -53,16 +54,16 @@ def _run(rng, jobs, *, data_width=128):
     return errors
 
 
-def _random_jobs(rng, count):
+def _random_jobs(rng, count, config=TINY):
     """ROPEs of 1–2 rows, 1–8 heads of even k ≤ head_dim at any position; half in place,
     the rest into a disjoint region (the model reads all rows before writing any)."""
     jobs = []
     for _ in range(count):
-        rows, n = int(rng.integers(1, TINY.rows + 1)), int(rng.integers(1, 9))
-        k = 2 * int(rng.integers(1, TINY.head_dim // 2 + 1))
+        rows, n = int(rng.integers(1, config.rows + 1)), int(rng.integers(1, 9))
+        k = 2 * int(rng.integers(1, config.head_dim // 2 + 1))
         src = int(rng.integers(0, 100))
         dst = src if rng.random() < 0.5 else int(rng.integers(128, 240))
-        jobs.append(_rope(rows, n, k, src, dst, int(rng.integers(0, TINY.kv_positions))))
+        jobs.append(_rope(rows, n, k, src, dst, int(rng.integers(0, config.kv_positions))))
     return jobs
 
 
@@ -129,3 +130,16 @@ def test_cycles_equal_the_model():
                              data_width=data_width, cycles=cycles)
         assert errors == [OK] * len(jobs)
         assert cycles == [model_cycles(TINY, data_width, job) for job in jobs]
+
+
+@pytest.mark.parametrize("line", WIDE_LINES)
+def test_wider_lines(line):
+    """VMEM lines of 32 and 64 bytes: heads gathered and scattered over the wider lines
+    (any byte offset), as the functional model, in the cycle model's cycles."""
+    from sequencer_cases import model_cycles
+    config, data_width = wide_line(line)
+    rng = np.random.default_rng(40 + line)
+    jobs = _random_jobs(rng, 8, config)
+    cycles = []
+    assert _run(rng, jobs, data_width=data_width, config=config, cycles=cycles) == [OK] * len(jobs)
+    assert cycles == [model_cycles(config, data_width, job) for job in jobs]

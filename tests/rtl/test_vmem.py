@@ -26,10 +26,13 @@ from sim.testbench import first_valid_after_accept, run_simulation, stream_get, 
 
 TINY = get_preset("tiny")                                     # 4096 bytes: 256 lines
 ODD = TINY.with_changes(vmem_bytes=65 * LINE_BYTES)           # bounds not at a power of two
+#: VMEM lines of 32 bytes (65 of them) and of 64 (256): the 256- and 512-bit presets' lines
+WIDE32 = TINY.with_changes(vmem_line_bytes=32, mem_port_bits=256, head_dim=32, vmem_bytes=65 * 32)
+WIDE64 = TINY.with_changes(vmem_line_bytes=64, mem_port_bits=512, head_dim=64, vmem_bytes=256 * 64)
 
 
-def row_lines(row_bytes: int) -> int:
-    return -(-row_bytes // LINE_BYTES)
+def row_lines(row_bytes: int, line: int = LINE_BYTES) -> int:
+    return -(-row_bytes // line)
 
 
 def span(line: int, rows: int, row_bytes: int) -> dict:
@@ -45,6 +48,7 @@ class VmemModel:
 
     def __init__(self, cfg):
         self.engine = FunctionalEngine(cfg)
+        self.line = cfg.vmem_line_bytes
 
     @property
     def vmem(self) -> np.ndarray:
@@ -62,24 +66,25 @@ class VmemModel:
         return False
 
     def read(self, s: dict) -> list[tuple]:
-        """The lines the reader streams: (16 bytes, row_last, last); the rows come from
-        ``_vload`` and are zero-padded to whole lines."""
+        """The lines the reader streams: (a line's bytes, row_last, last); the rows come
+        from ``_vload`` and are zero-padded to whole lines."""
         rows = self.engine._vload(s["line"], s["rows"], s["row_bytes"], np.uint8)
-        n = row_lines(s["row_bytes"])
+        L = self.line
+        n = row_lines(s["row_bytes"], L)
         beats = []
         for r, row in enumerate(rows):
-            padded = np.zeros(n * LINE_BYTES, dtype=np.int64)
+            padded = np.zeros(n * L, dtype=np.int64)
             padded[:len(row)] = row
             for i in range(n):
-                beats.append((padded[i * LINE_BYTES:(i + 1) * LINE_BYTES].tolist(),
+                beats.append((padded[i * L:(i + 1) * L].tolist(),
                               int(i == n - 1), int(i == n - 1 and r == len(rows) - 1)))
         return beats
 
     def write(self, s: dict, lines: list[list[int]]) -> None:
         """Store the span's lines with ``_vstore``: row r is lines r·n … r·n + n − 1,
         cut to ``row_bytes``."""
-        n = row_lines(s["row_bytes"])
-        flat = np.array(lines, dtype=np.uint8).reshape(s["rows"], n * LINE_BYTES)
+        n = row_lines(s["row_bytes"], self.line)
+        flat = np.array(lines, dtype=np.uint8).reshape(s["rows"], n * self.line)
         self.engine._vstore(s["line"], flat[:, :s["row_bytes"]], np.uint8)
 
 
@@ -203,14 +208,15 @@ def run_steps(cfg, steps, model, rng, *, gap=0.25, stall=0.25):
 
 # -- random spans --------------------------------------------------------------------------
 
-def random_lines(rng, s: dict) -> list[list[int]]:
-    return rng.integers(0, 256, (s["rows"] * row_lines(s["row_bytes"]), LINE_BYTES)).tolist()
+def random_lines(rng, s: dict, line: int = LINE_BYTES) -> list[list[int]]:
+    return rng.integers(0, 256, (s["rows"] * row_lines(s["row_bytes"], line), line)).tolist()
 
 
 def fitting_line(cfg, rows: int, row_bytes: int) -> int:
     """The highest first line a span fits at (−1 if none): its end lands on or just inside
     VMEM's end."""
-    return (cfg.vmem_bytes - row_bytes) // LINE_BYTES - (rows - 1) * row_lines(row_bytes)
+    L = cfg.vmem_line_bytes
+    return (cfg.vmem_bytes - row_bytes) // L - (rows - 1) * row_lines(row_bytes, L)
 
 
 def random_span(cfg, rng) -> dict:
@@ -232,66 +238,69 @@ def random_span(cfg, rng) -> dict:
     return span(int(rng.integers(0, top + 1)), rows, row_bytes)
 
 
-def lines_of(s: dict) -> range:
-    return range(s["line"], s["line"] + s["rows"] * row_lines(s["row_bytes"]))
+def lines_of(s: dict, line: int) -> range:
+    return range(s["line"], s["line"] + s["rows"] * row_lines(s["row_bytes"], line))
 
 
 def random_steps(cfg, model, rng, min_lines: int) -> list[list[tuple]]:
     """Writes and reads, paired into concurrent steps when their lines are disjoint,
     until at least ``min_lines`` lines would move."""
-    steps, moved = [], 0
+    steps, moved, L = [], 0, cfg.vmem_line_bytes
     while moved < min_lines:
         w, r = random_span(cfg, rng), random_span(cfg, rng)
-        write = ("write", w, random_lines(rng, w))
+        write = ("write", w, random_lines(rng, w, L))
         read = ("read", r)
-        if model.refuses(w) or model.refuses(r) or set(lines_of(w)) & set(lines_of(r)):
+        if model.refuses(w) or model.refuses(r) or set(lines_of(w, L)) & set(lines_of(r, L)):
             steps += [[write], [read]] if rng.random() < 0.5 else [[read], [write]]
         else:
             steps.append([write, read])
-        moved += sum(len(lines_of(x)) for x in (w, r) if not model.refuses(x))
+        moved += sum(len(lines_of(x, L)) for x in (w, r) if not model.refuses(x))
     return steps
 
 
-@pytest.mark.parametrize("cfg", [TINY, ODD], ids=["tiny", "65-lines"])
-def test_random_spans_match_functional_model(cfg):
+@pytest.mark.parametrize("cfg, min_lines", [(TINY, 2000), (ODD, 2000), (WIDE32, 800), (WIDE64, 800)],
+                         ids=["tiny", "65-lines", "65-lines-of-32", "256-lines-of-64"])
+def test_random_spans_match_functional_model(cfg, min_lines):
     """Random spans with random data, gaps and backpressure, reads and writes
     interleaved and concurrent, against _vload/_vstore; then the whole VMEM is read back,
     so bytes no span should have touched (past a row's end, refused spans) are checked
-    too."""
+    too. Lines of 16 bytes, and the wider ones (row ends at every byte of a line)."""
     rng = np.random.default_rng(cfg.vmem_bytes)
     model = VmemModel(cfg)
     planning = VmemModel(cfg)                    # only to classify spans while planning
-    steps = random_steps(cfg, planning, rng, 2000)
+    steps = random_steps(cfg, planning, rng, min_lines)
     steps.append([("read", span(0, 1, cfg.vmem_bytes))])
     moved = run_steps(cfg, steps, model, rng)
-    assert moved >= 2000
+    assert moved >= min_lines
     assert sum(1 for st in steps for op in st if model.refuses(op[1])) >= 10
 
 
-def test_row_edges():
+@pytest.mark.parametrize("cfg", [TINY, WIDE64], ids=["tiny", "lines-of-64"])
+def test_row_edges(cfg):
     """Rows ending mid-line are written with byte enables (the rest of the line keeps
     its bytes) and read back with zeros past the end; row_bytes = 0 moves nothing and
     still completes a write; a span of 255 rows and a one-byte VMEM-end row; clearing
     VMEM (soft reset) as one span of zeros."""
-    cfg = TINY
+    L = cfg.vmem_line_bytes
+    depth = cfg.vmem_bytes // L
     rng = np.random.default_rng(3)
     model = VmemModel(cfg)
-    background = span(10, 1, 16 * 12)
-    last_byte = span(cfg.vmem_bytes // LINE_BYTES - 1, 1, LINE_BYTES)
+    background = span(10, 1, L * 12)
+    last_byte = span(depth - 1, 1, L)
     whole = span(0, 1, cfg.vmem_bytes)
     ops = [
-        [("write", background, random_lines(rng, background))],
-        [("write", last_byte, random_lines(rng, last_byte))],
-        [("write", span(10, 3, 17), random_lines(rng, span(10, 3, 17)))],   # 2 lines/row
-        [("read", span(10, 1, 16 * 12))],
-        [("read", span(10, 3, 17))],
-        [("read", span(11, 2, 15))],
+        [("write", background, random_lines(rng, background, L))],
+        [("write", last_byte, random_lines(rng, last_byte, L))],
+        [("write", span(10, 3, L + 1), random_lines(rng, span(10, 3, L + 1), L))],   # 2 lines/row
+        [("read", span(10, 1, L * 12))],
+        [("read", span(10, 3, L + 1))],
+        [("read", span(11, 2, L - 1))],
         [("write", span(12, 2, 0), [])], [("read", span(12, 2, 0))],
-        [("write", span(cfg.vmem_bytes // LINE_BYTES, 1, 0), [])],           # start == end: fits
-        [("write", span(0, 255, 16), random_lines(rng, span(0, 255, 16)))],
-        [("write", span(cfg.vmem_bytes // LINE_BYTES - 1, 1, 1), [[7] * 16])],
+        [("write", span(depth, 1, 0), [])],                                 # start == end: fits
+        [("write", span(0, 255, L), random_lines(rng, span(0, 255, L), L))],
+        [("write", span(depth - 1, 1, 1), [[7] * L])],
         [("read", span(0, 1, cfg.vmem_bytes))],
-        [("write", whole, [[0] * LINE_BYTES] * (cfg.vmem_bytes // LINE_BYTES))],
+        [("write", whole, [[0] * L] * depth)],
         [("read", whole)],
     ]
     run_steps(cfg, ops, model, rng)
@@ -507,7 +516,8 @@ def test_gearbox_random(direction, ratio):
     assert got == gearbox_model(in_bytes, out_bytes, beats)
 
 
-@pytest.mark.parametrize("in_bytes,out_bytes", [(16, 4), (64, 2), (16, 16), (4, 16), (2, 64)])
+@pytest.mark.parametrize("in_bytes,out_bytes", [(16, 4), (64, 2), (16, 16), (4, 16), (2, 64),
+                                                (32, 8), (64, 16), (16, 64), (64, 64)])
 def test_gearbox_full_throughput(in_bytes, out_bytes):
     """Input always valid, output always ready: a split emits a beat every cycle, a pack
     takes a beat every cycle (rows with partial last beats included)."""
@@ -544,6 +554,7 @@ def test_gearbox_rejects_widths(bad):
 LINT_TARGETS = {
     "vmem": lambda: VectorMemory(TINY),
     "vmem_odd": lambda: VectorMemory(ODD),
+    "vmem_64": lambda: VectorMemory(WIDE64),
     "gearbox_split": lambda: Gearbox(16, 4),
     "gearbox_pack": lambda: Gearbox(4, 16),
     "gearbox_same": lambda: Gearbox(16, 16),
