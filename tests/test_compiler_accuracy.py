@@ -93,7 +93,8 @@ def test_block_scaled_weights_agree_at_least_as_well(demo_pair, demo_compiled):
     from dfvg_host.accuracy import segments, teacher_forced_agreement
     from dfvg_host.compiler import compile_draft
     draft_dir, _, data_dir = demo_pair
-    engine = get_preset("alveo-u55c")
+    # the demo's engine with the block multipliers it is built without (weight_blocks)
+    engine = get_preset("alveo-u55c").with_changes(weight_blocks=True)
     blocks = compile_draft(draft_dir, engine, calibration_text=(data_dir / "calibration.txt").read_text(),
                            weight_blocks=True)
     ids = AutoTokenizer.from_pretrained(draft_dir)((data_dir / "heldout.txt").read_text())["input_ids"]

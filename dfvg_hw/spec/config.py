@@ -292,7 +292,7 @@ PRESETS: dict[str, EngineConfig] = {
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=16 * GiB,
             mem_port_bits=512, mem_ports=32, mem_clock_mhz=450.0, mem_achievable_gbps=421.0,
-            vmem_line_bytes=64,
+            vmem_line_bytes=64, weight_blocks=False,
             source="Alveo U55C (XCU55C, DS978): 16 GB HBM2 in 32 pseudo-channels at 460 GB/s, "
                    "9024 DSP, 960 URAM (33.75 MB). 421 GB/s achievable: AMD's HBM bandwidth "
                    "example with 32 masters, each on its own pseudo-channel (measured on a U280, "
@@ -303,13 +303,16 @@ PRESETS: dict[str, EngineConfig] = {
                    "KV (18.9 MB) in URAM, 8 banks. 300 MHz as in the DFVG paper. 64-byte VMEM lines, "
                    "the 512-bit port's beat: RMSNORM, ACTMUL, ROPE, KVAPPEND, ATTN's operands and "
                    "MATMUL's activation load move a line a cycle, and 16-byte lines made them a "
-                   "third of a LLaMA-160M token"),
+                   "third of a LLaMA-160M token. No block multipliers (weight_blocks): 384 DSPs "
+                   "that block-scaled weights do not pay for yet (docs/numerics.md §13.7); "
+                   "with_changes(weight_blocks=True) puts them back"),
         EngineConfig(
             name="alveo-u55c-1ch", rows=4, lanes=64, reduce=32,
             kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=16 * GiB,
             mem_port_bits=256, mem_achievable_gbps=421.0, vmem_line_bytes=32,
+            weight_blocks=False,
             source="alveo-u55c with one 256-bit memory channel at the engine clock (9.6 GB/s, "
                    "within one pseudo-channel's 13.1): the single-channel engine, smaller to build "
                    "and simulate, and the baseline of the efficiency table. Rooflines are the card's, "
@@ -320,7 +323,7 @@ PRESETS: dict[str, EngineConfig] = {
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=8 * GiB,
             mem_port_bits=512, mem_ports=32, mem_clock_mhz=450.0, mem_achievable_gbps=421.0,
-            vmem_line_bytes=64,
+            vmem_line_bytes=64, weight_blocks=False,
             source="Alveo U280 (XCU280, DS963): 8 GB HBM2 in 32 pseudo-channels at 460 GB/s "
                    "(plus 32 GB DDR4, unused), 9024 DSP, 960 URAM. 421 GB/s achievable: AMD's HBM "
                    "bandwidth example on this card (32 masters, one a pseudo-channel). Ports, "

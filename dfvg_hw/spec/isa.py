@@ -7,8 +7,8 @@ Every instruction is one 128-bit word with the same field layout (see ``docs/isa
     8-15    flags     8    per-opcode modifiers (layer-relative addressing, output mode)
     16-23   rows      8    draft rows processed at once (1..M); 0 where unused
     24-31   (zero)    8    reserved, must be 0
-    32-47   dst      16    VMEM destination, in 16-byte lines
-    48-63   src      16    VMEM source, in 16-byte lines
+    32-47   dst      16    VMEM destination, in lines (vmem_line_bytes, docs/isa.md §1.3)
+    48-63   src      16    VMEM source, in lines (vmem_line_bytes, docs/isa.md §1.3)
     64-79   n        16    element / channel / head count, loop count or branch target
     80-95   k        16    reduction length or head dimension
     96-127  addr     32    device-memory byte offset from the image base
