@@ -15,7 +15,8 @@ from math import ceil
 
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, NORM_PARAM_BYTES
-from sim.timing_common import READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, PortTiming, window_cycles
+from sim.timing_common import (NEVER, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, PortTiming, ReadCredit,
+                               window_cycles)
 
 __all__ = ["rmsnorm_cycles", "rmsnorm_gamma_reads", "actmul_cycles", "rope_cycles"]
 
@@ -82,7 +83,12 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
 
     x is the int32 row, ``4n`` bytes cut into beats of ``4·lanes``; gamma ``2n`` bytes cut
     into beats of ``2·lanes``: below 8 lanes gamma can have beats past x's last (padding,
-    emptied as the next row starts), so pass 2 ends with the gamma beat of x's last."""
+    emptied as the next row starts), so pass 2 ends with the gamma beat of x's last.
+
+    On a port slower than a line a cycle a replayed pass 2 catches up with the gamma read,
+    which then comes at the port's rate from where it was held back (:class:`_GammaLines`):
+    the reader holds only a few lines, so a long row's gamma cannot run ahead during
+    passes 0 and 1."""
     L, B, line = port.latency, port.bus_bytes, port.line
     head_port, gamma_port = port.at(addr), port.at(addr + NORM_PARAM_BYTES)
 
@@ -122,19 +128,22 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
             continue
         gamma_at = max(g + 1, reader_free)                     # the read's command taken
         gamma_first = gamma_at + tm.READER_CMD_REGISTER + READ_OVERHEAD + L
+        gamma = _GammaLines(gamma_port, gamma_first, gamma_skip, 2 * n,
+                            held=buffered and g_pack is not None)
         reader_free = gamma_port.arrival(g_lines_in - 1, gamma_first) + tm.LINE_ALIGNER_LATENCY
         last0 = g + tm.NORM_PASS_START + stream - 1            # pass 0's last beat
-        gamma_line = lambda j: gamma_port.emit(j, gamma_first, gamma_skip, 2 * n) + tm.LINE_ALIGNER_LATENCY
+        gamma_line = gamma.line
+        if buffered:                               # passes 1 and 2 replay the row buffer
+            last1 = last0 + tm.RMSNORM_SHIFT_TURNAROUND + beats - 1
+            u = last1 + turnaround
+            end, gap = _norm_replay_pass2(u, beats, gamma, g_cut, g_pack, g_ell)
+            reader_free = max(reader_free, gamma.last_in())
+            g = end
+            continue
         if g_cut is not None:                      # the gamma beat of x's last beat
             g_last = gamma_line((beats - 1) // g_cut) + 1 + (beats - 1) % g_cut
         else:
             g_last = gamma_line(g_ell - 1) + 1
-        if buffered:                               # passes 1 and 2 replay the row buffer
-            last1 = last0 + tm.RMSNORM_SHIFT_TURNAROUND + beats - 1
-            u = last1 + turnaround
-            end, gap = _norm_replay_pass2(u, beats, gamma_line, g_cut, g_pack, g_ell)
-            g = end
-            continue
         pass2 = last0 + tm.NORM_PASS_START + stream            # PASS2_CMD
         u = pass2 + turnaround - 1
         if pack is None:
@@ -150,7 +159,7 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
     return UNIT_OVERHEAD + _done_after(last_out, s, dropped)
 
 
-def _norm_replay_pass2(u, beats, gamma_line, g_cut, g_pack, g_ell):
+def _norm_replay_pass2(u, beats, gamma, g_cut, g_pack, g_ell):
     """RMSNORM pass 2 from the row buffer: x beats one a cycle from ``u`` (the first
     cycle the scaler takes one), each meeting its gamma beat. Gamma lines wait in the
     reader until the gamma Gearbox takes them: a packing Gearbox (``g_pack`` lines a
@@ -160,18 +169,74 @@ def _norm_replay_pass2(u, beats, gamma_line, g_cut, g_pack, g_ell):
     line_at = None                                 # the cycle the previous line was taken
     for k in range(beats):
         if g_cut is not None:                      # gamma beats cut from lines
-            gk = gamma_line(k // g_cut) + 1 + k % g_cut
+            gk = gamma.line(k // g_cut) + 1 + k % g_cut
         else:                                      # or packed from g_pack lines
             for j in range(g_pack * k, min(g_pack * (k + 1), g_ell)):
-                a = gamma_line(j)
+                a = gamma.line(j)
                 if line_at is not None:
                     a = max(a, line_at + 1)
                 if j == g_pack * k and t is not None:
                     a = max(a, t)
                 line_at = a
+                gamma.take(a)
             gk = line_at + 1
         t_prev, t = t, max(u + k, gk, -1 if t is None else t + 1)
     return t, (t - t_prev if beats > 1 else 1)
+
+
+class _GammaLines:
+    """A row's gamma read as the gamma Gearbox can take its lines (``line(j)``: output
+    line ``j`` of the UnalignedReader, a cycle after its LineAligner emits it).
+
+    On a port that delivers a line a cycle or more the read streams freely
+    (:meth:`~sim.timing_common.PortTiming.emit`): whatever pass 2 holds back, the lines
+    behind it come a cycle apart once it goes on. On a slower port (``held``: one line a
+    beat, one piece an engine beat) the reader holds ``tm.NORM_GAMMA_HELD_LINES`` lines,
+    then holds the memory back, whose read credit caps at ``READ_CREDIT`` beats
+    (:class:`~sim.timing_common.ReadCredit`): memory beat ``i`` leaves no earlier than
+    ``tm.NORM_GAMMA_RELEASE`` cycles after the Gearbox took line
+    ``i − tm.NORM_GAMMA_HELD_LINES`` (``take``, in order), and the lines after it come at
+    the port's rate from there, not on the free-running schedule. Held to the RTL where
+    a memory beat is one line and no BeatNarrower splits it (the op bench's ports); a
+    slower port of several lines a beat, or behind the narrower, is taken to stream
+    freely, as are the gamma reads of rows longer than the row buffer."""
+
+    def __init__(self, port: PortTiming, first: int, skip: int, length: int, held: bool):
+        self.port, self.first, self.skip, self.length = port, first, skip, length
+        self.held = (held and port.beats_per_cycle < 1 and port.pieces == 1
+                     and port.lines_per_beat == 1)
+        self.lines_in = ceil((length + skip) / port.bus_bytes) * port.lines_per_beat
+        self.credit = ReadCredit(port.beats_per_cycle)
+        self.left: list[int] = []                  # the cycle each memory beat left
+        self.taken: list[int] = []                 # the cycle the Gearbox took each line
+
+    def _beat(self, i: int) -> int:
+        while len(self.left) <= i:
+            k = len(self.left)
+            prev = self.left[-1] if self.left else NEVER
+            offered = self.credit.offer(max(self.first, prev + 1), self.first, prev)
+            depth = tm.NORM_GAMMA_HELD_LINES
+            room = self.taken[k - depth] + tm.NORM_GAMMA_RELEASE if k >= depth else NEVER
+            self.left.append(max(offered, room))
+        return self.left[i]
+
+    def line(self, j: int) -> int:
+        if not self.held:
+            return self.port.emit(j, self.first, self.skip, self.length) + tm.LINE_ALIGNER_LATENCY
+        # the aligner emits a line as the next comes in, the last a cycle after it
+        i = min(j + 1, self.lines_in - 1)
+        flush = tm.LINE_ALIGNER_LATENCY if j + 1 >= self.lines_in else 0
+        return self._beat(i) + tm.GEARBOX_LATENCY + flush + tm.LINE_ALIGNER_LATENCY
+
+    def take(self, t: int):
+        self.taken.append(t)
+
+    def last_in(self) -> int:
+        """The cycle the reader has taken the read's last line in (it takes the next
+        command after it)."""
+        if not self.held:
+            return self.port.arrival(self.lines_in - 1, self.first) + tm.LINE_ALIGNER_LATENCY
+        return self._beat(self.lines_in - 1) + tm.GEARBOX_LATENCY + tm.LINE_ALIGNER_LATENCY
 
 
 def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool, line: int):

@@ -249,6 +249,15 @@ def norm_gamma_buffer_beats(lanes: int) -> int:
     return max(1, NORM_GAMMA_BUFFER_BYTES // (2 * lanes))
 
 
+#: NormSequencer on a port slower than a line a cycle: the lines of a gamma read its
+#: UnalignedReader holds while pass 2 holds the gamma Gearbox back (the memory port's
+#: read_data register, the beat-to-lines Gearbox, the LineAligner's held line and its output
+#: register) before it holds the memory back; the memory's next beat leaves
+#: ``NORM_GAMMA_RELEASE`` cycles after the gamma Gearbox takes a line.
+NORM_GAMMA_HELD_LINES = 4
+NORM_GAMMA_RELEASE = 1
+
+
 def norm_gamma_replay_pace(lanes: int, line_bytes: int) -> int:
     """Cycles between the gamma beats a row's pass 2 replays from the gamma buffer: as
     many as a beat has gamma lines of ``line_bytes`` (``2·lanes/L``, at least 1), the pace

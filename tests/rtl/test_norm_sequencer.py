@@ -288,3 +288,70 @@ def test_wider_lines(line, lanes):
     check_random_row_jobs(np.random.default_rng(60 + line), NormSequencer, _memory, Op.RMSNORM, BLOCKS,
                           count=6, timed=True, config=config, data_width=data_width,
                           min_elements=200)
+
+
+# -- a slow narrow port: gamma back-pressured by pass 2 ----------------------------------------
+#: (line bytes, port beats a cycle, longest row): a 128-bit port at a quarter of a line a
+#: cycle and at the Alveo U55C's pseudo-channel rate, a 512-bit port at that rate
+SLOW_PORTS = ((16, 0.25, 512), (16, 0.685, 768), (64, 0.685, 768))
+
+
+def _slow_port(line: int, rate: float):
+    """64 lanes and 3 rows with VMEM lines of ``line`` bytes behind a port one line wide
+    that delivers ``rate`` beats a cycle. Returns (config, data_width)."""
+    config = TINY.with_changes(lanes=64, rows=3)
+    if line != L:
+        config, data_width = wide_line(line, config)
+    else:
+        data_width = 128
+    lines = 16384 // line                               # three 768-element rows and more
+    config = config.with_changes(vmem_bytes=lines * line,
+                                 mem_bandwidth_gbps=rate * data_width / 8 * config.clock_mhz / 1e3)
+    assert abs(config.beats_per_cycle(data_width // 8) - rate) < 1e-9
+    return config, data_width
+
+
+def _long_gamma_memory(rng) -> DeviceMemory:
+    """Parameter blocks at ``BLOCKS`` with gammas long enough for the slow-port rows."""
+    memory = _memory(rng)
+    for addr, shift in zip(BLOCKS, (5, 7, 3, 16)):
+        gamma = rng.integers(-32768, 32768, 1024).astype(np.int16)
+        memory.write(addr, pack_norm_params(int(rng.integers(0, 1 << 32)), gamma, shift))
+    return memory
+
+
+def _slow_port_jobs(rng, config, max_n: int, count: int) -> list[dict]:
+    """``count`` random RMSNORMs of up to 3 rows of up to ``max_n`` on ``config``: most
+    rows long (their gamma not kept, a gamma read per row), some kept (n ≤ 256)."""
+    line, lines = config.vmem_line_bytes, config.vmem_bytes // config.vmem_line_bytes
+    jobs = []
+    for _ in range(count):
+        n = int(rng.integers(max_n // 2, max_n + 1) if rng.random() < 0.75
+                else rng.integers(1, 257))
+        rows = int(rng.integers(1, 4))
+        wide = bool(rng.integers(2))
+        src_lines, dst_lines = rows * -(-4 * n // line), rows * -(-(2 if wide else 1) * n // line)
+        src = int(rng.integers(0, lines - src_lines + 1))
+        dst = src
+        if rng.random() < 0.7:                          # apart, on either side, or in place
+            free = [d for d in range(lines - dst_lines + 1)
+                    if d + dst_lines <= src or src + src_lines <= d]
+            dst = int(rng.choice(free)) if free else src
+        jobs.append(_norm(rows, n, src, dst, addr=BLOCKS[int(rng.integers(len(BLOCKS)))],
+                          wide=wide))
+    return jobs
+
+
+@pytest.mark.parametrize("line, rate, max_n", SLOW_PORTS)
+def test_long_rows_at_a_slow_narrow_port(line, rate, max_n):
+    """A port slower than a line a cycle: the gamma read cannot run ahead of pass 2 (the
+    reader holds a few lines and holds memory back), and a held memory banks at most
+    ``READ_CREDIT`` beats, so pass 2 takes gamma at the port's rate from where it caught
+    up. Random long rows, 1 to 3 rows, int8 and int16: results and every job's cycles."""
+    config, data_width = _slow_port(line, rate)
+    rng = np.random.default_rng(int(70 + 10 * rate + line))
+    jobs = _slow_port_jobs(rng, config, max_n, count=4)
+    assert max(job["n"] for job in jobs) > 256                 # a gamma read per row
+    errors = check_row_jobs(rng, NormSequencer, _long_gamma_memory, jobs, data_width, config,
+                            timed=True)
+    assert errors == [ErrorCode.OK] * len(jobs)
