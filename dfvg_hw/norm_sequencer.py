@@ -22,7 +22,10 @@ Per job:
    buffer is read from VMEM three times, as three one-row spans. **Gamma** is read from
    device memory as the first row starts (issued as soon as the reader has emptied the
    head's beat, without holding up pass 0, so its latency hides behind passes 0 and 1;
-   at a 2 KiB engine beat the head's beat alone is 128 lines). Pass 2 of a row that fits
+   at a 2 KiB engine beat the head's beat alone is 128 lines; on a port slower than a
+   line a cycle the reader holds only a few of its lines before it holds memory back, so
+   a long row's gamma comes at the port's rate once pass 2 catches up with it:
+   ``sim.elementwise_timing._GammaLines``). Pass 2 of a row that fits
    the row buffer also keeps its gamma beats in the **gamma buffer**
    (``timing.NORM_GAMMA_BUFFER_BYTES``, 512 bytes: 256 elements, a QK-norm head) when
    they fit it; then the later rows read no gamma, and their pass 2 replays the buffer
