@@ -419,9 +419,12 @@ class DraftDevice:
         want = self.compiled.manifest["engine"]
         for reg, name in PARAM_REGS.items():
             have = t.read32(reg)
-            if have != want[name]:
+            if name not in want:
+                raise EngineMismatch(f"the draft's manifest has no engine parameter {name} (it was "
+                                     "compiled by an older dfvg); recompile it")
+            if have != int(want[name]):
                 raise EngineMismatch(f"engine parameter {name} is {have}, the draft was compiled for "
-                                     f"{want[name]} (preset '{want['name']}'); recompile with the "
+                                     f"{int(want[name])} (preset '{want['name']}'); recompile with the "
                                      "device's preset")
         self.clock_hz = t.read32(Reg.P_CLOCK_KHZ) * 1e3
 

@@ -150,6 +150,13 @@ def test_engine_checks(tiny_engine, tiny_compiled, demo_compiled):
     u55c = get_preset("alveo-u55c")
     with pytest.raises(EngineMismatch, match=rf"compiled for {u55c.rows} \(preset 'alveo-u55c'\)"):
         DraftDevice(SimDevice(tiny_engine), demo_compiled)
+    for reg, name, value in ((Reg.P_VMEM_LINE_BYTES, "vmem_line_bytes", 64),
+                             (Reg.P_WEIGHT_BLOCKS, "weight_blocks", 1 - int(tiny_engine.weight_blocks))):
+        other_build = SimDevice(tiny_engine)
+        other_build._regs[reg] = value
+        with pytest.raises(EngineMismatch, match=rf"engine parameter {name} is {value}, the draft was "
+                                                  rf"compiled for {int(getattr(tiny_engine, name))}"):
+            DraftDevice(other_build, tiny_compiled)
     not_an_engine = SimDevice(tiny_engine)
     not_an_engine._regs[Reg.ID] = 0
     with pytest.raises(EngineMismatch, match="no DFVG engine"):

@@ -29,7 +29,9 @@ ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
 #: Minor 5: MATMUL's BIAS flag and INT32 mode, RMSNORM segments (``k``), EMBED POSITION,
 #: ACTMUL UNGATED: Qwen2, Qwen3 and OPT.
 #: Minor 6: MATMUL's BLOCKS flag, block-scaled int8 weights (issue #13).
-ENGINE_VERSION = (IMAGE_VERSION << 16) | 6
+#: Minor 7: ``P_VMEM_LINE_BYTES`` and ``P_WEIGHT_BLOCKS``, the two generator parameters a
+#: compiled program depends on that no register showed.
+ENGINE_VERSION = (IMAGE_VERSION << 16) | 7
 
 
 class Reg(enum.IntEnum):
@@ -80,6 +82,10 @@ class Reg(enum.IntEnum):
     P_KV_BANKS = 0x0BC
     #: The widest token tree the engine drafts (docs/isa.md §9.4); 0: chains only (RO, 2.4).
     P_TREE_WIDTH = 0x0C0
+    #: Bytes of a VMEM line: the compiler lays activations out in these lines (RO, 2.7).
+    P_VMEM_LINE_BYTES = 0x0C4
+    #: 1 when the matrix unit has MATMUL BLOCKS' multipliers, else 0 (RO, 2.7).
+    P_WEIGHT_BLOCKS = 0x0C8
 
 
 #: Per-unit busy counters: the cycles of the last request spent in each opcode's
@@ -120,6 +126,7 @@ PARAM_REGS = {
     Reg.P_HEAD_DIM: "head_dim", Reg.P_VOCAB_MAX: "vocab_max", Reg.P_TOPK_MAX: "topk_max",
     Reg.P_VMEM_BYTES: "vmem_bytes", Reg.P_IMEM_WORDS: "imem_words",
     Reg.P_MEM_PORTS: "mem_ports", Reg.P_MEM_PORT_BITS: "mem_port_bits", Reg.P_KV_BANKS: "kv_banks",
+    Reg.P_VMEM_LINE_BYTES: "vmem_line_bytes", Reg.P_WEIGHT_BLOCKS: "weight_blocks",
 }
 
 
@@ -133,7 +140,7 @@ def engine_params(config: EngineConfig, *, tree_width: int = 0) -> dict[Reg, int
     """The read-only parameter registers' values for an engine built from ``config``;
     ``tree_width`` is what the implementation drafts (``P_TREE_WIDTH``): ``config.rows``
     for the functional model, 0 for an RTL without tree drafting."""
-    values = {reg: getattr(config, name) for reg, name in PARAM_REGS.items()}
+    values = {reg: int(getattr(config, name)) for reg, name in PARAM_REGS.items()}
     values[Reg.P_TREE_WIDTH] = tree_width
     values[Reg.P_CLOCK_KHZ] = round(config.clock_mhz * 1000)
     values[Reg.P_MEM_CHANNEL_KIB] = config.mem_channel_bytes >> 10
