@@ -21,7 +21,7 @@ from amaranth.lib.wiring import Out
 from boards.vivado import EngineInterface
 from dfvg_hw.axi_lite import AXI4LiteSignature, AxiResp, connect_prefixed, prefixed_members
 from dfvg_hw.spec.config import get_preset
-from dfvg_hw.spec.regmap import Control, Irq, Reg, register_space_bits
+from dfvg_hw.spec.regmap import PARAM_REGS, Control, Irq, Reg, register_space_bits
 from dfvg_hw.register_file import EngineCommand, EngineStatusSignature, RegisterFile
 from sim.axi_lite_bus import AxiLiteTiming, axil_read, axil_slave_monitor, axil_write
 from sim.device import _RW as SIM_RW_REGISTERS
@@ -217,7 +217,8 @@ def test_identity_and_parameters(preset):
     dut, ref = RegisterFile(config), RegisterReference(config)
 
     async def host(ctx):
-        for reg in [Reg.ID, Reg.VERSION, *range(Reg.P_ROWS, Reg.P_CLOCK_KHZ + 4, 4)]:
+        for reg in [Reg.ID, Reg.VERSION, *range(Reg.P_ROWS, Reg.P_CLOCK_KHZ + 4, 4), *PARAM_REGS,
+                    Reg.P_MEM_CHANNEL_KIB]:
             assert await axil_read(ctx, dut.bus, reg) == ref.read(reg), Reg(reg).name
 
     simulate(dut, host)
