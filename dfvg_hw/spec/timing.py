@@ -284,11 +284,13 @@ HEAD_CUTTER_LATENCY = 2
 #: HeadPacker: a head taken in cycle ``u`` is in the queue, and the line it completes can be
 #: poked, from cycle ``u + 1``.
 HEAD_PACKER_LATENCY = 1
-#: KvSequencer, KVAPPEND: CHECK, SET_POS, DONE.
+#: KvSequencer, KVAPPEND: CHECK, SET_POS, DONE (a job of no heads is just these).
 KVAPPEND_STATES = 3
-#: KvSequencer, KVAPPEND per head besides the gathers and the 2W words: APPEND, the KV
-#: buffer's append setup, APPENDED.
-KVAPPEND_HEAD_STATES = 3
+#: KvSequencer, KVAPPEND per head besides its 2W words: APPEND and the KV buffer's append
+#: setup (the next head's APPEND, or DONE, follows the last word at once).
+KVAPPEND_HEAD_STATES = 2
+#: KvSequencer, KVAPPEND: CHECK, whose last cycle starts the K and V head cutters.
+KVAPPEND_CHECK = 1
 #: KvSequencer, ATTN: CHECK before PARAMS; GROUPS after the parameter block.
 ATTN_CHECK = 1
 ATTN_GROUPS = 1
