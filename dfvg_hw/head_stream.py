@@ -154,9 +154,10 @@ class HeadPacker(wiring.Component):
     Heads join the back of a byte queue (their first ``k`` bytes); whenever the queue
     holds the whole of the next line — ``L`` bytes, or what is left of the row in its
     last line — the line is poked with a byte mask of those bytes and leaves the queue,
-    so the row's next head starts the next row's first line. The queue holds
-    ``head_dim + L`` bytes; a head waits while it would not fit (a consumer of lines a
-    cycle behind heads of at most a line's rate never fills it).
+    so the next row's first head starts the next row's first line. The queue holds
+    ``head_dim + L`` bytes and a head waits while it would not fit; behind a
+    :class:`HeadCutter` of the same layout (ROPE's) it never has to: heads come no
+    faster than a cycle each nor than their lines are peeked, and a line leaves a cycle.
 
     Parameters
     ----------
