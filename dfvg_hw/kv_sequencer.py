@@ -20,9 +20,12 @@ added to it (and, once the check passes, its low bits to ``layer · G`` for the 
 VMEM row at ``src``). Checks in the model's order: ``rows ≠ 1``; ``base + (layer + 1) · n >
 kv_slots`` or ``k > head_dim`` (PROGRAM); ``kv_pos ≥ kv_positions`` (KV_OVERFLOW); the
 ``2·n·k``-byte row outside VMEM (BAD_ADDRESS). Then per head ``h`` the K bytes at
-``h·k`` and the V bytes at ``n·k + h·k`` are gathered and appended at slot
-``base + layer · n + h``, position ``kv_pos``; bytes ``k … head_dim − 1`` of the entry keep
-their contents.
+``h·k`` and the V bytes at ``n·k + h·k`` are appended at slot ``base + layer · n + h``,
+position ``kv_pos``; bytes ``k … head_dim − 1`` of the entry keep their contents. The
+heads stream: two :class:`~dfvg_hw.head_stream.HeadCutter`\ s peek the row's K half and
+its V half (K first, sharing the peek port) a head ahead of the one being appended, so
+the next APPEND goes to the KV buffer in the cycle after the last word of the one
+before, unless that head's lines take longer to peek.
 
 **ATTN** (``rows = 1``; ``n`` query heads of ``k`` int8 at ``src``). Checks: ``rows ≠ 1``;
 ``k > head_dim``, ``prefix = 0`` or ``path_len > PATH_ENTRIES`` (PROGRAM: a tree's
@@ -69,8 +72,10 @@ an extra member rather than a job because a soft reset is no instruction: it has
 fields, no error and no ``done`` in the instruction flow.
 
 Cycles (``tiny``, 128-bit bus; ``T = prefix + path_len``, ``W = head_dim /
-gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND about ``5 + 14·n`` for
-line-aligned heads (n = 2, k = 16: 33); ATTN about ``80 + (n + 1)·(W·T + ceil(log2 D) +
+gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND ``5 + (2 + 2W)·n``
+(the KV buffer's pace) whenever a head's K and V lines take no longer (n = 2, k = 16:
+17; 53 for the 12 heads of alveo-u55c's LLaMA-160M, W = 1);
+ATTN about ``80 + (n + 1)·(W·T + ceil(log2 D) +
 6)`` including the parameter read (the last head's V pass is not hidden; at short
 contexts the reciprocal's 34 cycles a head are the pace instead): n = 4, k = 16: 208 at
 T = 1, 292 at T = 16, 772 at T = 64 (406 and 1174 with a head's V pass after its K pass,
@@ -93,6 +98,7 @@ from amaranth import Cat, Module, Mux, Signal
 from amaranth.lib import stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
 
 from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
@@ -100,6 +106,7 @@ from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
 from dfvg_hw.spec.isa import Op
 from dfvg_hw.kv_buffer import KVBuffer, KVOp, PATH_ENTRIES
+from dfvg_hw.head_stream import HeadCutter
 from dfvg_hw.layouts import CompactJob, flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import BlockReader, VmemWindow, vmem_span_outside, window_request
@@ -189,9 +196,17 @@ class KvSequencer(wiring.Component):
                      copy_rd.addr.eq(kv.v_path_index), kv.v_path_pos.eq(copy_rd.data)]
         params = m.submodules.params = BlockReader(c, self.data_width, ATTN_PARAM_BYTES)
         window = m.submodules.window = VmemWindow(c, 2 * D)      # a WIDE output head
+        # KVAPPEND's K and V heads, each cut from its half of the row; K peeks first (its
+        # words go first), V when K has its next head
+        cut_k = m.submodules.cut_k = HeadCutter(c, D, lookahead=0)
+        cut_v = m.submodules.cut_v = HeadCutter(c, D, lookahead=0)
         wiring.connect(m, params.read_cmd, wiring.flipped(self.read_cmd))
         wiring.connect(m, wiring.flipped(self.read_data), params.read_data)
-        m.d.comb += [self.peek_addr.eq(window.peek_addr), window.peek_data.eq(self.peek_data),
+        m.d.comb += [cut_k.grant.eq(cut_k.want), cut_v.grant.eq(cut_v.want & ~cut_k.want),
+                     self.peek_addr.eq(Mux(cut_k.want, cut_k.peek_addr,
+                                           Mux(cut_v.want, cut_v.peek_addr, window.peek_addr))),
+                     window.peek_data.eq(self.peek_data), cut_k.peek_data.eq(self.peek_data),
+                     cut_v.peek_data.eq(self.peek_data),
                      self.poke_en.eq(window.poke_en), self.poke_addr.eq(window.poke_addr),
                      self.poke_data.eq(window.poke_data)]
 
@@ -328,6 +343,17 @@ class KvSequencer(wiring.Component):
                     with m.If(vmem_span_outside(c, job.src, 1, 2 * head_bytes)):
                         finish(ErrorCode.BAD_ADDRESS)
                     with m.Else():
+                        # K heads from the row's first byte, V heads from byte n·k
+                        v_start = job.src * L + head_bytes
+                        for cutter, line, skip in ((cut_k, job.src, 0),
+                                                   (cut_v, v_start >> exact_log2(L),
+                                                    v_start[:exact_log2(L)])):
+                            m.d.comb += [cutter.run.valid.eq(1),
+                                         cutter.run.payload.line.eq(line),
+                                         cutter.run.payload.skip.eq(skip),
+                                         cutter.run.payload.k.eq(job.k),
+                                         cutter.run.payload.row_bytes.eq(head_bytes),
+                                         cutter.run.payload.rows.eq(1)]
                         m.next = "SET_POS"
                 with m.Else():
                     m.next = "PARAMS"
@@ -376,45 +402,37 @@ class KvSequencer(wiring.Component):
                     with m.If(job.n == 0):
                         finish(ErrorCode.OK)
                     with m.Elif(job.opcode == Op.KVAPPEND):
-                        m.next = "GATHER_K"
+                        m.next = "APPEND"
                     with m.Else():
                         m.next = "GATHER_Q"
 
-            # -- KVAPPEND ----------------------------------------------------------------------
-            with m.State("GATHER_K"):
-                gather(in_offset, "GATHER_K_WAIT")
-            with m.State("GATHER_K_WAIT"):
-                with m.If(window.done):
-                    m.d.sync += entry[:8 * D].eq(window.data[:8 * D])
-                    m.next = "GATHER_V"
-            with m.State("GATHER_V"):
-                gather(head_bytes + in_offset, "GATHER_V_WAIT")
-            with m.State("GATHER_V_WAIT"):
-                with m.If(window.done):
-                    m.d.sync += entry[8 * D:].eq(window.data[:8 * D])
-                    m.next = "APPEND"
+            # -- KVAPPEND: heads back to back; the cutters peek head h + 1 while h is appended
             with m.State("APPEND"):             # also a clear's entry
-                m.d.comb += kv_command(KVOp.APPEND, slot=kv_slot, arg=kv_arg)
-                with m.If(kv.cmd.ready):
-                    m.d.sync += word.eq(0)
-                    m.next = "APPEND_DATA"
+                heads_in = cut_k.heads.valid & cut_v.heads.valid
+                with m.If(clearing_kv | heads_in):
+                    m.d.comb += kv_command(KVOp.APPEND, slot=kv_slot, arg=kv_arg)
+                    with m.If(kv.cmd.ready):
+                        m.d.sync += word.eq(0)
+                        m.next = "APPEND_DATA"
+                        with m.If(~clearing_kv):    # the head leaves the cutters for entry
+                            m.d.comb += [cut_k.heads.ready.eq(1), cut_v.heads.ready.eq(1)]
+                            m.d.sync += entry.eq(Cat(cut_k.heads.payload, cut_v.heads.payload))
             with m.State("APPEND_DATA"):
                 m.d.comb += [kv.wdata.valid.eq(1),
                              kv.wdata.payload.as_value().eq(entry.word_select(word, 8 * WB))]
                 with m.If(kv.wdata.ready):
                     m.d.sync += word.eq(word + 1)
                     with m.If(word == 2 * W - 1):
-                        m.next = "APPENDED"
-            with m.State("APPENDED"):
-                with m.If(clearing_kv):
-                    m.next = "CLEAR_NEXT"
-                with m.Else():
-                    m.d.sync += [kv_slot.eq(kv_slot + 1), head.eq(head + 1),
-                                 in_offset.eq(in_offset + job.k)]
-                    with m.If(head + 1 == job.n):
-                        finish(ErrorCode.OK)
-                    with m.Else():
-                        m.next = "GATHER_K"
+                        with m.If(clearing_kv):
+                            m.next = "APPENDED"
+                        with m.Else():          # the KV buffer takes the next APPEND at once
+                            m.d.sync += [kv_slot.eq(kv_slot + 1), head.eq(head + 1)]
+                            with m.If(head + 1 == job.n):
+                                finish(ErrorCode.OK)
+                            with m.Else():
+                                m.next = "APPEND"
+            with m.State("APPENDED"):           # a clear's entry is written
+                m.next = "CLEAR_NEXT"
 
             # -- ATTN, heads overlapped ----------------------------------------------------------
             # Head h's q is taken (QUERY) as soon as the attention unit's weights pass has

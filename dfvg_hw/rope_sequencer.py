@@ -3,42 +3,50 @@ row through the :class:`~dfvg_hw.rope.Rope` pair rotator, in VMEM (docs/isa.md �
 ``FunctionalEngine._unit``).
 
 1. **Checks**, in the functional model's order: ``rows > cfg.rows`` (PROGRAM), odd ``k``
-   (PROGRAM), ``POS ≥ kv_positions`` (KV_OVERFLOW).
+   (PROGRAM), ``POS ≥ kv_positions`` (KV_OVERFLOW); then ``src`` and ``dst`` (``rows ×
+   n·k`` int8) must lie in VMEM (BAD_ADDRESS). The model reads the table row before it
+   checks the spans, but both faults are BAD_ADDRESS and nothing is written before
+   either, so checking the spans first (in the same cycle as the rest) is the same.
 2. **Table.** The ``k/2`` (cos, sin) int16 pairs at ``addr + POS·2k`` are fetched with a
    :class:`~dfvg_hw.operand_access.BlockReader` (any byte address; past device memory the
    memory port refuses it: BAD_ADDRESS through the controller's reset).
-3. **Spans.** ``src`` and ``dst`` (``rows × n·k`` int8) must lie in VMEM (BAD_ADDRESS),
-   checked before anything is written, as the model loads and stores whole operands.
-4. **Heads.** For row ``r`` and head ``h`` the ``k`` bytes at byte ``r·stride + h·k`` of
-   ``src`` are gathered (:class:`~dfvg_hw.operand_access.VmemWindow`), rotated as pairs
-   ``(x_i, x_{i+k/2})`` in one Rope beat, and scattered to the same place in ``dst``.
-   A head is read before it is written and a scatter touches only its own bytes, so the
-   compiler's in-place ROPE (``src == dst``) is exact; a ``dst`` overlapping ``src``
-   at another offset is not supported (the model reads every row before writing).
+3. **Heads.** Row ``r`` of ``src`` is ``n`` heads of ``k`` bytes side by side from byte
+   ``r·stride``. A :class:`~dfvg_hw.head_stream.HeadCutter` peeks the rows' lines a line
+   a cycle and offers the heads in order; each is rotated as pairs ``(x_i,
+   x_{i+k/2})`` in one Rope beat, and a :class:`~dfvg_hw.head_stream.HeadPacker` packs
+   the rotated heads into the same places of ``dst`` and pokes each line once it is
+   whole (a row's last line with the row's bytes only). A line is written only after
+   every head in it has been read, and never read again, so the compiler's in-place
+   ROPE (``src == dst``) is exact; a ``dst`` overlapping ``src`` at another offset is
+   not supported (the model reads every row before writing).
 
 Limit: ``k ≤ head_dim`` (one Rope beat per head; every head the compiler emits, since ATTN
 needs it). A larger even ``k`` faults PROGRAM where the model would rotate it.
 
-Heads overlap: head ``h + 1`` is gathered while the Rope rotates head ``h``, which is
-scattered once head ``h + 1`` has entered the Rope; a head costs its gather, ROTATE and
-its scatter (``2·(lines + 3) + 1``), and only a job's lone head waits out the Rope's
-latency. ``sim.elementwise_timing.rope_cycles`` has it to the cycle.
+Streaming: the table read and the cutter start together at the end of CHECK, so the
+first lines are peeked while the table row is on its way (the cutter holds a head and
+a line or two until the row is in); from then on a head enters the Rope every cycle its
+bytes are in, and the packer pokes a line a cycle behind it. A row costs its lines (or
+its heads, where a head is less than a line) rather than a gather, a rotation and a
+scatter per head; a job about the table read, its lines and the Rope's and the
+streams' few cycles of latency. ``sim.elementwise_timing.rope_cycles`` has it to the
+cycle.
 """
 
 from __future__ import annotations
 
-from amaranth import Cat, Module, Signal
+from amaranth import Module, Signal
 from amaranth.lib import wiring
+from amaranth.utils import exact_log2
 
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
-from dfvg_hw.operand_access import (BlockReader, VmemWindow, byte_mask, job_spans_outside,
-                                    window_request)
+from dfvg_hw.head_stream import HeadCutter, HeadPacker
+from dfvg_hw.operand_access import BlockReader, byte_mask, job_spans_outside
 from dfvg_hw.rope import Rope
 
 __all__ = ["RopeSequencer"]
-
 
 
 class RopeSequencer(wiring.Component):
@@ -61,10 +69,11 @@ class RopeSequencer(wiring.Component):
     error : Out(8)
         :class:`~dfvg_hw.spec.descriptors.ErrorCode` of the finished job.
     read_cmd, read_data : the memory port's read side (the table row)
-    peek_addr, peek_data, poke_en, poke_addr, poke_data : VMEM's random line ports
+    peek_addr, peek_data, poke_en, poke_addr, poke_data : VMEM's random line ports (the
+        cutter's peeks and the packer's pokes)
     vmem_rd_cmd, vmem_rd, vmem_wr_cmd, vmem_wr, vmem_wr_done, vmem_error : VMEM's span
-        ports; unused (heads sit at arbitrary byte offsets, so they go through the line
-        ports), their commands stay invalid.
+        ports; unused (the line ports read and write a line a cycle all the same, with
+        byte masks for the rows' tails), their commands stay invalid.
     """
 
     def __init__(self, config: EngineConfig, data_width: int):
@@ -81,29 +90,29 @@ class RopeSequencer(wiring.Component):
         pairs = D // 2
         rope = m.submodules.rope = Rope(c)
         table = m.submodules.table = BlockReader(c, self.data_width, 2 * D)
-        window = m.submodules.window = VmemWindow(c, D)
+        cutter = m.submodules.cutter = HeadCutter(c, D, lookahead=1)
+        packer = m.submodules.packer = HeadPacker(c, D)
         wiring.connect(m, table.read_cmd, wiring.flipped(self.read_cmd))
         wiring.connect(m, wiring.flipped(self.read_data), table.read_data)
-        m.d.comb += [self.peek_addr.eq(window.peek_addr), window.peek_data.eq(self.peek_data),
-                     self.poke_en.eq(window.poke_en), self.poke_addr.eq(window.poke_addr),
-                     self.poke_data.eq(window.poke_data)]
+        m.d.comb += [self.peek_addr.eq(cutter.peek_addr), cutter.peek_data.eq(self.peek_data),
+                     cutter.grant.eq(1),
+                     self.poke_en.eq(packer.poke_en), self.poke_addr.eq(packer.poke_addr),
+                     self.poke_data.eq(packer.poke_data)]
 
         job = Signal(OpJob())
         row_bytes = Signal(32)              # n·k
-        stride = Signal(32)                 # row_bytes in whole lines
-        row, head = Signal(8), Signal(16)
-        row_start = Signal(32)              # byte offset of the current row in src / dst
-        offset = Signal(32)                 # byte offset of the current head
         half = Signal(range(D // 2 + 1))    # k / 2: where b starts in a head
-        rotated = Signal(8 * D)
-        have = Signal()                     # `rotated` holds the Rope's latest head
-        pending = Signal()                  # a head has entered the Rope, not yet scattered
-        issued_offset = Signal(32)          # byte offset of the head last sent into the Rope
-        scatter_offset = Signal(32)         # ... and of the head to scatter next
-        issued_last = Signal()              # the head last sent in is the job's last
+        table_in = Signal()                 # the table row has come (BlockReader: done)
+        # the operand as the cutter reads it and the packer writes it: rows a stride of
+        # whole lines apart, heads side by side from a row's first byte
+        stride = (row_bytes + L - 1) >> exact_log2(L)
+        for port, line in ((cutter.run, job.src), (packer.run, job.dst)):
+            m.d.comb += [port.payload.line.eq(line), port.payload.skip.eq(0),
+                         port.payload.k.eq(job.k), port.payload.row_bytes.eq(row_bytes),
+                         port.payload.rows.eq(job.rows), port.payload.stride.eq(stride)]
 
-        # the Rope beat of the gathered head: a = x[0 … k/2), b = x[k/2 … k), the table row
-        x = window.data
+        # the Rope beat of the head on offer: a = x[0 … k/2), b = x[k/2 … k), the table row
+        x = cutter.heads.payload
         x_hi = x >> (half << 3)
         for j in range(pairs):
             m.d.comb += [rope.i.payload.a[j].eq(x.word_select(j, 8)),
@@ -112,21 +121,30 @@ class RopeSequencer(wiring.Component):
                          rope.i.payload.sin[j].eq(table.data.word_select(2 * j + 1, 16))]
         a_out = rope.o.payload.a.as_value() & byte_mask(half, pairs)
         b_out = rope.o.payload.b.as_value()
+        # heads stream cutter → Rope → packer once the table row is in (before it, the
+        # cutter fills its queue: the first lines' peeks hide behind the table read)
+        # (k = 0: the cutter's empty heads are not rotated, the job has none)
+        table_ready = (table_in | table.done) & (row_bytes != 0)
+        m.d.comb += [rope.i.valid.eq(cutter.heads.valid & table_ready),
+                     cutter.heads.ready.eq(rope.i.ready & table_ready),
+                     packer.heads.valid.eq(rope.o.valid), rope.o.ready.eq(packer.heads.ready),
+                     packer.heads.payload.eq(a_out | (b_out << (half << 3)))]
 
         def finish(code):
             m.d.sync += self.error.eq(code)
             m.next = "DONE"
 
-        with m.FSM(name="rope") as fsm:
+        with m.FSM(name="rope"):
             with m.State("IDLE"):
                 m.d.comb += self.job.ready.eq(1)
                 with m.If(self.job.valid):
                     p = self.job.payload
-                    m.d.sync += [job.eq(p), row_bytes.eq(p.n * p.k),
-                                 stride.eq((p.n * p.k + L - 1) // L * L),
-                                 half.eq(p.k >> 1), self.error.eq(ErrorCode.OK)]
+                    m.d.sync += [job.eq(p), row_bytes.eq(p.n * p.k), half.eq(p.k >> 1),
+                                 table_in.eq(0), self.error.eq(ErrorCode.OK)]
                     m.next = "CHECK"
             with m.State("CHECK"):
+                # the model's order; src and dst are checked before the table read too,
+                # as nothing is written before the read is done either way
                 with m.If(job.rows > c.rows):
                     finish(ErrorCode.PROGRAM)
                 with m.Elif(job.k[0]):
@@ -135,85 +153,23 @@ class RopeSequencer(wiring.Component):
                     finish(ErrorCode.KV_OVERFLOW)
                 with m.Elif(job.k > D):           # beyond this sequencer (module docstring)
                     finish(ErrorCode.PROGRAM)
-                with m.Else():
-                    m.next = "TABLE"
-            with m.State("TABLE"):
-                m.d.comb += [table.cmd.valid.eq(1),
-                             table.cmd.payload.addr.eq(job.addr + job.pos * 2 * job.k),
-                             table.cmd.payload.length.eq(2 * job.k)]
-                with m.If(table.cmd.ready):
-                    m.next = "TABLE_WAIT"
-            with m.State("TABLE_WAIT"):
-                with m.If(table.done):
-                    m.next = "SPANS"
-            with m.State("SPANS"):
-                m.d.sync += [row.eq(0), head.eq(0), row_start.eq(0), offset.eq(0),
-                             pending.eq(0), have.eq(0)]
-                with m.If(job_spans_outside(c, job, row_bytes, row_bytes)):
+                with m.Elif(job_spans_outside(c, job, row_bytes, row_bytes)):
                     finish(ErrorCode.BAD_ADDRESS)
-                with m.Elif(row_bytes == 0):      # n = 0 or k = 0: nothing to rotate
-                    finish(ErrorCode.OK)
                 with m.Else():
-                    m.next = "GATHER"
-            # Heads overlap: head h+1 is gathered while the Rope rotates head h, and head h
-            # is scattered after head h+1 has entered the Rope (the window's register then
-            # holds nothing still needed). `rotated` takes the Rope's output whenever it is
-            # free (not while a scatter of it is being requested).
-            with m.State("GATHER"):
-                m.d.comb += window_request(window, job.src * L + offset, job.k)
-                with m.If(window.cmd.ready):
-                    m.next = "GATHER_WAIT"
-            with m.State("GATHER_WAIT"):
-                with m.If(window.done):
-                    m.next = "ROTATE"
-            with m.State("ROTATE"):
-                m.d.comb += rope.i.valid.eq(1)
-                with m.If(rope.i.ready):
-                    m.d.sync += [head.eq(head + 1), offset.eq(offset + job.k),
-                                 issued_offset.eq(offset), scatter_offset.eq(issued_offset),
-                                 pending.eq(1)]
-                    last_head = (head + 1 == job.n) & (row + 1 == job.rows)
-                    with m.If(head + 1 == job.n):
-                        m.d.sync += [head.eq(0), row.eq(row + 1),
-                                     row_start.eq(row_start + stride),
-                                     offset.eq(row_start + stride)]
-                    m.d.sync += issued_last.eq(last_head)
-                    with m.If(pending):              # the head before: scatter it now
-                        m.next = "SCATTER"
-                    with m.Elif(last_head):          # the only head: wait for its rotation
-                        m.d.sync += scatter_offset.eq(offset)
-                        m.next = "SCATTER_LAST"
-                    with m.Else():
-                        m.next = "GATHER"
-            with m.State("SCATTER"):                 # the head before the one in the Rope
-                m.d.comb += window_request(window, job.dst * L + scatter_offset, job.k,
-                                           data=rotated)
-                with m.If(window.cmd.ready):
-                    m.d.sync += have.eq(0)
-                    m.next = "SCATTER_WAIT"
-            with m.State("SCATTER_WAIT"):
-                with m.If(window.done):
-                    m.d.sync += scatter_offset.eq(issued_offset)
-                    with m.If(issued_last):
-                        m.next = "SCATTER_LAST"
-                    with m.Else():
-                        m.next = "GATHER"
-            with m.State("SCATTER_LAST"):            # the last head, once rotated
-                with m.If(have):
-                    m.d.comb += window_request(window, job.dst * L + scatter_offset, job.k,
-                                               data=rotated)
-                    with m.If(window.cmd.ready):
-                        m.d.sync += have.eq(0)
-                        m.next = "SCATTER_LAST_WAIT"
-            with m.State("SCATTER_LAST_WAIT"):
-                with m.If(window.done):
+                    # the table row's read and the operand's first peeks start together
+                    m.d.comb += [table.cmd.valid.eq(1),
+                                 table.cmd.payload.addr.eq(job.addr + job.pos * 2 * job.k),
+                                 table.cmd.payload.length.eq(2 * job.k),
+                                 cutter.run.valid.eq(1), packer.run.valid.eq(1)]
+                    m.next = "RUN"
+            with m.State("RUN"):
+                with m.If(table.done):
+                    m.d.sync += table_in.eq(1)
+                    with m.If(row_bytes == 0):    # n = 0 or k = 0: nothing to rotate
+                        finish(ErrorCode.OK)
+                with m.If(packer.last):
                     finish(ErrorCode.OK)
             with m.State("DONE"):
                 m.d.comb += self.done.eq(1)
                 m.next = "IDLE"
-        # the Rope's output into `rotated`, except while a scatter of `rotated` is requested
-        m.d.comb += rope.o.ready.eq(~fsm.ongoing("SCATTER")
-                                    & ~(fsm.ongoing("SCATTER_LAST") & have))
-        with m.If(rope.o.valid & rope.o.ready):
-            m.d.sync += [rotated.eq(a_out | (b_out << (half << 3))), have.eq(1)]
         return m

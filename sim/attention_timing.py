@@ -13,6 +13,7 @@ from dfvg_hw.spec import kv_timing as kvt
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
+from sim.head_stream_timing import head_end_lines, run_lines
 from sim.timing_common import PortTiming, window_cycles
 
 __all__ = ["kvappend_cycles", "attn_cycles", "attn_job_cycles", "compaction_cycles"]
@@ -39,14 +40,26 @@ def compaction_cycles(config: EngineConfig, levels: int, slots: int) -> int:
 
 
 def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
-    """kv_sequencer.py: per head, gather K and V from VMEM, then append 2W words (into the
-    one bank that holds ``POS``)."""
+    """kv_sequencer.py: CHECK starts two head cutters (K from the row's first byte, V from
+    byte ``n·k``); SET_POS; then per head an APPEND of its K and V words (the KV buffer's
+    setup, then 2W words, into the one bank that holds ``POS``), the next APPEND in the
+    cycle after the last word. The cutters peek a head ahead of the one appended (K's
+    lines, then V's, from the cycle its predecessor left them), so a head's APPEND waits
+    for them only when its lines take longer than the APPEND before it."""
+    if n == 0:
+        return UNIT_OVERHEAD + tm.KVAPPEND_STATES
     w = _kv_words(config)
     line = config.vmem_line_bytes
-    base = src * line
-    heads = sum(window_cycles(base + h * k, k, line) + window_cycles(base + n * k + h * k, k, line)
-                + tm.KVAPPEND_HEAD_STATES + 2 * w for h in range(n))
-    return UNIT_OVERHEAD + tm.KVAPPEND_STATES + heads
+    per_append = tm.KVAPPEND_HEAD_STATES + 2 * w
+    ends = [head_end_lines(run_lines(n * k, 1, line, skip), k, n) for skip in (0, n * k % line)]
+    peeks = tm.KVAPPEND_CHECK + 1                  # SET_POS: the cutters' first peeks
+    append = peeks + 1                             # the first APPEND state
+    for h in range(n):
+        lines = sum(end[h] - (end[h - 1] if h else -1) for end in ends)
+        ready = peeks + lines + (tm.HEAD_CUTTER_LATENCY - 1 if lines else 1)
+        append = max(append, ready) if h == 0 else max(append + per_append, ready)
+        peeks = append                             # the heads leave: the next ones' peeks
+    return UNIT_OVERHEAD + append + per_append             # DONE
 
 
 def attn_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src: int, dst: int, pos: int,

@@ -15,8 +15,8 @@ from math import ceil
 
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.image import ACT_PARAM_BYTES, NORM_PARAM_BYTES
-from sim.timing_common import (NEVER, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, PortTiming, ReadCredit,
-                               window_cycles)
+from sim.head_stream_timing import streamed_heads
+from sim.timing_common import NEVER, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, PortTiming, ReadCredit
 
 __all__ = ["rmsnorm_cycles", "rmsnorm_gamma_reads", "actmul_cycles", "rope_cycles"]
 
@@ -310,21 +310,19 @@ def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, a
 
 
 def rope_cycles(port: PortTiming, n: int, k: int, rows: int, addr: int, pos: int) -> int:
-    """rope_sequencer.py: the table row of ``POS`` (whole beats), then per head its gather
-    (lines + 3), ROTATE (1) and the previous head's scatter (lines + 3): the Rope's
-    latency hides behind the next gather, except for a job's only head."""
+    """rope_sequencer.py: CHECK starts the table row's read of ``POS`` (whole beats) and
+    the operand's stream together; the heads go cutter → Rope → packer a line a cycle
+    once the table row is in (:func:`~sim.head_stream_timing.streamed_heads`), and the
+    job is done a cycle after the last line is poked."""
     if k == 0:
-        # An empty table row is done without a read (BlockReader: IDLE, then DONE at once)
-        # and SPANS finds nothing to rotate, whatever n.
-        return UNIT_OVERHEAD + tm.ROPE_SETUP_STATES + 1 + tm.ROPE_DONE
-    row_addr = addr + pos * 2 * k
-    beats = ceil((row_addr % port.bus_bytes + 2 * k) / port.bus_bytes)
-    spans = (tm.ROPE_SETUP_STATES + READ_OVERHEAD + port.latency
-             + port.at(row_addr).beat_offset(beats - 1)
-             + tm.BLOCK_READ_DONE)
-    # heads overlap: head h+1's gather hides head h's rotation, so a head costs its
-    # gather, ROTATE and its scatter; only a lone head waits for the Rope
-    per_row = sum(window_cycles(h * k, k, port.line) + tm.ROPE_HEAD_STATES
-                  + window_cycles(h * k, k, port.line) for h in range(n))
-    lone = tm.ROPE_LATENCY if rows * n == 1 else 0
-    return UNIT_OVERHEAD + spans + rows * per_row + lone + tm.ROPE_DONE
+        # an empty table row is done without a read (BlockReader: IDLE, then DONE at once)
+        table = tm.ROPE_CHECK + 1
+    else:
+        row_addr = addr + pos * 2 * k
+        beats = ceil((row_addr % port.bus_bytes + 2 * k) / port.bus_bytes)
+        table = (tm.ROPE_CHECK + READ_OVERHEAD + port.latency
+                 + port.at(row_addr).beat_offset(beats - 1) + tm.BLOCK_READ_DONE)
+    if n * k == 0:                                 # nothing to rotate once the table is in
+        return UNIT_OVERHEAD + table + tm.ROPE_DONE
+    last = streamed_heads(n, k, rows, port.line, tm.ROPE_CHECK + 1, table)
+    return UNIT_OVERHEAD + last + tm.ROPE_DONE

@@ -274,18 +274,23 @@ ACTMUL_TABLE_TO_ROWS = 3
 #: ActMulSequencer: ROW_ALIGN, ROW_CMD, VMEM's read latency and the up-half LineAligner
 #: before a row's first (gate, up) pair (plus the lines the aligner drops).
 ACTMUL_ROW_START = 1 + 1 + VMEM_READ_LATENCY + LINE_ALIGNER_LATENCY
-#: RopeSequencer: CHECK, TABLE, SPANS around the table row's read.
-ROPE_SETUP_STATES = 3
-#: RopeSequencer per head besides the two window accesses: ROTATE (the Rope's latency hides
-#: behind the next head's gather; a job's only head waits for it).
-ROPE_HEAD_STATES = 1
+#: RopeSequencer: CHECK, whose last cycle starts the table row's read and the heads' streams.
+ROPE_CHECK = 1
 #: RopeSequencer: DONE.
 ROPE_DONE = 1
-#: KvSequencer, KVAPPEND: CHECK, SET_POS, DONE.
+#: HeadCutter: a line peeked in cycle ``p`` has its bytes on offer from cycle ``p + 2``
+#: (VMEM's peek register, then the cutter's queue).
+HEAD_CUTTER_LATENCY = 2
+#: HeadPacker: a head taken in cycle ``u`` is in the queue, and the line it completes can be
+#: poked, from cycle ``u + 1``.
+HEAD_PACKER_LATENCY = 1
+#: KvSequencer, KVAPPEND: CHECK, SET_POS, DONE (a job of no heads is just these).
 KVAPPEND_STATES = 3
-#: KvSequencer, KVAPPEND per head besides the gathers and the 2W words: APPEND, the KV
-#: buffer's append setup, APPENDED.
-KVAPPEND_HEAD_STATES = 3
+#: KvSequencer, KVAPPEND per head besides its 2W words: APPEND and the KV buffer's append
+#: setup (the next head's APPEND, or DONE, follows the last word at once).
+KVAPPEND_HEAD_STATES = 2
+#: KvSequencer, KVAPPEND: CHECK, whose last cycle starts the K and V head cutters.
+KVAPPEND_CHECK = 1
 #: KvSequencer, ATTN: CHECK before PARAMS; GROUPS after the parameter block.
 ATTN_CHECK = 1
 ATTN_GROUPS = 1

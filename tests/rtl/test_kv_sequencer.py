@@ -328,6 +328,46 @@ def test_wider_lines(line):
     assert errors == [OK] * len(jobs)
 
 
+#: an ATTN parameter block with G = 4: all of tiny's KV slots as layer 0's KV heads
+G4 = 0x3070
+#: (config, data_width) of the streamed-append cases: 16-byte lines and heads of one
+#: line (two KV words an entry); heads of four lines into 2 banks (an entry a word, so
+#: a head's lines take longer than its APPEND); 64-byte lines into 8 banks (alveo-u55c's)
+STREAMED = {"l16": (TINY.with_changes(kv_positions=8), 128),
+            "l16-d64-b2": (TINY.with_changes(head_dim=64, kv_banks=2, kv_positions=8), 128),
+            "l64-b8": (wide_line(64, TINY.with_changes(kv_positions=8))[0].with_changes(kv_banks=8),
+                       512)}
+
+
+@pytest.mark.parametrize("name", list(STREAMED))
+def test_streamed_appends(name):
+    """KVAPPENDs of 4 KV heads of any k (odd ones too, so the V half starts inside a
+    line and heads end inside lines) from rows at any line, two at a position (the second
+    leaving the first's bytes past its k), read back by ATTNs of 4 query heads over the 4
+    KV heads at k = head_dim, halfway and over every position (every byte of every entry
+    counts); VMEM and errors as the functional model's, every job in the cycle model's
+    cycles."""
+    config, data_width = STREAMED[name]
+    D, lines = config.head_dim, config.vmem_bytes // config.vmem_line_bytes
+    rng = np.random.default_rng(60 + D + config.kv_banks)
+    memory = _memory(rng)
+    block = np.zeros(ATTN_PARAM_BYTES // 4, "<u4")
+    block[:2] = [int(rng.integers(200, 4000)) | 16 << 16, 4]
+    memory.write(G4, block.tobytes())
+    positions = 8 if D == 16 else 3
+    jobs = []
+    for pos in range(positions):
+        for k in (int(rng.choice([D, int(rng.integers(1, D))])), int(rng.integers(1, D))):
+            row_lines = -(-8 * k // config.vmem_line_bytes)
+            jobs.append(_append(4, k, int(rng.integers(0, lines // 2 - row_lines)), pos))
+        if pos in (positions // 2, positions - 1):
+            jobs.append(_attn(4, D, int(rng.integers(0, lines // 2)),
+                              int(rng.integers(lines // 2, lines - 8)), pos, G4, wide=pos % 2))
+    errors = _run(rng, jobs, memory, config=config, data_width=data_width)
+    assert errors == [OK] * len(jobs)
+    assert sum(j["n"] * j["k"] for j in jobs if j["opcode"] == Op.KVAPPEND) >= 500
+
+
 @pytest.mark.parametrize("name", ["b1", "b2"])
 def test_lint_clean(name):
     seq = KvSequencer(BANKED.get(name, TINY), 128)

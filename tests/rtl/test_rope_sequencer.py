@@ -1,6 +1,7 @@
 """RopeSequencer against the functional model's ROPE (sim/op_bench.py): many heads and
 rows at every byte offset, in place and not, table rows at every bus offset, and the
-faults in the model's order."""
+faults in the model's order; heads streamed over 16-, 32- and 64-byte lines, heads of
+several lines and rows ending inside a line, in the cycle model's cycles."""
 
 from __future__ import annotations
 
@@ -143,3 +144,43 @@ def test_wider_lines(line):
     cycles = []
     assert _run(rng, jobs, data_width=data_width, config=config, cycles=cycles) == [OK] * len(jobs)
     assert cycles == [model_cycles(config, data_width, job) for job in jobs]
+
+
+def _stream_jobs(rng, count, config):
+    """ROPEs of up to ``config.rows`` rows (half of them ≥ 2) of up to 24 heads of any
+    even ``k ≤ head_dim`` (so rows often end inside a line), at any position; in place,
+    or into lines that do not overlap the source."""
+    L, lines = config.vmem_line_bytes, config.vmem_bytes // config.vmem_line_bytes
+    jobs = []
+    while len(jobs) < count:
+        rows = int(rng.integers(2, config.rows + 1)) if len(jobs) % 2 else 1
+        n = int(rng.integers(1, 25))
+        k = 2 * int(rng.integers(1, config.head_dim // 2 + 1))
+        span = rows * -(-n * k // L)
+        if 2 * span > lines:
+            continue
+        src = int(rng.integers(0, lines - span + 1))
+        dst = src
+        if rng.random() < 0.5:                  # apart: before or after the source
+            free = [d for d in (int(rng.integers(0, lines - span + 1)) for _ in range(8))
+                    if d + span <= src or src + span <= d]
+            dst = free[0] if free else src
+        jobs.append(_rope(rows, n, k, src, dst, int(rng.integers(0, config.kv_positions))))
+    return jobs
+
+
+@pytest.mark.parametrize("line, head_dim", [(16, 64), (32, 64), (64, 64)])
+def test_streamed_heads(line, head_dim):
+    """Heads streamed through the cutter, the Rope and the packer: 16-byte lines under
+    heads of up to four lines, 32-byte lines, and 64-byte lines (alveo-u55c's) with up
+    to 24 heads a row and 4 rows, rows ending inside a line; VMEM as the functional
+    model's, every job in the cycle model's cycles (the cutter held up by its queue until
+    the table row is in, then by its lines)."""
+    from sequencer_cases import model_cycles
+    config, data_width = wide_line(line, TINY.with_changes(rows=4, head_dim=head_dim))
+    rng = np.random.default_rng(50 + line)
+    jobs = _stream_jobs(rng, 6, config)
+    cycles = []
+    assert _run(rng, jobs, data_width=data_width, config=config, cycles=cycles) == [OK] * len(jobs)
+    assert cycles == [model_cycles(config, data_width, job) for job in jobs]
+    assert sum(j["rows"] * j["n"] * j["k"] for j in jobs) >= 1000
