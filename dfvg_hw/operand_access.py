@@ -1,4 +1,5 @@
-"""Operand access for the sequencers that work one head at a time (ROPE, KVAPPEND, ATTN).
+"""Operand access for the sequencers that work one head at a time (ATTN; ROPE and KVAPPEND
+stream theirs through :mod:`dfvg_hw.head_stream`).
 
 Their operands are short runs of bytes at arbitrary byte offsets — head ``h`` of a row
 starts at byte ``h·k``, and ``k`` need not be a multiple of anything — in VMEM and in
