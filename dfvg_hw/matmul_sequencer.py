@@ -358,6 +358,109 @@ class MatmulSequencer(wiring.Component):
         m.d.comb += [self.job.ready.eq(0), mx.res.valid.eq(0)]
         peek_live = Signal()            # peek_data answers a STREAM peek (set in STREAM)
         m.d.sync += peek_live.eq(0)
+        # -- the pass's weights and requant records: read from the pass's start ---------------
+        # (the weights do not depend on x: the reads run while x loads, and the packer,
+        # the aligner and the memory port hold their beats until the stream takes tiles)
+        fetching = Signal()             # PASS … STREAM
+        cmd_group, cmd_q = Signal(16), Signal()
+        data_q, data_beats, data_group = Signal(), Signal(32), Signal(16)
+
+        # The records of G = B/R groups share a beat (R < B): on a beat-aligned block
+        # (the compiler's) with k > 0 one read of the beat serves them all, made with
+        # the first group's tiles; otherwise one read per group. G differs with BIAS.
+        G = {b: matmul_records_per_beat(beat_bytes, N, b) for b in (False, True)}
+        if G[False] > 1:            # (G[True] > 1 only if G[False] > 1; G = 1: a batch of one)
+            batched = (job.addr[:offset_bits] == 0) & ~k_zero
+            g_batch = Mux(bias, G[True], G[False])
+
+            def needs_q(g):
+                return ~batched | ((g & (g_batch - 1)) == 0)
+
+            def q_groups(g):        # groups whose records a read for group g brings
+                left = n_groups - g
+                return Mux(batched, Mux(left < g_batch, left, g_batch), 1)
+        else:
+            batched = 0
+
+            def needs_q(g):
+                return 1
+
+            def q_groups(g):
+                return 1
+        # mx.q shows the words of group q_group while q_group < q_end (q_end: one past
+        # the last group whose words are in qbuf); a read's beats enter at q_group == q_end
+        q_group, q_end = Signal(16), Signal(16)
+        # BLOCKS: the packer's next tile is a run's scale tile until it is taken into
+        # `scales` (at once, whatever the matrix unit does); the run's weight tiles
+        # then each take their lanes' multipliers from it
+        kt = Signal(16)                 # the K-tile the matrix unit takes next
+        scales, scales_in = Signal(8 * N * K), Signal()
+        scale_tile = blocks & ~scales_in
+        with m.If(fetching):
+            tile_beats = N * g_tiles * K // beat_bytes
+            q_beats = {b: max(1, requant_record_bytes(N, b) // beat_bytes) for b in (False, True)}
+            # commands: tiles of group g (none when k = 0), then its requant record; each
+            # from the bus-aligned address below its first byte
+            is_q = cmd_q | k_zero
+            q_addr = job.addr + weight_bytes + record_offset(cmd_group)
+            tile_addr = job.addr + cmd_group * N * g_tiles * K
+            cmd_addr = Mux(is_q, q_addr, tile_addr)
+            cmd_offset = cmd_addr[:offset_bits]
+            with m.If(cmd_group < n_groups):
+                m.d.comb += [
+                    self.read_cmd.valid.eq(1),
+                    self.read_cmd.payload.addr.eq(cmd_addr & ~(beat_bytes - 1)),
+                    self.read_cmd.payload.length.eq(
+                        cmd_offset + Mux(is_q, record_offset(q_groups(cmd_group)),
+                                         N * g_tiles * K)),
+                ]
+                with m.If(self.read_cmd.ready):
+                    with m.If(is_q):
+                        m.d.sync += [cmd_q.eq(0), cmd_group.eq(cmd_group + 1)]
+                    with m.Elif(needs_q(cmd_group)):
+                        m.d.sync += cmd_q.eq(1)
+                    with m.Else():          # its words come with an earlier group's
+                        m.d.sync += cmd_group.eq(cmd_group + 1)
+            # data: aligned beats to the tile packer or the record register. The tiles
+            # of every group share the block's offset (a group's tiles are whole beats);
+            # the record of group g starts R·g bytes after the tiles.
+            in_q = data_q | k_zero
+            q_data_offset = (job.addr + weight_bytes + record_offset(data_group))[:offset_bits]
+            job_q_beats = Mux(bias, q_beats[True], q_beats[False])
+            m.d.comb += [align.offset.eq(Mux(in_q, q_data_offset, job.addr[:offset_bits])),
+                         align.final.eq(data_beats + 1 == Mux(in_q, job_q_beats, tile_beats))]
+            wiring.connect(m, wiring.flipped(self.read_data), align.i)
+            beat = align.o
+            qbuf = Signal(max(64 * N, DW))
+            q_full = q_group != q_end
+            m.d.comb += tiles.i.p.eq(beat.p)
+            with m.If(~in_q):
+                m.d.comb += [tiles.i.valid.eq(beat.valid), beat.ready.eq(tiles.i.ready)]
+                with m.If(beat.valid & tiles.i.ready):
+                    m.d.sync += data_beats.eq(data_beats + 1)
+                    with m.If(data_beats + 1 == tile_beats):
+                        m.d.sync += data_beats.eq(0)
+                        with m.If(needs_q(data_group)):
+                            m.d.sync += data_q.eq(1)
+                        with m.Else():
+                            m.d.sync += data_group.eq(data_group + 1)
+            with m.Else():
+                m.d.comb += beat.ready.eq(~q_full)
+                with m.If(beat.valid & ~q_full):
+                    if q_beats[True] > 1:
+                        m.d.sync += qbuf.word_select(data_beats[:exact_log2(q_beats[True])],
+                                                     DW).eq(beat.p)
+                    else:
+                        m.d.sync += qbuf.eq(beat.p)
+                    m.d.sync += data_beats.eq(data_beats + 1)
+                    with m.If(data_beats + 1 == job_q_beats):
+                        m.d.sync += [data_beats.eq(0), data_q.eq(0),
+                                     q_end.eq(data_group + q_groups(data_group)),
+                                     data_group.eq(data_group + 1)]
+            m.d.comb += tiles.o.ready.eq(scale_tile)
+            with m.If(tiles.o.valid & scale_tile):
+                m.d.sync += [scales.eq(tiles.o.p), scales_in.eq(1)]
+
         with m.FSM(name="matmul"):
             with m.State("IDLE"):
                 m.d.comb += self.job.ready.eq(1)
@@ -413,11 +516,13 @@ class MatmulSequencer(wiring.Component):
 
             # -- x load ---------------------------------------------------------------------------
             with m.State("PASS"):
+                m.d.comb += fetching.eq(1)
                 rows_left = job.rows - first
                 m.d.sync += pass_rows.eq(Mux(rows_left > per_pass, per_pass, rows_left))
                 m.next = "X_CMD"
             x_row, x_kt = Signal(8), Signal(16)
             with m.State("X_CMD"):
+                m.d.comb += fetching.eq(1)
                 # the pass's rows as one span, or (x_row_spans) row x_row alone
                 with m.If(k_zero):              # an empty row: VMEM would stream nothing
                     m.next = "CHECK"
@@ -430,6 +535,7 @@ class MatmulSequencer(wiring.Component):
                     with m.If(self.vmem_rd_cmd.ready):
                         m.next = "X_LOAD"
             with m.State("X_LOAD"):
+                m.d.comb += fetching.eq(1)
                 src = self.vmem_rd
                 for cut in (cut8, cut16):
                     m.d.comb += [cut.i.payload.data.eq(src.payload.data),
@@ -474,6 +580,7 @@ class MatmulSequencer(wiring.Component):
                     m.d.sync += [self.error.eq(ErrorCode.BAD_ADDRESS), x_kt.eq(0), x_row.eq(0)]
                     m.next = "DONE"
             with m.State("CHECK"):
+                m.d.comb += fetching.eq(1)
                 # (the checks are made in RANGE; this cycle starts the pass's stream)
                 # (a LOGITS job's vector starts once, before its first pass)
                 m.d.comb += [self.logits_begin.eq((mode == MatmulMode.LOGITS) & (first == 0)),
@@ -483,97 +590,10 @@ class MatmulSequencer(wiring.Component):
                 with m.Else():
                     m.next = "STREAM"
 
-            # -- stream weights and requant records; write results back ----------------------------
-            cmd_group, cmd_q = Signal(16), Signal()
-            data_q, data_beats, data_group = Signal(), Signal(32), Signal(16)
+            # -- stream: tiles meet x; write results back ----------------------------------------
             out_group = Signal(16)
-
-            # The records of G = B/R groups share a beat (R < B): on a beat-aligned block
-            # (the compiler's) with k > 0 one read of the beat serves them all, made with
-            # the first group's tiles; otherwise one read per group. G differs with BIAS.
-            G = {b: matmul_records_per_beat(beat_bytes, N, b) for b in (False, True)}
-            if G[False] > 1:            # (G[True] > 1 only if G[False] > 1; G = 1: a batch of one)
-                batched = (job.addr[:offset_bits] == 0) & ~k_zero
-                g_batch = Mux(bias, G[True], G[False])
-
-                def needs_q(g):
-                    return ~batched | ((g & (g_batch - 1)) == 0)
-
-                def q_groups(g):        # groups whose records a read for group g brings
-                    left = n_groups - g
-                    return Mux(batched, Mux(left < g_batch, left, g_batch), 1)
-            else:
-                batched = 0
-
-                def needs_q(g):
-                    return 1
-
-                def q_groups(g):
-                    return 1
-            # mx.q shows the words of group q_group while q_group < q_end (q_end: one past
-            # the last group whose words are in qbuf); a read's beats enter at q_group == q_end
-            q_group, q_end = Signal(16), Signal(16)
             with m.State("STREAM"):
-                tile_beats = N * g_tiles * K // beat_bytes
-                q_beats = {b: max(1, requant_record_bytes(N, b) // beat_bytes) for b in (False, True)}
-                # commands: tiles of group g (none when k = 0), then its requant record; each
-                # from the bus-aligned address below its first byte
-                is_q = cmd_q | k_zero
-                q_addr = job.addr + weight_bytes + record_offset(cmd_group)
-                tile_addr = job.addr + cmd_group * N * g_tiles * K
-                cmd_addr = Mux(is_q, q_addr, tile_addr)
-                cmd_offset = cmd_addr[:offset_bits]
-                with m.If(cmd_group < n_groups):
-                    m.d.comb += [
-                        self.read_cmd.valid.eq(1),
-                        self.read_cmd.payload.addr.eq(cmd_addr & ~(beat_bytes - 1)),
-                        self.read_cmd.payload.length.eq(
-                            cmd_offset + Mux(is_q, record_offset(q_groups(cmd_group)),
-                                             N * g_tiles * K)),
-                    ]
-                    with m.If(self.read_cmd.ready):
-                        with m.If(is_q):
-                            m.d.sync += [cmd_q.eq(0), cmd_group.eq(cmd_group + 1)]
-                        with m.Elif(needs_q(cmd_group)):
-                            m.d.sync += cmd_q.eq(1)
-                        with m.Else():          # its words come with an earlier group's
-                            m.d.sync += cmd_group.eq(cmd_group + 1)
-                # data: aligned beats to the tile packer or the record register. The tiles
-                # of every group share the block's offset (a group's tiles are whole beats);
-                # the record of group g starts R·g bytes after the tiles.
-                in_q = data_q | k_zero
-                q_data_offset = (job.addr + weight_bytes + record_offset(data_group))[:offset_bits]
-                job_q_beats = Mux(bias, q_beats[True], q_beats[False])
-                m.d.comb += [align.offset.eq(Mux(in_q, q_data_offset, job.addr[:offset_bits])),
-                             align.final.eq(data_beats + 1 == Mux(in_q, job_q_beats, tile_beats))]
-                wiring.connect(m, wiring.flipped(self.read_data), align.i)
-                beat = align.o
-                qbuf = Signal(max(64 * N, DW))
-                q_full = q_group != q_end
-                m.d.comb += tiles.i.p.eq(beat.p)
-                with m.If(~in_q):
-                    m.d.comb += [tiles.i.valid.eq(beat.valid), beat.ready.eq(tiles.i.ready)]
-                    with m.If(beat.valid & tiles.i.ready):
-                        m.d.sync += data_beats.eq(data_beats + 1)
-                        with m.If(data_beats + 1 == tile_beats):
-                            m.d.sync += data_beats.eq(0)
-                            with m.If(needs_q(data_group)):
-                                m.d.sync += data_q.eq(1)
-                            with m.Else():
-                                m.d.sync += data_group.eq(data_group + 1)
-                with m.Else():
-                    m.d.comb += beat.ready.eq(~q_full)
-                    with m.If(beat.valid & ~q_full):
-                        if q_beats[True] > 1:
-                            m.d.sync += qbuf.word_select(data_beats[:exact_log2(q_beats[True])],
-                                                         DW).eq(beat.p)
-                        else:
-                            m.d.sync += qbuf.eq(beat.p)
-                        m.d.sync += data_beats.eq(data_beats + 1)
-                        with m.If(data_beats + 1 == job_q_beats):
-                            m.d.sync += [data_beats.eq(0), data_q.eq(0),
-                                         q_end.eq(data_group + q_groups(data_group)),
-                                         data_group.eq(data_group + 1)]
+                m.d.comb += fetching.eq(1)
                 records = []            # group q_group's record: without BIAS, then with it
                 for b in (False, True):
                     record_bits = 8 * requant_record_bytes(N, b)
@@ -593,14 +613,9 @@ class MatmulSequencer(wiring.Component):
                 with m.If(mx.q.valid & mx.q.ready):
                     m.d.sync += q_group.eq(q_group + 1)
                 # tiles meet x-buffer entries: the read port shows entry `x_at`
-                kt, x_at, zero_tiles = Signal(16), Signal(16), Signal(16)
+                x_at, zero_tiles = Signal(16), Signal(16)
                 take = mx.w.valid & mx.w.ready
                 next_kt = Mux(kt + 1 == k_tiles, 0, kt + 1)
-                # BLOCKS: the packer's next tile is a run's scale tile until it is taken into
-                # `scales` (at once, whatever the matrix unit does); the run's weight tiles
-                # then each take their lanes' multipliers from it
-                scales, scales_in = Signal(8 * N * K), Signal()
-                scale_tile = blocks & ~scales_in
                 run_end = (kt[:exact_log2(T)] == T - 1) | (kt + 1 == k_tiles)
                 m.d.comb += [xr.addr.eq(Mux(take, next_kt, kt)),
                              mx.w.valid.eq(Mux(k_zero, zero_tiles < n_groups,
@@ -615,8 +630,6 @@ class MatmulSequencer(wiring.Component):
                         Mux(blocks, scales.word_select(kt[:exact_log2(T)], 16 * N),
                             Cat(*(Const(1, 16) for _ in range(N)))))
                 m.d.sync += x_at.eq(xr.addr)
-                with m.If(tiles.o.valid & scale_tile):
-                    m.d.sync += [scales.eq(tiles.o.p), scales_in.eq(1)]
                 with m.If(take):
                     m.d.sync += kt.eq(next_kt)
                     with m.If(k_zero):

@@ -158,11 +158,15 @@ class _Accumulate:
     With ``BLOCKS`` every ``scale_period``-th tile of a group's read, from its first, is a
     scale tile: the sequencer takes it into its multiplier register the cycle it is
     complete, whether the pipeline advances or not.
+
+    The reads start with the row pass, ahead of the x load: the matrix unit takes no tile
+    before the stream's first cycle ``start`` (a scale tile is taken whenever complete).
     """
 
-    def __init__(self, beats_per_tile: int, scale_period: int = 0):
+    def __init__(self, beats_per_tile: int, scale_period: int = 0, start: int = 0):
         self.beats_per_tile = beats_per_tile
         self.scale_period = scale_period
+        self.start = start
         self.stalls = _Stalls()
         self.tile_taken = NEVER         #: cycle the matrix unit took the latest tile
 
@@ -172,14 +176,14 @@ class _Accumulate:
             t = max(t, self.tile_taken)
         if i % self.beats_per_tile == self.beats_per_tile - 1:
             scale = self.scale_period and (i // self.beats_per_tile) % self.scale_period == 0
-            self.tile_taken = t + 1 if scale else self.stalls.moves(t + 1)
+            self.tile_taken = t + 1 if scale else self.stalls.moves(max(t + 1, self.start))
         return t
 
     def free(self, t: int) -> bool:
         """Whether beats offered one a cycle from ``t`` are all taken as they come: the
         latest tile is taken and the pipeline does not stop from ``t`` on (a stall
-        starts with a group's last tile, after its beats)."""
-        return self.tile_taken <= t and self.stalls.last_end <= t
+        starts with a group's last tile, after its beats) or waits for the stream's start."""
+        return self.tile_taken <= t and self.stalls.last_end <= t and self.start <= t
 
     def skip(self, i: int, count: int, t: int):
         """Beats ``i … i + count − 1`` taken in cycles ``t …`` (see :meth:`free`)."""
@@ -189,7 +193,7 @@ class _Accumulate:
 
     def zero_tile(self) -> int:
         """k = 0: the sequencer offers one zero tile per group from the stream's start."""
-        self.tile_taken = self.stalls.moves(max(0, self.tile_taken + 1))
+        self.tile_taken = self.stalls.moves(max(self.start, self.tile_taken + 1))
         return self.tile_taken
 
     def bank(self, prev_done: int) -> int:
@@ -255,9 +259,10 @@ def _q_batch(bus_bytes: int, lanes: int, addr: int, k_tiles: int, bias: bool) ->
 
 def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_tiles: int,
                    pass_rows: int, hold: int, addr: int, q_addr: int, line_of,
-                   bias: bool = False, blocks: bool = False) -> int:
-    """Cycles of the MATMUL sequencer's STREAM state for one row pass (matmul_sequencer.py),
-    counted from the state's first cycle (its first read command).
+                   bias: bool = False, blocks: bool = False, start: int = 0) -> int:
+    """Cycles of one row pass of the MATMUL sequencer (matmul_sequencer.py) from PASS, where
+    the pass's first read command is offered, to the end of its STREAM state, which starts
+    in cycle ``start`` (after the x load): no tile enters the matrix unit before it.
 
     Reads, per group ``g``: its tiles (``lanes·k_tiles·reduce`` bytes from ``addr``, none
     when ``k = 0``: a zero tile is offered instead) and then its requant record
@@ -276,7 +281,7 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
     """
     B = port.bus_bytes
     reads = ReadPath(port)
-    acc = _Accumulate(lanes * reduce // B, scale_run_tiles(reduce) + 1 if blocks else 0)
+    acc = _Accumulate(lanes * reduce // B, scale_run_tiles(reduce) + 1 if blocks else 0, start)
     wb = _WriteBack(hold, max(1, RES_BYTES * lanes // port.line), line_of)
     tile_bytes = lanes * reduce * group_tiles(k_tiles, reduce, blocks)
     q_bytes = requant_record_bytes(lanes, bias)
@@ -307,6 +312,8 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     """Cycles of a MATMUL from the controller's FETCH to its RETIRE (matmul_sequencer.py):
     :data:`UNIT_OVERHEAD`, RANGE and DONE, then per row pass PASS, X_CMD, the x load (none
     when ``k = 0``), CHECK, STREAM (none when ``n = 0``: CHECK goes to DONE) and NEXT_PASS.
+    The pass's weight and requant reads start with PASS and run during the x load; its tiles
+    wait for STREAM, where the packer, the aligner and the memory port hold their beats.
 
     The x load: VMEM's read latency, then one x slice a cycle (a VMEM line cut into
     ``line / slice`` slices, the padding slices of a row's last line included) or, for
@@ -343,13 +350,16 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
         x_load = tm.VMEM_READ_LATENCY + pass_rows * slices_per_row if k else 0
         if k and row_spans:
             x_load += (pass_rows - 1) * tm.MATMUL_ROW_SPAN
-        total += tm.MATMUL_PASS_STATES + x_load
+        # the weight reads start with PASS; the stream with the cycle after CHECK
+        start = tm.MATMUL_PASS_STATES + x_load
         if not groups:                              # nothing to compute: CHECK ends the MATMUL
+            total += start
             break
         def line_of(g, r, first=first):         # residual row of group g, row r: first line
             return dst + ((first + r) * row_stride + g * RES_BYTES * lanes) // line
         total += tm.MATMUL_NEXT_PASS + _matmul_stream(port, lanes, reduce, groups, k_tiles, pass_rows, hold,
                                     page_offset, page_offset + weight_area_bytes(n, k, lanes, reduce, blocks),
-                                    line_of if mode == MatmulMode.RESADD else None, bias, blocks)
+                                    line_of if mode == MatmulMode.RESADD else None, bias, blocks,
+                                    start)
         first += pass_rows
     return total
