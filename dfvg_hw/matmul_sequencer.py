@@ -24,6 +24,13 @@ wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits
    the residual read from the same place first, INT32: int32) or, in LOGITS mode, to the
    logit buffer.
 
+The weights do not depend on x, so a pass's reads (2.'s tiles and records) are issued from
+the pass's first state (PASS), before and during the x load: the memory latency runs
+beside the x load, and the first beats wait in the tile packer, the aligner and the memory
+port's ``read_data`` register (the memory holding the rest back) until STREAM, where the
+matrix unit takes tiles (a scale tile is taken into ``scales`` as it completes, whenever
+that is). A pass after the first reads its weights again from its own PASS.
+
 **Checks**, all before the first pass and in the functional model's order, so a refused
 MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), ``BLOCKS`` on an engine
 built without block multipliers (``PROGRAM``: ``EngineConfig.weight_blocks``; no scale
@@ -76,8 +83,10 @@ group, and passes follow each other, so each row's tiles arrive in group order.
   one more cycle to start each row). LOGITS rows go to the logit buffer as one ``N``-lane tile.
 
 **Timing.** At ``tiny`` (every result row inside one line, requant words one beat,
-blocks bus-aligned) the sequencer takes exactly the cycles of the one-line sequencer
-before it (tests/rtl/test_matmul_sequencer.py pins them). Wider rows cost more at the
+blocks bus-aligned) the sequencer takes the cycles of the one-line sequencer before it
+less what the early weight reads overlap (tests/rtl/test_matmul_sequencer.py pins them): a
+pass's stream now starts ``max(x load, memory latency)`` rather than their sum after PASS
+(``x load`` being X_CMD, VMEM's latency and the slices, a span per row with a pitch). Wider rows cost more at the
 output: a group row holds the write-back for ``W = max(1, N/16)`` cycles in INT8,
 ``R + 1`` in RESADD (``R = max(1, 4N/16)`` residual lines read, the same ``R`` lines
 written; a group's first residual is read in advance), ``R`` in INT32 (no residual), 1 in
@@ -576,7 +585,9 @@ class MatmulSequencer(wiring.Component):
                             m.next = "CHECK"
                         with m.Elif(x_row_spans):
                             m.next = "X_CMD"
-                with m.If(self.vmem_error):     # not expected: the span was checked
+                # not expected: the span was checked (reads already issued would stay in
+                # flight, so this guard is no recovery, only a loud stop)
+                with m.If(self.vmem_error):
                     m.d.sync += [self.error.eq(ErrorCode.BAD_ADDRESS), x_kt.eq(0), x_row.eq(0)]
                     m.next = "DONE"
             with m.State("CHECK"):
