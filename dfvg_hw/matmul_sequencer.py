@@ -25,11 +25,15 @@ wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits
    logit buffer.
 
 The weights do not depend on x, so a pass's reads (2.'s tiles and records) are issued from
-the pass's first state (PASS), before and during the x load: the memory latency runs
-beside the x load, and the first beats wait in the tile packer, the aligner and the memory
-port's ``read_data`` register (the memory holding the rest back) until STREAM, where the
-matrix unit takes tiles (a scale tile is taken into ``scales`` as it completes, whenever
-that is). A pass after the first reads its weights again from its own PASS.
+the pass's first state (PASS), before and during the x load, and the x load does not wait
+for the stream either: the matrix unit takes the first group's tile ``kt`` as soon as
+x-buffer entry ``kt`` holds every row of the pass
+(:data:`~dfvg_hw.spec.timing.MATMUL_X_TO_TILE` cycles after the last row's slice ``kt``),
+while the later slices still load. Beats that come before their x wait in the tile packer,
+the aligner and the memory port's ``read_data`` register (the memory holding the rest
+back); a scale tile is taken into ``scales`` as it completes, whenever that is. Requant
+words, residual reads (VMEM's read port serves the x load first) and results wait for
+STREAM, after the x load. A pass after the first reads its weights again from its own PASS.
 
 **Checks**, all before the first pass and in the functional model's order, so a refused
 MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), ``BLOCKS`` on an engine
@@ -85,8 +89,10 @@ group, and passes follow each other, so each row's tiles arrive in group order.
 **Timing.** At ``tiny`` (every result row inside one line, requant words one beat,
 blocks bus-aligned) the sequencer takes the cycles of the one-line sequencer before it
 less what the early weight reads overlap (tests/rtl/test_matmul_sequencer.py pins them): a
-pass's stream now starts ``max(x load, memory latency)`` rather than their sum after PASS
-(``x load`` being X_CMD, VMEM's latency and the slices, a span per row with a pitch). Wider rows cost more at the
+pass's first tile enters the matrix unit when both its beats (the memory latency after
+PASS) and its x entry are in, not after the whole x load and then the latency; an x load
+longer than the latency (the down projection's ``k = 3072`` at alveo-u55c: 96 slices
+against 60 cycles) costs only where the weights catch up with it. Wider rows cost more at the
 output: a group row holds the write-back for ``W = max(1, N/16)`` cycles in INT8,
 ``R + 1`` in RESADD (``R = max(1, 4N/16)`` residual lines read, the same ``R`` lines
 written; a group's first residual is read in advance), ``R`` in INT32 (no residual), 1 in
@@ -403,6 +409,12 @@ class MatmulSequencer(wiring.Component):
         # `scales` (at once, whatever the matrix unit does); the run's weight tiles
         # then each take their lanes' multipliers from it
         kt = Signal(16)                 # the K-tile the matrix unit takes next
+        x_at, zero_tiles = Signal(16), Signal(16)
+        # x-buffer entries the last row of the pass has written (x_in), a cycle later (x_in_d:
+        # the read port reads before it writes, so an entry is read the cycle after its write)
+        x_in, x_in_d = Signal(16), Signal(16)
+        m.d.sync += x_in_d.eq(x_in)
+        streaming = Signal()            # STREAM: records, residuals and results move
         scales, scales_in = Signal(8 * N * K), Signal()
         scale_tile = blocks & ~scales_in
         with m.If(fetching):
@@ -466,9 +478,34 @@ class MatmulSequencer(wiring.Component):
                         m.d.sync += [data_beats.eq(0), data_q.eq(0),
                                      q_end.eq(data_group + q_groups(data_group)),
                                      data_group.eq(data_group + 1)]
-            m.d.comb += tiles.o.ready.eq(scale_tile)
             with m.If(tiles.o.valid & scale_tile):
                 m.d.sync += [scales.eq(tiles.o.p), scales_in.eq(1)]
+            # tiles meet x-buffer entries: the read port shows entry `x_at`, and entry `kt`
+            # is complete (every row of the pass written) once `kt < x_in_d`: the matrix
+            # unit takes the pass's first tiles while x is still loading
+            x_ready = kt < x_in_d
+            take = mx.w.valid & mx.w.ready
+            next_kt = Mux(kt + 1 == k_tiles, 0, kt + 1)
+            run_end = (kt[:exact_log2(T)] == T - 1) | (kt + 1 == k_tiles)
+            m.d.comb += [xr.addr.eq(Mux(take, next_kt, kt)),
+                         mx.w.valid.eq(Mux(k_zero, streaming & (zero_tiles < n_groups),
+                                           tiles.o.valid & ~scale_tile & (x_at == kt) & x_ready)),
+                         mx.w.payload.data.as_value().eq(Mux(k_zero, 0, tiles.o.p)),
+                         mx.w.payload.last.eq(k_zero | (kt + 1 == k_tiles)),
+                         tiles.o.ready.eq(scale_tile | (mx.w.ready & (x_at == kt) & x_ready)),
+                         mx.x.valid.eq(mx.w.valid),
+                         mx.x.payload.as_value().eq(xr.data)]
+            if c.weight_blocks:
+                m.d.comb += mx.w.payload.scale.as_value().eq(
+                    Mux(blocks, scales.word_select(kt[:exact_log2(T)], 16 * N),
+                        Cat(*(Const(1, 16) for _ in range(N)))))
+            m.d.sync += x_at.eq(xr.addr)
+            with m.If(take):
+                m.d.sync += kt.eq(next_kt)
+                with m.If(k_zero):
+                    m.d.sync += zero_tiles.eq(zero_tiles + 1)
+                with m.Elif(run_end):
+                    m.d.sync += scales_in.eq(0)
 
         with m.FSM(name="matmul"):
             with m.State("IDLE"):
@@ -576,6 +613,8 @@ class MatmulSequencer(wiring.Component):
                                          enable.eq(1 << r)]
                 m.d.comb += [xw.addr.eq(x_kt), xw.data.eq(slots),
                              xw.en.eq(Mux(slice_valid & (x_kt < k_tiles), enable, 0))]
+                with m.If(slice_valid & (x_kt < k_tiles) & (x_row + 1 == pass_rows)):
+                    m.d.sync += x_in.eq(x_kt + 1)
                 with m.If(slice_valid):
                     m.d.sync += x_kt.eq(x_kt + 1)
                     with m.If(slice_last):
@@ -604,7 +643,7 @@ class MatmulSequencer(wiring.Component):
             # -- stream: tiles meet x; write results back ----------------------------------------
             out_group = Signal(16)
             with m.State("STREAM"):
-                m.d.comb += fetching.eq(1)
+                m.d.comb += [fetching.eq(1), streaming.eq(1)]
                 records = []            # group q_group's record: without BIAS, then with it
                 for b in (False, True):
                     record_bits = 8 * requant_record_bytes(N, b)
@@ -623,31 +662,6 @@ class MatmulSequencer(wiring.Component):
                     m.d.comb += mx.q.payload.blocks.eq(blocks)
                 with m.If(mx.q.valid & mx.q.ready):
                     m.d.sync += q_group.eq(q_group + 1)
-                # tiles meet x-buffer entries: the read port shows entry `x_at`
-                x_at, zero_tiles = Signal(16), Signal(16)
-                take = mx.w.valid & mx.w.ready
-                next_kt = Mux(kt + 1 == k_tiles, 0, kt + 1)
-                run_end = (kt[:exact_log2(T)] == T - 1) | (kt + 1 == k_tiles)
-                m.d.comb += [xr.addr.eq(Mux(take, next_kt, kt)),
-                             mx.w.valid.eq(Mux(k_zero, zero_tiles < n_groups,
-                                               tiles.o.valid & ~scale_tile & (x_at == kt))),
-                             mx.w.payload.data.as_value().eq(Mux(k_zero, 0, tiles.o.p)),
-                             mx.w.payload.last.eq(k_zero | (kt + 1 == k_tiles)),
-                             tiles.o.ready.eq(scale_tile | (mx.w.ready & (x_at == kt))),
-                             mx.x.valid.eq(mx.w.valid),
-                             mx.x.payload.as_value().eq(xr.data)]
-                if c.weight_blocks:
-                    m.d.comb += mx.w.payload.scale.as_value().eq(
-                        Mux(blocks, scales.word_select(kt[:exact_log2(T)], 16 * N),
-                            Cat(*(Const(1, 16) for _ in range(N)))))
-                m.d.sync += x_at.eq(xr.addr)
-                with m.If(take):
-                    m.d.sync += kt.eq(next_kt)
-                    with m.If(k_zero):
-                        m.d.sync += zero_tiles.eq(zero_tiles + 1)
-                    with m.Elif(run_end):
-                        m.d.sync += scales_in.eq(0)
-
                 # RESADD: the residual of each output row, read in output order (group by
                 # group, its rows in turn) as R lines; `peek_at` is the line on peek_data,
                 # if it was peeked in this state (x loads use the same VMEM read port)
@@ -728,7 +742,7 @@ class MatmulSequencer(wiring.Component):
                         m.d.sync += [out_group.eq(0), cmd_group.eq(0), cmd_q.eq(0), kt.eq(0),
                                      q_group.eq(0), q_end.eq(0),
                                      res_group.eq(0), res_row.eq(0), data_group.eq(0),
-                                     zero_tiles.eq(0), first.eq(first + pass_rows),
+                                     zero_tiles.eq(0), x_in.eq(0), first.eq(first + pass_rows),
                                      *restart_residuals]
                         m.next = "NEXT_PASS"
             with m.State("NEXT_PASS"):
@@ -738,7 +752,8 @@ class MatmulSequencer(wiring.Component):
                     m.next = "DONE"
             with m.State("DONE"):
                 m.d.comb += self.done.eq(1)
-                m.d.sync += [first.eq(0)]
+                # (x_in too: a pass that ends in CHECK, n = 0, leaves it set)
+                m.d.sync += [first.eq(0), x_in.eq(0)]
                 m.next = "CLEAR"
             with m.State("CLEAR"):
                 m.d.sync += self.error.eq(0)
