@@ -373,9 +373,10 @@ class MatmulSequencer(wiring.Component):
         m.d.comb += [self.job.ready.eq(0), mx.res.valid.eq(0)]
         peek_live = Signal()            # peek_data answers a STREAM peek (set in STREAM)
         m.d.sync += peek_live.eq(0)
-        # -- the pass's weights and requant records: read from the pass's start ---------------
-        # (the weights do not depend on x: the reads run while x loads, and the packer,
-        # the aligner and the memory port hold their beats until the stream takes tiles)
+        # -- the pass's weights and requant records, read from the pass's start, and its tiles
+        # into the matrix unit as their x entries come in (the weights do not depend on x:
+        # the reads run while x loads, the packer, the aligner and the memory port holding
+        # the beats that come before their x) ----------------------------------------------
         fetching = Signal()             # PASS … STREAM
         cmd_group, cmd_q = Signal(16), Signal()
         data_q, data_beats, data_group = Signal(), Signal(32), Signal(16)
@@ -405,9 +406,6 @@ class MatmulSequencer(wiring.Component):
         # mx.q shows the words of group q_group while q_group < q_end (q_end: one past
         # the last group whose words are in qbuf); a read's beats enter at q_group == q_end
         q_group, q_end = Signal(16), Signal(16)
-        # BLOCKS: the packer's next tile is a run's scale tile until it is taken into
-        # `scales` (at once, whatever the matrix unit does); the run's weight tiles
-        # then each take their lanes' multipliers from it
         kt = Signal(16)                 # the K-tile the matrix unit takes next
         x_at, zero_tiles = Signal(16), Signal(16)
         # x-buffer entries the last row of the pass has written (x_in), a cycle later (x_in_d:
@@ -415,6 +413,9 @@ class MatmulSequencer(wiring.Component):
         x_in, x_in_d = Signal(16), Signal(16)
         m.d.sync += x_in_d.eq(x_in)
         streaming = Signal()            # STREAM: records, residuals and results move
+        # BLOCKS: the packer's next tile is a run's scale tile until it is taken into
+        # `scales` (at once, whatever the matrix unit does); the run's weight tiles
+        # then each take their lanes' multipliers from it
         scales, scales_in = Signal(8 * N * K), Signal()
         scale_tile = blocks & ~scales_in
         with m.If(fetching):
@@ -640,7 +641,7 @@ class MatmulSequencer(wiring.Component):
                 with m.Else():
                     m.next = "STREAM"
 
-            # -- stream: tiles meet x; write results back ----------------------------------------
+            # -- stream (x is in): requant words, residuals, write-back --------------------------
             out_group = Signal(16)
             with m.State("STREAM"):
                 m.d.comb += [fetching.eq(1), streaming.eq(1)]
