@@ -230,7 +230,9 @@ class _WriteBack:
     or it goes to the logit buffer (1). A RESADD row also needs its residual: its ``R``
     lines are peeked one a cycle from the cycle after the previous row's transfer and
     arrive a cycle later, one line sooner when its first line is the previous row's last
-    (the line is already on the peek port).
+    (the line is already on the peek port). No row enters before STREAM's first cycle
+    ``start`` (the requant words are shown from it), and the pass's first residual is
+    peeked from it.
     """
 
     def __init__(self, hold: int, residual_lines: int, line_of=None, start: int = 0):
@@ -339,8 +341,11 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     """Cycles of a MATMUL from the controller's FETCH to its RETIRE (matmul_sequencer.py):
     :data:`UNIT_OVERHEAD`, RANGE and DONE, then per row pass PASS, X_CMD, the x load (none
     when ``k = 0``), CHECK, STREAM (none when ``n = 0``: CHECK goes to DONE) and NEXT_PASS.
-    The pass's weight and requant reads start with PASS and run during the x load; its tiles
-    wait for STREAM, where the packer, the aligner and the memory port hold their beats.
+    The pass's weight and requant reads start with PASS and run during the x load; the first
+    group's tile ``kt`` enters the matrix unit once the pass's last row has written x slice
+    ``kt`` (:data:`~dfvg_hw.spec.timing.MATMUL_X_TO_TILE` later), beats that come earlier
+    waiting in the packer, the aligner and the memory port; requant words, residuals and
+    results wait for STREAM.
 
     The x load: VMEM's read latency, then one x slice a cycle (a VMEM line cut into
     ``line / slice`` slices, the padding slices of a row's last line included) or, for
