@@ -24,6 +24,17 @@ wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits
    the residual read from the same place first, INT32: int32) or, in LOGITS mode, to the
    logit buffer.
 
+The weights do not depend on x, so a pass's reads (2.'s tiles and records) are issued from
+the pass's first state (PASS), before and during the x load, and the x load does not wait
+for the stream either: the matrix unit takes the first group's tile ``kt`` as soon as
+x-buffer entry ``kt`` holds every row of the pass
+(:data:`~dfvg_hw.spec.timing.MATMUL_X_TO_TILE` cycles after the last row's slice ``kt``),
+while the later slices still load. Beats that come before their x wait in the tile packer,
+the aligner and the memory port's ``read_data`` register (the memory holding the rest
+back); a scale tile is taken into ``scales`` as it completes, whenever that is. Requant
+words, residual reads (VMEM's read port serves the x load first) and results wait for
+STREAM, after the x load. A pass after the first reads its weights again from its own PASS.
+
 **Checks**, all before the first pass and in the functional model's order, so a refused
 MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), ``BLOCKS`` on an engine
 built without block multipliers (``PROGRAM``: ``EngineConfig.weight_blocks``; no scale
@@ -76,8 +87,12 @@ group, and passes follow each other, so each row's tiles arrive in group order.
   one more cycle to start each row). LOGITS rows go to the logit buffer as one ``N``-lane tile.
 
 **Timing.** At ``tiny`` (every result row inside one line, requant words one beat,
-blocks bus-aligned) the sequencer takes exactly the cycles of the one-line sequencer
-before it (tests/rtl/test_matmul_sequencer.py pins them). Wider rows cost more at the
+blocks bus-aligned) the sequencer takes the cycles of the one-line sequencer before it
+less what the early weight reads overlap (tests/rtl/test_matmul_sequencer.py pins them): a
+pass's first tile enters the matrix unit when both its beats (the memory latency after
+PASS) and its x entry are in, not after the whole x load and then the latency; an x load
+longer than the latency (the down projection's ``k = 3072`` at alveo-u55c: 96 slices
+against 60 cycles) costs only where the weights catch up with it. Wider rows cost more at the
 output: a group row holds the write-back for ``W = max(1, N/16)`` cycles in INT8,
 ``R + 1`` in RESADD (``R = max(1, 4N/16)`` residual lines read, the same ``R`` lines
 written; a group's first residual is read in advance), ``R`` in INT32 (no residual), 1 in
@@ -358,6 +373,141 @@ class MatmulSequencer(wiring.Component):
         m.d.comb += [self.job.ready.eq(0), mx.res.valid.eq(0)]
         peek_live = Signal()            # peek_data answers a STREAM peek (set in STREAM)
         m.d.sync += peek_live.eq(0)
+        # -- the pass's weights and requant records, read from the pass's start, and its tiles
+        # into the matrix unit as their x entries come in (the weights do not depend on x:
+        # the reads run while x loads, the packer, the aligner and the memory port holding
+        # the beats that come before their x) ----------------------------------------------
+        fetching = Signal()             # PASS … STREAM
+        cmd_group, cmd_q = Signal(16), Signal()
+        data_q, data_beats, data_group = Signal(), Signal(32), Signal(16)
+
+        # The records of G = B/R groups share a beat (R < B): on a beat-aligned block
+        # (the compiler's) with k > 0 one read of the beat serves them all, made with
+        # the first group's tiles; otherwise one read per group. G differs with BIAS.
+        G = {b: matmul_records_per_beat(beat_bytes, N, b) for b in (False, True)}
+        if G[False] > 1:            # (G[True] > 1 only if G[False] > 1; G = 1: a batch of one)
+            batched = (job.addr[:offset_bits] == 0) & ~k_zero
+            g_batch = Mux(bias, G[True], G[False])
+
+            def needs_q(g):
+                return ~batched | ((g & (g_batch - 1)) == 0)
+
+            def q_groups(g):        # groups whose records a read for group g brings
+                left = n_groups - g
+                return Mux(batched, Mux(left < g_batch, left, g_batch), 1)
+        else:
+            batched = 0
+
+            def needs_q(g):
+                return 1
+
+            def q_groups(g):
+                return 1
+        # mx.q shows the words of group q_group while q_group < q_end (q_end: one past
+        # the last group whose words are in qbuf); a read's beats enter at q_group == q_end
+        q_group, q_end = Signal(16), Signal(16)
+        kt = Signal(16)                 # the K-tile the matrix unit takes next
+        x_at, zero_tiles = Signal(16), Signal(16)
+        # x-buffer entries the last row of the pass has written (x_in), a cycle later (x_in_d:
+        # the read port reads before it writes, so an entry is read the cycle after its write)
+        x_in, x_in_d = Signal(16), Signal(16)
+        m.d.sync += x_in_d.eq(x_in)
+        streaming = Signal()            # STREAM: records, residuals and results move
+        # BLOCKS: the packer's next tile is a run's scale tile until it is taken into
+        # `scales` (at once, whatever the matrix unit does); the run's weight tiles
+        # then each take their lanes' multipliers from it
+        scales, scales_in = Signal(8 * N * K), Signal()
+        scale_tile = blocks & ~scales_in
+        with m.If(fetching):
+            tile_beats = N * g_tiles * K // beat_bytes
+            q_beats = {b: max(1, requant_record_bytes(N, b) // beat_bytes) for b in (False, True)}
+            # commands: tiles of group g (none when k = 0), then its requant record; each
+            # from the bus-aligned address below its first byte
+            is_q = cmd_q | k_zero
+            q_addr = job.addr + weight_bytes + record_offset(cmd_group)
+            tile_addr = job.addr + cmd_group * N * g_tiles * K
+            cmd_addr = Mux(is_q, q_addr, tile_addr)
+            cmd_offset = cmd_addr[:offset_bits]
+            with m.If(cmd_group < n_groups):
+                m.d.comb += [
+                    self.read_cmd.valid.eq(1),
+                    self.read_cmd.payload.addr.eq(cmd_addr & ~(beat_bytes - 1)),
+                    self.read_cmd.payload.length.eq(
+                        cmd_offset + Mux(is_q, record_offset(q_groups(cmd_group)),
+                                         N * g_tiles * K)),
+                ]
+                with m.If(self.read_cmd.ready):
+                    with m.If(is_q):
+                        m.d.sync += [cmd_q.eq(0), cmd_group.eq(cmd_group + 1)]
+                    with m.Elif(needs_q(cmd_group)):
+                        m.d.sync += cmd_q.eq(1)
+                    with m.Else():          # its words come with an earlier group's
+                        m.d.sync += cmd_group.eq(cmd_group + 1)
+            # data: aligned beats to the tile packer or the record register. The tiles
+            # of every group share the block's offset (a group's tiles are whole beats);
+            # the record of group g starts R·g bytes after the tiles.
+            in_q = data_q | k_zero
+            q_data_offset = (job.addr + weight_bytes + record_offset(data_group))[:offset_bits]
+            job_q_beats = Mux(bias, q_beats[True], q_beats[False])
+            m.d.comb += [align.offset.eq(Mux(in_q, q_data_offset, job.addr[:offset_bits])),
+                         align.final.eq(data_beats + 1 == Mux(in_q, job_q_beats, tile_beats))]
+            wiring.connect(m, wiring.flipped(self.read_data), align.i)
+            beat = align.o
+            qbuf = Signal(max(64 * N, DW))
+            q_full = q_group != q_end
+            m.d.comb += tiles.i.p.eq(beat.p)
+            with m.If(~in_q):
+                m.d.comb += [tiles.i.valid.eq(beat.valid), beat.ready.eq(tiles.i.ready)]
+                with m.If(beat.valid & tiles.i.ready):
+                    m.d.sync += data_beats.eq(data_beats + 1)
+                    with m.If(data_beats + 1 == tile_beats):
+                        m.d.sync += data_beats.eq(0)
+                        with m.If(needs_q(data_group)):
+                            m.d.sync += data_q.eq(1)
+                        with m.Else():
+                            m.d.sync += data_group.eq(data_group + 1)
+            with m.Else():
+                m.d.comb += beat.ready.eq(~q_full)
+                with m.If(beat.valid & ~q_full):
+                    if q_beats[True] > 1:
+                        m.d.sync += qbuf.word_select(data_beats[:exact_log2(q_beats[True])],
+                                                     DW).eq(beat.p)
+                    else:
+                        m.d.sync += qbuf.eq(beat.p)
+                    m.d.sync += data_beats.eq(data_beats + 1)
+                    with m.If(data_beats + 1 == job_q_beats):
+                        m.d.sync += [data_beats.eq(0), data_q.eq(0),
+                                     q_end.eq(data_group + q_groups(data_group)),
+                                     data_group.eq(data_group + 1)]
+            with m.If(tiles.o.valid & scale_tile):
+                m.d.sync += [scales.eq(tiles.o.p), scales_in.eq(1)]
+            # tiles meet x-buffer entries: the read port shows entry `x_at`, and entry `kt`
+            # is complete (every row of the pass written) once `kt < x_in_d`: the matrix
+            # unit takes the pass's first tiles while x is still loading
+            x_ready = kt < x_in_d
+            take = mx.w.valid & mx.w.ready
+            next_kt = Mux(kt + 1 == k_tiles, 0, kt + 1)
+            run_end = (kt[:exact_log2(T)] == T - 1) | (kt + 1 == k_tiles)
+            m.d.comb += [xr.addr.eq(Mux(take, next_kt, kt)),
+                         mx.w.valid.eq(Mux(k_zero, streaming & (zero_tiles < n_groups),
+                                           tiles.o.valid & ~scale_tile & (x_at == kt) & x_ready)),
+                         mx.w.payload.data.as_value().eq(Mux(k_zero, 0, tiles.o.p)),
+                         mx.w.payload.last.eq(k_zero | (kt + 1 == k_tiles)),
+                         tiles.o.ready.eq(scale_tile | (mx.w.ready & (x_at == kt) & x_ready)),
+                         mx.x.valid.eq(mx.w.valid),
+                         mx.x.payload.as_value().eq(xr.data)]
+            if c.weight_blocks:
+                m.d.comb += mx.w.payload.scale.as_value().eq(
+                    Mux(blocks, scales.word_select(kt[:exact_log2(T)], 16 * N),
+                        Cat(*(Const(1, 16) for _ in range(N)))))
+            m.d.sync += x_at.eq(xr.addr)
+            with m.If(take):
+                m.d.sync += kt.eq(next_kt)
+                with m.If(k_zero):
+                    m.d.sync += zero_tiles.eq(zero_tiles + 1)
+                with m.Elif(run_end):
+                    m.d.sync += scales_in.eq(0)
+
         with m.FSM(name="matmul"):
             with m.State("IDLE"):
                 m.d.comb += self.job.ready.eq(1)
@@ -413,11 +563,13 @@ class MatmulSequencer(wiring.Component):
 
             # -- x load ---------------------------------------------------------------------------
             with m.State("PASS"):
+                m.d.comb += fetching.eq(1)
                 rows_left = job.rows - first
                 m.d.sync += pass_rows.eq(Mux(rows_left > per_pass, per_pass, rows_left))
                 m.next = "X_CMD"
             x_row, x_kt = Signal(8), Signal(16)
             with m.State("X_CMD"):
+                m.d.comb += fetching.eq(1)
                 # the pass's rows as one span, or (x_row_spans) row x_row alone
                 with m.If(k_zero):              # an empty row: VMEM would stream nothing
                     m.next = "CHECK"
@@ -430,6 +582,7 @@ class MatmulSequencer(wiring.Component):
                     with m.If(self.vmem_rd_cmd.ready):
                         m.next = "X_LOAD"
             with m.State("X_LOAD"):
+                m.d.comb += fetching.eq(1)
                 src = self.vmem_rd
                 for cut in (cut8, cut16):
                     m.d.comb += [cut.i.payload.data.eq(src.payload.data),
@@ -461,6 +614,8 @@ class MatmulSequencer(wiring.Component):
                                          enable.eq(1 << r)]
                 m.d.comb += [xw.addr.eq(x_kt), xw.data.eq(slots),
                              xw.en.eq(Mux(slice_valid & (x_kt < k_tiles), enable, 0))]
+                with m.If(slice_valid & (x_kt < k_tiles) & (x_row + 1 == pass_rows)):
+                    m.d.sync += x_in.eq(x_kt + 1)
                 with m.If(slice_valid):
                     m.d.sync += x_kt.eq(x_kt + 1)
                     with m.If(slice_last):
@@ -470,10 +625,13 @@ class MatmulSequencer(wiring.Component):
                             m.next = "CHECK"
                         with m.Elif(x_row_spans):
                             m.next = "X_CMD"
-                with m.If(self.vmem_error):     # not expected: the span was checked
+                # not expected: the span was checked (reads already issued would stay in
+                # flight, so this guard is no recovery, only a loud stop)
+                with m.If(self.vmem_error):
                     m.d.sync += [self.error.eq(ErrorCode.BAD_ADDRESS), x_kt.eq(0), x_row.eq(0)]
                     m.next = "DONE"
             with m.State("CHECK"):
+                m.d.comb += fetching.eq(1)
                 # (the checks are made in RANGE; this cycle starts the pass's stream)
                 # (a LOGITS job's vector starts once, before its first pass)
                 m.d.comb += [self.logits_begin.eq((mode == MatmulMode.LOGITS) & (first == 0)),
@@ -483,97 +641,10 @@ class MatmulSequencer(wiring.Component):
                 with m.Else():
                     m.next = "STREAM"
 
-            # -- stream weights and requant records; write results back ----------------------------
-            cmd_group, cmd_q = Signal(16), Signal()
-            data_q, data_beats, data_group = Signal(), Signal(32), Signal(16)
+            # -- stream (x is in): requant words, residuals, write-back --------------------------
             out_group = Signal(16)
-
-            # The records of G = B/R groups share a beat (R < B): on a beat-aligned block
-            # (the compiler's) with k > 0 one read of the beat serves them all, made with
-            # the first group's tiles; otherwise one read per group. G differs with BIAS.
-            G = {b: matmul_records_per_beat(beat_bytes, N, b) for b in (False, True)}
-            if G[False] > 1:            # (G[True] > 1 only if G[False] > 1; G = 1: a batch of one)
-                batched = (job.addr[:offset_bits] == 0) & ~k_zero
-                g_batch = Mux(bias, G[True], G[False])
-
-                def needs_q(g):
-                    return ~batched | ((g & (g_batch - 1)) == 0)
-
-                def q_groups(g):        # groups whose records a read for group g brings
-                    left = n_groups - g
-                    return Mux(batched, Mux(left < g_batch, left, g_batch), 1)
-            else:
-                batched = 0
-
-                def needs_q(g):
-                    return 1
-
-                def q_groups(g):
-                    return 1
-            # mx.q shows the words of group q_group while q_group < q_end (q_end: one past
-            # the last group whose words are in qbuf); a read's beats enter at q_group == q_end
-            q_group, q_end = Signal(16), Signal(16)
             with m.State("STREAM"):
-                tile_beats = N * g_tiles * K // beat_bytes
-                q_beats = {b: max(1, requant_record_bytes(N, b) // beat_bytes) for b in (False, True)}
-                # commands: tiles of group g (none when k = 0), then its requant record; each
-                # from the bus-aligned address below its first byte
-                is_q = cmd_q | k_zero
-                q_addr = job.addr + weight_bytes + record_offset(cmd_group)
-                tile_addr = job.addr + cmd_group * N * g_tiles * K
-                cmd_addr = Mux(is_q, q_addr, tile_addr)
-                cmd_offset = cmd_addr[:offset_bits]
-                with m.If(cmd_group < n_groups):
-                    m.d.comb += [
-                        self.read_cmd.valid.eq(1),
-                        self.read_cmd.payload.addr.eq(cmd_addr & ~(beat_bytes - 1)),
-                        self.read_cmd.payload.length.eq(
-                            cmd_offset + Mux(is_q, record_offset(q_groups(cmd_group)),
-                                             N * g_tiles * K)),
-                    ]
-                    with m.If(self.read_cmd.ready):
-                        with m.If(is_q):
-                            m.d.sync += [cmd_q.eq(0), cmd_group.eq(cmd_group + 1)]
-                        with m.Elif(needs_q(cmd_group)):
-                            m.d.sync += cmd_q.eq(1)
-                        with m.Else():          # its words come with an earlier group's
-                            m.d.sync += cmd_group.eq(cmd_group + 1)
-                # data: aligned beats to the tile packer or the record register. The tiles
-                # of every group share the block's offset (a group's tiles are whole beats);
-                # the record of group g starts R·g bytes after the tiles.
-                in_q = data_q | k_zero
-                q_data_offset = (job.addr + weight_bytes + record_offset(data_group))[:offset_bits]
-                job_q_beats = Mux(bias, q_beats[True], q_beats[False])
-                m.d.comb += [align.offset.eq(Mux(in_q, q_data_offset, job.addr[:offset_bits])),
-                             align.final.eq(data_beats + 1 == Mux(in_q, job_q_beats, tile_beats))]
-                wiring.connect(m, wiring.flipped(self.read_data), align.i)
-                beat = align.o
-                qbuf = Signal(max(64 * N, DW))
-                q_full = q_group != q_end
-                m.d.comb += tiles.i.p.eq(beat.p)
-                with m.If(~in_q):
-                    m.d.comb += [tiles.i.valid.eq(beat.valid), beat.ready.eq(tiles.i.ready)]
-                    with m.If(beat.valid & tiles.i.ready):
-                        m.d.sync += data_beats.eq(data_beats + 1)
-                        with m.If(data_beats + 1 == tile_beats):
-                            m.d.sync += data_beats.eq(0)
-                            with m.If(needs_q(data_group)):
-                                m.d.sync += data_q.eq(1)
-                            with m.Else():
-                                m.d.sync += data_group.eq(data_group + 1)
-                with m.Else():
-                    m.d.comb += beat.ready.eq(~q_full)
-                    with m.If(beat.valid & ~q_full):
-                        if q_beats[True] > 1:
-                            m.d.sync += qbuf.word_select(data_beats[:exact_log2(q_beats[True])],
-                                                         DW).eq(beat.p)
-                        else:
-                            m.d.sync += qbuf.eq(beat.p)
-                        m.d.sync += data_beats.eq(data_beats + 1)
-                        with m.If(data_beats + 1 == job_q_beats):
-                            m.d.sync += [data_beats.eq(0), data_q.eq(0),
-                                         q_end.eq(data_group + q_groups(data_group)),
-                                         data_group.eq(data_group + 1)]
+                m.d.comb += [fetching.eq(1), streaming.eq(1)]
                 records = []            # group q_group's record: without BIAS, then with it
                 for b in (False, True):
                     record_bits = 8 * requant_record_bytes(N, b)
@@ -592,38 +663,6 @@ class MatmulSequencer(wiring.Component):
                     m.d.comb += mx.q.payload.blocks.eq(blocks)
                 with m.If(mx.q.valid & mx.q.ready):
                     m.d.sync += q_group.eq(q_group + 1)
-                # tiles meet x-buffer entries: the read port shows entry `x_at`
-                kt, x_at, zero_tiles = Signal(16), Signal(16), Signal(16)
-                take = mx.w.valid & mx.w.ready
-                next_kt = Mux(kt + 1 == k_tiles, 0, kt + 1)
-                # BLOCKS: the packer's next tile is a run's scale tile until it is taken into
-                # `scales` (at once, whatever the matrix unit does); the run's weight tiles
-                # then each take their lanes' multipliers from it
-                scales, scales_in = Signal(8 * N * K), Signal()
-                scale_tile = blocks & ~scales_in
-                run_end = (kt[:exact_log2(T)] == T - 1) | (kt + 1 == k_tiles)
-                m.d.comb += [xr.addr.eq(Mux(take, next_kt, kt)),
-                             mx.w.valid.eq(Mux(k_zero, zero_tiles < n_groups,
-                                               tiles.o.valid & ~scale_tile & (x_at == kt))),
-                             mx.w.payload.data.as_value().eq(Mux(k_zero, 0, tiles.o.p)),
-                             mx.w.payload.last.eq(k_zero | (kt + 1 == k_tiles)),
-                             tiles.o.ready.eq(scale_tile | (mx.w.ready & (x_at == kt))),
-                             mx.x.valid.eq(mx.w.valid),
-                             mx.x.payload.as_value().eq(xr.data)]
-                if c.weight_blocks:
-                    m.d.comb += mx.w.payload.scale.as_value().eq(
-                        Mux(blocks, scales.word_select(kt[:exact_log2(T)], 16 * N),
-                            Cat(*(Const(1, 16) for _ in range(N)))))
-                m.d.sync += x_at.eq(xr.addr)
-                with m.If(tiles.o.valid & scale_tile):
-                    m.d.sync += [scales.eq(tiles.o.p), scales_in.eq(1)]
-                with m.If(take):
-                    m.d.sync += kt.eq(next_kt)
-                    with m.If(k_zero):
-                        m.d.sync += zero_tiles.eq(zero_tiles + 1)
-                    with m.Elif(run_end):
-                        m.d.sync += scales_in.eq(0)
-
                 # RESADD: the residual of each output row, read in output order (group by
                 # group, its rows in turn) as R lines; `peek_at` is the line on peek_data,
                 # if it was peeked in this state (x loads use the same VMEM read port)
@@ -704,7 +743,7 @@ class MatmulSequencer(wiring.Component):
                         m.d.sync += [out_group.eq(0), cmd_group.eq(0), cmd_q.eq(0), kt.eq(0),
                                      q_group.eq(0), q_end.eq(0),
                                      res_group.eq(0), res_row.eq(0), data_group.eq(0),
-                                     zero_tiles.eq(0), first.eq(first + pass_rows),
+                                     zero_tiles.eq(0), x_in.eq(0), first.eq(first + pass_rows),
                                      *restart_residuals]
                         m.next = "NEXT_PASS"
             with m.State("NEXT_PASS"):
@@ -714,7 +753,8 @@ class MatmulSequencer(wiring.Component):
                     m.next = "DONE"
             with m.State("DONE"):
                 m.d.comb += self.done.eq(1)
-                m.d.sync += [first.eq(0)]
+                # (x_in too: a pass that ends in CHECK, n = 0, leaves it set)
+                m.d.sync += [first.eq(0), x_in.eq(0)]
                 m.next = "CLEAR"
             with m.State("CLEAR"):
                 m.d.sync += self.error.eq(0)

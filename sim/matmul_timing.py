@@ -158,11 +158,18 @@ class _Accumulate:
     With ``BLOCKS`` every ``scale_period``-th tile of a group's read, from its first, is a
     scale tile: the sequencer takes it into its multiplier register the cycle it is
     complete, whether the pipeline advances or not.
+
+    The reads start with the row pass, ahead of the x load: while :attr:`x_ready` is set (a
+    pass's first group) the matrix unit takes weight tile ``kt`` no earlier than
+    ``x_ready[kt]``, once its x-buffer entry is written; k = 0's zero tiles come from the
+    stream's first cycle ``start``.
     """
 
-    def __init__(self, beats_per_tile: int, scale_period: int = 0):
+    def __init__(self, beats_per_tile: int, scale_period: int = 0, start: int = 0):
         self.beats_per_tile = beats_per_tile
         self.scale_period = scale_period
+        self.start = start
+        self.x_ready: list[int] | None = None
         self.stalls = _Stalls()
         self.tile_taken = NEVER         #: cycle the matrix unit took the latest tile
 
@@ -171,15 +178,24 @@ class _Accumulate:
         if i % self.beats_per_tile == 0:                # a new tile: the last one must be gone
             t = max(t, self.tile_taken)
         if i % self.beats_per_tile == self.beats_per_tile - 1:
-            scale = self.scale_period and (i // self.beats_per_tile) % self.scale_period == 0
-            self.tile_taken = t + 1 if scale else self.stalls.moves(t + 1)
+            tile = i // self.beats_per_tile
+            scale = self.scale_period and tile % self.scale_period == 0
+            if scale:
+                self.tile_taken = t + 1
+            else:
+                x = NEVER
+                if self.x_ready is not None:
+                    kt = tile - tile // self.scale_period - 1 if self.scale_period else tile
+                    x = self.x_ready[kt]
+                self.tile_taken = self.stalls.moves(max(t + 1, x))
         return t
 
     def free(self, t: int) -> bool:
         """Whether beats offered one a cycle from ``t`` are all taken as they come: the
         latest tile is taken and the pipeline does not stop from ``t`` on (a stall
-        starts with a group's last tile, after its beats)."""
-        return self.tile_taken <= t and self.stalls.last_end <= t
+        starts with a group's last tile, after its beats) or waits for its x entry."""
+        return (self.tile_taken <= t and self.stalls.last_end <= t
+                and (self.x_ready is None or self.x_ready[-1] <= t))
 
     def skip(self, i: int, count: int, t: int):
         """Beats ``i … i + count − 1`` taken in cycles ``t …`` (see :meth:`free`)."""
@@ -189,7 +205,7 @@ class _Accumulate:
 
     def zero_tile(self) -> int:
         """k = 0: the sequencer offers one zero tile per group from the stream's start."""
-        self.tile_taken = self.stalls.moves(max(0, self.tile_taken + 1))
+        self.tile_taken = self.stalls.moves(max(self.start, self.tile_taken + 1))
         return self.tile_taken
 
     def bank(self, prev_done: int) -> int:
@@ -214,11 +230,14 @@ class _WriteBack:
     or it goes to the logit buffer (1). A RESADD row also needs its residual: its ``R``
     lines are peeked one a cycle from the cycle after the previous row's transfer and
     arrive a cycle later, one line sooner when its first line is the previous row's last
-    (the line is already on the peek port).
+    (the line is already on the peek port). No row enters before STREAM's first cycle
+    ``start`` (the requant words are shown from it), and the pass's first residual is
+    peeked from it.
     """
 
-    def __init__(self, hold: int, residual_lines: int, line_of=None):
+    def __init__(self, hold: int, residual_lines: int, line_of=None, start: int = 0):
         self.hold, self.residual_lines, self.line_of = hold, residual_lines, line_of
+        self.start = start              #: STREAM's first cycle: requant words shown, peeks start
         self.stalls = _Stalls()
         self.entered = NEVER            #: the latest row's cycle into the requantisers
         self.out = NEVER                #: ... and into the output register
@@ -228,12 +247,15 @@ class _WriteBack:
         """Write back group ``g``: bank loaded in ``bank``, requant words complete in
         ``words_in``. Returns the cycle its last row entered the requantisers."""
         for r in range(rows):
-            self.entered = self.stalls.moves(max(bank + 1, words_in + 1, self.entered + 1))
+            self.entered = self.stalls.moves(max(bank + 1, words_in + 1, self.entered + 1,
+                                                 self.start))
             at_end = self.stalls.passes(self.entered, tm.REQUANT_LATENCY - 1)
             out = max(at_end, self.out + self.hold)
             if self.line_of is not None:                # RESADD: the residual's lines
                 first = self.line_of(g, r)
-                out = max(out, self.out + 1 + self.residual_lines - (first == self.peeked))
+                # (the pass's first residual is peeked from the stream's first cycle)
+                peek_from = max(self.out + 1, self.start)
+                out = max(out, peek_from + self.residual_lines - (first == self.peeked))
                 self.peeked = first + self.residual_lines - 1
             self.stalls.add(at_end, out)
             self.out = out
@@ -255,9 +277,12 @@ def _q_batch(bus_bytes: int, lanes: int, addr: int, k_tiles: int, bias: bool) ->
 
 def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_tiles: int,
                    pass_rows: int, hold: int, addr: int, q_addr: int, line_of,
-                   bias: bool = False, blocks: bool = False) -> int:
-    """Cycles of the MATMUL sequencer's STREAM state for one row pass (matmul_sequencer.py),
-    counted from the state's first cycle (its first read command).
+                   bias: bool = False, blocks: bool = False, start: int = 0,
+                   x_ready: list[int] | None = None) -> int:
+    """Cycles of one row pass of the MATMUL sequencer (matmul_sequencer.py) from PASS, where
+    the pass's first read command is offered, to the end of its STREAM state, which starts
+    in cycle ``start`` (after the x load); ``x_ready[kt]`` is the first cycle the matrix unit
+    can take a weight tile against x-buffer entry ``kt`` (None when k = 0).
 
     Reads, per group ``g``: its tiles (``lanes·k_tiles·reduce`` bytes from ``addr``, none
     when ``k = 0``: a zero tile is offered instead) and then its requant record
@@ -276,14 +301,15 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
     """
     B = port.bus_bytes
     reads = ReadPath(port)
-    acc = _Accumulate(lanes * reduce // B, scale_run_tiles(reduce) + 1 if blocks else 0)
-    wb = _WriteBack(hold, max(1, RES_BYTES * lanes // port.line), line_of)
+    acc = _Accumulate(lanes * reduce // B, scale_run_tiles(reduce) + 1 if blocks else 0, start)
+    wb = _WriteBack(hold, max(1, RES_BYTES * lanes // port.line), line_of, start)
     tile_bytes = lanes * reduce * group_tiles(k_tiles, reduce, blocks)
     q_bytes = requant_record_bytes(lanes, bias)
     batch = _q_batch(B, lanes, addr, k_tiles, bias)
     prev, prev_done = None, NEVER                       # the group awaiting write-back
     for g in range(groups):
         if k_tiles:
+            acc.x_ready = x_ready if g == 0 else None       # later groups find x loaded
             reads.read(addr + g * tile_bytes, tile_bytes, acc)
         else:
             acc.zero_tile()
@@ -300,6 +326,14 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
     return wb.end() + 1
 
 
+def _slice_cycle(kt: int, slice_bytes: int, line: int, row_lines: int) -> int:
+    """Cycles from a source row's first x slice to its slice ``kt`` in the x buffer: one
+    slice a cycle when a line holds several, else the slice's last line (one a cycle)."""
+    if slice_bytes <= line:
+        return kt
+    return min((kt + 1) * (slice_bytes // line), row_lines) - 1
+
+
 @lru_cache(maxsize=4096)
 def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int, n: int, k: int,
                    rows: int, mode: int, wide: bool, page_offset: int, dst: int,
@@ -307,6 +341,11 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     """Cycles of a MATMUL from the controller's FETCH to its RETIRE (matmul_sequencer.py):
     :data:`UNIT_OVERHEAD`, RANGE and DONE, then per row pass PASS, X_CMD, the x load (none
     when ``k = 0``), CHECK, STREAM (none when ``n = 0``: CHECK goes to DONE) and NEXT_PASS.
+    The pass's weight and requant reads start with PASS and run during the x load; the first
+    group's tile ``kt`` enters the matrix unit once the pass's last row has written x slice
+    ``kt`` (:data:`~dfvg_hw.spec.timing.MATMUL_X_TO_TILE` later), beats that come earlier
+    waiting in the packer, the aligner and the memory port; requant words, residuals and
+    results wait for STREAM.
 
     The x load: VMEM's read latency, then one x slice a cycle (a VMEM line cut into
     ``line / slice`` slices, the padding slices of a row's last line included) or, for
@@ -330,7 +369,8 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     per_pass = rows_per_pass // 2 if wide else rows_per_pass
     slice_bytes = 2 * reduce if wide else reduce
     in_bytes = k * (2 if wide else 1)
-    slices_per_row = ceil(in_bytes / line) * max(1, line // slice_bytes)
+    row_lines = ceil(in_bytes / line)
+    slices_per_row = row_lines * max(1, line // slice_bytes)
     out_bytes = 1 if mode == MatmulMode.INT8 else RES_BYTES
     pitched = pitch and rows > 1
     row_stride = pitch if pitched else padded(n * out_bytes, line)
@@ -343,13 +383,23 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
         x_load = tm.VMEM_READ_LATENCY + pass_rows * slices_per_row if k else 0
         if k and row_spans:
             x_load += (pass_rows - 1) * tm.MATMUL_ROW_SPAN
-        total += tm.MATMUL_PASS_STATES + x_load
+        # the weight reads start with PASS; the stream with the cycle after CHECK
+        start = tm.MATMUL_PASS_STATES + x_load
+        x_ready = None
+        if k:       # each x entry: its slice of the pass's last row, then MATMUL_X_TO_TILE
+            last_row = (pass_rows - 1) * (slices_per_row
+                                          + (tm.MATMUL_ROW_SPAN if row_spans else 0))
+            x_from = tm.MATMUL_X_LOAD_FROM + last_row + tm.MATMUL_X_TO_TILE
+            x_ready = [x_from + _slice_cycle(kt, slice_bytes, line, row_lines)
+                       for kt in range(k_tiles)]
         if not groups:                              # nothing to compute: CHECK ends the MATMUL
+            total += start
             break
         def line_of(g, r, first=first):         # residual row of group g, row r: first line
             return dst + ((first + r) * row_stride + g * RES_BYTES * lanes) // line
         total += tm.MATMUL_NEXT_PASS + _matmul_stream(port, lanes, reduce, groups, k_tiles, pass_rows, hold,
                                     page_offset, page_offset + weight_area_bytes(n, k, lanes, reduce, blocks),
-                                    line_of if mode == MatmulMode.RESADD else None, bias, blocks)
+                                    line_of if mode == MatmulMode.RESADD else None, bias, blocks,
+                                    start, x_ready)
         first += pass_rows
     return total

@@ -308,6 +308,13 @@ MATMUL_STATES = 2
 MATMUL_PASS_STATES = 3
 #: MatmulSequencer per row pass: NEXT_PASS.
 MATMUL_NEXT_PASS = 1
+#: MatmulSequencer: cycles from a row pass's first (PASS) to its first x slice's write into
+#: the x buffer: PASS, X_CMD, then VMEM's read latency.
+MATMUL_X_LOAD_FROM = 2 + VMEM_READ_LATENCY
+#: MatmulSequencer: from the cycle an x-buffer entry is written by the pass's last row to the
+#: first in which the matrix unit can take a tile against it (the count of written entries,
+#: then its copy a cycle later: the x buffer's read port reads before the write).
+MATMUL_X_TO_TILE = 2
 
 # MATMUL: row pitch and LOGITS rows
 #: MatmulSequencer, rows a pitch apart that is not their own stride (a tree forward,
