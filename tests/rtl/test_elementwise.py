@@ -29,7 +29,9 @@ def simulate(dut, beats, *, ready=READY, setup=None, params=None):
         for k, beat in enumerate(beats):
             if params is not None:
                 for sig, val in params[k].items():
-                    ctx.set(getattr(dut, sig), int(val))
+                    # ActMul's mult and shift are per segment: a beat's value for all of them
+                    per_segment = sig in ("mult", "shift")
+                    ctx.set(getattr(dut, sig), [int(val)] * dut.segments if per_segment else int(val))
             await stream_put(ctx, dut.i, beat)
 
     async def get(ctx):
