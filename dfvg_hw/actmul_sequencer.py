@@ -6,14 +6,16 @@ of the instruction's channel segments from device memory into
 Per job:
 
 1. **Parameters.** The ``S = max(k, 1)`` consecutive 528-byte blocks are read as one
-   stream of 16-byte lines, whatever the VMEM line
-   (:class:`~dfvg_hw.line_streams.UnalignedReader`, any byte address; the blocks are laid
-   out in 16-byte words): each block's first line gives its segment's
-   ``mult = word0 & 0xFFFF``, ``shift = (word0 >> 16) & 0x3F`` and first channel
-   ``first = word1 & 0xFFFF`` (segment 0's is 0 whatever the block says), the next 32
-   lines its 256 int16 table entries, written into the segment's table in ActMul a line
-   (8 entries) per cycle. Blocks past device memory are refused by the memory port
-   (``BAD_ADDRESS``; the controller resets the sequencer before VMEM was touched).
+   stream of lines of ``P = min(L, bus beat, 64)`` bytes (``timing.actmul_param_line``)
+   (:class:`~dfvg_hw.line_streams.UnalignedReader`, any byte address), each ``P/16``
+   **chunks** of 16 bytes (the blocks are laid out in 16-byte words): each block's first
+   chunk gives its segment's ``mult = word0 & 0xFFFF``, ``shift = (word0 >> 16) & 0x3F``
+   and first channel ``first = word1 & 0xFFFF`` (segment 0's is 0 whatever the block
+   says), the next 32 chunks its 256 int16 table entries. A line's table chunks are
+   consecutive table words (a head between them skipped), so each goes into its own bank
+   of ActMul's tables: a whole line (``P/2`` entries) is written a cycle. Blocks past
+   device memory are refused by the memory port (``BAD_ADDRESS``; the controller resets
+   the sequencer before VMEM was touched).
 2. **Checks.** ``rows > config.rows`` and ``k > ACTMUL_SEGMENTS`` (``PROGRAM``) first
    of all, as ``_unit`` does; the
    source (``rows × 2n`` int8; ``rows × n`` with ``UNGATED``) and destination spans
@@ -56,10 +58,12 @@ read latency and the pipeline's drain (ActMul's is
 from __future__ import annotations
 
 from amaranth import Cat, Module, Mux, Signal, unsigned
+from amaranth.utils import exact_log2
 from amaranth.lib import data, wiring
 from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.memory import Memory
 
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.elementwise import ActMul
@@ -75,10 +79,10 @@ from dfvg_hw.vmem import Gearbox
 
 __all__ = ["ActMulSequencer"]
 
-#: bytes of the parameter block's lines: one table word (ActMul's LUT write) each
-_PARAM_LINE = 2 * ActMul.LUT_WRITE_ENTRIES
-#: a parameter block's lines: the head word's line, then 32 lines of table entries
-_BLOCK_LINES = 1 + ActMul.LUT_WORDS
+#: bytes of a parameter block's chunks: its head, or one table word (8 entries)
+_CHUNK = 2 * ActMul.LUT_WRITE_ENTRIES
+#: a parameter block's chunks: the head, then 32 chunks of table entries
+_BLOCK_CHUNKS = 1 + ActMul.LUT_WORDS
 #: result-row ``last`` flags in flight through ActMul (its beats carry none); a full FIFO
 #: only pauses the input, so this sets no bound on correctness
 _LAST_FIFO_DEPTH = 8
@@ -116,14 +120,17 @@ class ActMulSequencer(wiring.Component):
     def __init__(self, config: EngineConfig, data_width: int):
         self.config, self.data_width = config, data_width
         self.gate_depth = -(-config.vmem_bytes // (2 * config.vmem_line_bytes))
+        #: bytes of the parameter stream's lines: a VMEM line, at most a bus beat and 64
+        self.param_line = timing.actmul_param_line(config.vmem_line_bytes, data_width // 8)
         super().__init__(OpSequencerSignature(config, data_width))
 
     def elaborate(self, platform):
         m = Module()
         c = self.config
         lanes, L = c.lanes, c.vmem_line_bytes
-        reader = m.submodules.reader = UnalignedReader(c, self.data_width, _PARAM_LINE)
-        act = m.submodules.act = ActMul(c, segments=ACTMUL_SEGMENTS)
+        chunks = self.param_line // _CHUNK                  # chunks a parameter line
+        reader = m.submodules.reader = UnalignedReader(c, self.data_width, self.param_line)
+        act = m.submodules.act = ActMul(c, segments=ACTMUL_SEGMENTS, write_words=chunks)
         up_align = m.submodules.up_align = LineAligner(L)
         gate_cut = m.submodules.gate_cut = Gearbox(L, lanes)        # lines → lanes × int8
         up_cut = m.submodules.up_cut = Gearbox(L, lanes)
@@ -142,8 +149,8 @@ class ActMulSequencer(wiring.Component):
         out_bytes = Signal(17)                      # n, or 2n when wide
         gate_lines = lines_of(job.n, L)
         segments = Mux(job.k == 0, 1, job.k)
-        block_line = Signal(range(_BLOCK_LINES))    # the parameter stream's line in its block
-        block = Signal(range(ACTMUL_SEGMENTS + 1))  # ... and its block (segment)
+        block_chunk = Signal(range(_BLOCK_CHUNKS))  # the next line's first chunk in its block
+        block = Signal(range(ACTMUL_SEGMENTS + 2))  # ... and its block (segment)
         mults = Signal(act.mult.shape())
         shifts = Signal(act.shift.shape())
         firsts = Signal(data.ArrayLayout(unsigned(16), ACTMUL_SEGMENTS))
@@ -161,24 +168,34 @@ class ActMulSequencer(wiring.Component):
         progress = RowWriteProgress(m, writer, self.vmem_wr, self.vmem_wr_done,
                                     wide=wide, row_bytes=out_bytes)
 
-        # -- parameters: each block's head line, then its table a line (8 entries) a cycle ----
+        # -- parameters: each block's head chunk, then its table, a line a cycle ----------------
         # every line of the job's one read is taken as it comes: the blocks follow each
-        # other without a gap
+        # other without a gap. A line's chunks past the last block (the read's tail) are
+        # not written.
         line = reader.o.p.data.as_value()
-        m.d.comb += [
-            reader.o.ready.eq(1),
-            act.lut_we.eq(reader.o.valid & (block_line != 0)),
-            act.lut_addr.eq(Cat((block_line - 1)[:5], block[:len(act.lut_addr) - 5])),
-            act.lut_data.eq(line),
-        ]
+        bank_bits = exact_log2(chunks)
+        m.d.comb += reader.o.ready.eq(1)
+        for j in range(chunks):
+            at = block_chunk + j
+            wrap = at >= _BLOCK_CHUNKS                      # the chunk starts the next block
+            index = Mux(wrap, at - _BLOCK_CHUNKS, at)[:len(block_chunk)]
+            seg = (block + wrap)[:len(block)]
+            chunk = line[j * 8 * _CHUNK:(j + 1) * 8 * _CHUNK]
+            ours = reader.o.valid & (seg < segments)
+            with m.If(ours & (index == 0)):
+                m.d.sync += [mults[seg].eq(chunk[:16]), shifts[seg].eq(chunk[16:22]),
+                             firsts[seg].eq(chunk[32:48])]
+            word = Cat((index - 1)[:5], seg[:exact_log2(ACTMUL_SEGMENTS)])   # 32·seg + entry word
+            for b in range(chunks):                         # the bank of the word
+                with m.If(ours & (index != 0) & (word[:bank_bits] == b)):
+                    m.d.comb += [act.lut_we[b].eq(1), act.lut_addr[b].eq(word[bank_bits:]),
+                                 act.lut_data[b].eq(chunk)]
         with m.If(reader.o.valid):
-            with m.If(block_line == 0):
-                m.d.sync += [mults[block].eq(line[:16]), shifts[block].eq(line[16:22]),
-                             firsts[block].eq(line[32:48])]
-            with m.If(block_line == _BLOCK_LINES - 1):
-                m.d.sync += [block_line.eq(0), block.eq(block + 1)]
+            after = block_chunk + chunks
+            with m.If(after >= _BLOCK_CHUNKS):
+                m.d.sync += [block_chunk.eq(after - _BLOCK_CHUNKS), block.eq(block + 1)]
             with m.Else():
-                m.d.sync += block_line.eq(block_line + 1)
+                m.d.sync += block_chunk.eq(after)
 
         # -- rows: VMEM lines forked into the gate buffer and the up aligner ------------------
         line_taken = self.vmem_rd.valid & self.vmem_rd.ready
@@ -241,7 +258,7 @@ class ActMulSequencer(wiring.Component):
                     m.d.sync += [job.eq(p),
                                  in_bytes.eq(Mux(flags_view(p.flags).ungated, p.n, 2 * p.n)),
                                  out_bytes.eq(Mux(flags_view(p.flags).wide, 2 * p.n, p.n)),
-                                 row.eq(0), block_line.eq(0), block.eq(0), chan.eq(0),
+                                 row.eq(0), block_chunk.eq(0), block.eq(0), chan.eq(0),
                                  error.eq(ErrorCode.OK), *progress.restart()]
                     m.next = "PARAM_CMD"
             with m.State("PARAM_CMD"):
@@ -250,11 +267,11 @@ class ActMulSequencer(wiring.Component):
                     m.next = "DONE"
                 with m.Else():
                     m.d.comb += read_request(reader, job.addr, segments * ACT_PARAM_BYTES,
-                                             segments * _BLOCK_LINES)
+                                             lines_of(segments * ACT_PARAM_BYTES, self.param_line))
                     with m.If(reader.cmd.ready):
                         m.next = "PARAMS"
-            with m.State("PARAMS"):                     # until every block's last line
-                with m.If(block == segments):
+            with m.State("PARAMS"):                     # until every block's last chunk
+                with m.If(block >= segments):
                     m.next = "CHECK"
             with m.State("CHECK"):
                 with m.If(job_spans_outside(c, job, in_bytes, out_bytes)):
