@@ -308,3 +308,22 @@ def test_segment_mutations_are_caught(old, new):
             dict(_actmul(2, 40, 100, 150, addr=0x5000), k=6)]
     with pytest.raises(AssertionError):
         _check_timed(np.random.default_rng(34), jobs, sequencer_class=bad)
+
+
+@pytest.mark.parametrize("old, new", [
+    # a chunk that starts the next block taken as the current block's: the wrap one late
+    ("wrap = at >= _BLOCK_CHUNKS", "wrap = at > _BLOCK_CHUNKS"),
+    # every table word of a line into the bank of the line's first
+    ("(word[:bank_bits] == b)", "(word[:bank_bits] == b) & (j == 0) | (j != 0) & (b == 0)"),
+], ids=["block-wrap", "bank"])
+def test_banked_table_mutations_are_caught(old, new):
+    """At 64-byte lines a parameter line holds four chunks (heads and table words) that go
+    into four banks: a sequencer that files them wrongly gives other results."""
+    import dfvg_hw.actmul_sequencer as actmul_module
+    bad = mutant(actmul_module, old, new, shared=()).ActMulSequencer
+    config, data_width = wide_line(WIDE_LINES[1], TINY.with_changes(lanes=16))
+    jobs = [dict(_actmul(1, 60, 10, 60, addr=0x7003, wide=True), k=8),
+            dict(_actmul(1, 64, 100, 150, addr=0x9008), k=3)]
+    with pytest.raises(AssertionError):
+        _check_timed(np.random.default_rng(35), jobs, data_width=data_width, config=config,
+                     sequencer_class=bad)
