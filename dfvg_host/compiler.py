@@ -29,7 +29,7 @@ from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ALIGN, ATTN_PARAM_BYTES, HEADER
                            ImageHeader, align, embed_row_stride, matmul_bytes, pack_act_params, pack_attn_params,
                            pack_norm_params, pack_requant_records, padded, tile_weights)
 from dfvg_hw.spec.regmap import MemoryMap
-from dfvg_hw.spec.isa import Cond, Flag, Instruction, MatmulMode, Op, encode
+from dfvg_hw.spec.isa import ACTMUL_SEGMENTS, Cond, Flag, Instruction, MatmulMode, Op, encode
 from dfvg_host.checkpoints import TOKENIZER_FILES, has_tokenizer
 from dfvg_host.compiled_draft import CompiledDraft, ModelShape
 from dfvg_host.draft_vocab import DraftVocabulary, choose_draft_vocabulary
@@ -335,24 +335,17 @@ def up_down_smoothing(up_max: np.ndarray, w_down: np.ndarray, alpha: float = UP_
 
 
 #: Channel counts of the gated activation's groups, largest gate first (the last group
-#: takes the rest): each group has its own gate and up scales, LUT and ACTMUL. Multiples
-#: of 8, so that with 16-byte VMEM lines every group starts on a line in gate/up (int8
-#: pairs) and in h (int16); a wider line takes the sizes that are multiples of its
-#: :func:`act_group_unit`.
+#: takes the rest): each group has its own gate and up scales and LUT, a segment of the
+#: layer's one ACTMUL (a segment may end at any channel, whatever the VMEM line). With
+#: the rest, at most ACTMUL_SEGMENTS groups.
 ACT_GROUP_SIZES = (8, 8, 16, 32, 64, 128)
-
-
-def act_group_unit(gated: bool, line_bytes: int = VMEM_LINE_BYTES) -> int:
-    """The channels every ACTMUL group is a multiple of, so that each starts on a VMEM line
-    of ``line_bytes``: in gate/up (``2`` int8 a channel gated, ``1`` ungated) and in h
-    (int16). 8 gated and 16 ungated at 16-byte lines; 32 and 64 at 64-byte lines."""
-    return line_bytes // 2 if gated else line_bytes
+assert len(ACT_GROUP_SIZES) < ACTMUL_SEGMENTS
 
 
 def act_groups(intermediate: int, unit: int = 8) -> list[int]:
-    """The ACTMUL groups of an MLP of ``intermediate`` channels, each a multiple of
-    ``unit`` (one group if ``intermediate`` is not): ACT_GROUP_SIZES from the first that
-    is a multiple of ``unit``."""
+    """The ACTMUL groups (segments) of an MLP of ``intermediate`` channels, each a multiple
+    of ``unit`` (one group if ``intermediate`` is not): ACT_GROUP_SIZES from the first
+    that is a multiple of ``unit``."""
     if intermediate % unit:
         return [intermediate]
     groups, rest = [], intermediate
@@ -398,16 +391,14 @@ class LayerScales:
     k32: float = 0.0
 
     @classmethod
-    def calibrated(cls, c: dict, w_down: np.ndarray, gated: bool = True,
-                   line_bytes: int = VMEM_LINE_BYTES) -> "LayerScales":
+    def calibrated(cls, c: dict, w_down: np.ndarray, gated: bool = True) -> "LayerScales":
         # Matmul inputs are wide (int16); q, k, v (the KV cache), gate and up stay int8.
-        # An ungated MLP (OPT) has no up: u = 1, and groups of a VMEM line of int8 gate
-        # channels (16 at 16-byte lines, as gate/up pairs of 8 are: act_group_unit).
+        # An ungated MLP (OPT) has no up: u = 1.
         order = np.argsort(-c["gate"], kind="stable")
         gate_max, h_max = c["gate"][order], c["down_in"][order]
         up_max = c["up"][order] if gated else np.ones(len(order))
         u = up_down_smoothing(up_max, w_down[:, order]) if gated else np.ones(len(order))
-        groups = tuple(act_groups(len(order), act_group_unit(gated, line_bytes)))
+        groups = tuple(act_groups(len(order)))
         spans = _group_bounds(groups)
         s_v = _act_scale(c["v"])
         return cls(n1=_act_scale(c["norm1"], 16), q=_act_scale(c["q"]), k=_act_scale(c["k"]), v=s_v,
@@ -491,9 +482,10 @@ class Layout:
 
 def _mlp_blocks(parts: dict, linear, sd: dict, key, li: int, fam: FamilyLayout, ls: "LayerScales",
                 s_x: float, act) -> None:
-    """The MLP's blocks: the first matmul (gated: ``[gate_0; up_0; gate_1; up_1; ...]``;
+    """The MLP's blocks: the first matmul (gated: ``[gate_0; gate_1; ...; up_0; up_1; ...]``;
     ungated: ``[gate_0; gate_1; ...]``, channels permuted by ``ls.order``, up and its bias
-    divided by the smoothing factors ``u``), one ACTMUL per channel group, and down."""
+    divided by the smoothing factors ``u``), the ACTMUL blocks, one per channel group (a
+    segment of the layer's one ACTMUL, its first channel in the block), and down."""
     def permuted(part, divide=None):
         w, bias = sd[key(li, part)][ls.order], sd.get(key(li, part, "bias"))
         bias = None if bias is None else bias[ls.order]
@@ -503,14 +495,17 @@ def _mlp_blocks(parts: dict, linear, sd: dict, key, li: int, fam: FamilyLayout, 
 
     spans = _group_bounds(ls.groups)
     streams = [permuted(fam.gate)] + ([permuted(fam.up, ls.u)] if fam.gated else [])
-    grouped = [(w[a:b], None if bias is None else bias[a:b]) for a, b in spans for w, bias in streams]
+    # the row is [gate | up] over all channels: ACTMUL's gate and up halves
     scale_of = [ls.gate, ls.up] if fam.gated else [ls.gate]
-    s_out = np.concatenate([np.repeat([s[i] for s in scale_of], b - a) for i, (a, b) in enumerate(spans)])
-    linear("gateup", np.concatenate([w for w, _ in grouped]), ls.n2, s_out, _joined(*grouped))
-    for i in range(len(spans)):
+    s_out = np.concatenate([np.repeat(s[i], b - a) for s in scale_of for i, (a, b) in enumerate(spans)])
+    linear("gateup", np.concatenate([w for w, _ in streams]), ls.n2, s_out, _joined(*streams))
+    # the groups' blocks one after the other, in one part: the ACTMUL reads them in one go
+    blocks = []
+    for i, (a, _) in enumerate(spans):
         lut, s_lut = nx.host_act_lut(act, ls.gate[i])
         m, sh = nx.host_multiplier(s_lut * (ls.up[i] if fam.gated else 1.0) / ls.h)
-        parts[f"act{i}"] = pack_act_params(int(m), int(sh), lut)
+        blocks.append(pack_act_params(int(m), int(sh), lut, first=a))
+    parts["act"] = b"".join(blocks)
     linear("down", sd[key(li, fam.down)][:, ls.order] * ls.u, ls.h, s_x, sd.get(key(li, fam.down, "bias")))
 
 
@@ -567,7 +562,7 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     fam = layout_of(shape.model_type)
     sd = decoder_state(model, shape)
     key = lambda li, part, what="weight": f"{fam.layers}.{li}.{part}.{what}"
-    layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated, engine.vmem_line_bytes)
+    layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated)
                     for li, c in enumerate(cal.layers)]
     s_x = _residual_scale(sd, cal, layer_scales, fam)
     b = ImageBuilder(engine.mem_beat_bytes)
@@ -774,8 +769,10 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
         Instruction(Op.ROPE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads + s.kv_heads, k=hd,
                     addr=lay.rope),
     ] if s.rope else []
-    # ACTMUL reads [gate_i | up_i] (int8 pairs), ungated gate_i alone, and writes int16 h_i
+    # one ACTMUL reads [gate | up] (int8; ungated the gate alone) and writes int16 h, each
+    # channel group a segment with its own block (one after the other in "act")
     gated = layout_of(s.model_type).gated
+    segments = len(lay.act_groups)
     streams = 2 if gated else 1
     return [
         Instruction(Op.EMBED, rows=rows, dst=v["x"], n=s.hidden, addr=lay.embed),
@@ -794,10 +791,9 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
                     addr=L("norm2")),
         Instruction(Op.MATMUL, flags=lrel | to_int8 | bias("gateup"), rows=rows, dst=v["gateup"],
                     src=v["xn"], n=streams * s.intermediate, k=s.hidden, addr=L("gateup")),
-        *[Instruction(Op.ACTMUL, flags=lrel | wide | (0 if gated else Flag.UNGATED), rows=rows,
-                      dst=v["h"] + 2 * a // lay.line, src=v["gateup"] + streams * a // lay.line,
-                      n=b - a, addr=L(f"act{i}"))
-          for i, (a, b) in enumerate(_group_bounds(lay.act_groups))],
+        Instruction(Op.ACTMUL, flags=lrel | wide | (0 if gated else Flag.UNGATED), rows=rows,
+                    dst=v["h"], src=v["gateup"], n=s.intermediate, k=segments if segments > 1 else 0,
+                    addr=L("act")),
         Instruction(Op.MATMUL, flags=lrel | to_residual | bias("down"), rows=rows, dst=v["x"], src=v["h"],
                     n=s.hidden, k=s.intermediate, addr=L("down")),
         Instruction(Op.ENDLOOP),

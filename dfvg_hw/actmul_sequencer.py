@@ -1,17 +1,23 @@
-"""ACTMUL sequencing (docs/isa.md §3.8, ``FunctionalEngine._unit``): the activation table
-from device memory into :class:`~dfvg_hw.elementwise.ActMul`, then each source row's gate
-and up halves (with ``UNGATED``, its gate alone) through it, the results into VMEM.
+"""ACTMUL sequencing (docs/isa.md §3.8, ``FunctionalEngine._unit``): the activation tables
+of the instruction's channel segments from device memory into
+:class:`~dfvg_hw.elementwise.ActMul`, then each source row's gate and up halves (with
+``UNGATED``, its gate alone) through it, the results into VMEM.
 
 Per job:
 
-1. **Parameters.** The whole 528-byte block is read as one stream of 16-byte lines,
-   whatever the VMEM line (:class:`~dfvg_hw.line_streams.UnalignedReader`, any byte
-   address; the block is laid out in 16-byte words): its first line gives
-   ``mult = word0 & 0xFFFF`` and ``shift = (word0 >> 16) & 0x3F``, the next 32 lines the
-   256 int16 table entries, written into ActMul's table a line (8 entries) per cycle. A block past
-   device memory is refused by the memory port (``BAD_ADDRESS``; the controller resets
+1. **Parameters.** The ``S = max(k, 1)`` consecutive 528-byte blocks are read as one
+   stream of lines of ``P = min(L, bus beat, 64)`` bytes (``timing.actmul_param_line``)
+   (:class:`~dfvg_hw.line_streams.UnalignedReader`, any byte address), each ``P/16``
+   **chunks** of 16 bytes (the blocks are laid out in 16-byte words): each block's first
+   chunk gives its segment's ``mult = word0 & 0xFFFF``, ``shift = (word0 >> 16) & 0x3F``
+   and first channel ``first = word1 & 0xFFFF`` (segment 0's is 0 whatever the block
+   says), the next 32 chunks its 256 int16 table entries. A line's table chunks are
+   consecutive table words (a head between them skipped), so each goes into its own bank
+   of ActMul's tables: a whole line (``P/2`` entries) is written a cycle. Blocks past
+   device memory are refused by the memory port (``BAD_ADDRESS``; the controller resets
    the sequencer before VMEM was touched).
-2. **Checks.** ``rows > config.rows`` (``PROGRAM``) first of all, as ``_unit`` does; the
+2. **Checks.** ``rows > config.rows`` and ``k > ACTMUL_SEGMENTS`` (``PROGRAM``) first
+   of all, as ``_unit`` does; the
    source (``rows × 2n`` int8; ``rows × n`` with ``UNGATED``) and destination spans
    outside VMEM (``BAD_ADDRESS``) before VMEM's writer is given the destination, so a
    refused instruction changes nothing.
@@ -27,6 +33,10 @@ Per job:
    aligner re-cuts it from byte 0 and its lines are the gate lines themselves, past the
    gate buffer (a narrow row may be up to all of VMEM, twice the buffer). The pairs
    run as a gated row's, without the ``⌊n/L⌋`` lines a gated row's aligner drops first.
+5. **Segments.** Channel ``c`` of a row (lane ``j`` of the row's beat ``b``: ``c = b·lanes
+   + j``) goes through the table, ``mult`` and ``shift`` of the last segment whose
+   ``first ≤ c``; the row streams as one, whatever its segments, so a segment may end at
+   any channel and the rows' timing does not depend on where the segments end.
 
 The gate buffer holds ``ceil(vmem_bytes / 2L)`` lines (half of VMEM: the longest gate a
 row inside VMEM can have). It is what makes ``src == dst`` exact for wide results too:
@@ -47,15 +57,18 @@ read latency and the pipeline's drain (ActMul's is
 
 from __future__ import annotations
 
-from amaranth import Module, Mux, Signal, unsigned
-from amaranth.lib import wiring
+from amaranth import Cat, Module, Mux, Signal, unsigned
+from amaranth.utils import exact_log2
+from amaranth.lib import data, wiring
 from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.memory import Memory
 
+from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.elementwise import ActMul
 from dfvg_hw.spec.image import ACT_PARAM_BYTES
+from dfvg_hw.spec.isa import ACTMUL_SEGMENTS
 
 from dfvg_hw.line_streams import (LineAligner, RowWriteProgress, RowWriter, UnalignedReader,
                                   lines_of, read_request, span_request)
@@ -66,11 +79,10 @@ from dfvg_hw.vmem import Gearbox
 
 __all__ = ["ActMulSequencer"]
 
-#: bytes of the parameter block's lines: one table word (ActMul's LUT write) each
-_PARAM_LINE = 2 * ActMul.LUT_WRITE_ENTRIES
-#: the parameter block's lines: the head word's line, then 32 lines of table entries
-_HEAD_LINES = 1
-_TABLE_LINES = ActMul.LUT_WORDS
+#: bytes of a parameter block's chunks: its head, or one table word (8 entries)
+_CHUNK = 2 * ActMul.LUT_WRITE_ENTRIES
+#: a parameter block's chunks: the head, then 32 chunks of table entries
+_BLOCK_CHUNKS = 1 + ActMul.LUT_WORDS
 #: result-row ``last`` flags in flight through ActMul (its beats carry none); a full FIFO
 #: only pauses the input, so this sets no bound on correctness
 _LAST_FIFO_DEPTH = 8
@@ -91,8 +103,8 @@ class ActMulSequencer(wiring.Component):
     Members
     -------
     job : In(stream.Signature(OpJob()))
-        The ACTMUL: ``addr`` (parameter block), ``flags`` (``WIDE``, ``UNGATED``),
-        ``rows``, ``dst``, ``src``, ``n``.
+        The ACTMUL: ``addr`` (the first parameter block), ``flags`` (``WIDE``,
+        ``UNGATED``), ``rows``, ``dst``, ``src``, ``n``, ``k`` (segments; 0 is one).
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
@@ -108,14 +120,17 @@ class ActMulSequencer(wiring.Component):
     def __init__(self, config: EngineConfig, data_width: int):
         self.config, self.data_width = config, data_width
         self.gate_depth = -(-config.vmem_bytes // (2 * config.vmem_line_bytes))
+        #: bytes of the parameter stream's lines: a VMEM line, at most a bus beat and 64
+        self.param_line = timing.actmul_param_line(config.vmem_line_bytes, data_width // 8)
         super().__init__(OpSequencerSignature(config, data_width))
 
     def elaborate(self, platform):
         m = Module()
         c = self.config
         lanes, L = c.lanes, c.vmem_line_bytes
-        reader = m.submodules.reader = UnalignedReader(c, self.data_width, _PARAM_LINE)
-        act = m.submodules.act = ActMul(c)
+        chunks = self.param_line // _CHUNK                  # chunks a parameter line
+        reader = m.submodules.reader = UnalignedReader(c, self.data_width, self.param_line)
+        act = m.submodules.act = ActMul(c, segments=ACTMUL_SEGMENTS, write_words=chunks)
         up_align = m.submodules.up_align = LineAligner(L)
         gate_cut = m.submodules.gate_cut = Gearbox(L, lanes)        # lines → lanes × int8
         up_cut = m.submodules.up_cut = Gearbox(L, lanes)
@@ -133,8 +148,13 @@ class ActMulSequencer(wiring.Component):
         in_bytes = Signal(17)                       # 2n: gate and up; n: an ungated gate
         out_bytes = Signal(17)                      # n, or 2n when wide
         gate_lines = lines_of(job.n, L)
-        head = Signal(32)
-        table_index = Signal(range(ActMul.LUT_WORDS + 1))
+        segments = Mux(job.k == 0, 1, job.k)
+        block_chunk = Signal(range(_BLOCK_CHUNKS))  # the next line's first chunk in its block
+        block = Signal(range(ACTMUL_SEGMENTS + 2))  # ... and its block (segment)
+        mults = Signal(act.mult.shape())
+        shifts = Signal(act.shift.shape())
+        firsts = Signal(data.ArrayLayout(unsigned(16), ACTMUL_SEGMENTS))
+        chan = Signal(16)                           # channel of lane 0 of the next beat
         row = Signal(8)
         row_line = Signal(16)                       # lines of the current row read so far
         pair = Signal(16)                           # up line (and gate line) to pair next
@@ -143,21 +163,39 @@ class ActMulSequencer(wiring.Component):
 
         m.d.comb += [
             self.error.eq(error),
-            act.mult.eq(head[:16]), act.shift.eq(head[16:22]), act.wide.eq(wide),
+            act.mult.eq(mults), act.shift.eq(shifts), act.wide.eq(wide),
         ]
         progress = RowWriteProgress(m, writer, self.vmem_wr, self.vmem_wr_done,
                                     wide=wide, row_bytes=out_bytes)
 
-        # -- table: memory lines after the head, one line (a word of 8 entries) per cycle ----
-        table_line = Signal()                      # the reader's line is a table line
-        m.d.comb += [
-            reader.o.ready.eq(1),
-            act.lut_we.eq(reader.o.valid & table_line),
-            act.lut_addr.eq(table_index[:len(act.lut_addr)]),
-            act.lut_data.eq(reader.o.p.data.as_value()),
-        ]
-        with m.If(act.lut_we):
-            m.d.sync += table_index.eq(table_index + 1)
+        # -- parameters: each block's head chunk, then its table, a line a cycle ----------------
+        # every line of the job's one read is taken as it comes: the blocks follow each
+        # other without a gap. A line's chunks past the last block (the read's tail) are
+        # not written.
+        line = reader.o.p.data.as_value()
+        bank_bits = exact_log2(chunks)
+        m.d.comb += reader.o.ready.eq(1)
+        for j in range(chunks):
+            at = block_chunk + j
+            wrap = at >= _BLOCK_CHUNKS                      # the chunk starts the next block
+            index = Mux(wrap, at - _BLOCK_CHUNKS, at)[:len(block_chunk)]
+            seg = (block + wrap)[:len(block)]
+            chunk = line[j * 8 * _CHUNK:(j + 1) * 8 * _CHUNK]
+            ours = reader.o.valid & (seg < segments)
+            with m.If(ours & (index == 0)):
+                m.d.sync += [mults[seg].eq(chunk[:16]), shifts[seg].eq(chunk[16:22]),
+                             firsts[seg].eq(chunk[32:48])]
+            word = Cat((index - 1)[:5], seg[:exact_log2(ACTMUL_SEGMENTS)])   # 32·seg + entry word
+            for b in range(chunks):                         # the bank of the word
+                with m.If(ours & (index != 0) & (word[:bank_bits] == b)):
+                    m.d.comb += [act.lut_we[b].eq(1), act.lut_addr[b].eq(word[bank_bits:]),
+                                 act.lut_data[b].eq(chunk)]
+        with m.If(reader.o.valid):
+            after = block_chunk + chunks
+            with m.If(after >= _BLOCK_CHUNKS):
+                m.d.sync += [block_chunk.eq(after - _BLOCK_CHUNKS), block.eq(block + 1)]
+            with m.Else():
+                m.d.sync += block_chunk.eq(after)
 
         # -- rows: VMEM lines forked into the gate buffer and the up aligner ------------------
         line_taken = self.vmem_rd.valid & self.vmem_rd.ready
@@ -200,6 +238,13 @@ class ActMulSequencer(wiring.Component):
             lasts.r_en.eq(act.o.valid & writer.i.ready),
             writer.i.p.last.eq(lasts.r_data),
         ]
+        # each lane's segment: the last whose first channel is at most the lane's channel
+        with m.If(beat_taken):
+            m.d.sync += chan.eq(Mux(gate_cut.o.p.last, 0, chan + lanes))
+        for j in range(lanes):
+            for s in range(1, ACTMUL_SEGMENTS):
+                with m.If((s < segments) & (firsts[s] <= chan + j)):
+                    m.d.comb += act.i.p.seg[j].eq(s)
         for j in range(lanes):
             m.d.comb += [act.i.p.gate[j].eq(gate_cut.o.p.data[j]),
                          act.i.p.up[j].eq(Mux(ungated, 1, up_cut.o.p.data[j])),
@@ -213,25 +258,20 @@ class ActMulSequencer(wiring.Component):
                     m.d.sync += [job.eq(p),
                                  in_bytes.eq(Mux(flags_view(p.flags).ungated, p.n, 2 * p.n)),
                                  out_bytes.eq(Mux(flags_view(p.flags).wide, 2 * p.n, p.n)),
-                                 row.eq(0), table_index.eq(0), error.eq(ErrorCode.OK),
-                                 *progress.restart()]
+                                 row.eq(0), block_chunk.eq(0), block.eq(0), chan.eq(0),
+                                 error.eq(ErrorCode.OK), *progress.restart()]
                     m.next = "PARAM_CMD"
             with m.State("PARAM_CMD"):
-                with m.If(job.rows > c.rows):
+                with m.If((job.rows > c.rows) | (job.k > ACTMUL_SEGMENTS)):
                     m.d.sync += error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
                 with m.Else():
-                    m.d.comb += read_request(reader, job.addr, ACT_PARAM_BYTES,
-                                             _HEAD_LINES + _TABLE_LINES)
+                    m.d.comb += read_request(reader, job.addr, segments * ACT_PARAM_BYTES,
+                                             lines_of(segments * ACT_PARAM_BYTES, self.param_line))
                     with m.If(reader.cmd.ready):
-                        m.next = "HEAD"
-            with m.State("HEAD"):
-                with m.If(reader.o.valid):
-                    m.d.sync += head.eq(reader.o.p.data.as_value()[:32])
-                    m.next = "TABLE"
-            with m.State("TABLE"):
-                m.d.comb += table_line.eq(1)
-                with m.If(table_index == ActMul.LUT_WORDS):
+                        m.next = "PARAMS"
+            with m.State("PARAMS"):                     # until every block's last chunk
+                with m.If(block >= segments):
                     m.next = "CHECK"
             with m.State("CHECK"):
                 with m.If(job_spans_outside(c, job, in_bytes, out_bytes)):

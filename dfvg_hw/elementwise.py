@@ -6,7 +6,8 @@ bit-exact with :mod:`dfvg_hw.spec.numerics`:
 
 * :class:`VectorRequantizer` — ``lanes`` requantisers in lockstep, with an optional
   sideband carried alongside (used by every block that requantises a vector).
-* :class:`ActMul` — :func:`numerics.act_mul`, with a loadable 256-entry int16 table.
+* :class:`ActMul` — :func:`numerics.act_mul`, with a loadable 256-entry int16 table per
+  channel segment.
 
 It also holds :func:`reduce_tree`, the registered reduction tree that the RMSNorm sum of
 squares and the softmax maximum share.
@@ -218,43 +219,57 @@ class VectorRequantizer(wiring.Component):
 
 
 class ActMul(wiring.Component):
-    """Gated activation, bit-exact with :func:`numerics.act_mul`.
+    """Gated activation, bit-exact with :func:`numerics.act_mul`, over up to ``segments``
+    channel segments, each with its own table, ``mult`` and ``shift`` (one ACTMUL of
+    several channel groups, docs/isa.md §3.8).
 
-    ``y = sat(round_shift(lut[gate + 128] · up · mult, shift))`` per lane, to int8, or to
-    int16 with ``wide`` (``ACTMUL`` with ``WIDE``). Stage 1 looks
-    the gate up in a 256 × int16 table (one copy per lane with a synchronous read port:
-    LUTRAM on an FPGA), stage 2 multiplies by ``up``, then a :class:`VectorRequantizer`.
+    ``y = sat(round_shift(lut_s[gate + 128] · up · mult_s, shift_s))`` per lane, ``s`` the
+    lane's segment (``i.p.seg``), to int8, or to int16 with ``wide`` (``ACTMUL`` with
+    ``WIDE``). Stage 1 looks the gate up in the segment's 256 × int16 table (one copy of
+    all the segments' tables per lane, with a synchronous read port: LUTRAM on an FPGA) and
+    picks the segment's ``mult`` and ``shift``, stage 2 multiplies by ``up``, then a
+    :class:`VectorRequantizer`. Lanes of one beat may be in different segments: a segment
+    may end at any channel.
 
-    The table is loaded through ``lut_we/lut_addr/lut_data`` a word of
-    :attr:`LUT_WRITE_ENTRIES` entries at a time (word ``w`` holds entries ``8w .. 8w+7``;
-    entry ``g + 128`` for the int8 gate ``g``), one 16-byte line of the layer's ACTMUL
-    block a cycle; it must not be written while beats are in flight (reads are not
-    transparent to the write port). Each lane's copy is read a word at a time and the
-    entry picked from it in stage 2, so the latency is unchanged.
+    The tables are loaded through ``lut_we/lut_addr/lut_data`` in words of
+    :attr:`LUT_WRITE_ENTRIES` entries (word ``32s + w`` holds segment ``s``'s entries
+    ``8w .. 8w+7``; entry ``g + 128`` for the int8 gate ``g``), up to ``write_words`` a
+    cycle: each lane's copy is ``write_words`` banks, bank ``b`` holding the words ``W`` with
+    ``W mod write_words = b`` at its address ``W // write_words``, each bank with its own
+    write port, so any ``write_words`` consecutive words (a VMEM line of the ACTMUL blocks)
+    go in at once. They must not be written while beats are in flight (reads are not
+    transparent to the write port). Each lane reads the word of its gate from every bank in
+    stage 1 and picks the bank's word and the entry in stage 2, so the latency is
+    unchanged.
 
     Parameters
     ----------
     config : EngineConfig
         ``lanes`` sets the vector width.
     init : sequence of int, optional
-        Initial table (256 int16 values, default all zero).
+        Initial table of every segment (256 int16 values, default all zero).
+    segments : int
+        Tables held (1 for a single-group unit; the sequencer's
+        :data:`~dfvg_hw.spec.isa.ACTMUL_SEGMENTS`).
+    write_words : int
+        Table words written a cycle (banks per lane): 1, 2 or 4.
 
     Members
     -------
-    i : In(stream.Signature(StructLayout({"gate": ArrayLayout(signed(8), lanes), "up": ArrayLayout(signed(8), lanes)})))
-        Gate and up operands.
-    mult : In(unsigned(16))
-        Per-tensor multiplier, sampled with each accepted beat.
-    shift : In(unsigned(6))
-        Per-tensor shift, sampled with each accepted beat.
+    i : In(stream.Signature(StructLayout({"gate": ArrayLayout(signed(8), lanes), "up": ArrayLayout(signed(8), lanes), "seg": ArrayLayout(unsigned(max(1, ceil_log2(segments))), lanes)})))
+        Gate and up operands, and each lane's segment.
+    mult : In(ArrayLayout(unsigned(16), segments))
+        Each segment's multiplier, sampled with each accepted beat.
+    shift : In(ArrayLayout(unsigned(6), segments))
+        Each segment's shift, sampled with each accepted beat.
     wide : In(1)
         int16 output, sampled with each accepted beat.
-    lut_we : In(1)
-        Table write enable.
-    lut_addr : In(unsigned(5))
-        Table word address (entries ``8·lut_addr .. 8·lut_addr + 7``).
-    lut_data : In(ArrayLayout(signed(16), 8))
-        Table word: its 8 entries, the lowest address first.
+    lut_we : In(write_words)
+        Each bank's write enable.
+    lut_addr : In(ArrayLayout(unsigned(ceil_log2(32 · segments / write_words)), write_words))
+        Each bank's word address (bank ``b``'s address ``a`` is word ``a·write_words + b``).
+    lut_data : In(ArrayLayout(ArrayLayout(signed(16), 8), write_words))
+        Each bank's word: its 8 entries, the lowest address first.
     o : Out(stream.Signature(ArrayLayout(signed(16), lanes)))
         The activations (int8 sign-extended unless wide).
     """
@@ -265,20 +280,26 @@ class ActMul(wiring.Component):
     LUT_WORDS = timing.ACTMUL_LUT_WORDS
     ACC_BITS = 16 + nx.ACT_BITS  # |lut · up| ≤ 2^22
 
-    def __init__(self, config: EngineConfig, init=None):
-        self.lanes = config.lanes
+    def __init__(self, config: EngineConfig, init=None, segments: int = 1, write_words: int = 1):
+        if write_words not in (1, 2, 4):
+            raise ValueError(f"write_words must be 1, 2 or 4, not {write_words}")
+        self.lanes, self.segments, self.write_words = config.lanes, segments, write_words
         self.init = [0] * self.LUT_DEPTH if init is None else [int(v) for v in init]
         if len(self.init) != self.LUT_DEPTH:
             raise ValueError(f"activation table needs {self.LUT_DEPTH} entries, got {len(self.init)}")
+        self.seg_bits = timing.ceil_log2(segments)
         vec8 = data.ArrayLayout(signed(nx.ACT_BITS), self.lanes)
+        segs = data.ArrayLayout(unsigned(max(1, self.seg_bits)), self.lanes)
         super().__init__({
-            "i": In(stream.Signature(data.StructLayout({"gate": vec8, "up": vec8}))),
-            "mult": In(unsigned(nx.MULT_BITS)),
-            "shift": In(unsigned(6)),
+            "i": In(stream.Signature(data.StructLayout({"gate": vec8, "up": vec8, "seg": segs}))),
+            "mult": In(data.ArrayLayout(unsigned(nx.MULT_BITS), segments)),
+            "shift": In(data.ArrayLayout(unsigned(6), segments)),
             "wide": In(1),
-            "lut_we": In(1),
-            "lut_addr": In(unsigned(timing.ceil_log2(self.LUT_WORDS))),
-            "lut_data": In(data.ArrayLayout(signed(16), self.LUT_WRITE_ENTRIES)),
+            "lut_we": In(write_words),
+            "lut_addr": In(data.ArrayLayout(
+                unsigned(timing.ceil_log2(segments * self.LUT_WORDS // write_words)), write_words)),
+            "lut_data": In(data.ArrayLayout(data.ArrayLayout(signed(16), self.LUT_WRITE_ENTRIES),
+                                            write_words)),
             "o": Out(stream.Signature(data.ArrayLayout(signed(WIDE_BITS), self.lanes))),
         })
 
@@ -291,34 +312,42 @@ class ActMul(wiring.Component):
         adv, v1, v2 = Signal(), Signal(), Signal()
         m.d.comb += [adv.eq(~v2 | vr.i.ready), self.i.ready.eq(adv), vr.i.valid.eq(v2)]
         up1 = Signal(data.ArrayLayout(signed(nx.ACT_BITS), self.lanes))
-        mult1, shift1, wide1 = Signal(unsigned(nx.MULT_BITS)), Signal(unsigned(6)), Signal()
+        wide1 = Signal()
         with m.If(adv):
             m.d.sync += [v1.eq(self.i.valid), v2.eq(v1), up1.eq(self.i.payload.up),
-                         mult1.eq(self.mult), shift1.eq(self.shift), wide1.eq(self.wide),
-                         vr.i.payload.side.eq(wide1)]
-        e = self.LUT_WRITE_ENTRIES
-        sub_bits = timing.ceil_log2(e)
+                         wide1.eq(self.wide), vr.i.payload.side.eq(wide1)]
+        e, q = self.LUT_WRITE_ENTRIES, self.write_words
+        sub_bits = timing.ceil_log2(e) + timing.ceil_log2(q)    # the entry and the bank
         word = data.ArrayLayout(signed(16), e)
-        init = [[self.init[w * e + k] for k in range(e)] for w in range(self.LUT_WORDS)]
+        init = [[self.init[w * e + k] for k in range(e)] for w in range(self.LUT_WORDS)] * self.segments
         for l in range(self.lanes):
-            # one table copy per lane (a LUTRAM with one write and one read port each),
-            # all written together, a word of `e` entries at a time
-            lut = m.submodules[f"lut{l}"] = Memory(shape=word, depth=self.LUT_WORDS,
-                                                  init=init,
-                                                  attrs={"ram_style": "distributed"})
-            wp, rp = lut.write_port(), lut.read_port()
-            m.d.comb += [wp.en.eq(self.lut_we), wp.addr.eq(self.lut_addr),
-                         wp.data.eq(self.lut_data)]
-            g = self.i.payload.gate[l]
-            # index g + 128: flip the sign bit of the two's-complement gate; the word is
-            # read in stage 1, its entry picked in stage 2 by the index's low bits
+            # one copy of every segment's table per lane in `q` banks (LUTRAMs with one
+            # write and one read port each), all lanes written together
+            reads = []
+            g, seg = self.i.payload.gate[l], self.i.payload.seg[l]
+            # index g + 128: flip the sign bit of the two's-complement gate; the banks'
+            # words are read in stage 1, the entry picked in stage 2 by the index's low bits
             idx = Cat(g[:7], ~g[7])
+            for b in range(q):
+                lut = m.submodules[f"lut{l}_{b}"] = Memory(shape=word, depth=len(init) // q,
+                                                          init=init[b::q],
+                                                          attrs={"ram_style": "distributed"})
+                wp, rp = lut.write_port(), lut.read_port()
+                m.d.comb += [wp.en.eq(self.lut_we[b]), wp.addr.eq(self.lut_addr[b]),
+                             wp.data.eq(self.lut_data[b]),
+                             rp.en.eq(adv), rp.addr.eq(Cat(idx[sub_bits:], seg[:self.seg_bits]))]
+                reads.append(rp.data)
+            entries = Cat(*reads)
             sub1 = Signal(sub_bits, name=f"sub1_{l}")
-            m.d.comb += [rp.en.eq(adv), rp.addr.eq(idx[sub_bits:])]
+            mult1 = Signal(unsigned(nx.MULT_BITS), name=f"mult1_{l}")
+            shift1 = Signal(unsigned(6), name=f"shift1_{l}")
             r = vr.i.payload.r[l]
             with m.If(adv):
                 m.d.sync += [sub1.eq(idx[:sub_bits]),
-                             r.acc.eq(rp.data[sub1] * up1[l]), r.mult.eq(mult1), r.shift.eq(shift1)]
+                             mult1.eq(self.mult[seg[:self.seg_bits]] if self.seg_bits else self.mult[0]),
+                             shift1.eq(self.shift[seg[:self.seg_bits]] if self.seg_bits else self.shift[0]),
+                             r.acc.eq(entries.word_select(sub1, 16).as_signed() * up1[l]),
+                             r.mult.eq(mult1), r.shift.eq(shift1)]
         m.d.comb += [self.o.payload[l].eq(narrow_unless_wide(vr.o.payload.y[l], vr.o.payload.side))
                      for l in range(self.lanes)]
         m.d.comb += [self.o.valid.eq(vr.o.valid), vr.o.ready.eq(self.o.ready)]

@@ -164,8 +164,10 @@ class CycleModel:
             return (attn_cycles(unit_port, c, ins.n, ins.k, ins.src, ins.dst, pos, bool(ins.wide), addr),
                     ATTN_PARAM_BYTES)
         if op == Op.ACTMUL:
-            return (actmul_cycles(unit_port, c.lanes, ins.n, rows, bool(ins.wide), addr, ungated=bool(ins.ungated)),
-                    ACT_PARAM_BYTES)
+            segments = max(ins.k, 1)        # one parameter block per channel segment
+            return (actmul_cycles(unit_port, c.lanes, ins.n, rows, bool(ins.wide), addr,
+                                  ungated=bool(ins.ungated), segments=segments),
+                    ACT_PARAM_BYTES * segments)
         if op == Op.EMBED:
             # POSITION indexes the table by POS: no token to read
             return self._embed(ins.n, token_from_request and not ins.position, addr)

@@ -280,23 +280,25 @@ def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool, l
 
 
 def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int,
-                  ungated: bool = False) -> int:
-    """actmul_sequencer.py: the parameter head and the SiLU table (256 entries, a line of
-    8 a cycle into the unit's LUT, every instruction), then per row the gate and up halves
+                  ungated: bool = False, segments: int = 1) -> int:
+    """actmul_sequencer.py: each of the ``segments`` parameter blocks' head and SiLU table
+    (256 entries, every instruction), all in one read of lines of
+    :func:`~dfvg_hw.spec.timing.actmul_param_line` (``L/2`` entries a cycle, at most
+    32), then per row the gate and up halves
     read from VMEM in pairs through ActMul and the RowWriter. An ``ungated`` row is its
     ``n`` gate bytes alone, which go through the up half's aligner from byte 0: it drops
     no lines before the first pair, and each row reads ``ceil(n/L)`` lines instead of
-    ``ceil(2n/L)`` (the pairs, not the reads, set a row's pace either way). The parameter
-    block is read as 16-byte lines whatever the VMEM line ``L``."""
+    ``ceil(2n/L)`` (the pairs, not the reads, set a row's pace either way). Where the segments end
+    does not change the rows' timing (they stream as one row)."""
     line = port.line
-    port = port.at(addr).with_line(2 * tm.ACTMUL_LUT_WRITE_ENTRIES)
+    port = port.at(addr).with_line(tm.actmul_param_line(line, port.bus_bytes))
     first = tm.PARAM_CMD + READ_OVERHEAD + port.latency
     skip = addr % port.bus_bytes
-    head_out = port.emit(0, first, skip, ACT_PARAM_BYTES) + tm.LINE_ALIGNER_LATENCY
-    # the table's 32 lines, one a cycle as the reader emits them (after the head's)
-    last_table_line = max(head_out + tm.ACTMUL_LUT_WORDS,
-                          port.emit(tm.ACTMUL_LUT_WORDS, first, skip, ACT_PARAM_BYTES)
-                          + tm.ACTMUL_TABLE_WRITE)
+    # every block's 33 chunks of 16 bytes, a line of them a cycle, each line taken as the
+    # reader emits it; the last line's write
+    nbytes = segments * ACT_PARAM_BYTES
+    last_line = ceil(nbytes / port.line) - 1
+    last_table_line = port.emit(last_line, first, skip, nbytes) + tm.ACTMUL_TABLE_WRITE
     a = last_table_line + 1 + tm.ACTMUL_TABLE_TO_ROWS
     if n == 0:                # CHECK goes to DONE in WRITE_CMD's cycle, before ROW_ALIGN's a
         return UNIT_OVERHEAD + a - 1

@@ -20,7 +20,7 @@ from dfvg_hw.spec.descriptors import (MAX_COMPACT, MAX_DRAFT, REQUEST_HEADER_WOR
 from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES,
                            embed_row_stride, padded, requant_record_bytes,
                            unpack_requant_records, untile_scales, untile_weights, weight_area_bytes)
-from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, decode
+from dfvg_hw.spec.isa import ACTMUL_SEGMENTS, IllegalInstruction, Instruction, MatmulMode, Op, decode
 from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
 from sim.cycle_model import BEFORE_FINISH, ISSUE, UNIT_OVERHEAD, CycleCounts, CycleModel, TreeTiming
 from sim.memory import DeviceMemory, MemoryError_
@@ -355,7 +355,10 @@ class FunctionalEngine:
             self._vspan(ins.src, rows, ins.n * ins.k)
             self._vspan(ins.dst, rows, ins.n * ins.k)
         elif op == Op.ACTMUL:
-            self._dram(addr, ACT_PARAM_BYTES)
+            if ins.k > ACTMUL_SEGMENTS:
+                raise EngineFault(ErrorCode.PROGRAM, f"ACTMUL of {ins.k} segments > "
+                                  f"{ACTMUL_SEGMENTS}")
+            self._dram(addr, ACT_PARAM_BYTES * max(ins.k, 1))
             self._vspan(ins.src, rows, (1 if ins.ungated else 2) * ins.n)
             self._vspan(ins.dst, rows, ins.n * wide_bytes)
 
@@ -400,16 +403,26 @@ class FunctionalEngine:
         elif op == Op.ATTN:
             self._attention(ins, st, addr)
         elif op == Op.ACTMUL:
-            head = self._dram(addr, 16).view("<u4")
-            lut = self._dram(addr + 16, 512).view("<i2")
-            mult, shift = int(head[0]) & 0xFFFF, (int(head[0]) >> 16) & 0x3F
             bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
             if ins.ungated:             # an ungated MLP: the gate alone, up taken as 1
                 gate = self._vload(ins.src, rows, ins.n, np.int8)
-                y = nx.act_mul(gate, np.ones_like(gate), lut, mult, shift, bits)
+                up = np.ones_like(gate)
             else:
                 gu = self._vload(ins.src, rows, 2 * ins.n, np.int8)
-                y = nx.act_mul(gu[:, :ins.n], gu[:, ins.n:], lut, mult, shift, bits)
+                gate, up = gu[:, :ins.n], gu[:, ins.n:]
+            # k blocks, one per channel segment: channel c takes the last segment whose
+            # first channel (segment 0's: 0) is at most c
+            blocks = self._dram(addr, ACT_PARAM_BYTES * max(ins.k, 1)).reshape(-1, ACT_PARAM_BYTES)
+            heads = blocks[:, :8].copy().view("<u4")
+            firsts = np.where(np.arange(len(blocks)) == 0, 0, heads[:, 1] & 0xFFFF)
+            segment = np.array([max(s for s in range(len(blocks)) if firsts[s] <= c)
+                                for c in range(ins.n)], dtype=np.int64)
+            y = np.zeros(gate.shape, np.int64)
+            for s, block in enumerate(blocks):
+                cols = segment == s
+                mult, shift = int(heads[s, 0]) & 0xFFFF, (int(heads[s, 0]) >> 16) & 0x3F
+                lut = block[16:].copy().view("<i2")
+                y[:, cols] = nx.act_mul(gate[:, cols], up[:, cols], lut, mult, shift, bits)
             self._vstore(ins.dst, y, dtype)
         elif op == Op.NOP:
             pass

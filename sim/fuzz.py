@@ -135,7 +135,7 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> i
         else:
             f["n"] = _pick(rng, 80, 1 << 16)
     if "k" in used:
-        if op == Op.RMSNORM:                    # segments (0 and 1: one)
+        if op in (Op.RMSNORM, Op.ACTMUL):       # segments (0 and 1: one)
             f["k"] = int(rng.integers(0, 4))
         else:
             f["k"] = _pick(rng, 2 * c.head_dim + 2, 1 << 16)

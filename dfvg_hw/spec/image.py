@@ -13,8 +13,10 @@ offset from its base. It starts with a 256-byte header (little-endian 32-bit wor
 * **RMSNORM parameters**: word ``eps``, word ``gamma_shift``, 8 zero words, then
   ``gamma`` as int16 ``[N]``.
 * **ATTN parameters**: word ``mult | shift << 16``, word ``n_kv_heads``, 2 zero words.
-* **ACTMUL parameters**: word ``mult | shift << 16``, 3 zero words, then the int16
-  activation LUT ``[256]`` indexed by ``gate + 128``.
+* **ACTMUL parameters** (one block per channel segment, consecutive): word
+  ``mult | shift << 16``, word ``first`` (the segment's first channel; ignored in the
+  first block), 2 zero words, then the int16 activation LUT ``[256]`` indexed by
+  ``gate + 128``.
 * **Embedding table**: int32 ``[vocab][hidden]`` at the residual scale (EMBED copies a row
   into the int32 residual stream).
 * **RoPE table**: int16 ``[positions][head_dim/2][cos, sin]`` (Q1.14).
@@ -261,7 +263,7 @@ def pack_attn_params(mult: int, shift: int, kv_heads: int) -> bytes:
     return struct.pack("<2I", (mult & 0xFFFF) | (shift << 16), kv_heads).ljust(ATTN_PARAM_BYTES, b"\0")
 
 
-def pack_act_params(mult: int, shift: int, lut: np.ndarray) -> bytes:
-    assert len(lut) == 256
-    head = struct.pack("<I", (mult & 0xFFFF) | (shift << 16)).ljust(16, b"\0")
+def pack_act_params(mult: int, shift: int, lut: np.ndarray, first: int = 0) -> bytes:
+    assert len(lut) == 256 and 0 <= first < 1 << 16
+    head = struct.pack("<2I", (mult & 0xFFFF) | (shift << 16), first).ljust(16, b"\0")
     return head + np.asarray(lut, dtype="<i2").tobytes()

@@ -28,9 +28,16 @@ __all__ = [
     "Op", "CONTROL_OPS", "Flag", "MatmulMode", "Cond", "Instruction", "IllegalInstruction", "AsmError",
     "FIELDS", "FLAG_FIELDS", "flag_field", "INSTRUCTION_BITS", "INSTRUCTION_BYTES",
     "encode", "decode", "assemble", "disassemble", "to_bytes", "from_bytes", "opcode_rules",
+    "ACTMUL_SEGMENTS",
 ]
 
 INSTRUCTION_BITS = 128
+
+#: The most channel segments one ACTMUL takes (its ``k``; 0 and 1 are one segment): each
+#: has its own parameter block and table, all held at once in the unit (docs/isa.md §3.8).
+#: More faults ``PROGRAM`` when the instruction runs.
+ACTMUL_SEGMENTS = 8
+
 INSTRUCTION_BYTES = 16
 
 #: (name, lsb, width) of every field, in bit order.
@@ -55,7 +62,7 @@ class Op(enum.IntEnum):
     ROPE = 0x13      # dst(int8)[n heads × k] := rope(src; table(addr)[POS])
     KVAPPEND = 0x14  # KV[LAYER][h][POS] := src (K: n heads × k), then V right after K
     ATTN = 0x15      # dst(int8)[n heads × k] := attention(src q; KV[LAYER][:, 0..POS])
-    ACTMUL = 0x16    # dst(int8)[n] := act(src[n]) · src[n + n bytes] (UNGATED: act(src[n])); params at addr
+    ACTMUL = 0x16    # dst(int8)[n] := act(src[n]) · src[n + n bytes] (UNGATED: act(src[n])); k segments' params at addr
     SAMPLE = 0x17    # token sampler over the n logits of the last LOGITS matmul
 
 
@@ -133,7 +140,7 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
     Op.ROPE: (frozenset({"rows", "dst", "src", "n", "k", "addr"}), 0),
     Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
     Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
-    Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "addr"}), Flag.LREL | Flag.WIDE | Flag.UNGATED),
+    Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE | Flag.UNGATED),
     Op.SAMPLE: (frozenset({"n"}), 0),
 }
 #: Opcodes that process ``rows`` rows; rows must be ≥ 1 for them.

@@ -84,6 +84,14 @@ ACTMUL_LUT_DEPTH = 256
 ACTMUL_LUT_WRITE_ENTRIES = 8
 #: ActMul: the table's writes (words of :data:`ACTMUL_LUT_WRITE_ENTRIES` entries).
 ACTMUL_LUT_WORDS = ACTMUL_LUT_DEPTH // ACTMUL_LUT_WRITE_ENTRIES
+#: ActMul: table words written a cycle at most (its table banks per lane).
+ACTMUL_LUT_BANKS = 4
+
+
+def actmul_param_line(vmem_line_bytes: int, bus_bytes: int) -> int:
+    """Bytes of the lines ActMulSequencer reads the ACTMUL parameter blocks in, a line a
+    cycle: a VMEM line, but at most a bus beat and :data:`ACTMUL_LUT_BANKS` table words."""
+    return min(vmem_line_bytes, bus_bytes, ACTMUL_LUT_BANKS * 2 * ACTMUL_LUT_WRITE_ENTRIES)
 #: Rsqrt: the LUT index, the ROM read, the interpolation and the output register.
 RSQRT_LATENCY = 4
 #: RMSNorm: the register after the ``x >> p`` barrel shifter that cuts an int32 residual to

@@ -12,7 +12,7 @@ from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import ConfigError
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ACT_PARAM_BYTES
-from dfvg_hw.spec.isa import Flag, Instruction, Op
+from dfvg_hw.spec.isa import ACTMUL_SEGMENTS, Flag, Instruction, Op
 from dfvg_hw.actmul_sequencer import ActMulSequencer
 from sim.memory import DeviceMemory
 from dfvg_hw.verilog import to_verilog
@@ -33,11 +33,30 @@ BLOCKS = {0x1000: 40000 | 29 << 16, 0x2003: 30000 | 21 << 16, 0x3008: 65535,
 PAST_END = TINY.mem_bytes - ACT_PARAM_BYTES + 1
 
 
+#: runs of ACTMUL_SEGMENTS consecutive blocks (one per channel segment) at a bus-aligned,
+#: an odd and an 8-mod-16 address, and how each picks its segments' first channels:
+#: increasing, anywhere (unsorted, repeated, past n), every one a multiple of 4
+SEGMENT_RUNS = {0x5000: "increasing", 0x7003: "anywhere", 0x9008: "multiples of 4"}
+
+
+def _block(rng, word, first=None):
+    """A parameter block: its head word, the segment's first channel in bytes 4–5 (the
+    rest of the head 0xAA, which nothing reads) and a random table."""
+    head = struct.pack("<I", word) + (b"\xAA" * 4 if first is None else struct.pack("<I", 0xAAAA0000 | first))
+    return head.ljust(16, b"\xAA") + rng.integers(-32768, 32768, 256).astype("<i2").tobytes()
+
+
 def _memory(rng) -> DeviceMemory:
     memory = DeviceMemory(TINY.mem_bytes)
     for addr, word in BLOCKS.items():
-        table = rng.integers(-32768, 32768, 256).astype("<i2")
-        memory.write(addr, struct.pack("<I", word).ljust(16, b"\xAA") + table.tobytes())
+        memory.write(addr, _block(rng, word))
+    for addr, kind in SEGMENT_RUNS.items():
+        firsts = {"increasing": np.sort(rng.integers(1, 48, ACTMUL_SEGMENTS)),
+                  "anywhere": rng.integers(0, 80, ACTMUL_SEGMENTS),
+                  "multiples of 4": 4 * rng.integers(0, 16, ACTMUL_SEGMENTS)}[kind]
+        words = [int(rng.integers(30000, 65536)) | int(rng.integers(18, 30)) << 16
+                 for _ in range(ACTMUL_SEGMENTS)]
+        memory.write(addr, b"".join(_block(rng, w, int(f)) for w, f in zip(words, firsts)))
     return memory
 
 
@@ -133,7 +152,8 @@ def _model_cycles(config, data_width, job):
     model_cycles counts it: less the controller's UNIT_OVERHEAD)."""
     port = CycleModel(config.with_changes(mem_port_bits=data_width)).port
     return actmul_cycles(port, config.lanes, job["n"], job["rows"], bool(job["flags"] & Flag.WIDE),
-                         job["addr"], ungated=bool(job["flags"] & Flag.UNGATED)) - timing.UNIT_OVERHEAD
+                         job["addr"], ungated=bool(job["flags"] & Flag.UNGATED),
+                         segments=max(job.get("k", 0), 1)) - timing.UNIT_OVERHEAD
 
 
 def _check_timed(rng, jobs, data_width=128, config=TINY, sequencer_class=ActMulSequencer):
@@ -220,3 +240,88 @@ def test_wider_lines(line, lanes):
     check_random_row_jobs(np.random.default_rng(60 + line), ActMulSequencer, _memory, Op.ACTMUL, list(BLOCKS),
                           count=6, timed=True, config=config, data_width=data_width,
                           min_elements=200)
+
+
+# -- segments: one ACTMUL over several channel groups, each with its own block ------------
+def _segmented(rng, count, config=TINY, ungated_share=0.25):
+    """``count`` random jobs over 2 … ACTMUL_SEGMENTS segments (one in eight a single
+    segment, k = 0 or 1; half of the others 2 or 3, which read fewer blocks) of the
+    SEGMENT_RUNS blocks; some ungated."""
+    jobs = []
+    for _ in range(count):
+        job = random_row_job(rng, Op.ACTMUL, list(SEGMENT_RUNS), config)
+        if rng.random() < ungated_share:
+            wide = bool(job["flags"] & Flag.WIDE) and job["src"] != job["dst"]
+            job = _ungated(job["rows"], job["n"], job["src"], job["dst"], job["addr"], wide)
+        few = rng.random() < 0.5
+        job["k"] = int(rng.integers(0, 2)) if rng.random() < 0.125 else \
+            int(rng.integers(2, 4 if few else ACTMUL_SEGMENTS + 1))
+        jobs.append(job)
+    return jobs
+
+
+def test_segments_random_jobs():
+    """Random jobs of 1 … 8 segments (first channels increasing, unsorted, past n),
+    1 or 2 rows, WIDE and not, some UNGATED, against the functional model and in the cycle
+    model's cycles; at least 1000 outputs of jobs of two or more segments."""
+    rng = np.random.default_rng(31)
+    jobs = _segmented(rng, 26)
+    assert _check_timed(rng, jobs) == [ErrorCode.OK] * len(jobs)
+    outputs = sum(j["rows"] * j["n"] for j in jobs if j["k"] >= 2)
+    assert outputs >= 1000, outputs
+
+
+def test_segments_wide_lanes_and_lines():
+    """Segments at 64 lanes on a 256-bit bus (several segments in one beat, the first
+    channels of the increasing run all below 48) and at 16 lanes with 64-byte lines on a
+    512-bit bus (four chunks of the blocks a line)."""
+    rng = np.random.default_rng(32)
+    jobs = [dict(_actmul(2, 100, 10, 60, addr=0x5000, wide=True), k=4)]
+    errors = _check_timed(rng, jobs, data_width=256, config=TINY.with_changes(lanes=64))
+    assert errors == [ErrorCode.OK] * len(jobs)
+    config, data_width = wide_line(WIDE_LINES[1], TINY.with_changes(lanes=16))
+    jobs = [dict(_actmul(2, 64, 10, 60, addr=0x7003, wide=True), k=8),
+            dict(_ungated(1, 50, 100, 100, addr=0x9008), k=5)]
+    assert _check_timed(rng, jobs, data_width=data_width, config=config) == [ErrorCode.OK] * len(jobs)
+
+
+def test_segment_errors():
+    """More than ACTMUL_SEGMENTS segments is PROGRAM; segments' blocks running past the end
+    of memory are BAD_ADDRESS where one block would fit."""
+    jobs = [dict(_actmul(1, 8, 0, 40, addr=0x5000), k=ACTMUL_SEGMENTS + 1),
+            dict(_actmul(1, 8, 0, 40, addr=PAST_END - 1), k=2),
+            dict(_actmul(1, 8, 0, 40, addr=PAST_END - 1 - ACT_PARAM_BYTES), k=2),
+            dict(_actmul(1, 30, 0, 40, addr=0x7003, wide=True), k=ACTMUL_SEGMENTS)]
+    errors = _check_timed(np.random.default_rng(33), jobs)
+    assert errors == [ErrorCode.PROGRAM, ErrorCode.BAD_ADDRESS, ErrorCode.OK, ErrorCode.OK]
+
+
+@pytest.mark.parametrize("old, new", [
+    # a lane whose channel is a segment's first still in the segment before
+    ("firsts[s] <= chan + j", "firsts[s] < chan + j"),
+    # the channel count running on across rows: a second row's lanes in later segments
+    ("Mux(gate_cut.o.p.last, 0, chan + lanes)", "chan + lanes"),
+], ids=["first-channel", "channel-across-rows"])
+def test_segment_mutations_are_caught(old, new):
+    """The segment checks can fail: a sequencer that picks a lane's segment wrongly gives
+    other results than the functional model's."""
+    import dfvg_hw.actmul_sequencer as actmul_module
+    bad = mutant(actmul_module, old, new, shared=()).ActMulSequencer
+    jobs = [dict(_actmul(2, 48, 10, 60, addr=0x9008, wide=True), k=8),
+            dict(_actmul(2, 40, 100, 150, addr=0x5000), k=6)]
+    with pytest.raises(AssertionError):
+        _check_timed(np.random.default_rng(34), jobs, sequencer_class=bad)
+
+
+def test_banked_table_mutation_is_caught():
+    """At 64-byte lines a parameter line holds four chunks (heads and table words) that go
+    into four banks: a sequencer that takes a chunk that starts the next block for the
+    current block's (the wrap one chunk late) gives other results."""
+    import dfvg_hw.actmul_sequencer as actmul_module
+    bad = mutant(actmul_module, "wrap = at >= _BLOCK_CHUNKS", "wrap = at > _BLOCK_CHUNKS",
+                 shared=()).ActMulSequencer
+    config, data_width = wide_line(WIDE_LINES[1], TINY.with_changes(lanes=16))
+    jobs = [dict(_actmul(1, 60, 10, 60, addr=0x7003, wide=True), k=8)]
+    with pytest.raises(AssertionError):
+        _check_timed(np.random.default_rng(35), jobs, data_width=data_width, config=config,
+                     sequencer_class=bad)

@@ -29,7 +29,9 @@ def simulate(dut, beats, *, ready=READY, setup=None, params=None):
         for k, beat in enumerate(beats):
             if params is not None:
                 for sig, val in params[k].items():
-                    ctx.set(getattr(dut, sig), int(val))
+                    # ActMul's mult and shift are per segment: a beat's value for all of them
+                    per_segment = sig in ("mult", "shift")
+                    ctx.set(getattr(dut, sig), [int(val)] * dut.segments if per_segment else int(val))
             await stream_put(ctx, dut.i, beat)
 
     async def get(ctx):
@@ -75,15 +77,18 @@ def silu(g):
 
 
 def load_lut(dut, lut):
-    """Write ``lut`` a word of ``LUT_WRITE_ENTRIES`` entries a cycle (as the sequencer
-    does, a 16-byte line a cycle)."""
+    """Write ``lut`` (segment 0's table) ``write_words`` words of ``LUT_WRITE_ENTRIES``
+    entries a cycle, one into each bank (as the sequencer does, a line a cycle)."""
     e = ActMul.LUT_WRITE_ENTRIES
 
+    q = dut.write_words
+
     async def setup(ctx):
-        ctx.set(dut.lut_we, 1)
-        for w in range(ActMul.LUT_WORDS):
-            ctx.set(dut.lut_addr, w)
-            ctx.set(dut.lut_data, [int(v) for v in lut[w * e:(w + 1) * e]])
+        ctx.set(dut.lut_we, (1 << q) - 1)
+        for a in range(ActMul.LUT_WORDS // q):      # bank b's word a: table word q·a + b
+            ctx.set(dut.lut_addr, [a] * q)
+            ctx.set(dut.lut_data, [[int(v) for v in lut[(q * a + b) * e:(q * a + b + 1) * e]]
+                                   for b in range(q)])
             await ctx.tick()
         ctx.set(dut.lut_we, 0)
     return setup
@@ -152,3 +157,37 @@ def test_lint_clean(monkeypatch):
                         "Amaranth emits every submodule into the top module's file")
     clean, output = verilator_lint(to_verilog(ActMul(TINY), "actmul"), "actmul")
     assert clean, output
+
+
+@pytest.mark.parametrize("write_words", [2, 4])
+def test_act_mul_segments_and_banked_tables(write_words):
+    """Three segments' tables written ``write_words`` words a cycle into the banks, and
+    each lane's own segment picked per beat (mult and shift too)."""
+    rng = np.random.default_rng(40 + write_words)
+    segments, e, n = 3, ActMul.LUT_WRITE_ENTRIES, 80
+    luts = rng.integers(-2 ** 15, 2 ** 15, (segments, 256))
+    mults, shifts = rng.integers(2 ** 15, 2 ** 16, segments), rng.integers(18, 26, segments)
+    dut = ActMul(TINY, segments=segments, write_words=write_words)
+    words = luts.reshape(-1, e)                       # word 32s + w: segment s's entries 8w …
+
+    async def setup(ctx):
+        ctx.set(dut.lut_we, (1 << write_words) - 1)
+        for a in range(len(words) // write_words):
+            ctx.set(dut.lut_addr, [a] * write_words)
+            ctx.set(dut.lut_data, [[int(v) for v in words[a * write_words + b]] for b in range(write_words)])
+            await ctx.tick()
+        ctx.set(dut.lut_we, 0)
+        ctx.set(dut.mult, [int(v) for v in mults])
+        ctx.set(dut.shift, [int(v) for v in shifts])
+
+    gate = rng.integers(-128, 128, (n, TINY.lanes))
+    up = rng.integers(-128, 128, (n, TINY.lanes))
+    seg = rng.integers(0, segments, (n, TINY.lanes))
+    beats = [{"gate": [int(v) for v in gate[k]], "up": [int(v) for v in up[k]],
+              "seg": [int(v) for v in seg[k]]} for k in range(n)]
+    got = simulate(dut, beats, setup=setup)
+    expected = np.zeros_like(got)
+    for s in range(segments):
+        y = nx.act_mul(gate, up, luts[s], int(mults[s]), int(shifts[s]))
+        expected[seg == s] = y[seg == s]
+    np.testing.assert_array_equal(got, expected)
