@@ -27,6 +27,7 @@ from amaranth.utils import ceil_log2
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import kv_timing, timing
 from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.dsp_pack import PACKED_BITS, packed_operand, unpacked_products
 from dfvg_hw.elementwise import WIDE_BITS, VectorRequantizer, narrow_unless_wide, reduce_tree
 
 __all__ = ["SoftmaxExp", "SoftmaxWeights", "Reciprocal", "Normalizer", "Attention",
@@ -408,6 +409,18 @@ class Normalizer(wiring.Component):
         return m
 
 
+def _shift_add_product(e, v):
+    """``e · v`` for unsigned ``e`` and int8 ``v`` without a multiplier: the partial
+    products ``e · 2^i`` of ``v``'s set bits (bit 7 weighing −2^7) summed by a balanced
+    adder tree, so synthesis builds LUTs and carry chains rather than a DSP."""
+    terms = [Mux(v[i], e << i, 0) for i in range(nx.ACT_BITS - 1)]
+    terms.append(-Mux(v[nx.ACT_BITS - 1], e << (nx.ACT_BITS - 1), 0))
+    while len(terms) > 1:
+        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i]
+                 for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
 class _ScorePhase(enum.Enum, shape=2):
     IDLE = 0          # q may be taken
     SCORE = 1         # K groups
@@ -485,9 +498,16 @@ class Attention(wiring.Component):
         The attention output (int8 sign-extended unless wide).
     """
 
-    def __init__(self, config: EngineConfig, path_entries: int = 0):
+    #: banks whose ``e·V`` products are multipliers (DSPs); the rest are shift-and-add
+    #: logic, since a 17-bit weight times int8 does not pack: 16 banks' 1,024 would take
+    #: alveo-u55c's engine past 70 % of its 9,024 DSPs
+    V_DSP_BANKS = 8
+
+    def __init__(self, config: EngineConfig, path_entries: int = 0,
+                 v_dsp_banks: int | None = None):
         self.head_dim = d = config.head_dim
         self.banks = b = config.kv_banks
+        self.v_dsp_banks = self.V_DSP_BANKS if v_dsp_banks is None else v_dsp_banks
         self.max_t = config.kv_positions
         #: groups of a score buffer: the positions' ceil(T / B), and a path's one row a group
         self.depth = min(self.max_t, -(-self.max_t // b) + path_entries)
@@ -556,20 +576,31 @@ class Attention(wiring.Component):
         p_keep = Signal(B)
         if B > 1:
             m.d.sync += p_keep.eq(self.k.payload.keep)
+        # banks 2i and 2i + 1 meet the same q[j]: one packed DSP product carries both
+        prods = [[None] * d for _ in range(B)]
+        for i in range(B // 2):
+            for j in range(d):
+                pk = Signal(signed(PACKED_BITS + nx.ACT_BITS), name=f"qk_{2 * i}_{2 * i + 1}_{j}")
+                m.d.sync += pk.eq(packed_operand(k_rows[2 * i][j], k_rows[2 * i + 1][j]) * q[j])
+                hi_floor, borrow, lo = unpacked_products(pk)
+                # both products fit int8·int8's 16 bits
+                prods[2 * i][j] = (hi_floor + borrow)[:2 * nx.ACT_BITS].as_signed()
+                prods[2 * i + 1][j] = lo[:2 * nx.ACT_BITS].as_signed()
+        if B % 2:                               # one bank: plain products
+            for j in range(d):
+                prods[B - 1][j] = Signal(signed(2 * nx.ACT_BITS), name=f"qk{j}")
+                m.d.sync += prods[B - 1][j].eq(k_rows[B - 1][j] * q[j])
         bank_scores = []
         for b in range(B):
             sfx = "" if B == 1 else f"_{b}"
-            prods = [Signal(signed(2 * nx.ACT_BITS), name=f"qk{sfx}{j}") for j in range(d)]
-            for j in range(d):
-                m.d.sync += prods[j].eq(k_rows[b][j] * q[j])
             if b == 0:
                 tags = [p_last] + ([p_keep] if B > 1 else [])
-                score, s_v, s_tags, _ = reduce_tree(m, prods, lambda x, y: x + y, valid=p_v,
+                score, s_v, s_tags, _ = reduce_tree(m, prods[b], lambda x, y: x + y, valid=p_v,
                                                     tags=tags, name=f"dot{sfx}")
                 s_last = s_tags[0]
                 s_keep = s_tags[1] if B > 1 else Const(1, 1)
             else:
-                score, *_ = reduce_tree(m, prods, lambda x, y: x + y, name=f"dot{sfx}")
+                score, *_ = reduce_tree(m, prods[b], lambda x, y: x + y, name=f"dot{sfx}")
             bank_scores.append(score)
         n_rows = Signal(range(depth + 1))       # groups written
         smax = Signal(signed(sb))
@@ -647,7 +678,8 @@ class Attention(wiring.Component):
               for b in range(B)]
         for b in range(B):
             for j in range(d):
-                m.d.sync += ev[b][j].eq(es[b] * v_rows[b][j])
+                m.d.sync += ev[b][j].eq(es[b] * v_rows[b][j] if b < self.v_dsp_banks
+                                        else _shift_add_product(es[b], v_rows[b][j]))
         # Σ_b e_b and Σ_b e_b·V_b[d]: registered trees over the B lanes (none for one bank)
         e_tot, e_v, _, _ = reduce_tree(m, es, lambda x, y: x + y, valid=join, name="esum")
         col_v = col_last = None

@@ -20,6 +20,9 @@ IDS = ["tiny", "l8-hd32"]
 BANKED = [TINY.with_changes(kv_banks=2), TINY.with_changes(kv_banks=4),
           TINY.with_changes(kv_banks=8, kv_positions=40)]
 BANKED_IDS = ["b2", "b4", "b8"]
+#: the board presets' 16 banks: K products packed in pairs, banks 8 … 15's e·V products
+#: shift-and-add logic
+B16 = TINY.with_changes(kv_banks=16)
 I32 = (-2 ** 31, 2 ** 31 - 1)
 
 
@@ -365,7 +368,7 @@ def banked_edge_heads(rng, d, banks, max_t):
     return heads
 
 
-@pytest.mark.parametrize("cfg", BANKED, ids=BANKED_IDS)
+@pytest.mark.parametrize("cfg", BANKED + [B16], ids=BANKED_IDS + ["b16"])
 def test_banked_attention_random(cfg):
     """B rows a cycle against numerics.attention: the edge lengths, then random heads;
     the rows past T in the last group are random, as stale KV would be."""
@@ -379,7 +382,7 @@ def test_banked_attention_random(cfg):
     assert sum(len(o) for o in got) >= 400
 
 
-@pytest.mark.parametrize("cfg", BANKED[1:], ids=BANKED_IDS[1:])
+@pytest.mark.parametrize("cfg", BANKED[1:] + [B16], ids=BANKED_IDS[1:] + ["b16"])
 def test_banked_attention_with_paths(cfg):
     """A tree row's heads (docs/isa.md §9.2): the prefix's groups, then each path row a
     group of its own in lane 0 (stale rows beside it); up to the fullest score buffer,
@@ -424,6 +427,64 @@ def test_banked_attention_mutation_is_caught(monkeypatch):
     got = simulate_attention(bad, heads, seed=1)
     assert any((o != w).any() for o, w in zip(got, want))
     got = simulate_attention(Attention(cfg), heads, seed=1)
+    assert all((o == w).all() for o, w in zip(got, want))
+
+
+def test_packed_products_exact():
+    """dsp_pack: two products in one multiplier, ``(hi·2^18 + lo)·w`` split back into
+    ``hi·w`` and ``lo·w`` exactly: every int8 edge pair, then random operands (and the
+    matrix unit's 9-bit digit 128)."""
+    from amaranth import Module, Signal, signed
+    from dfvg_hw.dsp_pack import packed_operand, unpacked_products
+    edges = [-128, -127, -1, 0, 1, 127]
+    rng = np.random.default_rng(11)
+    vectors = [(h, l, w) for h in edges + [128] for l in edges + [128] for w in edges]
+    vectors += [tuple(int(x) for x in rng.integers(-128, 128, 3)) for _ in range(1500)]
+    hi, lo, w = Signal(signed(9)), Signal(signed(9)), Signal(signed(8))
+    hi_w, lo_w = Signal(signed(18)), Signal(signed(18))
+    m = Module()
+    hi_floor, borrow, lo_prod = unpacked_products(packed_operand(hi, lo) * w)
+    m.d.comb += [hi_w.eq(hi_floor + borrow), lo_w.eq(lo_prod)]
+
+    async def tb(ctx):
+        for h, l, x in vectors:
+            ctx.set(hi, h), ctx.set(lo, l), ctx.set(w, x)
+            assert (ctx.get(hi_w), ctx.get(lo_w)) == (h * x, l * x), (h, l, x)
+
+    from amaranth.sim import Simulator
+    sim = Simulator(m)
+    sim.add_testbench(tb)
+    sim.run()
+    assert len(vectors) > 1700
+
+
+@pytest.mark.parametrize("old, new", [
+    ("p >> PACK_SHIFT, p[PACK_SHIFT - 1]", "p >> PACK_SHIFT, 0 * p[PACK_SHIFT - 1]"),
+    ("terms.append(-Mux(", "terms.append(Mux("),
+], ids=["packed-K-without-borrow", "shift-add-V-unsigned"])
+def test_a_16_bank_mutation_is_caught(old, new):
+    """The 16-bank checks can fail: packed K products that drop the borrow of a negative
+    low product, or shift-and-add e·V products (banks 8 … 15) that take V's sign bit as
+    +128, give other outputs."""
+    import dfvg_hw.attention as attention_module
+    import dfvg_hw.dsp_pack as pack_module
+    from sequencer_cases import mutant
+    rng = np.random.default_rng(17)
+    d = B16.head_dim
+    # K rows a few units apart: scores within a few hundred, so that many rows share the
+    # weight and a score a few units off moves the output
+    base = rng.integers(-120, 121, d)
+    heads = [(rng.integers(-128, 128, d), base + rng.integers(-3, 4, (t, d)),
+              rng.integers(-128, 128, (t, d)), 65535, 16, False) for t in (16, 23, 40)]
+    want = [nx.attention(q, k, v, mult, shift, 8) for q, k, v, mult, shift, _ in heads]
+    if "PACK_SHIFT" in old:                 # a copy of the unit that uses a mutant helper
+        bad_module = mutant(attention_module, "V_DSP_BANKS = 8", "V_DSP_BANKS = 8", shared=())
+        bad_module.unpacked_products = mutant(pack_module, old, new, shared=()).unpacked_products
+    else:
+        bad_module = mutant(attention_module, old, new, shared=())
+    got = simulate_attention(bad_module.Attention(B16), heads, seed=1)
+    assert any((o != w).any() for o, w in zip(got, want))
+    got = simulate_attention(Attention(B16), heads, seed=1)
     assert all((o == w).all() for o, w in zip(got, want))
 
 
