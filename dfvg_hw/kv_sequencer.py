@@ -218,8 +218,10 @@ class KvSequencer(wiring.Component):
         clearing_kv = Signal()              # the append states serve a clear
         clear_pending = Signal()
         clear_pos = Signal(range(c.kv_positions))
-        v_owed = Signal()                   # a head's K read is issued, its V read is not
-        v_slot = Signal.like(kv_slot)       # ... that head's slot
+        # heads whose K read is issued and V read is not (at most two), and their slots,
+        # the oldest first
+        v_owed = Signal(range(3))
+        v_slot = [Signal.like(kv_slot, name=f"v_slot{i}") for i in range(2)]
         result = Signal(16 * D)
         # compaction: the job, its level, the level's first storage position, the slot
         compaction = Signal(CompactJob())
@@ -253,11 +255,22 @@ class KvSequencer(wiring.Component):
                          attn.v.valid.eq(kv.v_data.valid), kv.v_data.ready.eq(attn.v.ready)]
 
         # A head's V read goes out beside the FSM once its K read has ended (the V side of
-        # the attention unit takes it after the previous head's V)
-        m.d.comb += [kv.v_read.valid.eq(v_owed & kv.k_read.ready),
-                     kv.v_read.payload.slot.eq(v_slot), kv.v_read.payload.paths.eq(job.path_len)]
-        with m.If(kv.v_read.valid & kv.v_read.ready):
-            m.d.sync += v_owed.eq(0)
+        # the attention unit takes it after the previous head's V): with two owed, the
+        # older one's has (the newer K read went out after it)
+        v_out, k_out = Signal(), Signal()
+        m.d.comb += [kv.v_read.valid.eq((v_owed == 2) | ((v_owed == 1) & kv.k_read.ready)),
+                     kv.v_read.payload.slot.eq(v_slot[0]),
+                     kv.v_read.payload.paths.eq(job.path_len),
+                     v_out.eq(kv.v_read.valid & kv.v_read.ready),
+                     k_out.eq(kv.k_read.valid & kv.k_read.ready)]
+        with m.If(v_out):
+            m.d.sync += v_slot[0].eq(v_slot[1])
+        with m.If(k_out):
+            with m.If((v_owed == 0) | ((v_owed == 1) & v_out)):
+                m.d.sync += v_slot[0].eq(kv_slot)
+            with m.Else():
+                m.d.sync += v_slot[1].eq(kv_slot)
+        m.d.sync += v_owed.eq(v_owed + k_out - v_out)
 
         m.d.comb += [attn.q.payload.q.as_value().eq(window.data[:8 * D]),
                      attn.q.payload.mult.eq(mult), attn.q.payload.shift.eq(shift),
@@ -430,11 +443,11 @@ class KvSequencer(wiring.Component):
                 with m.If(attn.q.ready):
                     m.next = "READ_K"
             with m.State("READ_K"):
-                # (the previous head's V read has gone out: v_slot is free)
-                m.d.comb += [kv.k_read.valid.eq(~v_owed), kv.k_read.payload.slot.eq(kv_slot),
+                # (at most one V read owed: the queue has room)
+                m.d.comb += [kv.k_read.valid.eq(v_owed != 2), kv.k_read.payload.slot.eq(kv_slot),
                              kv.k_read.payload.paths.eq(job.path_len)]
                 with m.If(kv.k_read.valid & kv.k_read.ready):
-                    m.d.sync += [v_owed.eq(1), v_slot.eq(kv_slot), head.eq(head + 1),
+                    m.d.sync += [head.eq(head + 1),
                                  in_offset.eq(in_offset + job.k), in_group.eq(in_group + 1)]
                     with m.If(in_group + 1 == quotient):       # next KV head's group
                         m.d.sync += [in_group.eq(0), kv_slot.eq(kv_slot + 1)]

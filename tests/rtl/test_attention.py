@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from dfvg_hw.spec import kv_timing
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import get_preset
 from dfvg_hw.attention import Attention, Normalizer, Reciprocal, SoftmaxExp, SoftmaxWeights
@@ -416,14 +417,14 @@ def test_banked_attention_mutation_is_caught(monkeypatch):
     heads = [(rng.integers(-128, 128, d), rng.integers(-128, 128, (t, d)),
               rng.integers(-128, 128, (t, d)), 50000, 24, False) for t in (1, 5, 6, 7)]
     want = [nx.attention(q, k, v, mult, shift, 8) for q, k, v, mult, shift, _ in heads]
-    bad = mutant(attention_module, "[Mux(s_keep[b], bank_scores[b], lo) for b in range(1, B)]",
-                 "[bank_scores[b] for b in range(1, B)]", shared=()).Attention(cfg)
+    bad = mutant(attention_module, "[Mux(s_keep[b], bank_scores[b], lo_score)\n",
+                 "[bank_scores[b] if 1 else lo_score\n", shared=()).Attention(cfg)
     got = simulate_attention(bad, heads, seed=1)
     assert any((o != w).any() for o, w in zip(got, want))
     # heads overlap: the normaliser must read the held numerators, not the accumulators
     # that the next head has already cleared
     bad = mutant(attention_module, "nm.i.payload.num[j].eq(num_hold[j])",
-                 "nm.i.payload.num[j].eq(num[j])", shared=()).Attention(cfg)
+                 "nm.i.payload.num[j].eq(num[0][j])", shared=()).Attention(cfg)
     got = simulate_attention(bad, heads, seed=1)
     assert any((o != w).any() for o, w in zip(got, want))
     got = simulate_attention(Attention(cfg), heads, seed=1)
@@ -581,14 +582,11 @@ def test_two_heads_in_flight(name):
 
 
 @pytest.mark.parametrize("old, new", [
-    ("wp.addr.eq(Mux(k_buf, depth + n_rows, n_rows))", "wp.addr.eq(n_rows)"),
-    ("self.q.ready.eq(k_phase == _ScorePhase.IDLE)",
-     "self.q.ready.eq((k_phase == _ScorePhase.IDLE) & (v_phase == _WeightPhase.IDLE))"),
-], ids=["one-score-buffer", "one-head-at-a-time"])
+    ("wp.addr.eq(buf_base[s_buf] + row)", "wp.addr.eq(buf_base[k_buf] + row)"),
+], ids=["scores-to-the-next-heads-buffer"])
 def test_an_in_flight_mutation_is_caught(old, new):
-    """The two-heads check can fail: one score buffer for both passes gives other
-    outputs; a unit that takes the next q only once the weights pass is idle never has two
-    heads in flight."""
+    """The heads-in-flight check can fail: a draining head's last scores written to the
+    buffer of the head whose q came after it give other outputs."""
     import dfvg_hw.attention as attention_module
     from sequencer_cases import mutant
     cfg = BANKED[0]
@@ -603,6 +601,52 @@ def test_an_in_flight_mutation_is_caught(old, new):
     got = simulate_attention(Attention(cfg, path_entries=3), heads, seed=2, paths=paths,
                              trace=trace)
     assert all((o == w).all() for o, w in zip(got, want)) and overlapped(trace) >= 6
+
+
+#: long heads (G = 64 groups): the weights pass keeps up with the reciprocal's 34 cycles
+RUN_AHEAD = TINY.with_changes(kv_banks=2, kv_positions=128)
+
+
+def head_gaps(cfg, mutation=None) -> tuple[list[int], list[int]]:
+    """Cycles between a head's last K group and the next head's first, and the same for
+    the V groups: heads of ``kv_positions`` rows back to back with every stream offered
+    (outputs checked)."""
+    import dfvg_hw.attention as attention_module
+    from sequencer_cases import mutant
+    rng = np.random.default_rng(19)
+    d, t = cfg.head_dim, cfg.kv_positions
+    heads = [(rng.integers(-128, 128, d), rng.integers(-128, 128, (t, d)),
+              rng.integers(-128, 128, (t, d)), 40000, 22, False) for _ in range(6)]
+    module = mutant(attention_module, *mutation, shared=()) if mutation else attention_module
+    trace = {}
+    got = simulate_attention(module.Attention(cfg), heads, trace=trace)
+    for (q, k, v, mult, shift, wide), o in zip(heads, got):
+        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift, 8))
+    ends = np.cumsum(trace["groups"])
+    return tuple([trace[side][e] - trace[side][e - 1] for e in ends[:-1]] for side in "kv")
+
+
+def test_score_pass_runs_ahead():
+    """The next head's K groups follow the last of a head's after two cycles (the q beat
+    between): the score pass takes q while the head's scores are still in the trees (a
+    third score buffer); and the weights pass takes a head on the edge the one before
+    meets its last V group (two accumulator sets: it does not wait for that head's E to
+    reach the reciprocal), so its first V group follows the exp path's latency later."""
+    assert head_gaps(RUN_AHEAD) == ([2] * 5, [kv_timing.ATTN_START_TO_JOIN] * 5)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("SCORE_BUFFERS = kv_timing.ATTN_SCORE_BUFFERS", "SCORE_BUFFERS = 2"),
+    ("self.q.ready.eq(~k_open & ~in_use.bit_select(alloc, 1))",
+     "self.q.ready.eq(~k_open & (in_use == 0))"),
+    ("set_free.eq(~set_busy.bit_select(v_set, 1)", "set_free.eq((set_busy == 0)"),
+], ids=["two-score-buffers", "one-head-at-a-time", "one-accumulator-set"])
+def test_a_run_ahead_mutation_is_caught(old, new):
+    """The run-ahead check can fail: with two score buffers, or a q taken only once every
+    buffer has been read, the next head's K waits for the weights pass; with the weights
+    pass waiting for the previous head's E to reach the reciprocal the V groups wait."""
+    k, v = head_gaps(RUN_AHEAD, (old, new))
+    assert max(k) > 2 or max(v) > kv_timing.ATTN_START_TO_JOIN
 
 
 # -- lint ----------------------------------------------------------------------------------
