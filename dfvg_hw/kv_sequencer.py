@@ -37,13 +37,15 @@ gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add
 a score), stream slot ``base + layer · G + h // (n / G)``, positions ``0 … prefix − 1`` and
 then the ``path_len`` path positions, through the attention unit (K words packed into
 rows, and V words into rows on a second gearbox), and scatter the ``k`` outputs
-(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap, two at a time in the
-attention unit: QUERY hands ``q[h]`` to it as soon as its weights pass has taken head
-``h − 1``, then READ_K starts head ``h``'s K stream on the KV buffer's K channel (while
-head ``h − 1``'s V streams on the V channel); head ``h``'s V read goes out beside the FSM
-once its K read has ended (the V channel free). Meanwhile the sequencer takes head
-``h − 2``'s output, scatters it and gathers ``q[h + 1]``: the outputs trail by two heads,
-so that the next q never waits for the reciprocal.
+(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap in the attention
+unit: QUERY hands ``q[h]`` to it as soon as it has taken head ``h − 1``'s K rows (and a
+score buffer is free), then READ_K starts head ``h``'s K stream on the KV buffer's K
+channel (while earlier heads' V streams on the V channel); head ``h``'s V read goes out
+beside the FSM once its K read has ended and the V channel is free. The sequencer owes at
+most two V reads, so a K read waits only for the V read of the head two before.
+Meanwhile the sequencer takes head ``h − 2``'s output, scatters it and gathers
+``q[h + 1]``: the outputs trail by two heads, so that the next q never waits for the
+reciprocal.
 
 **Tree rows** (docs/isa.md §9.2). The controller issues a tree forward's KVAPPEND and
 ATTN one row at a time (``rows = 1``, ``src``/``dst`` at the row): KVAPPEND at the node's
@@ -73,11 +75,13 @@ gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND about ``5 + 14�
 line-aligned heads (n = 2, k = 16: 33); ATTN about ``80 + (n + 1)·(W·T + ceil(log2 D) +
 6)`` including the parameter read (the last head's V pass is not hidden; at short
 contexts the reciprocal's 34 cycles a head are the pace instead): n = 4, k = 16: 208 at
-T = 1, 292 at T = 16, 772 at T = 64 (406 and 1174 with a head's V pass after its K pass,
+T = 1, 291 at T = 16, 757 at T = 64 (292 and 772 with a head's q waiting for the weights
+pass to take the head before; 406 and 1174 with a head's V pass after its K pass,
 before the two channels).
 Each channel streams one word per cycle, so a head spends ``W`` cycles per position on
-K, and the V pass of the head before runs beside it; at long contexts the score pass,
-``W·T`` plus the read latency and the dot-product and max trees, is the pace.
+K, and the V pass of an earlier head runs beside it; at long contexts the weights pass,
+``W·T`` plus the exp path's 6 cycles from a head's start to its first V join, is the
+pace (the score passes run back to back beside it).
 :mod:`sim.attention_timing` has the exact counts. Clear: about
 ``kv_positions · (1 + kv_slots · (2·W + 3))`` (tiny: ~1.9k).
 
