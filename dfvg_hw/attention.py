@@ -457,11 +457,11 @@ class Attention(wiring.Component):
     next score buffer in turn has been read, so K groups stream back to back, one cycle
     apart for the ``q`` beat, and beside them the V groups of an earlier head. The weights
     pass takes the heads in turn, on the edge the one before meets its last V group at the
-    earliest (the exp path's latency apart); the two accumulator
-    sets take the heads in turn, and a head's numerators move to hold registers as its
-    ``E`` goes to the reciprocal, which takes the next ``E`` once its quotient has gone
-    to the normaliser. Outputs come in head order. Grouped-query attention streams
-    the same K/V for every query head of the group.
+    earliest (``ATTN_START_TO_JOIN`` cycles before its first V group meets its weights);
+    the two accumulator sets take the heads in turn, and a head's numerators move to hold
+    registers as its ``E`` goes to the reciprocal, which takes the next ``E`` once its
+    quotient has gone to the normaliser. Outputs come in head order. Grouped-query
+    attention streams the same K/V for every query head of the group.
 
     A tree row's path (docs/isa.md §9.2) comes after its positions as groups of one row
     each (row 0, ``keep = 1``): they lie in any bank. The sums are the same in any

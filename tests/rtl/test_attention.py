@@ -564,8 +564,8 @@ IN_FLIGHT = {"b1": TINY, "b2": BANKED[0], "b8": BANKED[2]}
 @pytest.mark.parametrize("name", list(IN_FLIGHT))
 def test_two_heads_in_flight(name):
     """Heads back to back, the K and V streams always offered: head h + 1's K groups go
-    in while head h's V groups do (two score buffers: the score pass of one head beside
-    the weights pass of the one before), and every output is numerics.attention's:
+    in while head h's V groups do (three score buffers: the score pass of one head beside
+    the weights pass of an earlier one), and every output is numerics.attention's:
     T = 1, T = kv_positions, GQA partners, tree rows with path entries (banked), random
     lengths; at least 400 output values each, 1200 over the three."""
     cfg = IN_FLIGHT[name]
