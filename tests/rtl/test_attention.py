@@ -558,7 +558,7 @@ def overlapped(trace) -> int:
     return sum(f < l for f, l in zip(first_k, last_v))
 
 
-IN_FLIGHT = {"b1": TINY, "b2": BANKED[0], "b8": BANKED[2]}
+IN_FLIGHT = {"b1": TINY, "b2": BANKED[0], "b16": B16}
 
 
 @pytest.mark.parametrize("name", list(IN_FLIGHT))
