@@ -12,13 +12,13 @@ All bit-exact with :mod:`dfvg_hw.spec.numerics`:
 * :class:`Normalizer` — ``sat8(round_shift(num · R, 32))`` per lane, on the shared
   requantiser.
 * :class:`Attention` — :func:`numerics.attention` for query heads over streamed K and
-  V rows, composed of the pieces above; a score pass and a weights pass work on two
-  heads at once.
+  V rows, composed of the pieces above; a score pass and a weights pass work on
+  different heads at once, with a third head's scores waiting between them.
 """
 
 from __future__ import annotations
 
-from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
+from amaranth import Array, Cat, Const, Module, Mux, Signal, signed, unsigned
 from amaranth.lib import data, enum, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
@@ -27,6 +27,7 @@ from amaranth.utils import ceil_log2
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import kv_timing, timing
 from dfvg_hw.spec.config import EngineConfig
+from dfvg_hw.dsp_pack import PACKED_BITS, packed_operand, unpacked_products
 from dfvg_hw.elementwise import WIDE_BITS, VectorRequantizer, narrow_unless_wide, reduce_tree
 
 __all__ = ["SoftmaxExp", "SoftmaxWeights", "Reciprocal", "Normalizer", "Attention",
@@ -408,16 +409,16 @@ class Normalizer(wiring.Component):
         return m
 
 
-class _ScorePhase(enum.Enum, shape=2):
-    IDLE = 0          # q may be taken
-    SCORE = 1         # K groups
-    DONE = 2          # the head's scores wait for the weights pass
-
-
-class _WeightPhase(enum.Enum, shape=2):
-    IDLE = 0
-    WEIGHTS = 1       # scores read back, weights meet V
-    DIV = 2           # E waits for the reciprocal
+def _shift_add_product(e, v):
+    """``e · v`` for unsigned ``e`` and int8 ``v`` without a multiplier: the partial
+    products ``e · 2^i`` of ``v``'s set bits (bit 7 weighing −2^7) summed by a balanced
+    adder tree, so synthesis builds LUTs and carry chains rather than a DSP."""
+    terms = [Mux(v[i], e << i, 0) for i in range(nx.ACT_BITS - 1)]
+    terms.append(-Mux(v[nx.ACT_BITS - 1], e << (nx.ACT_BITS - 1), 0))
+    while len(terms) > 1:
+        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i]
+                 for i in range(0, len(terms), 2)]
+    return terms[0]
 
 
 class Attention(wiring.Component):
@@ -430,29 +431,37 @@ class Attention(wiring.Component):
     1. ``q`` beat: the query and the ATTN block's (mult, shift).
     2. **Scores** (the score pass): one group of K rows per cycle; ``B·D`` int8 products
        and ``B`` registered adder trees give ``s_t = K[t]·q``, written (with the group's
-       ``keep`` mask) to one of two ``ceil(kv_positions / B)``-deep score buffers, while a
-       registered max tree over the kept lanes (``ceil(log2 B)`` levels) feeds a running
-       maximum. ``last`` on the final group ends the pass.
+       ``keep`` mask) to one of three ``ceil(kv_positions / B)``-deep score buffers, while
+       a registered max tree over the kept lanes (``ceil(log2 B)`` levels) feeds a running
+       maximum. ``last`` on the final group ends the pass. Banks ``2i`` and ``2i + 1`` meet
+       the same ``q[j]``, so their two products are one DSP48E2 product
+       (:mod:`dfvg_hw.dsp_pack`): ``B·D / 2`` multipliers.
     3. **Weights** (the weights pass): takes the head (its maximum, group count, mult,
-       shift and width; the accumulators cleared) once its scores are complete and the
-       previous head's ``E`` has gone to the reciprocal. The buffer is read back through
+       shift and width; an accumulator set cleared) once its scores are complete, the
+       head before has met its last V group, and one of the two accumulator sets is free
+       (its head's ``E`` gone to the reciprocal). The buffer is read back through
        :class:`SoftmaxExp` (``B`` lanes, a group per cycle; 0 for lanes not kept); the
        group's weights ``e_t`` meet its V rows (one group per cycle, in order): ``E += Σ
        e_t`` and ``num[d] += Σ e_t · V[t][d]`` through registered adder trees over the ``B``
        lanes. Integer sums, so the result is the functional model's in any grouping.
+       The ``e·V`` products of banks ``V_DSP_BANKS`` and up are shift-and-add logic.
     4. **Reciprocal:** ``R = floor(2^32 / E)`` (:class:`Reciprocal`, 34 cycles).
     5. **Output:** ``o[d] = sat8(round_shift(num[d] · R, 32))``, or int16 with the q beat's
        ``wide`` (:class:`Normalizer`).
 
     With all streams ready, the output is valid ``cycles(T) = 2·G + ceil(log2 D) +
     2·ceil(log2 B) + 45`` edges after the edge that accepts ``q``
-    (:func:`dfvg_hw.spec.kv_timing.attention_head_cycles`). **Two heads in flight:** the
-    next head's ``q`` is accepted the cycle after the weights pass takes this head (the
-    score pass is free, and writes the other score buffer), so the next head's K groups
-    stream while this head's V groups do; a head's numerators move to hold registers as
-    its ``E`` goes to the reciprocal, which takes the next ``E`` once its quotient has
-    gone to the normaliser. Outputs come in head order. Grouped-query attention streams
-    the same K/V for every query head of the group.
+    (:func:`dfvg_hw.spec.kv_timing.attention_head_cycles`). **Heads in flight:** the next
+    head's ``q`` is accepted the cycle after this head's last K group (its scores still
+    in the trees; each group carries its head's buffer and a first-group flag) once the
+    next score buffer in turn has been read, so K groups stream back to back, one cycle
+    apart for the ``q`` beat, and beside them the V groups of an earlier head. The weights
+    pass takes the heads in turn, on the edge the one before meets its last V group at the
+    earliest (``ATTN_START_TO_JOIN`` cycles before its first V group meets its weights);
+    the two accumulator sets take the heads in turn, and a head's numerators move to hold
+    registers as its ``E`` goes to the reciprocal, which takes the next ``E`` once its
+    quotient has gone to the normaliser. Outputs come in head order. Grouped-query
+    attention streams the same K/V for every query head of the group.
 
     A tree row's path (docs/isa.md §9.2) comes after its positions as groups of one row
     each (row 0, ``keep = 1``): they lie in any bank. The sums are the same in any
@@ -466,6 +475,8 @@ class Attention(wiring.Component):
         The most one-row groups a head's rows may end with (a tree row's path); each score
         buffer holds ``min(kv_positions, ceil(kv_positions / B) + path_entries)`` groups
         (T ≤ kv_positions still). Default 0: positions only.
+    v_dsp_banks : int, optional
+        Banks whose ``e·V`` products are multipliers (default ``V_DSP_BANKS``).
 
     Members
     -------
@@ -477,7 +488,7 @@ class Attention(wiring.Component):
         ``g·B … g·B + B − 1``, ``keep`` marking the rows ``< T`` (at least row ``g·B``,
         lane 0; a path row is a group of its own in lane 0).
     v : In(stream.Signature(ArrayLayout(signed(8), D)))
-        V rows 0 … T−1 (taken once the head's K rows are all in, while the next head's
+        V rows 0 … T−1 (taken once the head's scores are complete, while later heads'
         K rows come); with ``B ≥ 2``
         ``ArrayLayout(ArrayLayout(signed(8), D), B)``, the same groups (rows not kept
         are ignored).
@@ -485,9 +496,18 @@ class Attention(wiring.Component):
         The attention output (int8 sign-extended unless wide).
     """
 
-    def __init__(self, config: EngineConfig, path_entries: int = 0):
+    #: banks whose ``e·V`` products are multipliers (DSPs); the rest are shift-and-add
+    #: logic, since a 17-bit weight times int8 does not pack: 16 banks' 1,024 would take
+    #: alveo-u55c's engine past 70 % of its 9,024 DSPs
+    V_DSP_BANKS = 8
+    #: score buffers: a head's score pass, the weights pass's head, and one in between
+    SCORE_BUFFERS = kv_timing.ATTN_SCORE_BUFFERS
+
+    def __init__(self, config: EngineConfig, path_entries: int = 0,
+                 v_dsp_banks: int | None = None):
         self.head_dim = d = config.head_dim
         self.banks = b = config.kv_banks
+        self.v_dsp_banks = self.V_DSP_BANKS if v_dsp_banks is None else v_dsp_banks
         self.max_t = config.kv_positions
         #: groups of a score buffer: the positions' ceil(T / B), and a path's one row a group
         self.depth = min(self.max_t, -(-self.max_t // b) + path_entries)
@@ -526,98 +546,130 @@ class Attention(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         d, sb, B = self.head_dim, self.score_bits, self.banks
-        depth = self.depth                          # score groups
+        depth, nbuf = self.depth, self.SCORE_BUFFERS
         ex = m.submodules.exp = SoftmaxExp(B, sb)
         rc = m.submodules.recip = Reciprocal(self.sum_bits)
         nm = m.submodules.norm = Normalizer(d, self.num_bits)
         score_shape = signed(sb) if B == 1 else data.StructLayout({
             "s": data.ArrayLayout(signed(sb), B), "keep": unsigned(B)})
-        # two score buffers, groups ``0 … depth − 1`` and ``depth …``: one head's score pass
-        # writes one while the previous head's weights pass reads the other
-        scores = m.submodules.scores = Memory(shape=score_shape, depth=2 * depth, init=[])
+        # score buffer b holds groups b·depth …: heads use them in turn, so one head's scores
+        # are written while an earlier head's are read and a third head's wait in between
+        scores = m.submodules.scores = Memory(shape=score_shape, depth=nbuf * depth, init=[])
         wp, rp = scores.write_port(), scores.read_port()
-        k_phase, v_phase = Signal(_ScorePhase), Signal(_WeightPhase)
-        k_buf, v_buf = Signal(), Signal()       # the score buffer of each pass's head
+        buf_base = Array(Const(b * depth, range(nbuf * depth)) for b in range(nbuf))
+
+        def next_buf(b):
+            return Mux(b == nbuf - 1, 0, b + 1)
+
+        # per buffer, the head it holds: taken with q (mult, shift, wide), then its group
+        # count and maximum when its scores are complete
+        h_mult = Array(Signal(unsigned(nx.MULT_BITS), name=f"mult_{b}") for b in range(nbuf))
+        h_shift = Array(Signal(6, name=f"shift_{b}") for b in range(nbuf))
+        h_wide = Array(Signal(name=f"wide_{b}") for b in range(nbuf))
+        h_groups = Array(Signal(range(depth + 1), name=f"groups_{b}") for b in range(nbuf))
+        h_smax = Array(Signal(signed(sb), name=f"smax_{b}") for b in range(nbuf))
+        in_use = Signal(nbuf)                   # taken by a q, its reads not all issued
+        complete = Signal(nbuf)                 # its scores complete, the weights pass not begun
 
         q = Signal(data.ArrayLayout(signed(nx.ACT_BITS), d))
-        mult, shift, wide = Signal(unsigned(nx.MULT_BITS)), Signal(6), Signal()
+        k_buf, alloc = Signal(range(nbuf)), Signal(range(nbuf))   # the K pass's buffer, the next
+        k_open, k_first = Signal(), Signal()    # K rows still expected; the next is the first
         take_q = Signal()
-        m.d.comb += [self.q.ready.eq(k_phase == _ScorePhase.IDLE),
+        # the next q once the K pass has all its rows (their scores may still be on the way)
+        # and the next buffer is free
+        m.d.comb += [self.q.ready.eq(~k_open & ~in_use.bit_select(alloc, 1)),
                      take_q.eq(self.q.valid & self.q.ready)]
 
         # -- scores: B dot products a cycle --------------------------------------------------
         take_k = Signal()
-        k_open = Signal()                       # K rows still expected
-        m.d.comb += [self.k.ready.eq((k_phase == _ScorePhase.SCORE) & k_open),
-                     take_k.eq(self.k.valid & self.k.ready)]
+        m.d.comb += [self.k.ready.eq(k_open), take_k.eq(self.k.valid & self.k.ready)]
         k_rows = [self.k.payload.row] if B == 1 else list(self.k.payload.rows)
-        p_v, p_last = Signal(), Signal()
-        m.d.sync += [p_v.eq(take_k), p_last.eq(take_k & self.k.payload.last)]
+        p_v, p_last, p_first, p_buf = Signal(), Signal(), Signal(), Signal(range(nbuf))
+        m.d.sync += [p_v.eq(take_k), p_last.eq(take_k & self.k.payload.last),
+                     p_first.eq(k_first), p_buf.eq(k_buf)]
         p_keep = Signal(B)
         if B > 1:
             m.d.sync += p_keep.eq(self.k.payload.keep)
+        # banks 2i and 2i + 1 meet the same q[j]: one packed DSP product carries both
+        prods = [[None] * d for _ in range(B)]
+        for i in range(B // 2):
+            for j in range(d):
+                pk = Signal(signed(PACKED_BITS + nx.ACT_BITS), name=f"qk_{2 * i}_{2 * i + 1}_{j}")
+                m.d.sync += pk.eq(packed_operand(k_rows[2 * i][j], k_rows[2 * i + 1][j]) * q[j])
+                hi_floor, borrow, lo = unpacked_products(pk)
+                # both products fit int8·int8's 16 bits
+                prods[2 * i][j] = (hi_floor + borrow)[:2 * nx.ACT_BITS].as_signed()
+                prods[2 * i + 1][j] = lo[:2 * nx.ACT_BITS].as_signed()
+        if B % 2:                               # one bank: plain products
+            for j in range(d):
+                prods[B - 1][j] = Signal(signed(2 * nx.ACT_BITS), name=f"qk{j}")
+                m.d.sync += prods[B - 1][j].eq(k_rows[B - 1][j] * q[j])
         bank_scores = []
         for b in range(B):
             sfx = "" if B == 1 else f"_{b}"
-            prods = [Signal(signed(2 * nx.ACT_BITS), name=f"qk{sfx}{j}") for j in range(d)]
-            for j in range(d):
-                m.d.sync += prods[j].eq(k_rows[b][j] * q[j])
             if b == 0:
-                tags = [p_last] + ([p_keep] if B > 1 else [])
-                score, s_v, s_tags, _ = reduce_tree(m, prods, lambda x, y: x + y, valid=p_v,
+                tags = [p_last, p_first, p_buf] + ([p_keep] if B > 1 else [])
+                score, s_v, s_tags, _ = reduce_tree(m, prods[b], lambda x, y: x + y, valid=p_v,
                                                     tags=tags, name=f"dot{sfx}")
-                s_last = s_tags[0]
-                s_keep = s_tags[1] if B > 1 else Const(1, 1)
+                s_last, s_first, s_buf = s_tags[:3]
+                s_keep = s_tags[3] if B > 1 else Const(1, 1)
             else:
-                score, *_ = reduce_tree(m, prods, lambda x, y: x + y, name=f"dot{sfx}")
+                score, *_ = reduce_tree(m, prods[b], lambda x, y: x + y, name=f"dot{sfx}")
             bank_scores.append(score)
-        n_rows = Signal(range(depth + 1))       # groups written
-        smax = Signal(signed(sb))
-        lo = -(1 << (sb - 1))
-        m.d.comb += [wp.en.eq(s_v), wp.addr.eq(Mux(k_buf, depth + n_rows, n_rows))]
+        n_rows = Signal(range(depth + 1))       # groups of the head written before this one
+        row = Mux(s_first, 0, n_rows)
+        m.d.comb += [wp.en.eq(s_v), wp.addr.eq(buf_base[s_buf] + row)]
         if B == 1:
             m.d.comb += wp.data.eq(bank_scores[0])
         else:
             m.d.comb += [wp.data.keep.eq(s_keep)] + [wp.data.s[b].eq(bank_scores[b])
                                                       for b in range(B)]
-        # the group's maximum over its kept lanes (row g·B is always kept)
-        masked = [bank_scores[0]] + [Mux(s_keep[b], bank_scores[b], lo) for b in range(1, B)]
-        gmax, g_v, (g_last,), _ = reduce_tree(m, masked, _smax, valid=s_v, tags=[s_last],
-                                              name="gmax")
-        with m.If(take_q):
-            m.d.sync += [q.eq(self.q.payload.q), mult.eq(self.q.payload.mult),
-                         shift.eq(self.q.payload.shift), wide.eq(self.q.payload.wide),
-                         n_rows.eq(0), smax.eq(lo),
-                         k_open.eq(1), k_phase.eq(_ScorePhase.SCORE)]
-        with m.If(take_k & self.k.payload.last):
-            m.d.sync += k_open.eq(0)
         with m.If(s_v):
-            m.d.sync += n_rows.eq(n_rows + 1)
+            m.d.sync += n_rows.eq(row + 1)
+            with m.If(s_last):
+                m.d.sync += h_groups[s_buf].eq(row + 1)
+        # the group's maximum over its kept lanes (row g·B is always kept)
+        lo_score = -(1 << (sb - 1))
+        masked = [bank_scores[0]] + [Mux(s_keep[b], bank_scores[b], lo_score)
+                                     for b in range(1, B)]
+        gmax, g_v, (g_last, g_first, g_buf), _ = reduce_tree(
+            m, masked, _smax, valid=s_v, tags=[s_last, s_first, s_buf], name="gmax")
+        smax = Signal(signed(sb))               # the running maximum of the head's groups
+        head_max = Signal(signed(sb))
+        m.d.comb += head_max.eq(Mux(g_first, gmax, _smax(smax, gmax)))
+        scores_done = Signal()                  # a head's last maximum, this cycle
+        m.d.comb += scores_done.eq(g_v & g_last)
+        with m.If(take_q):
+            m.d.sync += [q.eq(self.q.payload.q), h_mult[alloc].eq(self.q.payload.mult),
+                         h_shift[alloc].eq(self.q.payload.shift),
+                         h_wide[alloc].eq(self.q.payload.wide),
+                         k_buf.eq(alloc), alloc.eq(next_buf(alloc)), k_open.eq(1), k_first.eq(1)]
+        with m.If(take_k):
+            m.d.sync += k_first.eq(0)
+            with m.If(self.k.payload.last):
+                m.d.sync += k_open.eq(0)
         with m.If(g_v):
-            m.d.sync += smax.eq(_smax(smax, gmax))
-            with m.If(g_last):
-                m.d.sync += k_phase.eq(_ScorePhase.DONE)
+            m.d.sync += smax.eq(head_max)
+        with m.If(scores_done):
+            m.d.sync += h_smax[g_buf].eq(head_max)
 
-        # -- hand-over: the weights pass takes the head whose scores are complete (on the
-        # edge of its last maximum, at the earliest) once the previous head's E has gone to
-        # the reciprocal (on that edge, at the earliest); the score pass is then free for
-        # the next q, and writes the other buffer
+        # -- weights: read a head's scores back through the exp path, meet the V rows ----------
+        # The weights pass takes the next head in turn once its scores are complete (on the
+        # edge of its last maximum, at the earliest), the head before has met its last V
+        # group (on that edge, at the earliest: the exp path is then empty, so a head's
+        # weights meet V as they would alone), and one of the two accumulator sets is free.
+        v_buf = Signal(range(nbuf))             # the buffer the weights pass reads next
+        r_buf = Signal(range(nbuf))             # ... and the one it reads
         v_smax = Signal(signed(sb))
         v_groups = Signal(range(depth + 1))
-        v_mult, v_shift, v_wide = Signal(unsigned(nx.MULT_BITS)), Signal(6), Signal()
-        handed_off = Signal()                  # this head's E goes to the reciprocal
-        start = Signal()
-        m.d.comb += start.eq(((k_phase == _ScorePhase.DONE) | (g_v & g_last))
-                             & ((v_phase == _WeightPhase.IDLE) | handed_off))
-
-        # -- weights: read the scores back through the exp path, meet the V rows ---------------
+        v_mult, v_shift = Signal(unsigned(nx.MULT_BITS)), Signal(6)
         rd = Signal(range(depth + 1))
         r_v, r_last, r_adv, issue = Signal(), Signal(), Signal(), Signal()
-        issuing = Signal()                     # reads still to issue
+        issuing = Signal()                      # reads still to issue
         m.d.comb += [
             r_adv.eq(~r_v | ex.i.ready),
             issue.eq(r_adv & issuing),
-            rp.en.eq(r_adv), rp.addr.eq(Mux(v_buf, depth + rd, rd)),
+            rp.en.eq(r_adv), rp.addr.eq(buf_base[r_buf] + rd),
             ex.i.valid.eq(r_v),
             ex.i.payload.max.eq(v_smax), ex.i.payload.mult.eq(v_mult),
             ex.i.payload.shift.eq(v_shift), ex.i.payload.last.eq(r_last),
@@ -632,59 +684,101 @@ class Attention(wiring.Component):
             m.d.sync += rd.eq(rd + 1)
             with m.If(rd == v_groups - 1):
                 m.d.sync += issuing.eq(0)
+        with m.If(issue & (rd == v_groups - 1)):
+            m.d.sync += in_use.bit_select(r_buf, 1).eq(0)
 
-        e_sum = Signal(self.sum_bits)
-        num = [Signal(signed(self.num_bits), name=f"num{j}") for j in range(d)]
-        mac_v, mac_last = Signal(), Signal()
+        # Two accumulator sets, heads in turn: a head accumulates in one while the head
+        # before it waits in the other for the reciprocal; a set is free again once its E
+        # has gone to the reciprocal (its numerators to the hold registers).
+        e_sum = [Signal(self.sum_bits, name=f"e_sum{p}") for p in range(2)]
+        num = [[Signal(signed(self.num_bits), name=f"num{p}_{j}") for j in range(d)]
+               for p in range(2)]
+        set_wide = [Signal(name=f"wide{p}") for p in range(2)]
+        set_busy, set_full = Signal(2), Signal(2)   # taken by a head; its E ready
+        v_set, join_set, rc_set = Signal(), Signal(), Signal()  # next to take, to meet V, to divide
+        handed_off = Signal()                   # a head's E goes to the reciprocal
+        head_ready = Signal()
+        m.d.comb += head_ready.eq(complete.bit_select(v_buf, 1)
+                                  | (scores_done & (g_buf == v_buf)))
+        set_free = Signal()
+        m.d.comb += set_free.eq(~set_busy.bit_select(v_set, 1)
+                                | (handed_off & (rc_set == v_set)))
+        start = Signal()
+        w_busy = Signal()                       # the weights pass's head has V groups to meet
+        last_join = Signal()
+        m.d.comb += start.eq(head_ready & (~w_busy | last_join) & set_free)
+
+        mac_v, mac_last, mac_set = Signal(), Signal(), Signal()
         join = Signal()
         m.d.comb += [join.eq(ex.o.valid & self.v.valid),
                      ex.o.ready.eq(self.v.valid), self.v.ready.eq(ex.o.valid)]
+        m.d.comb += last_join.eq(join & ex.o.payload.last)
+        with m.If(last_join):
+            m.d.sync += [join_set.eq(~join_set), w_busy.eq(0)]
         v_rows = [self.v.payload] if B == 1 else list(self.v.payload)
         es = list(ex.o.payload.e)
-        m.d.sync += [mac_v.eq(join), mac_last.eq(join & ex.o.payload.last)]
+        m.d.sync += [mac_v.eq(join), mac_last.eq(join & ex.o.payload.last),
+                     mac_set.eq(join_set)]
         ev = [[Signal(signed(EXP_BITS + nx.ACT_BITS + 1),
                       name=f"ev{j}" if B == 1 else f"ev_{b}_{j}") for j in range(d)]
               for b in range(B)]
         for b in range(B):
             for j in range(d):
-                m.d.sync += ev[b][j].eq(es[b] * v_rows[b][j])
+                m.d.sync += ev[b][j].eq(es[b] * v_rows[b][j] if b < self.v_dsp_banks
+                                        else _shift_add_product(es[b], v_rows[b][j]))
         # Σ_b e_b and Σ_b e_b·V_b[d]: registered trees over the B lanes (none for one bank)
-        e_tot, e_v, _, _ = reduce_tree(m, es, lambda x, y: x + y, valid=join, name="esum")
-        col_v = col_last = None
+        e_tot, e_v, (e_set,), _ = reduce_tree(m, es, lambda x, y: x + y, valid=join,
+                                              tags=[join_set], name="esum")
+        col_v = col_last = col_set = None
         for j in range(d):
             if j == 0:
-                col, col_v, (col_last,), _ = reduce_tree(
+                col, col_v, (col_last, col_set), _ = reduce_tree(
                     m, [ev[b][j] for b in range(B)], lambda x, y: x + y, valid=mac_v,
-                    tags=[mac_last], name=f"col{j}")
+                    tags=[mac_last, mac_set], name=f"col{j}")
             else:
                 col, *_ = reduce_tree(m, [ev[b][j] for b in range(B)], lambda x, y: x + y,
                                       name=f"col{j}")
-            with m.If(col_v):
-                m.d.sync += num[j].eq(num[j] + col)
-        with m.If(e_v):
-            m.d.sync += e_sum.eq(e_sum + e_tot)
+            for p in range(2):
+                with m.If(col_v & (col_set == p)):
+                    m.d.sync += num[p][j].eq(num[p][j] + col)
+        for p in range(2):
+            with m.If(e_v & (e_set == p)):
+                m.d.sync += e_sum[p].eq(e_sum[p] + e_tot)
         with m.If(col_v & col_last):
-            m.d.sync += v_phase.eq(_WeightPhase.DIV)
+            m.d.sync += set_full.bit_select(col_set, 1).eq(1)
 
         # -- reciprocal and output --------------------------------------------------------------
-        # The head's numerators move to hold registers as the reciprocal takes E, so the
-        # next head's q is taken at once and its K pass overlaps this head's reciprocal and
-        # normaliser. The reciprocal takes a new E only once its previous quotient is in
-        # the normaliser, which frees the hold registers on the same edge.
+        # The reciprocal takes the heads' E in turn; their numerators move to hold registers
+        # as it does, and it takes a new E only once its previous quotient is in the
+        # normaliser, which frees the hold registers on the same edge.
         num_hold = [Signal(signed(self.num_bits), name=f"num_hold{j}") for j in range(d)]
         wide_hold = Signal()
-        m.d.comb += [rc.i.valid.eq(v_phase == _WeightPhase.DIV), rc.i.payload.eq(e_sum),
+        m.d.comb += [rc.i.valid.eq(set_full.bit_select(rc_set, 1)),
+                     rc.i.payload.eq(Mux(rc_set, e_sum[1], e_sum[0])),
                      handed_off.eq(rc.i.valid & rc.i.ready)]
         with m.If(handed_off):
-            m.d.sync += [v_phase.eq(_WeightPhase.IDLE), wide_hold.eq(v_wide)]
-            m.d.sync += [num_hold[j].eq(num[j]) for j in range(d)]
+            m.d.sync += [set_full.bit_select(rc_set, 1).eq(0),
+                         set_busy.bit_select(rc_set, 1).eq(0), rc_set.eq(~rc_set),
+                         wide_hold.eq(Mux(rc_set, set_wide[1], set_wide[0]))]
+            m.d.sync += [num_hold[j].eq(Mux(rc_set, num[1][j], num[0][j])) for j in range(d)]
+        with m.If(scores_done):
+            m.d.sync += complete.bit_select(g_buf, 1).eq(1)
         with m.If(start):
             # the head's maximum, the final one on the edge of its last group
-            m.d.sync += [v_smax.eq(Mux(g_v, _smax(smax, gmax), smax)), v_groups.eq(n_rows + s_v),
-                         v_mult.eq(mult), v_shift.eq(shift), v_wide.eq(wide), v_buf.eq(k_buf),
-                         k_buf.eq(~k_buf), k_phase.eq(_ScorePhase.IDLE),
-                         v_phase.eq(_WeightPhase.WEIGHTS), rd.eq(0), issuing.eq(1),
-                         e_sum.eq(0)] + [n.eq(0) for n in num]
+            m.d.sync += [v_smax.eq(Mux(complete.bit_select(v_buf, 1), h_smax[v_buf], head_max)),
+                         v_groups.eq(Mux(s_v & s_last & (s_buf == v_buf), row + 1,
+                                         h_groups[v_buf])),
+                         v_mult.eq(h_mult[v_buf]), v_shift.eq(h_shift[v_buf]),
+                         complete.bit_select(v_buf, 1).eq(0),
+                         r_buf.eq(v_buf), v_buf.eq(next_buf(v_buf)), rd.eq(0), issuing.eq(1),
+                         w_busy.eq(1),
+                         set_busy.bit_select(v_set, 1).eq(1), v_set.eq(~v_set)]
+            for p in range(2):
+                with m.If(v_set == p):
+                    m.d.sync += [e_sum[p].eq(0), set_wide[p].eq(h_wide[v_buf])]
+                    m.d.sync += [n.eq(0) for n in num[p]]
+        with m.If(take_q):
+            m.d.sync += in_use.bit_select(alloc, 1).eq(1)
         m.d.comb += [nm.i.valid.eq(rc.o.valid), nm.i.payload.recip.eq(rc.o.payload),
                      nm.i.payload.wide.eq(wide_hold), rc.o.ready.eq(nm.i.ready)]
         for j in range(d):

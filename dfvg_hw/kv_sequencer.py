@@ -40,13 +40,15 @@ gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add
 a score), stream slot ``base + layer · G + h // (n / G)``, positions ``0 … prefix − 1`` and
 then the ``path_len`` path positions, through the attention unit (K words packed into
 rows, and V words into rows on a second gearbox), and scatter the ``k`` outputs
-(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap, two at a time in the
-attention unit: QUERY hands ``q[h]`` to it as soon as its weights pass has taken head
-``h − 1``, then READ_K starts head ``h``'s K stream on the KV buffer's K channel (while
-head ``h − 1``'s V streams on the V channel); head ``h``'s V read goes out beside the FSM
-once its K read has ended (the V channel free). Meanwhile the sequencer takes head
-``h − 2``'s output, scatters it and gathers ``q[h + 1]``: the outputs trail by two heads,
-so that the next q never waits for the reciprocal.
+(int8, or int16 with WIDE) to ``dst + h·k·(1 or 2)``. Heads overlap in the attention
+unit: QUERY hands ``q[h]`` to it as soon as it has taken head ``h − 1``'s K rows (and a
+score buffer is free), then READ_K starts head ``h``'s K stream on the KV buffer's K
+channel (while earlier heads' V streams on the V channel); head ``h``'s V read goes out
+beside the FSM once its K read has ended and the V channel is free. The sequencer owes at
+most two V reads, so a K read waits only for the V read of the head two before.
+Meanwhile the sequencer takes head ``h − 2``'s output, scatters it and gathers
+``q[h + 1]``: the outputs trail by two heads, so that the next q never waits for the
+reciprocal.
 
 **Tree rows** (docs/isa.md §9.2). The controller issues a tree forward's KVAPPEND and
 ATTN one row at a time (``rows = 1``, ``src``/``dst`` at the row): KVAPPEND at the node's
@@ -78,11 +80,13 @@ gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND ``5 + (2 + 2W)�
 ATTN about ``80 + (n + 1)·(W·T + ceil(log2 D) +
 6)`` including the parameter read (the last head's V pass is not hidden; at short
 contexts the reciprocal's 34 cycles a head are the pace instead): n = 4, k = 16: 208 at
-T = 1, 292 at T = 16, 772 at T = 64 (406 and 1174 with a head's V pass after its K pass,
+T = 1, 291 at T = 16, 757 at T = 64 (292 and 772 with a head's q waiting for the weights
+pass to take the head before; 406 and 1174 with a head's V pass after its K pass,
 before the two channels).
 Each channel streams one word per cycle, so a head spends ``W`` cycles per position on
-K, and the V pass of the head before runs beside it; at long contexts the score pass,
-``W·T`` plus the read latency and the dot-product and max trees, is the pace.
+K, and the V pass of an earlier head runs beside it; at long contexts the weights pass,
+``W·T`` plus the exp path's 6 cycles from a head's start to its first V join, is the
+pace (the score passes run back to back beside it).
 :mod:`sim.attention_timing` has the exact counts. Clear: about
 ``kv_positions · (1 + kv_slots · (2·W + 3))`` (tiny: ~1.9k).
 
@@ -233,8 +237,10 @@ class KvSequencer(wiring.Component):
         clearing_kv = Signal()              # the append states serve a clear
         clear_pending = Signal()
         clear_pos = Signal(range(c.kv_positions))
-        v_owed = Signal()                   # a head's K read is issued, its V read is not
-        v_slot = Signal.like(kv_slot)       # ... that head's slot
+        # heads whose K read is issued and V read is not (at most two), and their slots,
+        # the oldest first
+        v_owed = Signal(range(3))
+        v_slot = [Signal.like(kv_slot, name=f"v_slot{i}") for i in range(2)]
         result = Signal(16 * D)
         # compaction: the job, its level, the level's first storage position, the slot
         compaction = Signal(CompactJob())
@@ -268,11 +274,22 @@ class KvSequencer(wiring.Component):
                          attn.v.valid.eq(kv.v_data.valid), kv.v_data.ready.eq(attn.v.ready)]
 
         # A head's V read goes out beside the FSM once its K read has ended (the V side of
-        # the attention unit takes it after the previous head's V)
-        m.d.comb += [kv.v_read.valid.eq(v_owed & kv.k_read.ready),
-                     kv.v_read.payload.slot.eq(v_slot), kv.v_read.payload.paths.eq(job.path_len)]
-        with m.If(kv.v_read.valid & kv.v_read.ready):
-            m.d.sync += v_owed.eq(0)
+        # the attention unit takes it after the previous head's V): with two owed, the
+        # older one's has (the newer K read went out after it)
+        v_out, k_out = Signal(), Signal()
+        m.d.comb += [kv.v_read.valid.eq((v_owed == 2) | ((v_owed == 1) & kv.k_read.ready)),
+                     kv.v_read.payload.slot.eq(v_slot[0]),
+                     kv.v_read.payload.paths.eq(job.path_len),
+                     v_out.eq(kv.v_read.valid & kv.v_read.ready),
+                     k_out.eq(kv.k_read.valid & kv.k_read.ready)]
+        with m.If(v_out):
+            m.d.sync += v_slot[0].eq(v_slot[1])
+        with m.If(k_out):
+            with m.If((v_owed == 0) | ((v_owed == 1) & v_out)):
+                m.d.sync += v_slot[0].eq(kv_slot)
+            with m.Else():
+                m.d.sync += v_slot[1].eq(kv_slot)
+        m.d.sync += v_owed.eq(v_owed + k_out - v_out)
 
         m.d.comb += [attn.q.payload.q.as_value().eq(window.data[:8 * D]),
                      attn.q.payload.mult.eq(mult), attn.q.payload.shift.eq(shift),
@@ -448,11 +465,11 @@ class KvSequencer(wiring.Component):
                 with m.If(attn.q.ready):
                     m.next = "READ_K"
             with m.State("READ_K"):
-                # (the previous head's V read has gone out: v_slot is free)
-                m.d.comb += [kv.k_read.valid.eq(~v_owed), kv.k_read.payload.slot.eq(kv_slot),
+                # (at most one V read owed: the queue has room)
+                m.d.comb += [kv.k_read.valid.eq(v_owed != 2), kv.k_read.payload.slot.eq(kv_slot),
                              kv.k_read.payload.paths.eq(job.path_len)]
                 with m.If(kv.k_read.valid & kv.k_read.ready):
-                    m.d.sync += [v_owed.eq(1), v_slot.eq(kv_slot), head.eq(head + 1),
+                    m.d.sync += [head.eq(head + 1),
                                  in_offset.eq(in_offset + job.k), in_group.eq(in_group + 1)]
                     with m.If(in_group + 1 == quotient):       # next KV head's group
                         m.d.sync += [in_group.eq(0), kv_slot.eq(kv_slot + 1)]

@@ -100,19 +100,26 @@ def _overlapped_heads(config: EngineConfig, g: int, w: int, gathers: list[int],
     groups (``w`` KV words each), from the first GATHER_Q to the end of the last scatter.
     Per head ``h``, in cycles (a step happens at the end of its cycle):
 
-    * ``query``: the attention unit takes q[h] once the sequencer has gathered it and
-      the unit's weights pass has taken head h − 1 (``start[h − 1] + 1``);
-    * ``read_k``: the K request, the cycle after, once head h − 1's V request is out;
-      its ``w·g`` words stream at one a cycle, the attention unit takes each row as it
-      comes (``kvt.row_packing``: the one-bank gearbox), and the scores are complete
+    * ``query``: the attention unit takes q[h] once the sequencer has gathered it, the
+      cycle after the unit has taken head h − 1's last K row (``last_k[h − 1] + 1``), and
+      the cycle after the weights pass has issued the last score read of head h − 3 (the
+      score buffer head h uses, of three);
+    * ``read_k``: the K request, the cycle after, once the K channel is idle and head
+      h − 2's V request is out (the sequencer owes at most two V requests); its ``w·g``
+      words stream at one a cycle, the attention unit takes each row as it comes
+      (``kvt.row_packing``: the one-bank gearbox), and the scores are complete
       ``kvt.ATTN_SCORES_DONE`` after the last (the dot-product tree, the B-lane max tree);
-    * ``read_v``: the V request, once the K channel is idle and the V channel has issued
-      head h − 1's last address (a cycle before that head's last V row is taken with one
-      bank, the cycle it is taken when banked);
-    * ``start``: the weights pass takes the head at the later of its scores being done and
-      head h − 1's ``E`` going to the reciprocal (``hand[h − 1]``); its first weight meets
-      V ``kvt.ATTN_START_TO_JOIN`` later or when the first V row is there, then a group
-      every ``w`` cycles (V comes at one word a cycle, prefetched);
+    * ``read_v``: the V request, once the K channel has ended this head's read and the V
+      channel has issued head h − 1's last address (a cycle before that head's last V row
+      is taken with one bank, the cycle it is taken when banked);
+    * ``start``: the weights pass takes the head at the latest of its scores being done,
+      head h − 1's last weight meeting V (``last_join[h − 1]``) and head h − 2's ``E``
+      going to the reciprocal (``hand[h − 2]``: the accumulator set it frees); its first
+      weight meets V ``kvt.ATTN_START_TO_JOIN`` later or when the first V row is there,
+      then a group every ``w`` cycles (V comes at one word a cycle, prefetched). Its score
+      reads issue one a cycle while the exp path (``kvt.ATTN_READ_SLOTS`` groups from read
+      to V) has room: read ``i`` at the later of ``start + 1 + i`` and group
+      ``i − ATTN_READ_SLOTS`` meeting V;
     * ``hand``: E goes to the reciprocal ``kvt.ATTN_JOIN_TO_DIV`` after the last join,
       or when the reciprocal is free (``kvt.ATTN_RECIP_BUSY`` after the previous);
     * the output is valid ``kvt.ATTN_RECIP_TO_OUT`` after ``hand``.
@@ -127,25 +134,44 @@ def _overlapped_heads(config: EngineConfig, g: int, w: int, gathers: list[int],
     levels = kvt.bank_tree_levels(config.kv_banks)
     pack = kvt.row_packing(config.kv_banks)
     words = w * g                                   # KV beats of a head's K (and V) read
-    scores_done = (kvt.READ_TO_LAST_ROW + words + pack
-                   + tm.ceil_log2(config.head_dim) + kvt.ATTN_SCORES_DONE + levels)
+    last_row = kvt.READ_TO_LAST_ROW + words + pack  # K request → its last row taken
+    scores_done = last_row + tm.ceil_log2(config.head_dim) + kvt.ATTN_SCORES_DONE + levels
     first_v = kvt.READ_TO_FIRST_ROW + (w - 1) + pack
-    start = hand = read_v = last_join = None
+    slots = kvt.ATTN_READ_SLOTS
+    read_k, read_v, last_k, last_issue, last_join, hand = [], [], [], [], [], []
     out = []
     t, outs = 0, 0                                  # GATHER_Q(0); outputs taken
     for h in range(n):
-        query = t + gathers[h] if h == 0 else max(t + gathers[h], start + 1)
-        read_k = query + 1 if h == 0 else max(query + 1, read_v + 1)
-        k_idle = read_k + kvt.READ_CHANNEL_BUSY + words
-        read_v = k_idle if h == 0 else max(k_idle, read_v + kvt.READ_CHANNEL_BUSY + words,
-                                           last_join - pack)
-        start = read_k + scores_done if h == 0 else max(read_k + scores_done, hand)
-        first_join = max(start + kvt.ATTN_START_TO_JOIN, read_v + first_v)
-        last_join = first_join + (g - 1) * w
-        hand = (last_join + kvt.ATTN_JOIN_TO_DIV + levels if h == 0 else
-                max(last_join + kvt.ATTN_JOIN_TO_DIV + levels, hand + kvt.ATTN_RECIP_BUSY))
-        out.append(hand + kvt.ATTN_RECIP_TO_OUT)
-        t = read_k + 1
+        query = t + gathers[h]
+        if h:
+            query = max(query, last_k[h - 1] + 1)
+        if h >= kvt.ATTN_SCORE_BUFFERS:
+            query = max(query, last_issue[h - kvt.ATTN_SCORE_BUFFERS] + 1)
+        rk = query + 1
+        if h:
+            rk = max(rk, read_k[h - 1] + kvt.READ_CHANNEL_BUSY + words)
+        if h >= 2:
+            rk = max(rk, read_v[h - 2] + 1)
+        k_idle = rk + kvt.READ_CHANNEL_BUSY + words
+        rv = k_idle if h == 0 else max(k_idle, read_v[h - 1] + kvt.READ_CHANNEL_BUSY + words,
+                                       last_join[h - 1] - pack)
+        start = rk + scores_done
+        if h:
+            start = max(start, last_join[h - 1])
+        if h >= 2:
+            start = max(start, hand[h - 2])
+        first_join = max(start + kvt.ATTN_START_TO_JOIN, rv + first_v)
+        read_k.append(rk)
+        read_v.append(rv)
+        last_k.append(rk + last_row)
+        last_join.append(first_join + (g - 1) * w)
+        last_issue.append(start + g if g <= slots else
+                          max(start + g, first_join + (g - 1 - slots) * w))
+        hand.append(last_join[h] + kvt.ATTN_JOIN_TO_DIV + levels if h == 0 else
+                    max(last_join[h] + kvt.ATTN_JOIN_TO_DIV + levels,
+                        hand[h - 1] + kvt.ATTN_RECIP_BUSY))
+        out.append(hand[h] + kvt.ATTN_RECIP_TO_OUT)
+        t = rk + 1
         if h >= 2 or h == n - 1:                    # ATTEND: head h − 2's output, or all
             while True:
                 t = max(t, out[outs]) + 1 + scatters[outs]

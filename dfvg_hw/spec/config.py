@@ -288,7 +288,7 @@ PRESETS: dict[str, EngineConfig] = {
                    "100 MHz AXI port (1.6 GB/s) are nominal, not a board"),
         EngineConfig(
             name="alveo-u55c", rows=4, lanes=64, reduce=32,
-            kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
+            kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=16,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=16 * GiB,
             mem_port_bits=512, mem_ports=32, mem_clock_mhz=450.0, mem_achievable_gbps=421.0,
@@ -300,7 +300,9 @@ PRESETS: dict[str, EngineConfig] = {
                    "256-bit 450 MHz HBM port (docs/boards.md §2.1); 200 ns read latency: the "
                    "~110-140 ns measured at the HBM plus an allowance for the bridge (not "
                    "measured). Tile 4x64x32: one 2 KiB engine beat a cycle, 4 rows for trees. "
-                   "KV (18.9 MB) in URAM, 8 banks. 300 MHz as in the DFVG paper. 64-byte VMEM lines, "
+                   "KV (18.9 MB) in URAM, 16 banks: ATTN takes 16 K or V rows a cycle, two "
+                   "banks' q·K products share a DSP and banks 8-15's e·V products are logic "
+                   "(the DSPs of 8 banks). 300 MHz as in the DFVG paper. 64-byte VMEM lines, "
                    "the 512-bit port's beat: RMSNORM, ACTMUL, ROPE, KVAPPEND, ATTN's operands and "
                    "MATMUL's activation load move a line a cycle, and 16-byte lines made them a "
                    "third of a LLaMA-160M token. No block multipliers (weight_blocks): 384 DSPs "
@@ -319,7 +321,7 @@ PRESETS: dict[str, EngineConfig] = {
                    "as for alveo-u55c. 32-byte VMEM lines: the widest the 256-bit port's beat holds"),
         EngineConfig(
             name="alveo-u280", rows=4, lanes=64, reduce=32,
-            kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
+            kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=16,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=8 * GiB,
             mem_port_bits=512, mem_ports=32, mem_clock_mhz=450.0, mem_achievable_gbps=421.0,

@@ -26,6 +26,11 @@ ATTN_RECIP_BUSY = tm.ATTN_RECIP_LATENCY
 #: Attention: from the weights pass taking a head to its first weight meeting V: the
 #: first score read issued (1), read (1), the exp path.
 ATTN_START_TO_JOIN = 1 + 1 + tm.SOFTMAX_EXP_LATENCY
+#: Attention: the score groups between a read and its weight meeting V (the read stage, the
+#: exp path): the weights pass issues a read only while one of these is free.
+ATTN_READ_SLOTS = 1 + tm.SOFTMAX_EXP_LATENCY
+#: Attention: score buffers (Attention.SCORE_BUFFERS): heads take them in turn.
+ATTN_SCORE_BUFFERS = 3
 #: Attention: from a head's last weight meeting V to its ``E`` offered to the reciprocal,
 #: beyond the column-sum tree: the product register (1), the accumulator (1).
 ATTN_JOIN_TO_DIV = 2

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from dfvg_hw.spec import kv_timing
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import get_preset
 from dfvg_hw.attention import Attention, Normalizer, Reciprocal, SoftmaxExp, SoftmaxWeights
@@ -20,6 +21,9 @@ IDS = ["tiny", "l8-hd32"]
 BANKED = [TINY.with_changes(kv_banks=2), TINY.with_changes(kv_banks=4),
           TINY.with_changes(kv_banks=8, kv_positions=40)]
 BANKED_IDS = ["b2", "b4", "b8"]
+#: the board presets' 16 banks: K products packed in pairs, banks 8 … 15's e·V products
+#: shift-and-add logic
+B16 = TINY.with_changes(kv_banks=16)
 I32 = (-2 ** 31, 2 ** 31 - 1)
 
 
@@ -365,7 +369,7 @@ def banked_edge_heads(rng, d, banks, max_t):
     return heads
 
 
-@pytest.mark.parametrize("cfg", BANKED, ids=BANKED_IDS)
+@pytest.mark.parametrize("cfg", BANKED + [B16], ids=BANKED_IDS + ["b16"])
 def test_banked_attention_random(cfg):
     """B rows a cycle against numerics.attention: the edge lengths, then random heads;
     the rows past T in the last group are random, as stale KV would be."""
@@ -379,7 +383,7 @@ def test_banked_attention_random(cfg):
     assert sum(len(o) for o in got) >= 400
 
 
-@pytest.mark.parametrize("cfg", BANKED[1:], ids=BANKED_IDS[1:])
+@pytest.mark.parametrize("cfg", BANKED[1:] + [B16], ids=BANKED_IDS[1:] + ["b16"])
 def test_banked_attention_with_paths(cfg):
     """A tree row's heads (docs/isa.md §9.2): the prefix's groups, then each path row a
     group of its own in lane 0 (stale rows beside it); up to the fullest score buffer,
@@ -413,17 +417,75 @@ def test_banked_attention_mutation_is_caught(monkeypatch):
     heads = [(rng.integers(-128, 128, d), rng.integers(-128, 128, (t, d)),
               rng.integers(-128, 128, (t, d)), 50000, 24, False) for t in (1, 5, 6, 7)]
     want = [nx.attention(q, k, v, mult, shift, 8) for q, k, v, mult, shift, _ in heads]
-    bad = mutant(attention_module, "[Mux(s_keep[b], bank_scores[b], lo) for b in range(1, B)]",
-                 "[bank_scores[b] for b in range(1, B)]", shared=()).Attention(cfg)
+    bad = mutant(attention_module, "[Mux(s_keep[b], bank_scores[b], lo_score)\n",
+                 "[bank_scores[b] if 1 else lo_score\n", shared=()).Attention(cfg)
     got = simulate_attention(bad, heads, seed=1)
     assert any((o != w).any() for o, w in zip(got, want))
     # heads overlap: the normaliser must read the held numerators, not the accumulators
     # that the next head has already cleared
     bad = mutant(attention_module, "nm.i.payload.num[j].eq(num_hold[j])",
-                 "nm.i.payload.num[j].eq(num[j])", shared=()).Attention(cfg)
+                 "nm.i.payload.num[j].eq(num[0][j])", shared=()).Attention(cfg)
     got = simulate_attention(bad, heads, seed=1)
     assert any((o != w).any() for o, w in zip(got, want))
     got = simulate_attention(Attention(cfg), heads, seed=1)
+    assert all((o == w).all() for o, w in zip(got, want))
+
+
+def test_packed_products_exact():
+    """dsp_pack: two products in one multiplier, ``(hi·2^18 + lo)·w`` split back into
+    ``hi·w`` and ``lo·w`` exactly: every int8 edge pair, then random operands (and the
+    matrix unit's 9-bit digit 128)."""
+    from amaranth import Module, Signal, signed
+    from dfvg_hw.dsp_pack import packed_operand, unpacked_products
+    edges = [-128, -127, -1, 0, 1, 127]
+    rng = np.random.default_rng(11)
+    vectors = [(h, l, w) for h in edges + [128] for l in edges + [128] for w in edges]
+    vectors += [tuple(int(x) for x in rng.integers(-128, 128, 3)) for _ in range(1500)]
+    hi, lo, w = Signal(signed(9)), Signal(signed(9)), Signal(signed(8))
+    hi_w, lo_w = Signal(signed(18)), Signal(signed(18))
+    m = Module()
+    hi_floor, borrow, lo_prod = unpacked_products(packed_operand(hi, lo) * w)
+    m.d.comb += [hi_w.eq(hi_floor + borrow), lo_w.eq(lo_prod)]
+
+    async def tb(ctx):
+        for h, l, x in vectors:
+            ctx.set(hi, h), ctx.set(lo, l), ctx.set(w, x)
+            assert (ctx.get(hi_w), ctx.get(lo_w)) == (h * x, l * x), (h, l, x)
+
+    from amaranth.sim import Simulator
+    sim = Simulator(m)
+    sim.add_testbench(tb)
+    sim.run()
+    assert len(vectors) > 1700
+
+
+@pytest.mark.parametrize("old, new", [
+    ("p >> PACK_SHIFT, p[PACK_SHIFT - 1]", "p >> PACK_SHIFT, 0 * p[PACK_SHIFT - 1]"),
+    ("terms.append(-Mux(", "terms.append(Mux("),
+], ids=["packed-K-without-borrow", "shift-add-V-unsigned"])
+def test_a_16_bank_mutation_is_caught(old, new):
+    """The 16-bank checks can fail: packed K products that drop the borrow of a negative
+    low product, or shift-and-add e·V products (banks 8 … 15) that take V's sign bit as
+    +128, give other outputs."""
+    import dfvg_hw.attention as attention_module
+    import dfvg_hw.dsp_pack as pack_module
+    from sequencer_cases import mutant
+    rng = np.random.default_rng(17)
+    d = B16.head_dim
+    # K rows a few units apart: scores within a few hundred, so that many rows share the
+    # weight and a score a few units off moves the output
+    base = rng.integers(-120, 121, d)
+    heads = [(rng.integers(-128, 128, d), base + rng.integers(-3, 4, (t, d)),
+              rng.integers(-128, 128, (t, d)), 65535, 16, False) for t in (16, 23, 40)]
+    want = [nx.attention(q, k, v, mult, shift, 8) for q, k, v, mult, shift, _ in heads]
+    if "PACK_SHIFT" in old:                 # a copy of the unit that uses a mutant helper
+        bad_module = mutant(attention_module, "V_DSP_BANKS = 8", "V_DSP_BANKS = 8", shared=())
+        bad_module.unpacked_products = mutant(pack_module, old, new, shared=()).unpacked_products
+    else:
+        bad_module = mutant(attention_module, old, new, shared=())
+    got = simulate_attention(bad_module.Attention(B16), heads, seed=1)
+    assert any((o != w).any() for o, w in zip(got, want))
+    got = simulate_attention(Attention(B16), heads, seed=1)
     assert all((o == w).all() for o, w in zip(got, want))
 
 
@@ -496,14 +558,14 @@ def overlapped(trace) -> int:
     return sum(f < l for f, l in zip(first_k, last_v))
 
 
-IN_FLIGHT = {"b1": TINY, "b2": BANKED[0], "b8": BANKED[2]}
+IN_FLIGHT = {"b1": TINY, "b2": BANKED[0], "b16": B16}
 
 
 @pytest.mark.parametrize("name", list(IN_FLIGHT))
 def test_two_heads_in_flight(name):
     """Heads back to back, the K and V streams always offered: head h + 1's K groups go
-    in while head h's V groups do (two score buffers: the score pass of one head beside
-    the weights pass of the one before), and every output is numerics.attention's:
+    in while head h's V groups do (three score buffers: the score pass of one head beside
+    the weights pass of an earlier one), and every output is numerics.attention's:
     T = 1, T = kv_positions, GQA partners, tree rows with path entries (banked), random
     lengths; at least 400 output values each, 1200 over the three."""
     cfg = IN_FLIGHT[name]
@@ -520,14 +582,11 @@ def test_two_heads_in_flight(name):
 
 
 @pytest.mark.parametrize("old, new", [
-    ("wp.addr.eq(Mux(k_buf, depth + n_rows, n_rows))", "wp.addr.eq(n_rows)"),
-    ("self.q.ready.eq(k_phase == _ScorePhase.IDLE)",
-     "self.q.ready.eq((k_phase == _ScorePhase.IDLE) & (v_phase == _WeightPhase.IDLE))"),
-], ids=["one-score-buffer", "one-head-at-a-time"])
+    ("wp.addr.eq(buf_base[s_buf] + row)", "wp.addr.eq(buf_base[k_buf] + row)"),
+], ids=["scores-to-the-next-heads-buffer"])
 def test_an_in_flight_mutation_is_caught(old, new):
-    """The two-heads check can fail: one score buffer for both passes gives other
-    outputs; a unit that takes the next q only once the weights pass is idle never has two
-    heads in flight."""
+    """The heads-in-flight check can fail: a draining head's last scores written to the
+    buffer of the head whose q came after it give other outputs."""
     import dfvg_hw.attention as attention_module
     from sequencer_cases import mutant
     cfg = BANKED[0]
@@ -542,6 +601,52 @@ def test_an_in_flight_mutation_is_caught(old, new):
     got = simulate_attention(Attention(cfg, path_entries=3), heads, seed=2, paths=paths,
                              trace=trace)
     assert all((o == w).all() for o, w in zip(got, want)) and overlapped(trace) >= 6
+
+
+#: long heads (G = 64 groups): the weights pass keeps up with the reciprocal's 34 cycles
+RUN_AHEAD = TINY.with_changes(kv_banks=2, kv_positions=128)
+
+
+def head_gaps(cfg, mutation=None) -> tuple[list[int], list[int]]:
+    """Cycles between a head's last K group and the next head's first, and the same for
+    the V groups: heads of ``kv_positions`` rows back to back with every stream offered
+    (outputs checked)."""
+    import dfvg_hw.attention as attention_module
+    from sequencer_cases import mutant
+    rng = np.random.default_rng(19)
+    d, t = cfg.head_dim, cfg.kv_positions
+    heads = [(rng.integers(-128, 128, d), rng.integers(-128, 128, (t, d)),
+              rng.integers(-128, 128, (t, d)), 40000, 22, False) for _ in range(6)]
+    module = mutant(attention_module, *mutation, shared=()) if mutation else attention_module
+    trace = {}
+    got = simulate_attention(module.Attention(cfg), heads, trace=trace)
+    for (q, k, v, mult, shift, wide), o in zip(heads, got):
+        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift, 8))
+    ends = np.cumsum(trace["groups"])
+    return tuple([trace[side][e] - trace[side][e - 1] for e in ends[:-1]] for side in "kv")
+
+
+def test_score_pass_runs_ahead():
+    """The next head's K groups follow the last of a head's after two cycles (the q beat
+    between): the score pass takes q while the head's scores are still in the trees (a
+    third score buffer); and the weights pass takes a head on the edge the one before
+    meets its last V group (two accumulator sets: it does not wait for that head's E to
+    reach the reciprocal), so its first V group follows the exp path's latency later."""
+    assert head_gaps(RUN_AHEAD) == ([2] * 5, [kv_timing.ATTN_START_TO_JOIN] * 5)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("SCORE_BUFFERS = kv_timing.ATTN_SCORE_BUFFERS", "SCORE_BUFFERS = 2"),
+    ("self.q.ready.eq(~k_open & ~in_use.bit_select(alloc, 1))",
+     "self.q.ready.eq(~k_open & (in_use == 0))"),
+    ("set_free.eq(~set_busy.bit_select(v_set, 1)", "set_free.eq((set_busy == 0)"),
+], ids=["two-score-buffers", "one-head-at-a-time", "one-accumulator-set"])
+def test_a_run_ahead_mutation_is_caught(old, new):
+    """The run-ahead check can fail: with two score buffers, or a q taken only once every
+    buffer has been read, the next head's K waits for the weights pass; with the weights
+    pass waiting for the previous head's E to reach the reciprocal the V groups wait."""
+    k, v = head_gaps(RUN_AHEAD, (old, new))
+    assert max(k) > 2 or max(v) > kv_timing.ATTN_START_TO_JOIN
 
 
 # -- lint ----------------------------------------------------------------------------------
