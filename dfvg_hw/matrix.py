@@ -64,6 +64,7 @@ from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.requant import Requantizer
+from dfvg_hw.dsp_pack import PACK_SHIFT, PACKED_BITS, packed_operand, unpacked_products
 
 #: activation operand width: int8 values and the 9-bit ``hi`` digit of wide rows
 DIGIT_BITS = 9
@@ -242,7 +243,7 @@ class MatrixUnit(wiring.Component):
     BLOCK_HALF = 1 << (nx.BLOCK_SHIFT - 1)
     #: cycles from the transfer of a group's ``last`` tile to its first output row
     LATENCY = timing.MATRIX_LATENCY
-    PACK_SHIFT = 18
+    PACK_SHIFT = PACK_SHIFT
 
     def __init__(self, config: EngineConfig, *, pack_rows: bool = True):
         self.config = config
@@ -292,13 +293,13 @@ class MatrixUnit(wiring.Component):
         singles = list(range(2 * pairs, M))
         w0 = [[_reg(signed(8), f"w0_{l}_{j}") for j in range(K)] for l in range(N)]
         # |x0·2^18 + x1| ≤ 128·2^18 + 128 < 2^26: 27 bits, one DSP48E2 A/B operand
-        a0 = [[_reg(signed(8 + SH + 1), f"a0_{i}_{j}") for j in range(K)] for i in range(pairs)]
+        a0 = [[_reg(signed(PACKED_BITS), f"a0_{i}_{j}") for j in range(K)] for i in range(pairs)]
         x0 = {r: [_reg(signed(DIGIT_BITS), f"x0_{r}_{j}") for j in range(K)] for r in singles}
         with m.If(advance):
             for l in range(N):
                 m.d.sync += [w0[l][j].eq(self.w.p.data[l][j]) for j in range(K)]
             for i in range(pairs):
-                m.d.sync += [a0[i][j].eq((self.x.p[2 * i][j] << SH) + self.x.p[2 * i + 1][j])
+                m.d.sync += [a0[i][j].eq(packed_operand(self.x.p[2 * i][j], self.x.p[2 * i + 1][j]))
                              for j in range(K)]
             for r in singles:
                 m.d.sync += [x0[r][j].eq(self.x.p[r][j]) for j in range(K)]
@@ -318,11 +319,10 @@ class MatrixUnit(wiring.Component):
         tree = [[None] * N for _ in range(M)]
         for l in range(N):
             for i in range(pairs):
-                ps = p1[i][l]
-                hi = [p >> SH for p in ps] + [p[SH - 1] for p in ps]
-                lo = [p[:SH].as_signed() for p in ps]
+                hi_floor, borrow, lo = zip(*(unpacked_products(p) for p in p1[i][l]))
+                hi = list(hi_floor) + list(borrow)
                 tree[2 * i][l] = _adder_tree(m, hi, self.TREE_STAGES, advance, f"t{2 * i}_{l}")
-                tree[2 * i + 1][l] = _adder_tree(m, lo, self.TREE_STAGES, advance,
+                tree[2 * i + 1][l] = _adder_tree(m, list(lo), self.TREE_STAGES, advance,
                                                  f"t{2 * i + 1}_{l}")
             for r in singles:
                 tree[r][l] = _adder_tree(m, s1[r][l], self.TREE_STAGES, advance, f"t{r}_{l}")
