@@ -123,7 +123,8 @@ class NormSequencer(wiring.Component):
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
         :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
-    read_cmd, read_data : the memory port's read side (parameter head and gamma)
+    read_cmd, read_data : the memory port's read side (parameter head and gamma, each
+        through a reader of its own: the head's command first, its beats come first)
     vmem_rd_cmd, vmem_rd : VMEM's span reader (one-row spans, each segment-row once, or
         three times when longer than the row buffer)
     vmem_wr_cmd, vmem_wr, vmem_wr_done : VMEM's span writer (one span per job)
@@ -242,9 +243,9 @@ class NormSequencer(wiring.Component):
             m.d.sync += [shown.eq(fetch <= last_at), shown_last.eq(fetch == last_at),
                          fetch.eq(fetch + 1)]
 
-        # a row's gamma read is requested as the row starts and issued as soon as the reader
-        # takes it (it may still be emptying the head's or the last gamma's beat): pass 0
-        # does not wait for it
+        # a row's gamma read is requested as the row starts (row 0's with the head's read)
+        # and issued as soon as gamma's reader takes it (it may still be emptying the last
+        # gamma's beat): pass 0 does not wait for it
         gamma_wanted = Signal()
         gamma_reading = Signal()                # the reader has taken a gamma read not all out
         with m.If(gamma_wanted):

@@ -220,8 +220,8 @@ PARAM_CMD = 1 + READER_CMD_REGISTER
 #: VMEM's ``wr_done`` (RowWriteProgress).
 ROW_JOB_DONE = 1
 
-#: NormSequencer: CHECK, WRITE_CMD, then PASS0_CMD after the head line (a row's gamma read
-#: is issued beside pass 0, once the reader is free).
+#: NormSequencer: CHECK, WRITE_CMD, then PASS0_CMD after the head line, where the head is
+#: read and checked first (``n = 0``, or a fault the instruction shows; else an early start).
 NORM_HEAD_TO_GAMMA = 3
 #: NormSequencer, an early start: from the cycle IDLE takes the job to row 0's PASS0_CMD
 #: (HEAD_CMD between), while the head is read.
