@@ -4,15 +4,28 @@ times through :class:`~dfvg_hw.rmsnorm.RMSNorm`, the normalised rows into VMEM.
 
 Per job:
 
-1. **Head.** The block's first line (``eps`` = word 0, ``gamma_shift`` = word 1) is read;
-   the read covers the block's 40-byte head, so a head past device memory is refused by
-   the memory port (``BAD_ADDRESS``, the controller resets the sequencer).
+1. **Head.** The block's first line (``eps`` = word 0, ``gamma_shift`` = word 1) is read
+   by a reader of its own; the read covers the block's 40-byte head, so a head past
+   device memory is refused by the memory port (``BAD_ADDRESS``, the controller resets
+   the sequencer).
 2. **Checks**, in the functional model's order after the head: ``gamma_shift >
    GAMMA_SHIFT_MAX`` (``PROGRAM``); gamma past device memory, the source span, the
    destination span outside VMEM (all ``BAD_ADDRESS``). They are all made before VMEM's
    writer is given the destination span, so a refused instruction leaves VMEM untouched
    and no port waiting. ``rows > config.rows`` and segments off a line (below;
    ``PROGRAM``) are checked first of all, as ``_check_operands`` does.
+
+   **Early start.** The head's memory latency is not paid in series: when what the
+   instruction alone says passes (gamma, hence the head, inside device memory, both
+   spans inside VMEM, ``n > 0``), ``gamma_shift`` is the only fault left, and row 0's
+   pass 0 (a VMEM read into the row buffer) and the gamma read (gamma's read command
+   right behind the head's: the port keeps both in flight and answers in order) start
+   as the head's read is issued. Pass 1 samples ``eps``, so row 0's pass 1 waits for
+   the head and its check; the destination span is given to VMEM's writer after it. A
+   ``gamma_shift`` refused then (``PROGRAM``) ends the job after pass 0: the RMSNorm is
+   reset and the gamma read emptied, so VMEM is untouched and no port waits. Otherwise
+   (a fault the instruction shows, or ``n = 0``) the head is read and checked first,
+   as above.
 3. **Rows.** The destination is one write span (``rows`` rows); each source row
    (``4n`` bytes: the int32 residual) is read from VMEM as a one-row span for pass 0
    (the row's shift ``p``), its x beats kept in the **row buffer**
@@ -20,9 +33,9 @@ Per job:
    and pass 2 (every x beat meets the gamma beat of the same lanes) replay the buffer a
    beat a cycle instead of reading VMEM's lines again. A row longer than the
    buffer is read from VMEM three times, as three one-row spans. **Gamma** is read from
-   device memory as the first row starts (issued as soon as the reader has emptied the
-   head's beat, without holding up pass 0, so its latency hides behind passes 0 and 1;
-   at a 2 KiB engine beat the head's beat alone is 128 lines; on a port slower than a
+   device memory as the first row starts (row 0's with the head's read, on an early
+   start; a later row's as soon as the reader has emptied the last gamma's beat),
+   without holding up pass 0, so its latency hides behind passes 0 and 1 (on a port slower than a
    line a cycle the reader holds only a few of its lines before it holds memory back, so
    a long row's gamma comes at the port's rate once pass 2 catches up with it:
    ``sim.elementwise_timing._GammaLines``). Pass 2 of a row that fits
@@ -110,7 +123,8 @@ class NormSequencer(wiring.Component):
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
         :class:`~dfvg_hw.spec.descriptors.ErrorCode` (OK, PROGRAM or BAD_ADDRESS).
-    read_cmd, read_data : the memory port's read side (parameter head and gamma)
+    read_cmd, read_data : the memory port's read side (parameter head and gamma, each
+        through a reader of its own: the head's command first, its beats come first)
     vmem_rd_cmd, vmem_rd : VMEM's span reader (one-row spans, each segment-row once, or
         three times when longer than the row buffer)
     vmem_wr_cmd, vmem_wr, vmem_wr_done : VMEM's span writer (one span per job)
@@ -129,8 +143,14 @@ class NormSequencer(wiring.Component):
         m = Module()
         c = self.config
         lanes, L = c.lanes, c.vmem_line_bytes
-        reader = m.submodules.reader = UnalignedReader(c, self.data_width)
-        norm = m.submodules.norm = RMSNorm(c)
+        reader = m.submodules.reader = UnalignedReader(c, self.data_width)       # gamma
+        # the head has a reader of its own, so that gamma's read command follows the head's
+        # at once (the port keeps both in flight and answers in order) instead of waiting
+        # until the head's line is out
+        head_reader = m.submodules.head_reader = UnalignedReader(c, self.data_width)
+        norm = RMSNorm(c)
+        abort = Signal()                    # a refused job leaves the RMSNorm after pass 0
+        m.submodules.norm = ResetInserter({"sync": abort})(norm)
         x_cut = m.submodules.x_cut = Gearbox(L, 4 * lanes)         # VMEM lines → lanes × int32
         gamma_cut = Gearbox(L, 2 * lanes)                         # gamma lines → lanes × int16
         flush_gamma = Signal()              # a row's surplus gamma beats (below 8 lanes) go
@@ -158,8 +178,19 @@ class NormSequencer(wiring.Component):
         # cycles until the next replayed gamma beat (a bit at least: no empty Verilog vector)
         pace = Signal(range(max(pace_cycles, 2)))
 
-        wiring.connect(m, reader.read_cmd, wiring.flipped(self.read_cmd))
-        wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
+        head_beats = Signal()               # the port's next beats are the head's
+        with m.If(head_reader.read_cmd.valid):
+            wiring.connect(m, head_reader.read_cmd, wiring.flipped(self.read_cmd))
+            with m.If(self.read_cmd.ready):
+                m.d.sync += head_beats.eq(1)
+        with m.Else():
+            wiring.connect(m, reader.read_cmd, wiring.flipped(self.read_cmd))
+        with m.If(head_beats):
+            wiring.connect(m, wiring.flipped(self.read_data), head_reader.read_data)
+            with m.If(self.read_data.valid & self.read_data.ready & self.read_data.p.last):
+                m.d.sync += head_beats.eq(0)
+        with m.Else():
+            wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
 
         job = Signal(OpJob())
         wide = flags_view(job.flags).wide
@@ -171,8 +202,7 @@ class NormSequencer(wiring.Component):
         # on a line in the source and the destination alike (n % L == 0, checked), so the
         # job runs as rows·k rows of n laid end to end
         segments = Mux(job.k > 1, job.k, 1)
-        segment_rows = Signal(len(job.rows) + len(job.k))
-        m.d.sync += segment_rows.eq(job.rows * segments)     # ready by CHECK
+        segment_rows = Signal(len(job.rows) + len(job.k))     # set with the job
         row = Signal.like(segment_rows)                       # the segment-row being normalised
         error = Signal(8)
         gamma_addr = job.addr + NORM_PARAM_BYTES
@@ -213,15 +243,41 @@ class NormSequencer(wiring.Component):
             m.d.sync += [shown.eq(fetch <= last_at), shown_last.eq(fetch == last_at),
                          fetch.eq(fetch + 1)]
 
-        # a row's gamma read is requested as the row starts and issued as soon as the reader
-        # takes it (it may still be emptying the head's or the last gamma's beat): pass 0
-        # does not wait for it
+        # a row's gamma read is requested as the row starts (row 0's with the head's read)
+        # and issued as soon as gamma's reader takes it (it may still be emptying the last
+        # gamma's beat): pass 0 does not wait for it
         gamma_wanted = Signal()
+        gamma_reading = Signal()                # the reader has taken a gamma read not all out
         with m.If(gamma_wanted):
             m.d.comb += [*read_request(reader, gamma_addr, gamma_bytes, lines_of(gamma_bytes, L)),
                          flush_gamma.eq(reader.cmd.ready)]
             with m.If(reader.cmd.ready):
-                m.d.sync += gamma_wanted.eq(0)
+                m.d.sync += [gamma_wanted.eq(0), gamma_reading.eq(1)]
+        head_pending = Signal()                 # the head's line is still to come
+        m.d.comb += head_reader.o.ready.eq(1)
+        with m.If(head_reader.o.valid):
+            head = head_reader.o.p.data.as_value()
+            m.d.sync += [eps.eq(head[:32]), gamma_shift.eq(head[32:64]), head_pending.eq(0)]
+        with m.If(reader.o.valid & reader.o.ready & reader.o.p.last):
+            m.d.sync += gamma_reading.eq(0)
+
+        # an early start (everything the instruction says checked in HEAD_CMD): row 0's
+        # pass 0 and the gamma read go while the head is read; the head's check comes before
+        # pass 1 (which samples eps) and the destination span after it
+        checking = Signal()                     # the head's gamma_shift is still to check
+        refused = Signal()                      # ... and was refused: PROGRAM after pass 0
+        write_wanted = Signal()
+        with m.If(checking & ~head_pending):
+            m.d.sync += checking.eq(0)
+            with m.If(gamma_shift > nx.GAMMA_SHIFT_MAX):
+                m.d.sync += [refused.eq(1), error.eq(ErrorCode.PROGRAM), gamma_wanted.eq(0)]
+            with m.Else():
+                m.d.sync += write_wanted.eq(1)
+        hold = checking | refused               # pass 1 of row 0 waits for the check
+        with m.If(write_wanted):
+            m.d.comb += span_request(self.vmem_wr_cmd, job.dst, job.rows, segments * out_bytes)
+            with m.If(self.vmem_wr_cmd.ready):
+                m.d.sync += write_wanted.eq(0)
 
         def start_replay():
             return [fetch.eq(0), shown.eq(0), shown_last.eq(0), pace.eq(0)]
@@ -240,29 +296,35 @@ class NormSequencer(wiring.Component):
                     p_wide = flags_view(p.flags).wide
                     m.d.sync += [job.eq(p), in_bytes.eq(4 * p.n), gamma_bytes.eq(2 * p.n),
                                  out_bytes.eq(Mux(p_wide, 2 * p.n, p.n)), row.eq(0), gamma_kept.eq(0),
-                                 error.eq(ErrorCode.OK), *progress.restart()]
+                                 segment_rows.eq(p.rows * Mux(p.k > 1, p.k, 1)),
+                                 refused.eq(0), error.eq(ErrorCode.OK), *progress.restart()]
                     m.next = "HEAD_CMD"
+            # what the instruction alone says: gamma (so the head) inside memory, both spans
+            # inside VMEM; then the head's gamma_shift is the only fault left
+            static_ok = ~((gamma_addr + gamma_bytes > c.mem_bytes)
+                          | vmem_span_outside(c, job.src, segment_rows, in_bytes)
+                          | vmem_span_outside(c, job.dst, segment_rows, out_bytes))
             with m.State("HEAD_CMD"):
                 with m.If((job.rows > c.rows) | ((job.k > 1) & (job.n[:exact_log2(L)] != 0))):
                     m.d.sync += error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
                 with m.Else():
-                    m.d.comb += read_request(reader, job.addr, NORM_PARAM_BYTES, lines=1)
-                    with m.If(reader.cmd.ready):
-                        m.next = "HEAD"
+                    m.d.comb += read_request(head_reader, job.addr, NORM_PARAM_BYTES, lines=1)
+                    with m.If(head_reader.cmd.ready):
+                        m.d.sync += head_pending.eq(1)
+                        with m.If(static_ok & (job.n != 0)):
+                            m.d.sync += [checking.eq(1), gamma_wanted.eq(1)]
+                            m.next = "PASS0_CMD"
+                        with m.Else():                  # today's order: faults, or n = 0
+                            m.next = "HEAD"
             with m.State("HEAD"):
-                m.d.comb += [gamma_cut.i.valid.eq(0), reader.o.ready.eq(1)]
-                with m.If(reader.o.valid):
-                    head = reader.o.p.data.as_value()
-                    m.d.sync += [eps.eq(head[:32]), gamma_shift.eq(head[32:64])]
+                with m.If(head_reader.o.valid):         # taken by head_pending
                     m.next = "CHECK"
             with m.State("CHECK"):
                 with m.If(gamma_shift > nx.GAMMA_SHIFT_MAX):
                     m.d.sync += error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
-                with m.Elif((gamma_addr + gamma_bytes > c.mem_bytes)
-                            | vmem_span_outside(c, job.src, segment_rows, in_bytes)
-                            | vmem_span_outside(c, job.dst, segment_rows, out_bytes)):
+                with m.Elif(~static_ok):
                     m.d.sync += error.eq(ErrorCode.BAD_ADDRESS)
                     m.next = "DONE"
                 with m.Elif(job.n == 0):                # nothing to read or write
@@ -292,8 +354,10 @@ class NormSequencer(wiring.Component):
                         m.d.sync += gamma_fits.eq(0)
                         m.next = "PASS1_CMD"
             with m.State("PASS1_REPLAY"):                # Σx² from the buffer
-                m.d.comb += [replaying.eq(1), norm.i.valid.eq(shown),
-                             replay_take.eq(shown & norm.i.ready)]
+                m.d.comb += [replaying.eq(1), norm.i.valid.eq(shown & ~hold),
+                             replay_take.eq(shown & ~hold & norm.i.ready)]
+                with m.If(refused):
+                    m.next = "REFUSED"
                 with m.If(replay_take & shown_last):
                     m.d.sync += start_replay()
                     m.next = "PASS2_REPLAY"
@@ -312,9 +376,18 @@ class NormSequencer(wiring.Component):
                     m.d.sync += [gamma_wanted.eq((row + 1 != segment_rows) & ~gamma_fits),
                                  gamma_kept.eq(gamma_fits)]
             with m.State("PASS1_CMD"):
-                m.d.comb += request_source_row()
-                with m.If(self.vmem_rd_cmd.ready):
-                    m.next = "PASS1"
+                with m.If(refused):
+                    m.next = "REFUSED"
+                with m.Elif(~checking):
+                    m.d.comb += request_source_row()
+                    with m.If(self.vmem_rd_cmd.ready):
+                        m.next = "PASS1"
+            with m.State("REFUSED"):
+                # pass 0 is over: the RMSNorm forgets it, the gamma read (if the reader
+                # took it) is emptied, so that no port waits on this job
+                m.d.comb += [abort.eq(1), gamma_cut.i.valid.eq(0), reader.o.ready.eq(1)]
+                with m.If(~gamma_reading & ~gamma_wanted):
+                    m.next = "DONE"
             with m.State("PASS1"):                       # Σx²: gamma is not looked at
                 m.d.comb += [norm.i.valid.eq(x_cut.o.valid), x_cut.o.ready.eq(norm.i.ready)]
                 with m.If(x_cut.o.valid & norm.i.ready & x_cut.o.p.last):

@@ -72,9 +72,11 @@ def rmsnorm_gamma_reads(lanes: int, n: int, rows: int, line: int) -> int:
 
 
 def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
-    """norm_sequencer.py: read the parameter head; per row, pass 0 over x (the row's
-    shift) and pass 1 (sum of squares, then rsqrt) race the gamma read, requested at the
-    row's start and issued once the reader has emptied its previous read; pass 2 streams x and gamma through the scaler. A row of at most
+    """norm_sequencer.py, a job that completes (an early start): the head read, row 0's
+    pass 0 and its gamma read start together, row 0's pass 1 waits for the head's line
+    (``tm.NORM_HEAD_CHECK``); per row, pass 0 over x (the row's shift) and pass 1 (sum
+    of squares, then rsqrt) race the gamma read, requested at the row's start and issued
+    once gamma's reader has emptied its previous read; pass 2 streams x and gamma through the scaler. A row of at most
     ``tm.norm_row_buffer_beats(lanes)`` x beats is read from VMEM once: passes 1 and 2
     replay the row buffer a beat a cycle (:func:`_norm_replay_pass2`). When its gamma
     beats also fit the gamma buffer (``tm.norm_gamma_buffer_beats``), only the first row
@@ -113,10 +115,14 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
     # read no gamma, their pass 2 replays it a beat every `pace` cycles
     kept = _norm_gamma_kept(lanes, n, line)
     pace = tm.norm_gamma_replay_pace(lanes, line)
-    # PASS0_CMD follows WRITE_CMD; the row's gamma read is issued once the reader has
-    # emptied the previous read's beats (the head's, or the last row's gamma), meanwhile
-    g = head_out + tm.NORM_HEAD_TO_GAMMA - 1                   # the cycle before PASS0_CMD
-    reader_free = head_port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY
+    # row 0's PASS0_CMD follows HEAD_CMD (an early start: the head is read meanwhile, and
+    # checked before pass 1); a row's gamma read is issued once gamma's reader has emptied
+    # the last row's gamma, meanwhile
+    g = tm.NORM_EARLY_PASS0 - 1                                # the cycle before PASS0_CMD
+    # the head's check: row 0's pass 1 (a replayed beat taken, or PASS1_CMD) comes no
+    # earlier than NORM_HEAD_CHECK cycles after the head's line
+    checked = head_out + tm.NORM_HEAD_CHECK
+    reader_free = 0                    # gamma's reader: the head has a reader of its own
     g_lines_in = ceil((2 * n + gamma_skip) / B) * port.lines_per_beat
     for row in range(rows):
         if kept and row:
@@ -133,6 +139,8 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
         reader_free = gamma_port.arrival(g_lines_in - 1, gamma_first) + tm.LINE_ALIGNER_LATENCY
         last0 = g + tm.NORM_PASS_START + stream - 1            # pass 0's last beat
         gamma_line = gamma.line
+        if row == 0:        # pass 1's first replayed beat, or its PASS1_CMD, waits for the check
+            last0 = max(last0, checked - (tm.RMSNORM_SHIFT_TURNAROUND if buffered else 1))
         if buffered:                               # passes 1 and 2 replay the row buffer
             last1 = last0 + tm.RMSNORM_SHIFT_TURNAROUND + beats - 1
             u = last1 + turnaround

@@ -228,9 +228,16 @@ PARAM_CMD = 1 + READER_CMD_REGISTER
 #: VMEM's ``wr_done`` (RowWriteProgress).
 ROW_JOB_DONE = 1
 
-#: NormSequencer: CHECK, WRITE_CMD, then PASS0_CMD after the head line (a row's gamma read
-#: is issued beside pass 0, once the reader is free).
+#: NormSequencer: CHECK, WRITE_CMD, then PASS0_CMD after the head line, where the head is
+#: read and checked first (``n = 0``, or a fault the instruction shows; else an early start).
 NORM_HEAD_TO_GAMMA = 3
+#: NormSequencer, an early start: from the cycle IDLE takes the job to row 0's PASS0_CMD
+#: (HEAD_CMD between), while the head is read.
+NORM_EARLY_PASS0 = 2
+#: NormSequencer, an early start: from the head's line to the first cycle row 0's pass 1
+#: can go (a replayed beat taken, or PASS1_CMD): the head's line registered, gamma_shift
+#: checked (pass 1 samples eps).
+NORM_HEAD_CHECK = 2
 #: NormSequencer: a pass's command state (PASS0_CMD, PASS1_CMD, PASS2_CMD), VMEM's read
 #: latency and the line-to-beat Gearbox: from the cycle before PASS0_CMD to a row's first
 #: pass-0 beat, and

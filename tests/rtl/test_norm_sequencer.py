@@ -355,3 +355,35 @@ def test_long_rows_at_a_slow_narrow_port(line, rate, max_n):
     errors = check_row_jobs(rng, NormSequencer, _long_gamma_memory, jobs, data_width, config,
                             timed=True)
     assert errors == [ErrorCode.OK] * len(jobs)
+
+
+# -- the head read beside row 0's pass 0 -----------------------------------------------------
+#: device-memory latencies at TINY's 100 MHz: the head's line comes while row 0's pass 0
+#: runs (a cycle), and long after it (150 cycles)
+HEAD_LATENCIES = {"head_during_pass_0": 10.0, "head_after_pass_0": 1500.0}
+
+
+@pytest.mark.parametrize("latency_ns", HEAD_LATENCIES.values(), ids=HEAD_LATENCIES.keys())
+def test_head_read_beside_pass_0(latency_ns, monkeypatch):
+    """Row 0's pass 0 and the gamma read start while the head is read; pass 1 waits for
+    the head's check. A gamma_shift refused after pass 0 leaves VMEM untouched and empties
+    the gamma read the reader took (the next job's head is its own); the instruction's
+    own faults (gamma past memory, a span outside VMEM) start nothing early. Results
+    against the functional model, each completed job's cycles against the cycle model;
+    then rows longer than a 64-byte row buffer (pass 1 a VMEM read of its own)."""
+    config = TINY.with_changes(mem_latency_ns=latency_ns)
+    last_line = config.vmem_bytes // L - 1
+    jobs = [_norm(2, 64, 0, 40), _norm(1, 64, 0, 40, addr=BAD_SHIFT),
+            _norm(1, 7, 100, 100, addr=BLOCKS[1]), _norm(2, 16, 10, 10, addr=BAD_SHIFT, k=2),
+            _norm(1, 64, 20, 60, addr=BLOCKS[3], wide=True),
+            _norm(1, 6, 0, 40, addr=GAMMA_PAST_END), _norm(1, 16, 0, last_line, wide=True),
+            _norm(1, 33, 30, 31, addr=BLOCKS[2])]
+    errors = _check(np.random.default_rng(int(latency_ns)), jobs, config=config)
+    OK, PROGRAM, BAD_ADDRESS = ErrorCode.OK, ErrorCode.PROGRAM, ErrorCode.BAD_ADDRESS
+    assert errors == [OK, PROGRAM, OK, PROGRAM, OK, BAD_ADDRESS, BAD_ADDRESS, OK]
+    from dfvg_hw.spec import timing
+    monkeypatch.setattr(timing, "NORM_ROW_BUFFER_BYTES", 64)
+    jobs = [_norm(2, 20, 60, 60, addr=BLOCKS[1], wide=True), _norm(1, 64, 0, 40, addr=BAD_SHIFT),
+            _norm(1, 64, 10, 40, addr=BLOCKS[2])]
+    errors = _check(np.random.default_rng(int(latency_ns) + 1), jobs, config=config)
+    assert errors == [OK, PROGRAM, OK]
