@@ -43,6 +43,36 @@ class HeadRun(data.StructLayout):
         })
 
 
+class _LineWalk:
+    """The walk over a run's lines that the cutter and the packer share: line after line of
+    a row, ``amount`` of its bytes each, then the next row ``stride`` lines after the first
+    line of this one; ``rows_left`` reaches 0 after the last row (at once for empty rows)."""
+
+    def __init__(self, run):
+        self.run = run
+        self.line, self.row_line = Signal(16), Signal(16)
+        self.row_left = Signal.like(run.row_bytes)  # bytes of the row not yet visited
+        self.rows_left = Signal(8)
+
+    def row_ends(self, amount):
+        """Whether a line of ``amount`` bytes is the row's last."""
+        return self.row_left == amount
+
+    def start(self, m: Module, p):
+        """Begin run ``p`` (the run's payload) at its first line."""
+        m.d.sync += [self.line.eq(p.line), self.row_line.eq(p.line), self.row_left.eq(p.row_bytes),
+                     self.rows_left.eq(Mux(p.row_bytes == 0, 0, p.rows))]
+
+    def step(self, m: Module, amount):
+        """Move past the current line, which holds ``amount`` of the row's bytes."""
+        run = self.run
+        m.d.sync += [self.line.eq(self.line + 1), self.row_left.eq(self.row_left - amount)]
+        with m.If(self.row_ends(amount)):
+            m.d.sync += [self.rows_left.eq(self.rows_left - 1),
+                         self.row_line.eq(self.row_line + run.stride),
+                         self.line.eq(self.row_line + run.stride), self.row_left.eq(run.row_bytes)]
+
+
 class HeadCutter(wiring.Component):
     """Cuts an operand's heads out of its VMEM lines, peeking a line a cycle.
 
@@ -109,9 +139,8 @@ class HeadCutter(wiring.Component):
         fill = Signal(range(Q + 1))                 # bytes in the queue
         arriving = Signal(range(L + 1))             # bytes of the line peeked last cycle
         arriving_skip = Signal(range(L))            # ... and where they start in it
-        next_line, row_line = Signal(16), Signal(16)
-        row_left = Signal.like(run.row_bytes)       # bytes of the row not yet peeked
-        rows_left = Signal(8)
+        walk = _LineWalk(run)                       # the next line to peek
+        row_left, rows_left = walk.row_left, walk.rows_left
         first = Signal()                            # the next line is a row's first
 
         m.d.comb += self.run.ready.eq(1)
@@ -124,7 +153,7 @@ class HeadCutter(wiring.Component):
             self.heads.valid.eq(fill >= run.k),
             self.heads.payload.eq(queue[:8 * self.max_head]),
             self.want.eq((rows_left != 0) & (held < run.k + self.lookahead * L)),
-            self.peek_addr.eq(next_line),
+            self.peek_addr.eq(walk.line),
         ]
         # the line peeked last cycle joins the queue behind what stays of it
         line = (self.peek_data >> (arriving_skip << 3)) & byte_mask(arriving, L)
@@ -133,18 +162,13 @@ class HeadCutter(wiring.Component):
                      fill.eq(base + arriving), arriving.eq(0)]
         with m.If(self.want & self.grant):
             m.d.sync += [arriving.eq(amount), arriving_skip.eq(skip),
-                         next_line.eq(next_line + 1), row_left.eq(row_left - amount),
-                         first.eq(0)]
-            with m.If(row_left == amount):          # the row's last line: on to the next row
-                m.d.sync += [rows_left.eq(rows_left - 1), row_line.eq(row_line + run.stride),
-                             next_line.eq(row_line + run.stride), row_left.eq(run.row_bytes),
-                             first.eq(1)]
+                         first.eq(walk.row_ends(amount))]   # after a row's last line, a first
+            walk.step(m, amount)
 
         with m.If(self.run.valid):
             p = self.run.payload
-            m.d.sync += [run.eq(p), queue.eq(0), fill.eq(0), arriving.eq(0),
-                         next_line.eq(p.line), row_line.eq(p.line), row_left.eq(p.row_bytes),
-                         rows_left.eq(Mux(p.row_bytes == 0, 0, p.rows)), first.eq(1)]
+            m.d.sync += [run.eq(p), queue.eq(0), fill.eq(0), arriving.eq(0), first.eq(1)]
+            walk.start(m, p)
         return m
 
 
@@ -204,9 +228,8 @@ class HeadPacker(wiring.Component):
         run = Signal.like(self.run.payload)
         queue = Signal(8 * Q)
         fill = Signal(range(Q + 1))
-        line, row_line = Signal(16), Signal(16)
-        row_left = Signal.like(run.row_bytes)       # bytes of the row not yet poked
-        rows_left = Signal(8)
+        walk = _LineWalk(run)                       # the next line to poke
+        row_left, rows_left = walk.row_left, walk.rows_left
 
         m.d.comb += self.run.ready.eq(1)
         amount = Mux(row_left < L, row_left, L)
@@ -214,8 +237,8 @@ class HeadPacker(wiring.Component):
         leaving = Mux(out, amount, 0)
         m.d.comb += [
             self.busy.eq(rows_left != 0),
-            self.last.eq(out & (rows_left == 1) & (row_left == amount)),
-            self.poke_addr.eq(line), self.poke_data.eq(queue[:8 * L]),
+            self.last.eq(out & (rows_left == 1) & walk.row_ends(amount)),
+            self.poke_addr.eq(walk.line), self.poke_data.eq(queue[:8 * L]),
             self.poke_en.eq(Mux(out, Cat(b < amount for b in range(L)), 0)),
             self.heads.ready.eq(fill - leaving + run.k <= Q),
         ]
@@ -225,14 +248,9 @@ class HeadPacker(wiring.Component):
         m.d.sync += [queue.eq((queue >> (leaving << 3)) | (head << (base << 3))),
                      fill.eq(base + Mux(taken, run.k, 0))]
         with m.If(out):
-            m.d.sync += [line.eq(line + 1), row_left.eq(row_left - amount)]
-            with m.If(row_left == amount):
-                m.d.sync += [rows_left.eq(rows_left - 1), row_line.eq(row_line + run.stride),
-                             line.eq(row_line + run.stride), row_left.eq(run.row_bytes)]
+            walk.step(m, amount)
 
         with m.If(self.run.valid):
-            p = self.run.payload
-            m.d.sync += [run.eq(p), queue.eq(0), fill.eq(0), line.eq(p.line),
-                         row_line.eq(p.line), row_left.eq(p.row_bytes),
-                         rows_left.eq(Mux(p.row_bytes == 0, 0, p.rows))]
+            m.d.sync += [run.eq(self.run.payload), queue.eq(0), fill.eq(0)]
+            walk.start(m, self.run.payload)
         return m
