@@ -342,15 +342,15 @@ ACT_GROUP_SIZES = (8, 8, 16, 32, 64, 128)
 assert len(ACT_GROUP_SIZES) < ACTMUL_SEGMENTS
 
 
-def act_groups(intermediate: int, unit: int = 8) -> list[int]:
-    """The ACTMUL groups (segments) of an MLP of ``intermediate`` channels, each a multiple
-    of ``unit`` (one group if ``intermediate`` is not): ACT_GROUP_SIZES from the first
-    that is a multiple of ``unit``."""
-    if intermediate % unit:
+def act_groups(intermediate: int) -> list[int]:
+    """The ACTMUL groups (segments) of an MLP of ``intermediate`` channels: ACT_GROUP_SIZES
+    while at least 8 channels are left for the rest, or one group when ``intermediate`` is
+    not a multiple of 8 (docs/numerics.md §13.2)."""
+    if intermediate % 8:
         return [intermediate]
     groups, rest = [], intermediate
-    for size in (s for s in ACT_GROUP_SIZES if s % unit == 0):
-        if rest - size < unit:
+    for size in ACT_GROUP_SIZES:
+        if rest - size < 8:
             break
         groups.append(size)
         rest -= size

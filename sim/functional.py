@@ -415,8 +415,9 @@ class FunctionalEngine:
             blocks = self._dram(addr, ACT_PARAM_BYTES * max(ins.k, 1)).reshape(-1, ACT_PARAM_BYTES)
             heads = blocks[:, :8].copy().view("<u4")
             firsts = np.where(np.arange(len(blocks)) == 0, 0, heads[:, 1] & 0xFFFF)
-            segment = np.array([max(s for s in range(len(blocks)) if firsts[s] <= c)
-                                for c in range(ins.n)], dtype=np.int64)
+            # (the last True of each channel's row of firsts ≤ c; segment 0 always holds)
+            starts_by = firsts[None, :] <= np.arange(ins.n)[:, None]
+            segment = len(blocks) - 1 - np.argmax(starts_by[:, ::-1], axis=1)
             y = np.zeros(gate.shape, np.int64)
             for s, block in enumerate(blocks):
                 cols = segment == s
