@@ -94,3 +94,14 @@ def test_blocks_is_a_matmul_flag():
         with pytest.raises(IllegalInstruction) as e:
             decode(encode(Instruction(op, rows=1, n=16)) | (int(Flag.BLOCKS) << 8))
         assert e.value.field == "flags"
+
+
+def test_the_documented_demo_program_is_what_the_compiler_emits(demo_compiled):
+    """docs/isa.md §10 lists the demo draft's program: it is assembled here (labels and
+    comments included) and must equal the compiler's words, so the listing cannot go stale
+    when the compiler or the line width changes."""
+    from pathlib import Path
+    doc = (Path(__file__).parents[1] / "docs" / "isa.md").read_text()
+    section = doc[doc.index("## 10. Assembler syntax"):]
+    listing = section.split("```\n", 2)[1]
+    assert assemble(listing) == demo_compiled.program
