@@ -131,14 +131,16 @@ def softmax_load_to_emit(lanes: int) -> int:
     return 3 + ceil_log2(lanes) + SOFTMAX_EXP_LATENCY
 
 
-def reciprocal_latency(dividend_log2: int) -> int:
+def reciprocal_latency(dividend_log2: int, min_divisor_log2: int = 0) -> int:
     """Reciprocal (a restoring divider of ``2^dividend_log2``): the load cycle, then one
-    quotient bit a cycle over the dividend's ``dividend_log2 + 1`` bits."""
-    return dividend_log2 + 2
+    quotient bit a cycle over the dividend's ``dividend_log2 + 1`` bits, less the
+    ``min_divisor_log2`` leading quotient bits that a divisor ``≥ 2^min_divisor_log2``
+    makes 0."""
+    return dividend_log2 + 2 - min_divisor_log2
 
 
-#: Reciprocal of the attention weights' sum, ``floor(2^RECIP_BITS / E)``.
-ATTN_RECIP_LATENCY = reciprocal_latency(nx.RECIP_BITS)
+#: Reciprocal of the attention weights' sum, ``floor(2^RECIP_BITS / E)``, ``E ≥ EXP_ONE``.
+ATTN_RECIP_LATENCY = reciprocal_latency(nx.RECIP_BITS, nx.EXP_ONE.bit_length() - 1)
 #: Attention: the per-head path from a score to its V row beyond the dot-product tree: the
 #: maximum and phase, the first weight read, the exp path, the V join.
 ATTN_SCORE_TO_V = 1 + 1 + SOFTMAX_EXP_LATENCY + 1
