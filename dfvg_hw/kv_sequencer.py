@@ -33,7 +33,8 @@ before, unless that head's lines take longer to peek.
 (KV_OVERFLOW; a chain's ``pos ≥ kv_positions``, and for a tree row the controller has
 checked the level's largest storage position already); the 16-byte parameter
 block at ``addr`` (past device memory: the memory port refuses it, BAD_ADDRESS through
-the controller's reset); its ``G = kv_heads`` word 0, ``base + (layer + 1) · G > kv_slots`` or
+the controller's reset; SET_POS and q[0]'s gather, which run while the block is read,
+change neither the KV nor VMEM); its ``G = kv_heads`` word 0, ``base + (layer + 1) · G > kv_slots`` or
 ``G`` not dividing ``n`` (PROGRAM; ``n / G`` by a 16-step divider); ``q`` or the output
 (``n·k`` bytes, ``2·n·k`` with WIDE) outside VMEM (BAD_ADDRESS). Then per head ``h``:
 gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add nothing to
@@ -74,15 +75,16 @@ an extra member rather than a job because a soft reset is no instruction: it has
 fields, no error and no ``done`` in the instruction flow.
 
 Cycles (``tiny``, 128-bit bus; ``T = prefix + path_len``, ``W = head_dim /
-gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND ``5 + (2 + 2W)·n``
+gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND ``4 + (2 + 2W)·n``
 (the KV buffer's pace) whenever a head's K and V lines take no longer (n = 2, k = 16:
-17; 53 for the 12 heads of alveo-u55c's LLaMA-160M, W = 1);
-ATTN about ``80 + (n + 1)·(W·T + ceil(log2 D) +
-6)`` including the parameter read (the last head's V pass is not hidden; at short
-contexts the reciprocal's 34 cycles a head are the pace instead): n = 4, k = 16: 208 at
-T = 1, 291 at T = 16, 757 at T = 64 (292 and 772 with a head's q waiting for the weights
-pass to take the head before; 406 and 1174 with a head's V pass after its K pass,
-before the two channels).
+16; 52 for the 12 heads of alveo-u55c's LLaMA-160M, W = 1); ``done`` comes with the last
+word. ATTN, the unit overhead and the parameter read included: n = 4, k = 16: 122 at
+T = 1, 239 at T = 16, 719 at T = 64 (208, 291, 757 with the parameter read before
+SET_POS and q[0]'s gather, all 16 divide steps and a 34-cycle reciprocal). The read goes
+out from CHECK; SET_POS and q[0]'s gather run during its latency; then DIVIDE, ``n``'s
+bits from its leading one (G's checks in its first cycle, the remainder and the spans in
+its last), then the heads; the last head's V pass is not hidden, and at short contexts
+the reciprocal's 18 cycles a head are the pace instead.
 Each channel streams one word per cycle, so a head spends ``W`` cycles per position on
 K, and the V pass of an earlier head runs beside it; at long contexts the weights pass,
 ``W·T`` plus the exp path's 6 cycles from a head's start to its first V join, is the
