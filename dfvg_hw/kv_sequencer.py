@@ -35,7 +35,8 @@ checked the level's largest storage position already); the 16-byte parameter
 block at ``addr`` (past device memory: the memory port refuses it, BAD_ADDRESS through
 the controller's reset; SET_POS and q[0]'s gather, which run while the block is read,
 change neither the KV nor VMEM); its ``G = kv_heads`` word 0, ``base + (layer + 1) · G > kv_slots`` or
-``G`` not dividing ``n`` (PROGRAM; ``n / G`` by a 16-step divider); ``q`` or the output
+``G`` not dividing ``n`` (PROGRAM; ``n / G`` by a divider that steps through ``n``'s bits
+from its leading one); ``q`` or the output
 (``n·k`` bytes, ``2·n·k`` with WIDE) outside VMEM (BAD_ADDRESS). Then per head ``h``:
 gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add nothing to
 a score), stream slot ``base + layer · G + h // (n / G)``, positions ``0 … prefix − 1`` and
@@ -468,8 +469,8 @@ class KvSequencer(wiring.Component):
                             m.d.sync += [kv_slot.eq(kv_slot + 1), head.eq(head + 1)]
                             with m.If(head + 1 == job.n):
                                 # done with the last word (error has held OK since the
-                                # job was taken); the KV buffer writes it while the next
-                                # job's SET_POS waits for its command port
+                                # job was taken): the KV buffer writes it in the next
+                                # cycles, before any later command can reach it
                                 m.d.comb += self.done.eq(1)
                                 m.next = "IDLE"
                             with m.Else():
