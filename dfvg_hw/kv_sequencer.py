@@ -33,8 +33,10 @@ before, unless that head's lines take longer to peek.
 (KV_OVERFLOW; a chain's ``pos ≥ kv_positions``, and for a tree row the controller has
 checked the level's largest storage position already); the 16-byte parameter
 block at ``addr`` (past device memory: the memory port refuses it, BAD_ADDRESS through
-the controller's reset); its ``G = kv_heads`` word 0, ``base + (layer + 1) · G > kv_slots`` or
-``G`` not dividing ``n`` (PROGRAM; ``n / G`` by a 16-step divider); ``q`` or the output
+the controller's reset; SET_POS and q[0]'s gather, which run while the block is read,
+change neither the KV nor VMEM); its ``G = kv_heads`` word 0, ``base + (layer + 1) · G > kv_slots`` or
+``G`` not dividing ``n`` (PROGRAM; ``n / G`` by a divider that steps through ``n``'s bits
+from its leading one); ``q`` or the output
 (``n·k`` bytes, ``2·n·k`` with WIDE) outside VMEM (BAD_ADDRESS). Then per head ``h``:
 gather ``q[h]`` (zero past ``k``, so the stale bytes ``k …`` of a KV entry add nothing to
 a score), stream slot ``base + layer · G + h // (n / G)``, positions ``0 … prefix − 1`` and
@@ -74,15 +76,16 @@ an extra member rather than a job because a soft reset is no instruction: it has
 fields, no error and no ``done`` in the instruction flow.
 
 Cycles (``tiny``, 128-bit bus; ``T = prefix + path_len``, ``W = head_dim /
-gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND ``5 + (2 + 2W)·n``
+gcd(reduce, head_dim)`` KV words per entry, 2 on tiny): KVAPPEND ``4 + (2 + 2W)·n``
 (the KV buffer's pace) whenever a head's K and V lines take no longer (n = 2, k = 16:
-17; 53 for the 12 heads of alveo-u55c's LLaMA-160M, W = 1);
-ATTN about ``80 + (n + 1)·(W·T + ceil(log2 D) +
-6)`` including the parameter read (the last head's V pass is not hidden; at short
-contexts the reciprocal's 34 cycles a head are the pace instead): n = 4, k = 16: 208 at
-T = 1, 291 at T = 16, 757 at T = 64 (292 and 772 with a head's q waiting for the weights
-pass to take the head before; 406 and 1174 with a head's V pass after its K pass,
-before the two channels).
+16; 52 for the 12 heads of alveo-u55c's LLaMA-160M, W = 1); ``done`` comes with the last
+word. ATTN, the unit overhead and the parameter read included: n = 4, k = 16: 122 at
+T = 1, 239 at T = 16, 719 at T = 64 (208, 291, 757 with the parameter read before
+SET_POS and q[0]'s gather, all 16 divide steps and a 34-cycle reciprocal). The read goes
+out from CHECK; SET_POS and q[0]'s gather run during its latency; then DIVIDE, ``n``'s
+bits from its leading one (G's checks in its first cycle, the remainder and the spans in
+its last), then the heads; the last head's V pass is not hidden, and at short contexts
+the reciprocal's 18 cycles a head are the pace instead.
 Each channel streams one word per cycle, so a head spends ``W`` cycles per position on
 K, and the V pass of an earlier head runs beside it; at long contexts the weights pass,
 ``W·T`` plus the exp path's 6 cycles from a head's start to its first V join, is the
@@ -104,7 +107,7 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
-from dfvg_hw.spec import timing
+from dfvg_hw.spec import kv_timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
@@ -119,8 +122,8 @@ from dfvg_hw.vmem import Gearbox
 
 __all__ = ["KvSequencer"]
 
-#: bits of ``n``, the dividend of the GQA group size ``n / G``: DIVIDE's steps
-N_BITS = timing.GQA_DIVIDE_STEPS
+#: bits of ``n``, the dividend of the GQA group size ``n / G``: DIVIDE's most steps
+N_BITS = kv_timing.GQA_DIVIDE_BITS
 
 
 class KvSequencer(wiring.Component):
@@ -227,7 +230,9 @@ class KvSequencer(wiring.Component):
         g_bits = c.kv_slots.bit_length()    # G ≤ kv_slots once checked
         dividend, quotient = Signal(N_BITS), Signal(N_BITS)
         remainder = Signal(g_bits)
-        steps = Signal(range(N_BITS))
+        steps = Signal(range(N_BITS + 1))  # DIVIDE's cycles left: n's bits from its leading one
+        params_in = Signal()                # the parameter block has arrived (mult, shift, groups)
+        bad_span = Signal()                 # q or the output outside VMEM (reported after G's checks)
         in_group = Signal(N_BITS)           # query heads of the current group so far
         # KV buffer command registers (shared by KVAPPEND, ATTN and clear)
         kv_slot = Signal.like(kv.cmd.payload.slot)
@@ -314,6 +319,13 @@ class KvSequencer(wiring.Component):
             with m.If(window.cmd.ready):
                 m.next = then
 
+        # ATTN's parameter block: done is a pulse, which may come while the FSM is still
+        # gathering q[0]
+        with m.If(params.done):
+            word0 = params.data[:32]
+            m.d.sync += [mult.eq(word0[:16]), shift.eq(word0[16:22]),
+                         groups.eq(params.data[32:64]), params_in.eq(1)]
+
         with m.FSM(name="kv"):
             with m.State("IDLE"):
                 m.d.comb += [self.compact.ready.eq(~clear_pending),
@@ -373,55 +385,66 @@ class KvSequencer(wiring.Component):
                                          cutter.run.payload.rows.eq(1)]
                         m.next = "SET_POS"
                 with m.Else():
-                    m.next = "PARAMS"
+                    # ATTN: the parameter block's read goes out now, and the job's steps
+                    # that need no parameter run during its latency (SET_POS, head 0's q
+                    # gather); G's checks, n / G and the faults follow in the model's
+                    # order once the block is in
+                    m.d.comb += [params.cmd.valid.eq(1), params.cmd.payload.addr.eq(job.addr),
+                                 params.cmd.payload.length.eq(ATTN_PARAM_BYTES)]
+                    # the dividend from n's leading one: the quotient bits above it are 0
+                    n_bits, n_zeros = Signal(range(N_BITS + 1)), Signal(range(N_BITS + 1))
+                    m.d.comb += n_zeros.eq(N_BITS)
+                    for i in range(N_BITS):
+                        with m.If(job.n[i]):
+                            m.d.comb += [n_bits.eq(i + 1), n_zeros.eq(N_BITS - 1 - i)]
+                    m.d.sync += [bad_span.eq(vmem_span_outside(c, job.src, 1, head_bytes)
+                                             | vmem_span_outside(c, job.dst, 1,
+                                                                 Mux(wide, 2, 1) * head_bytes)),
+                                 params_in.eq(0), dividend.eq(job.n << n_zeros),
+                                 quotient.eq(0), remainder.eq(0), steps.eq(n_bits)]
+                    with m.If(params.cmd.ready):
+                        m.next = "SET_POS"
 
             # -- ATTN parameters and the GQA group size --------------------------------------
-            with m.State("PARAMS"):
-                m.d.comb += [params.cmd.valid.eq(1), params.cmd.payload.addr.eq(job.addr),
-                             params.cmd.payload.length.eq(ATTN_PARAM_BYTES)]
-                with m.If(params.cmd.ready):
-                    m.next = "PARAMS_WAIT"
             with m.State("PARAMS_WAIT"):
-                word0 = params.data[:32]
-                with m.If(params.done):
-                    m.d.sync += [mult.eq(word0[:16]), shift.eq(word0[16:22]),
-                                 groups.eq(params.data[32:64]),
-                                 dividend.eq(job.n), quotient.eq(0), remainder.eq(0), steps.eq(0)]
-                    m.next = "GROUPS"
-            with m.State("GROUPS"):
+                with m.If(params.done | params_in):
+                    m.next = "DIVIDE"
+            with m.State("DIVIDE"):
+                # n / G, a quotient bit a cycle; the first cycle also checks G (constant
+                # from here: a fault ends the job before anything is handed on), the last
+                # the remainder and then the spans, in the model's order
+                partial = Cat(dividend[-1], remainder)
+                fits = partial >= groups[:g_bits]
+                rest = Mux(fits, partial - groups[:g_bits], partial)
+                m.d.sync += [remainder.eq(rest), quotient.eq(Cat(fits, quotient)),
+                             dividend.eq(dividend << 1), steps.eq(steps - 1),
+                             kv_slot.eq(base[:g_bits] + job.layer[:g_bits] * groups[:g_bits])]
                 with m.If((groups == 0) | (groups > c.kv_slots)
                           | (base + (job.layer + 1) * groups[:g_bits] > c.kv_slots)):
                     finish(ErrorCode.PROGRAM)
-                with m.Else():
-                    m.d.sync += kv_slot.eq(base[:g_bits] + job.layer[:g_bits] * groups[:g_bits])
-                    m.next = "DIVIDE"
-            with m.State("DIVIDE"):             # n / G, one quotient bit per cycle
-                partial = Cat(dividend[-1], remainder)
-                fits = partial >= groups[:g_bits]
-                m.d.sync += [remainder.eq(Mux(fits, partial - groups[:g_bits], partial)),
-                             quotient.eq(Cat(fits, quotient)), dividend.eq(dividend << 1),
-                             steps.eq(steps + 1)]
-                with m.If(steps == N_BITS - 1):
-                    m.next = "ATTN_SPANS"
-            with m.State("ATTN_SPANS"):
-                with m.If(remainder != 0):
-                    finish(ErrorCode.PROGRAM)
-                with m.Elif(vmem_span_outside(c, job.src, 1, head_bytes)
-                            | vmem_span_outside(c, job.dst, 1, Mux(wide, 2, 1) * head_bytes)):
-                    finish(ErrorCode.BAD_ADDRESS)
-                with m.Else():
-                    m.next = "SET_POS"
+                with m.Elif(steps <= 1):
+                    with m.If((steps == 1) & (rest != 0)):
+                        finish(ErrorCode.PROGRAM)
+                    with m.Elif(bad_span):
+                        finish(ErrorCode.BAD_ADDRESS)
+                    with m.Elif(job.n == 0):
+                        finish(ErrorCode.OK)
+                    with m.Else():
+                        m.next = "QUERY"
 
             with m.State("SET_POS"):            # the buffer's POS for APPEND / READ
                 m.d.comb += kv_command(KVOp.ROLLBACK, arg=Mux(job.opcode == Op.KVAPPEND,
                                                               job.kv_pos, job.prefix - 1))
                 with m.If(kv.cmd.ready):
-                    with m.If(job.n == 0):
-                        finish(ErrorCode.OK)
-                    with m.Elif(job.opcode == Op.KVAPPEND):
-                        m.next = "APPEND"
-                    with m.Else():
+                    with m.If(job.opcode == Op.ATTN):
+                        # q[0] only when a head and the spans allow it
                         m.next = "GATHER_Q"
+                        with m.If((job.n == 0) | bad_span):
+                            m.next = "PARAMS_WAIT"
+                    with m.Elif(job.n == 0):
+                        finish(ErrorCode.OK)
+                    with m.Else():
+                        m.next = "APPEND"
 
             # -- KVAPPEND: heads back to back; the cutters peek head h + 1 while h is appended
             with m.State("APPEND"):             # also a clear's entry
@@ -445,7 +468,11 @@ class KvSequencer(wiring.Component):
                         with m.Else():          # the KV buffer takes the next APPEND at once
                             m.d.sync += [kv_slot.eq(kv_slot + 1), head.eq(head + 1)]
                             with m.If(head + 1 == job.n):
-                                finish(ErrorCode.OK)
+                                # done with the last word (error has held OK since the
+                                # job was taken): the KV buffer writes it in the next
+                                # cycles, before any later command can reach it
+                                m.d.comb += self.done.eq(1)
+                                m.next = "IDLE"
                             with m.Else():
                                 m.next = "APPEND"
             with m.State("APPENDED"):           # a clear's entry is written
@@ -460,6 +487,8 @@ class KvSequencer(wiring.Component):
             with m.State("GATHER_Q_WAIT"):
                 with m.If(window.done):
                     m.next = "QUERY"
+                    with m.If(head == 0):               # q[0]: gathered during the parameter read
+                        m.next = "PARAMS_WAIT"
             with m.State("QUERY"):
                 m.d.comb += attn.q.valid.eq(1)
                 with m.If(attn.q.ready):
@@ -491,7 +520,10 @@ class KvSequencer(wiring.Component):
                 with m.If(window.done):
                     m.d.sync += [out_offset.eq(out_offset + out_head_bytes), outs.eq(outs + 1)]
                     with m.If(outs + 1 == job.n):
-                        finish(ErrorCode.OK)
+                        # done now rather than from DONE: error has held OK since the job
+                        # was taken
+                        m.d.comb += self.done.eq(1)
+                        m.next = "IDLE"
                     with m.Elif(head == job.n):
                         m.next = "ATTEND"                       # the last head's output
                     with m.Else():

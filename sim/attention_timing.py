@@ -59,7 +59,7 @@ def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
         ready = peeks + lines + (tm.HEAD_CUTTER_LATENCY - 1 if lines else 1)
         append = max(append, ready) if h == 0 else max(append + per_append, ready)
         peeks = append                             # the heads leave: the next ones' peeks
-    return UNIT_OVERHEAD + append + per_append             # DONE
+    return UNIT_OVERHEAD + append + per_append - 1         # done with the last word
 
 
 def attn_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src: int, dst: int, pos: int,
@@ -73,8 +73,12 @@ def attn_job_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src:
                     prefix: int, path_len: int, wide: bool, addr: int) -> int:
     """One ATTN job (a chain's, or one row of a tree forward's: ``prefix = P0``,
     ``path_len = d``, ``src``/``dst`` the row's lines), from the job's hand-over to
-    ``done`` plus the unit overhead: the checks, the parameter block and the GQA divide,
-    then the heads (:func:`_overlapped_heads`). A head streams ``G`` groups of K (one KV
+    ``done`` plus the unit overhead. In cycles from CHECK (0), which sends the parameter
+    block's read: SET_POS and head 0's q gather run during the read; PARAMS_WAIT is left
+    at the later of the block's ``done`` and the gather's end; DIVIDE (G's checks, ``n /
+    G`` from ``n``'s leading one, the remainder and the spans) follows, then head 0's
+    QUERY and the heads (:func:`_overlapped_heads`), ``done`` in the last scatter's final
+    cycle (without a head, DONE after DIVIDE). A head streams ``G`` groups of K (one KV
     word a cycle: ``W`` words a row with one bank, through the gearbox; with ``B =
     kv_banks ≥ 2`` a group of B rows a cycle, ``G = ceil(prefix / B) + path_len``, each path
     entry a group of its own; one bank: ``G = prefix + path_len`` rows) and ``G`` of V, on
@@ -84,21 +88,25 @@ def attn_job_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src:
     g = kvt.kv_groups(prefix, banks) + path_len
     out_bytes = 2 * k if wide else k
     beats = ceil((addr % port.bus_bytes + ATTN_PARAM_BYTES) / port.bus_bytes)
-    params = (tm.ATTN_PARAMS + READ_OVERHEAD + port.latency
-              + port.at(addr).beat_offset(beats - 1))
+    params_done = (kvt.ATTN_PARAMS_DONE + READ_OVERHEAD + port.latency
+                   + port.at(addr).beat_offset(beats - 1))
     line = config.vmem_line_bytes
     gathers = [window_cycles(src * line + h * k, k, line) for h in range(n)]
     scatters = [window_cycles(dst * line + h * out_bytes, out_bytes, line) for h in range(n)]
-    return (UNIT_OVERHEAD + tm.ATTN_CHECK + params + tm.ATTN_GROUPS + tm.GQA_DIVIDE_STEPS
-            + tm.ATTN_END_STATES
-            + _overlapped_heads(config, g, w, gathers, scatters))
+    params_wait = kvt.ATTN_CHECK + kvt.ATTN_SET_POS + (gathers[0] if n else 0)
+    leave = max(params_done, params_wait)           # PARAMS_WAIT's last cycle
+    query = leave + 1 + kvt.gqa_divide_steps(n)     # head 0's QUERY
+    if n == 0:
+        return UNIT_OVERHEAD + query + kvt.ATTN_DONE
+    return UNIT_OVERHEAD + _overlapped_heads(config, g, w, gathers, scatters, query)
 
 
 def _overlapped_heads(config: EngineConfig, g: int, w: int, gathers: list[int],
-                      scatters: list[int]) -> int:
-    """Cycles of the ATTN loop of kv_sequencer.py over ``len(gathers)`` heads of ``g``
-    groups (``w`` KV words each), from the first GATHER_Q to the end of the last scatter.
-    Per head ``h``, in cycles (a step happens at the end of its cycle):
+                      scatters: list[int], first_query: int) -> int:
+    """The cycle after the last scatter of the ATTN loop of kv_sequencer.py over
+    ``len(gathers)`` heads of ``g`` groups (``w`` KV words each), head 0's QUERY in cycle
+    ``first_query`` (its q gathered before). Per head ``h``, in cycles (a step happens at
+    the end of its cycle):
 
     * ``query``: the attention unit takes q[h] once the sequencer has gathered it, the
       cycle after the unit has taken head h − 1's last K row (``last_k[h − 1] + 1``), and
@@ -140,9 +148,9 @@ def _overlapped_heads(config: EngineConfig, g: int, w: int, gathers: list[int],
     slots = kvt.ATTN_READ_SLOTS
     read_k, read_v, last_k, last_issue, last_join, hand = [], [], [], [], [], []
     out = []
-    t, outs = 0, 0                                  # GATHER_Q(0); outputs taken
+    t, outs = 0, 0                                  # GATHER_Q(h); outputs taken
     for h in range(n):
-        query = t + gathers[h]
+        query = first_query if h == 0 else t + gathers[h]
         if h:
             query = max(query, last_k[h - 1] + 1)
         if h >= kvt.ATTN_SCORE_BUFFERS:

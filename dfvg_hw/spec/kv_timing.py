@@ -14,7 +14,24 @@ from math import gcd
 
 from dfvg_hw.spec import timing as tm
 
-__all__ = ["kv_groups", "kv_words", "bank_tree_levels", "row_packing", "attention_head_cycles"]
+__all__ = ["kv_groups", "kv_words", "bank_tree_levels", "row_packing", "attention_head_cycles",
+           "gqa_divide_steps"]
+
+
+# -- KvSequencer, ATTN: the states around the heads -----------------------------------------
+#: CHECK, whose last cycle hands the parameter block's read to the BlockReader once the
+#: checks before it have passed.
+ATTN_CHECK = 1
+#: The BlockReader from taking the command (on CHECK's edge) to ``done``, beyond the port's
+#: read overhead, the memory's latency and the block's beats: ISSUE, the block register.
+ATTN_PARAMS_DONE = tm.BLOCK_READ_DONE
+#: SET_POS (the buffer's POS), beside the parameter read; head 0's q gather follows it.
+ATTN_SET_POS = 1
+#: Bits of ``n``, the dividend of the GQA group size ``n / G`` (the divider's width).
+GQA_DIVIDE_BITS = 16
+#: DONE, where a job ends without a head (``n = 0``); a job with heads signals ``done`` in
+#: its last scatter's final cycle.
+ATTN_DONE = 1
 
 
 #: Attention: from the reciprocal taking a head's ``E`` to its output valid on ``o``
@@ -50,6 +67,13 @@ READ_TO_FIRST_ROW = tm.KV_READ_LATENCY
 def kv_groups(t: int, banks: int) -> int:
     """Groups of ``banks`` positions that cover positions ``0 … t − 1`` (a READ beat each)."""
     return -(-t // banks)
+
+
+def gqa_divide_steps(n: int) -> int:
+    """KvSequencer, ATTN: cycles of DIVIDE, ``n / G`` by a restoring divider that starts at
+    ``n``'s leading one (the quotient bits above it are 0): one a bit of ``n``, at least
+    one (the cycle that also checks ``G``)."""
+    return max(n.bit_length(), 1)
 
 
 def kv_words(reduce: int, head_dim: int, banks: int) -> int:

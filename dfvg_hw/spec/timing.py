@@ -131,14 +131,16 @@ def softmax_load_to_emit(lanes: int) -> int:
     return 3 + ceil_log2(lanes) + SOFTMAX_EXP_LATENCY
 
 
-def reciprocal_latency(dividend_log2: int) -> int:
+def reciprocal_latency(dividend_log2: int, min_divisor_log2: int = 0) -> int:
     """Reciprocal (a restoring divider of ``2^dividend_log2``): the load cycle, then one
-    quotient bit a cycle over the dividend's ``dividend_log2 + 1`` bits."""
-    return dividend_log2 + 2
+    quotient bit a cycle over the dividend's ``dividend_log2 + 1`` bits, less the
+    ``min_divisor_log2`` leading quotient bits that a divisor ``≥ 2^min_divisor_log2``
+    makes 0."""
+    return dividend_log2 + 2 - min_divisor_log2
 
 
-#: Reciprocal of the attention weights' sum, ``floor(2^RECIP_BITS / E)``.
-ATTN_RECIP_LATENCY = reciprocal_latency(nx.RECIP_BITS)
+#: Reciprocal of the attention weights' sum, ``floor(2^RECIP_BITS / E)``, ``E ≥ EXP_ONE``.
+ATTN_RECIP_LATENCY = reciprocal_latency(nx.RECIP_BITS, nx.EXP_ONE.bit_length() - 1)
 #: Attention: the per-head path from a score to its V row beyond the dot-product tree: the
 #: maximum and phase, the first weight read, the exp path, the V join.
 ATTN_SCORE_TO_V = 1 + 1 + SOFTMAX_EXP_LATENCY + 1
@@ -299,24 +301,15 @@ HEAD_CUTTER_LATENCY = 2
 #: HeadPacker: a head taken in cycle ``u`` is in the queue, and the line it completes can be
 #: poked, from cycle ``u + 1``.
 HEAD_PACKER_LATENCY = 1
-#: KvSequencer, KVAPPEND: CHECK, SET_POS, DONE (a job of no heads is just these).
+#: KvSequencer, KVAPPEND: CHECK, SET_POS, DONE (a job of no heads is just these; with heads
+#: ``done`` comes with the last word, no DONE).
 KVAPPEND_STATES = 3
 #: KvSequencer, KVAPPEND per head besides its 2W words: APPEND and the KV buffer's append
 #: setup (the next head's APPEND, or DONE, follows the last word at once).
 KVAPPEND_HEAD_STATES = 2
 #: KvSequencer, KVAPPEND: CHECK, whose last cycle starts the K and V head cutters.
 KVAPPEND_CHECK = 1
-#: KvSequencer, ATTN: CHECK before PARAMS; GROUPS after the parameter block.
-ATTN_CHECK = 1
-ATTN_GROUPS = 1
-#: KvSequencer: the GQA group size ``n / G`` by a restoring divider, one quotient bit of
-#: the 16-bit ``n`` a cycle (DIVIDE).
-GQA_DIVIDE_STEPS = 16
-#: KvSequencer, ATTN: ATTN_SPANS, SET_POS, DONE.
-ATTN_END_STATES = 3
-#: KvSequencer, ATTN: PARAMS, then the BlockReader, beyond the memory's L and the port's
-#: read overhead.
-ATTN_PARAMS = 1 + BLOCK_READ_DONE
+#: KvSequencer, ATTN: its states' latencies are in :mod:`dfvg_hw.spec.kv_timing`.
 #: MatmulSequencer: RANGE and DONE, once per instruction.
 MATMUL_STATES = 2
 #: MatmulSequencer per row pass: PASS, X_CMD, CHECK.

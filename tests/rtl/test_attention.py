@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from dfvg_hw.spec import kv_timing
+from dfvg_hw.spec import kv_timing, timing
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import get_preset
 from dfvg_hw.attention import Attention, Normalizer, Reciprocal, SoftmaxExp, SoftmaxWeights
@@ -176,6 +176,21 @@ def test_reciprocal_random_and_edges():
 def test_reciprocal_latency():
     dut = Reciprocal(23)
     assert first_valid_after_accept(dut, dut.i, dut.o, 100000) == dut.LATENCY == 34
+
+
+def test_reciprocal_skips_the_quotient_bits_a_large_divisor_zeroes():
+    """Attention's E ≥ 2^16: the divider starts 16 steps in (remainder 2^15, quotient
+    bits 32 … 17 zero) and gives the full divider's quotient, 16 cycles sooner."""
+    rng = np.random.default_rng(4)
+    bits = 23
+    e = rng.integers(1 << 16, 1 << bits, 400)
+    e[:5] = [1 << 16, (1 << 16) + 1, (1 << 17) - 1, 1 << 17, (1 << bits) - 1]
+    got = stream_through(Reciprocal(bits, min_divisor_log2=16), [int(v) for v in e],
+                         ready=(1, 0))
+    np.testing.assert_array_equal(np.array(got), (1 << 32) // e)
+    dut = Reciprocal(bits, min_divisor_log2=16)
+    assert first_valid_after_accept(dut, dut.i, dut.o, 1 << 16) == dut.LATENCY == 18
+    assert dut.LATENCY == timing.ATTN_RECIP_LATENCY
 
 
 @pytest.mark.parametrize("lanes", [4, 8])
@@ -522,7 +537,8 @@ def test_attention_cycles(cfg, t):
 
     run_simulation(dut, tb)
     levels = (B - 1).bit_length()
-    assert result[0] == dut.cycles(t) == 2 * G + 4 + 2 * levels + 45
+    # 11 besides the reciprocal (18: E ≥ 2^16 skips 16 of its steps) and the K and V groups
+    assert result[0] == dut.cycles(t) == 2 * G + 4 + 2 * levels + 11 + 18
 
 
 def heads_in_flight(rng, cfg, count):

@@ -703,3 +703,58 @@ def test_a_path_mutation_is_caught(monkeypatch):
     monkeypatch.setattr("dfvg_hw.kv_sequencer.KVBuffer", bad.KVBuffer)
     with pytest.raises(AssertionError):
         run.check(np.random.default_rng(36), _memory(np.random.default_rng(37)))
+
+
+def _parameter_overlap_jobs(rng):
+    """Appends at positions 0 … 3, then ATTN of every kind (n = 1 … 4, a G of 1 or 2,
+    narrow and wide, q lines apart) and n = 0."""
+    jobs = [_append(KV_HEADS, 16, int(rng.integers(0, 200)), pos, layer)
+            for pos in range(4) for layer in range(LAYERS)]
+    jobs += [_attn(n, k, int(rng.integers(0, 120)), int(rng.integers(120, 240)), 3, addr, layer,
+                   wide=wide)
+             for n, k, addr, layer, wide in ((2, 16, GQA2, 0, False), (4, 11, GQA2, 1, True),
+                                             (1, 16, MHA1, 1, False), (3, 16, G3, 0, True),
+                                             (0, 16, GQA2, 0, False))]
+    return jobs
+
+
+@pytest.mark.parametrize("latency_ns", [100.0, 10.0])
+def test_parameter_read_overlap(latency_ns):
+    """ATTN's parameter block is read while SET_POS and q[0]'s gather run: DIVIDE starts
+    the cycle after the later of the block's ``done`` and the gather's end (the block
+    last with tiny's 10-cycle latency, about even at 1 cycle), cycle-exact with the
+    cycle model and with the functional model's outputs."""
+    config = TINY.with_changes(mem_latency_ns=latency_ns)
+    rng = np.random.default_rng(41)
+    jobs = _parameter_overlap_jobs(rng)
+    errors = _run(rng, jobs, _memory(rng), config=config)
+    assert errors == [OK] * len(jobs)
+
+
+@pytest.mark.parametrize("edits", [
+    # the block taken a cycle late: only once latched
+    [("with m.If(params.done | params_in):", "with m.If(params_in):")],
+    # ... or before it is in (G, mult and shift of the previous job, or of reset)
+    [("with m.If(params.done | params_in):", "with m.If(1):")],
+    # n / G over all 16 bits of n again, its leading zeros not skipped
+    [("steps.eq(n_bits)]", "steps.eq(N_BITS)]"),
+     ("dividend.eq(job.n << n_zeros)", "dividend.eq(job.n)")]],
+    ids=["late", "early", "full-divide"])
+def test_a_parameter_overlap_mutation_is_caught(monkeypatch, edits):
+    """test_parameter_read_overlap's jobs fail on the RTL with the overlap mutated."""
+    import importlib.util
+    import inspect
+    import sys
+    import dfvg_hw.kv_sequencer as kv_module
+    source = inspect.getsource(kv_module)
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    spec = importlib.util.spec_from_loader(kv_module.__name__ + "_mutant", loader=None)
+    bad = importlib.util.module_from_spec(spec)
+    exec(compile(source, kv_module.__file__, "exec"), bad.__dict__)
+    monkeypatch.setattr(sys.modules[__name__], "KvSequencer", bad.KvSequencer)
+    rng = np.random.default_rng(41)
+    jobs = _parameter_overlap_jobs(rng)
+    with pytest.raises(AssertionError):
+        _run(rng, jobs, _memory(rng))
