@@ -8,7 +8,10 @@ K and V have a read channel each (``k_read`` → ``k_data``, ``v_read`` → ``v_
 its own request, address counter and output register, so one head's V streams while
 another head's K does.
 The memories are :class:`amaranth.lib.memory.Memory` (one write port and one synchronous
-read port each, no byte enables), so they map to URAM/BRAM.
+read port each, no byte enables), so they map to URAM/BRAM; each bank's is a
+:class:`~dfvg_hw.bank_memory.BankMemory`, which puts the words past the last whole 4K of a
+URAM-sized memory in block RAM (``alveo-u55c``: 8 192 words of each bank memory in URAM,
+1 024 in BRAM, instead of 12 288 words' worth of URAM).
 
 Word width and address map. With one bank a memory word is ``word_bytes =
 gcd(reduce, head_dim)`` bytes (one K-slice of the datapath: 32 bytes on the Alveo presets,
@@ -45,9 +48,9 @@ from math import gcd
 
 from amaranth import Array, Cat, Module, Mux, Signal, signed, unsigned
 from amaranth.lib import data, enum, stream, wiring
-from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from dfvg_hw.bank_memory import BankMemory
 from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import MAX_DRAFT
@@ -173,7 +176,12 @@ class KVBuffer(wiring.Component):
     ram_style : str or None
         ``ram_style`` attribute of both memories (Vivado and Yosys honour it); ``"auto"``
         (default) asks for URAM (``"ultra"``) from ``URAM_MIN_DEPTH`` words on, and leaves
-        smaller buffers to the tool (BRAM or LUTRAM).
+        smaller buffers to the tool (BRAM or LUTRAM). A URAM bank memory whose depth is
+        a little past a multiple of ``uram_depth`` keeps that remainder in BRAM
+        (:class:`~dfvg_hw.bank_memory.BankMemory`).
+    uram_depth : int
+        Words of a URAM, the granularity of that split (tests make it small, to split
+        small buffers).
 
     Members
     -------
@@ -206,8 +214,10 @@ class KVBuffer(wiring.Component):
     #: memories at least this deep are marked ``ram_style = "ultra"`` (URAM288 is 4K deep)
     URAM_MIN_DEPTH = 4096
 
-    def __init__(self, config: EngineConfig, *, ram_style: str | None = "auto"):
+    def __init__(self, config: EngineConfig, *, ram_style: str | None = "auto",
+                 uram_depth: int = BankMemory.URAM_DEPTH):
         self.config = config
+        self.uram_depth = uram_depth
         self.banks = config.kv_banks
         self.word_bytes = (gcd(config.reduce, config.head_dim) if self.banks == 1
                            else config.head_dim)
@@ -264,22 +274,19 @@ class KVBuffer(wiring.Component):
         bank_bits = (B - 1).bit_length()             # log2 B: pos = (pos div B, pos mod B)
         width = 8 * WB
 
-        attrs = {"ram_style": self.ram_style} if self.ram_style else None
-
         def memory(name):
-            mem = m.submodules[name] = Memory(shape=unsigned(width), depth=self.depth,
-                                               init=[], attrs=attrs)
+            mem = m.submodules[name] = BankMemory(width, self.depth, ram_style=self.ram_style,
+                                                  uram_depth=self.uram_depth)
             return mem
 
         names = [""] if B == 1 else [f"_b{b}" for b in range(B)]
         k_mems = [memory(f"k_mem{n}") for n in names]
         v_mems = [memory(f"v_mem{n}") for n in names]
         # kept for co-simulation, which compares the stored KV with the functional model's
-        # (``memories``: the one bank's pair; :meth:`contents` reads any banking)
+        # (``memories``: the one bank's pair; :meth:`contents` reads any banking; a
+        # BankMemory's ``data[i]`` is its word ``i`` whichever part holds it)
         self.bank_memories = list(zip(k_mems, v_mems))
         self.memories = self.bank_memories[0]
-        k_wr, v_wr = [mem.write_port() for mem in k_mems], [mem.write_port() for mem in v_mems]
-        k_rd, v_rd = [mem.read_port() for mem in k_mems], [mem.read_port() for mem in v_mems]
 
         pos = Signal(range(P + 1))
         m.d.comb += self.pos.eq(pos)
@@ -353,13 +360,13 @@ class KVBuffer(wiring.Component):
             m.d.comb += read_end.eq(Mux(in_path, (path_i == path_n - 1) & (r_word == W - 1),
                                         last_position_word & (path_n == 0)))
             if B == 1:
-                m.d.comb += out.p.data.eq(ports[0].data)
+                m.d.comb += out.p.data.eq(ports[0].r_data)
             else:
                 r_path = Signal(name=f"{name}_r_path")      # the beat is a path entry ...
                 r_bank = Signal(range(B), name=f"{name}_r_bank")   # ... this bank's, row 0
-                m.d.comb += [out.p.rows[0].eq(Mux(r_path, Array(port.data for port in ports)[r_bank],
-                                                  ports[0].data))]
-                m.d.comb += [out.p.rows[b].eq(ports[b].data) for b in range(1, B)]
+                m.d.comb += [out.p.rows[0].eq(Mux(r_path, Array(port.r_data for port in ports)[r_bank],
+                                                  ports[0].r_data))]
+                m.d.comb += [out.p.rows[b].eq(ports[b].r_data) for b in range(1, B)]
             with m.If(advance):
                 m.d.sync += [out.valid.eq(issuing), out.p.last.eq(read_end)]
                 if B > 1:
@@ -377,14 +384,14 @@ class KVBuffer(wiring.Component):
                 with m.Elif(in_path & (r_word == W - 1)):           # the next path entry
                     m.d.sync += [r_word.eq(0), path_i.eq(path_i + 1)]
             for port in ports:
-                m.d.comb += [port.en.eq(advance), port.addr.eq(Mux(issuing, r_addr, addr))]
+                m.d.comb += [port.r_en.eq(advance), port.r_addr.eq(Mux(issuing, r_addr, addr))]
             idle = Signal(name=f"{name}_idle")
             m.d.comb += idle.eq((r_state == _ReadState.IDLE) & ~out.valid)
             return idle
 
-        k_idle = read_channel("k", self.k_read, self.k_data, k_rd, self.k_path_index,
+        k_idle = read_channel("k", self.k_read, self.k_data, k_mems, self.k_path_index,
                               self.k_path_pos)
-        v_idle = read_channel("v", self.v_read, self.v_data, v_rd, self.v_path_index,
+        v_idle = read_channel("v", self.v_read, self.v_data, v_mems, self.v_path_index,
                               self.v_path_pos)
         reads_idle = k_idle & v_idle
 
@@ -427,24 +434,24 @@ class KVBuffer(wiring.Component):
         # the entry's bank: ``bank`` changes only in the next APPEND's setup, after this
         # command's trailing write
         m.d.comb += [
-            old.eq(Mux(pend_half, v_rd[0].data, k_rd[0].data) if B == 1 else
-                   Mux(pend_half, Array(p.data for p in v_rd)[bank],
-                       Array(p.data for p in k_rd)[bank])),
+            old.eq(Mux(pend_half, v_mems[0].r_data, k_mems[0].r_data) if B == 1 else
+                   Mux(pend_half, Array(p.r_data for p in v_mems)[bank],
+                       Array(p.r_data for p in k_mems)[bank])),
             merged.eq(Cat(Mux(pend_mask[b], pend_data.word_select(b, 8), old.word_select(b, 8))
                           for b in range(WB))),
-            copied_k.eq(k_rd[0].data if B == 1 else Array(p.data for p in k_rd)[copy_bank]),
-            copied_v.eq(v_rd[0].data if B == 1 else Array(p.data for p in v_rd)[copy_bank]),
+            copied_k.eq(k_mems[0].r_data if B == 1 else Array(p.r_data for p in k_mems)[copy_bank]),
+            copied_v.eq(v_mems[0].r_data if B == 1 else Array(p.r_data for p in v_mems)[copy_bank]),
         ]
         write = pend_valid & pend_mask.any()
         for b in range(B):
             here = write if B == 1 else write & (bank == b)
             copy_here = copy_pend if B == 1 else copy_pend & (bank == b)
             m.d.comb += [
-                k_wr[b].addr.eq(pend_addr), v_wr[b].addr.eq(pend_addr),
-                k_wr[b].data.eq(Mux(copy_pend, copied_k, merged)),
-                v_wr[b].data.eq(Mux(copy_pend, copied_v, merged)),
-                k_wr[b].en.eq((here & ~pend_half) | copy_here),
-                v_wr[b].en.eq((here & pend_half) | copy_here),
+                k_mems[b].w_addr.eq(pend_addr), v_mems[b].w_addr.eq(pend_addr),
+                k_mems[b].w_data.eq(Mux(copy_pend, copied_k, merged)),
+                v_mems[b].w_data.eq(Mux(copy_pend, copied_v, merged)),
+                k_mems[b].w_en.eq((here & ~pend_half) | copy_here),
+                v_mems[b].w_en.eq((here & pend_half) | copy_here),
             ]
 
         with m.If(state == _State.IDLE):

@@ -20,6 +20,7 @@ from amaranth.lib import wiring
 from amaranth.lib.memory import Memory
 
 from dfvg_hw.spec.config import get_preset
+from dfvg_hw.bank_memory import BankMemory
 from dfvg_hw.kv_buffer import KVBuffer, KVOp, PATH_ENTRIES
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
@@ -38,6 +39,23 @@ CONFIGS = {
     "s2p16b8d32": TINY.with_changes(kv_slots=2, kv_positions=16, head_dim=32, kv_banks=8),
 }
 ONE_POSITION = TINY.with_changes(kv_slots=1, kv_positions=1)
+#: bank memories split into a "URAM" and a "BRAM" part (BankMemory), with a small URAM
+#: depth so that a tiny buffer splits as alveo-u55c's 9 216-word bank memories do: (config,
+#: uram_depth)
+SPLIT = {
+    # one bank, 140 words (4 an entry): 128 + 12, the seam between slot 4's positions 3
+    # and 4
+    "s5p7r4-split": (CONFIGS["s5p7r4"], 128),
+    # 4 banks, 3 slots × 6 groups = 18 rows: 16 + 2, the seam between slot 2's
+    # positions 12 … 15 and 16 … 19
+    "s3p24b4-split": (TINY.with_changes(kv_slots=3, kv_positions=24, kv_banks=4), 16),
+}
+
+
+def make_buffer(cfg, uram_depth=None):
+    """A KVBuffer; with ``uram_depth`` its memories are "ultra" and split at that depth."""
+    return KVBuffer(cfg) if uram_depth is None else \
+        KVBuffer(cfg, ram_style="ultra", uram_depth=uram_depth)
 
 
 class KVModel:
@@ -149,10 +167,13 @@ class PathTable(wiring.Component):
         return m
 
 
-def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall=None):
+def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall=None,
+            uram_depth=None):
     """Drive ``ops`` into a KVBuffer and the model; compare every beat of both read
-    channels and, after every command, ``pos`` and ``error``; ``stall`` maps beat indices
-    (of either channel) to extra cycles its reader waits before taking them. A ``read``
+    channels and, after every command, ``pos`` and ``error``, and at the end the stored K
+    and V (:meth:`KVBuffer.contents`, as co-simulation reads them) with the model's;
+    ``stall`` maps beat indices (of either channel) to extra cycles its reader waits
+    before taking them; ``uram_depth``: split bank memories (:func:`make_buffer`). A ``read``
     (``(slot,)`` or ``(slot, path)``) requests K then V of the slot; a ``cross`` (``(k_slot,
     k_path, v_slot, v_path)``) K of one slot and V of another. Requests go out as soon as
     their channel takes them, so a read's V streams beside the next read's K. With a path
@@ -166,7 +187,8 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
         elif op == "cross":
             requests += [(0, args[0], args[1]), (1, args[2], args[3])]
     paths = tuple([path for side, _, path in requests if side == s] for s in (0, 1))
-    dut = KVBuffer(cfg) if not any(p for _, _, p in requests) else PathTable(KVBuffer(cfg), paths)
+    buffer = make_buffer(cfg, uram_depth)
+    dut = buffer if not any(p for _, _, p in requests) else PathTable(buffer, paths)
     model = KVModel(cfg, dut.word_bytes)
     plan = []                          # (op, args, expected pos, expected (ovf, rng))
     expected = ([], [])                # each channel's beats
@@ -223,6 +245,10 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
                 assert ctx.get(dut.pos) == pos, f"op {i} {op}: pos"
                 e = ctx.get(dut.error)
                 assert (e.overflow, e.range) == err, f"op {i} {op}{args[:1]}: error flags"
+        await ctx.tick().repeat(2)           # the last command's trailing write
+        stored = buffer.contents(lambda mem, i: ctx.get(mem.data[i]))
+        for side, arr in enumerate((model.k, model.v)):
+            assert stored[side] == arr.astype(np.int8).tobytes(), f"stored {'KV'[side]}"
         done["driver"] = True
 
     def reader(side):
@@ -416,32 +442,32 @@ def test_append_while_read_output_stalled(name):
     assert beats == 2 * first_read + 2 * read_beats(dut, 6)
 
 
-def throughput(dut, cfg, n, rng):
-    """Append ``n`` positions of slot 1, then a K read and at once a V read over them,
+def throughput(dut, cfg, n, rng, slot=1):
+    """Append ``n`` positions of ``slot``, then a K read and at once a V read over them,
     both outputs always ready: (expected K and V beats, got K and V beats, the cycle each
     beat was valid, counted from the K request's transfer)."""
     model = KVModel(cfg, dut.word_bytes)
     appends = []
     for p in range(n):
         kd, vd = rng.integers(-128, 128, cfg.head_dim), rng.integers(-128, 128, cfg.head_dim)
-        model.append(1, cfg.head_dim, kd, vd)
+        model.append(slot, cfg.head_dim, kd, vd)
         model.advance()
         appends.append((kd, vd))
     model.rollback(n - 1)
-    expected = (model.read(0, 1), model.read(1, 1))
+    expected = (model.read(0, slot), model.read(1, slot))
     stamps, got = ([], []), ([], [])
 
     async def tb(ctx):
         for kd, vd in appends:
-            await stream_put(ctx, dut.cmd, {"op": KVOp.APPEND, "slot": 1, "arg": cfg.head_dim})
+            await stream_put(ctx, dut.cmd, {"op": KVOp.APPEND, "slot": slot, "arg": cfg.head_dim})
             for word in words_of(kd, dut.word_bytes) + words_of(vd, dut.word_bytes):
                 await stream_put(ctx, dut.wdata, word)
             await stream_put(ctx, dut.cmd, {"op": KVOp.ADVANCE, "slot": 0, "arg": 0})
         await stream_put(ctx, dut.cmd, {"op": KVOp.ROLLBACK, "slot": 0, "arg": n - 1})
         ctx.set(dut.k_data.ready, 1)
         ctx.set(dut.v_data.ready, 1)
-        await stream_put(ctx, dut.k_read, {"slot": 1, "paths": 0})
-        ctx.set(dut.v_read.payload, {"slot": 1, "paths": 0})
+        await stream_put(ctx, dut.k_read, {"slot": slot, "paths": 0})
+        ctx.set(dut.v_read.payload, {"slot": slot, "paths": 0})
         ctx.set(dut.v_read.valid, 1)
         cycle = 0
         while len(got[0]) < len(expected[0]) or len(got[1]) < len(expected[1]):
@@ -506,9 +532,38 @@ def test_address_map_and_width():
         assert (kv.word_bytes, kv.words, kv.depth, kv.ram_style) == (wb, cfg.head_dim // wb, depth, style)
 
 
-@pytest.mark.parametrize("name", ["tiny", "s3p13b4"])
+def parts(depth, ram_style="ultra", uram_depth=BankMemory.URAM_DEPTH):
+    bank = BankMemory(512, depth, ram_style=ram_style, uram_depth=uram_depth)
+    bank._MustUse__silence = True
+    return [(part.depth, part.attrs.get("ram_style")) for part in bank.parts]
+
+
+def test_bank_memory_split():
+    """A URAM bank memory splits only where it saves URAM: alveo-u55c's 16-bank buffer
+    (9 216 words a bank memory) keeps 8 192 words in URAM and 1 024 in BRAM (2 URAMs deep,
+    not 3); a depth that is a whole number of URAMs, a remainder over a quarter of a URAM,
+    a memory under one URAM, or one not in URAM stays whole."""
+    u55c = get_preset("alveo-u55c")
+    for banks, expected in ((16, [(8192, "ultra"), (1024, "block")]),
+                            (1, [(294912, "ultra")])):
+        kv = KVBuffer(u55c.with_changes(kv_banks=banks))
+        kv._MustUse__silence = True
+        assert parts(kv.depth, kv.ram_style) == expected
+    assert parts(4096 + 1025) == [(5121, "ultra")]
+    assert parts(2 * 4096 + 1) == [(8192, "ultra"), (1, "block")]
+    assert parts(1000) == [(1000, "ultra")]
+    assert parts(9216, "block") == [(9216, "block")]
+    assert parts(9216, None) == [(9216, None)]
+    for name, (cfg, uram_depth) in SPLIT.items():
+        depth = KVBuffer(cfg).depth
+        assert depth % uram_depth and len(parts(depth, uram_depth=uram_depth)) == 2, name
+
+
+@pytest.mark.parametrize("name", ["tiny", "s3p13b4", *SPLIT])
 def test_lint_clean(name):
-    clean, output = verilator_lint(to_verilog(KVBuffer(CONFIGS[name]), "kv_buffer"), "kv_buffer")
+    cfg, uram_depth = SPLIT[name] if name in SPLIT else (CONFIGS[name], None)
+    clean, output = verilator_lint(to_verilog(make_buffer(cfg, uram_depth), "kv_buffer"),
+                                   "kv_buffer")
     assert clean, output
 
 
@@ -545,3 +600,72 @@ def test_a_path_or_copy_mutation_is_caught(monkeypatch, name, old, new):
     monkeypatch.setitem(globals(), "KVBuffer", mutant(kv_module, old, new).KVBuffer)
     with pytest.raises(AssertionError):
         run_ops(cfg, ops, np.random.default_rng(5))
+
+
+def seam_ops(cfg, uram_depth, rng):
+    """Every slot filled (so both parts of every bank memory hold data), then at each
+    entry beside the seam between the parts (the entries holding words ``split − 1``
+    and ``split``): a partial append, a read with the seam's entries as its path, copies
+    to it from the others across the seam, and a read of the whole slot."""
+    probe = make_buffer(cfg, uram_depth)
+    probe._MustUse__silence = True
+    W, B, PB, D = probe.words, probe.banks, probe.bank_positions, cfg.head_dim
+    split = probe.depth // uram_depth * uram_depth
+    seam = [(slot, pos) for slot in range(cfg.kv_slots) for pos in range(cfg.kv_positions)
+            if {split - 1, split} & set(range((slot * PB + pos // B) * W,
+                                              (slot * PB + pos // B + 1) * W))]
+    assert {a < split for s, p in seam for a in [(s * PB + p // B) * W]} == {True, False}
+    ops = [op for slot in range(cfg.kv_slots) for op in fill(cfg, slot, rng)]
+    for slot, pos in seam:
+        around = tuple(p for s, p in seam if s == slot)
+        ops += [("rollback", (pos,)),
+                ("append", (slot, int(rng.integers(1, D)), rng.integers(-128, 128, D),
+                            rng.integers(-128, 128, D))),
+                ("read", (slot, around))]
+        for source in around:
+            if source != pos:
+                ops += [("rollback", (pos,)), ("copy", (slot, source))]
+        ops += [("rollback", (cfg.kv_positions - 1,)), ("read", (slot, around))]
+    return ops, seam
+
+
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_split_bank_memories(name):
+    """Bank memories split into a URAM and a BRAM part (BankMemory) behave as one: the
+    entries at the seam written (partly), read (as positions and as path entries), copied
+    across the seam both ways, then random appends, reads, path reads and copies, every
+    beat and the stored K and V against the model; the read timing of a split buffer is
+    the single memory's."""
+    cfg, uram_depth = SPLIT[name]
+    rng = np.random.default_rng(70 + sum(map(ord, name)))
+    ops, seam = seam_ops(cfg, uram_depth, rng)
+    ops += tree_ops(cfg, rng, 200)
+    beats, model, _ = run_ops(cfg, ops, rng, uram_depth=uram_depth)
+    assert len(seam) >= 2 and model.rows_read >= 300, model.rows_read
+    dut = make_buffer(cfg, uram_depth)
+    n = cfg.kv_positions                 # a read over every position crosses the seam
+    expected, got, stamps = throughput(dut, cfg, n, np.random.default_rng(9), slot=seam[0][0])
+    assert got == expected
+    assert stamps[0][0] == KVBuffer.READ_LATENCY and stamps[1][0] == KVBuffer.READ_LATENCY + 1
+    assert stamps[0][-1] - stamps[0][0] == read_beats(dut, n) - 1
+
+
+@pytest.mark.parametrize("name, old, new", [
+    ("s5p7r4-split", "high_r.eq(self.r_addr >= self.split)", "high_r.eq(self.r_addr > self.split)"),
+    ("s3p24b4-split", "high_w = self.w_addr >= self.split", "high_w = self.w_addr > self.split"),
+    ("s3p24b4-split", "m.d.sync += high_r.eq", "m.d.comb += high_r.eq"),
+], ids=["read-select-off-by-one", "write-select-off-by-one", "select-unregistered"])
+def test_a_split_mutation_is_caught(monkeypatch, name, old, new):
+    """The seam checks can fail: word ``split`` read from or written to the URAM part (an
+    off-by-one in the part select), or the read data selected by the address of the
+    current cycle instead of the registered one, makes test_split_bank_memories' seam
+    sequence fail."""
+    import dfvg_hw.bank_memory as bank_module
+    import dfvg_hw.kv_buffer as kv_module
+    cfg, uram_depth = SPLIT[name]
+    ops, _ = seam_ops(cfg, uram_depth, np.random.default_rng(8))
+    run_ops(cfg, ops, np.random.default_rng(5), uram_depth=uram_depth)   # the original passes
+    monkeypatch.setattr(kv_module, "BankMemory",
+                        mutant(bank_module, old, new, shared=()).BankMemory)
+    with pytest.raises(AssertionError):
+        run_ops(cfg, ops, np.random.default_rng(5), uram_depth=uram_depth)
