@@ -72,6 +72,16 @@ the request front end, the result writer, EMBED, RMSNORM, ROPE, the KV sequencer
 :class:`~dfvg_hw.beat_narrower.BeatNarrower`, which costs no cycle and is a wire with one
 memory port. After a fault the drain empties the wide port itself and flushes the
 narrower's reads in flight.
+
+**The MATMUL prefetch.** IMEM has a second read port that shows the word after the
+current one. While a unit instruction of a chain forward runs and that word is a MATMUL,
+the controller offers it to the MATMUL sequencer's ``prefetch`` port once the running
+unit says ``reads_done`` (its last read command is out: ATTN, ACTMUL, a one-row RMSNORM)
+and the memory port is read-idle, and lends the sequencer the wide read path from then
+until that MATMUL runs (or FINISH): its first pass's weights are in flight when it
+starts. Not when the next FETCH will stop the request (watchdog, abort), so a fault
+there has no reads to drain. The overlapped cycles count for the running unit
+(docs/isa.md, the timing section).
 """
 
 from __future__ import annotations
@@ -327,7 +337,10 @@ class Controller(wiring.Component):
         if mm is not None:
             m.d.comb += prefetch_ok.eq((nxt.opcode == Op.MATMUL) & ~nxt_dec.illegal
                                        & (seq.pc + 1 < program_len) & ~tree_forward & ~lent
-                                       & wide.read_idle)
+                                       & wide.read_idle
+                                       # (not when the next FETCH stops the request: a
+                                       # watchdog or an abort leaves no reads to drain)
+                                       & (budget != 0) & ~want_abort)
             pf = mm.prefetch.payload
             m.d.comb += [pf.opcode.eq(nxt.opcode), pf.flags.eq(nxt.flags), pf.rows.eq(nxt.rows),
                          pf.dst.eq(nxt.dst), pf.src.eq(nxt.src), pf.n.eq(nxt.n), pf.k.eq(nxt.k),

@@ -41,7 +41,8 @@ from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BY
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
 from sim.attention_timing import attn_cycles, attn_job_cycles, compaction_cycles, kvappend_cycles
 from sim.sample_timing import tree_sample_cycles
-from sim.elementwise_timing import actmul_cycles, rmsnorm_cycles, rmsnorm_gamma_reads, rope_cycles
+from sim.elementwise_timing import (actmul_cycles, rmsnorm_cycles, rmsnorm_gamma_reads,
+                                    rmsnorm_gamma_taken, rope_cycles)
 from sim.matmul_timing import matmul_cycles, ReadPath
 from sim.timing_common import READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, LineSplitter, PortTiming
 
@@ -183,11 +184,20 @@ class CycleModel:
         (controller.py): the cycle after the memory port gave the unit's last read beat
         (the unit says ``reads_done`` once its last read command is out; the port is then
         read-idle, :data:`~dfvg_hw.spec.timing.PREFETCH_IDLE`). ATTN and ACTMUL say so
-        (their parameter blocks are their only reads, taken as they come); the others
-        give no prefetch (None). Chain forwards only: the caller checks that."""
-        op = ins.opcode
+        (their parameter blocks are their only reads, taken as they come), and a one-row
+        RMSNORM whose row fits the row buffer, where gamma beats are whole lines, the
+        cycle after its gamma reader gave the last line
+        (:func:`~sim.elementwise_timing.rmsnorm_gamma_taken`); the others give no
+        prefetch (None). Chain forwards only: the caller checks that."""
+        c, op = self.config, ins.opcode
         addr = ins.addr if addr is None else addr
         port = self.unit_port
+        if op == Op.RMSNORM:
+            if (ins.rows * max(ins.k, 1) != 1 or ins.n == 0
+                    or ins.n > tm.norm_row_buffer_beats(c.lanes) * c.lanes):
+                return None
+            taken = rmsnorm_gamma_taken(port, c.lanes, ins.n, bool(ins.wide), addr)
+            return None if taken is None else ISSUE + taken + 1
         if op == Op.ATTN:
             # ATTN_CHECK, PARAMS, the BlockReader's command register, then the block's beats
             nbytes = ATTN_PARAM_BYTES
