@@ -35,6 +35,16 @@ back); a scale tile is taken into ``scales`` as it completes, whenever that is. 
 words, residual reads (VMEM's read port serves the x load first) and results wait for
 STREAM, after the x load. A pass after the first reads its weights again from its own PASS.
 
+**Prefetch.** The controller may offer the MATMUL on ``prefetch`` while the unit
+instruction before it still runs (controller.py): taken in IDLE, the job's fields are
+latched and checked against device memory (PREFETCH_CHECK: rows, BLOCKS, the block's
+end; a block RANGE would refuse is not prefetched, so a prefetch faults nothing), then
+PREFETCH issues the first pass's reads exactly as PASS would, its tiles waiting in the
+packer (``x_in`` is 0) and the rest in the aligner and the port. The job itself, the same
+instruction, is then taken in PREFETCH; RANGE, PASS and the rest run as ever with the
+reads going on. A reset (the controller's cancel) forgets a prefetch; the controller's
+drain empties what it left in flight.
+
 **Checks**, all before the first pass and in the functional model's order, so a refused
 MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), ``BLOCKS`` on an engine
 built without block multipliers (``PROGRAM``: ``EngineConfig.weight_blocks``; no scale

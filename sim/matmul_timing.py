@@ -282,7 +282,8 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
     """Cycles of one row pass of the MATMUL sequencer (matmul_sequencer.py) from PASS, where
     the pass's first read command is offered, to the end of its STREAM state, which starts
     in cycle ``start`` (after the x load); ``x_ready[kt]`` is the first cycle the matrix unit
-    can take a weight tile against x-buffer entry ``kt`` (None when k = 0).
+    can take a weight tile against x-buffer entry ``kt`` (None when k = 0); with ``head``
+    the first read command was offered that many cycles before PASS (a prefetch).
 
     Reads, per group ``g``: its tiles (``lanes·k_tiles·reduce`` bytes from ``addr``, none
     when ``k = 0``: a zero tile is offered instead) and then its requant record
@@ -363,6 +364,11 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     §9.2). Where that is not the source rows' own stride they are not one run of lines, so
     each row is loaded as a span of its own: X_CMD again and VMEM's read latency per row
     after the pass's first (:data:`~dfvg_hw.spec.timing.MATMUL_ROW_SPAN`).
+
+    ``head`` is a prefetched MATMUL's head start (controller.py, the MATMUL prefetch): its
+    first pass's first read command was offered ``head`` cycles before its PASS, during
+    the unit instruction before it, whose cycles these are not; the pass's beats wait for
+    their x as ever (:meth:`~sim.cycle_model.CycleModel.prefetch_head`).
     """
     line = port.line                                # the VMEM line
     npad, kpad = padded(n, lanes), padded(k, reduce)
