@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from dfvg_hw.spec.config import get_preset
-from dfvg_hw.spec.isa import Op, decode
+from dfvg_hw.spec.isa import Op, assemble, decode
 from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, op_cycles_offset
 from dfvg_host.driver import DraftDevice
 from sim.cycle_model import CycleModel
@@ -72,3 +72,54 @@ def test_prefetched_matmuls_on_the_rtl_equal_the_model(compiled):
     expected = _draft(SimDevice(ENGINE), compiled)
     got = _draft(RtlDevice(ENGINE), compiled)
     assert got == expected
+
+
+class _KeepOpen:
+    """A device whose ``close`` does nothing, so that ``run`` can drive it again."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def close(self):
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+
+def test_a_fault_after_a_prefetch_leaves_the_memory_path_clean():
+    """An RMSNORM prefetches the MATMUL after it, which then faults in RANGE (its source
+    outside VMEM: BAD_ADDRESS) with its weight reads in flight; the drain empties them, and
+    the next request on the same engine (a forward whose MATMULs prefetch too) is the sim
+    device's, cycles included."""
+    from dfvg_hw.spec.descriptors import DraftRequest, ErrorCode
+    from dfvg_host.fixtures import TINY_NORM, TINY_WEIGHTS
+    from test_rtl_device import run, same
+
+    up, logits = hex(TINY_WEIGHTS["up"][0]), hex(TINY_WEIGHTS["logits"][0])
+    head = f"""
+        embed rows=1, dst=0, n=16, addr=0
+        rmsnorm rows=1, dst=4, src=0, n=16, addr={hex(TINY_NORM)}, wide"""
+    faulting = head + f"""
+        matmul rows=1, dst=8, src={ENGINE.vmem_bytes // 16 - 1}, n=24, k=16, addr={up}, mode=int8, wide
+        halt"""
+    forward = head + f"""
+        matmul rows=1, dst=0, src=4, n=40, k=16, addr={logits}, mode=logits, wide
+        sample n=40
+        halt"""
+    results = {}
+    for name, make in (("rtl", RtlDevice), ("sim", SimDevice)):
+        device = make(ENGINE)
+        keep = _KeepOpen(device)
+        first = run(keep, faulting, DraftRequest([3], start_pos=0, n_draft=0, seq=1))
+        second = run(keep, forward, DraftRequest([7], start_pos=1, n_draft=1, topk=4, seq=2))
+        device.close()
+        results[name] = first, second
+    assert results["sim"][0][0].status == ErrorCode.BAD_ADDRESS
+    assert results["sim"][1][0].status == ErrorCode.OK
+    for rtl, ref in zip(results["rtl"], results["sim"]):
+        same(rtl, ref)
+    # the forward's MATMUL was prefetched (the model's head start behind the RMSNORM)
+    model = CycleModel(ENGINE)
+    norm = decode(assemble(forward)[1])
+    assert model.prefetch_at(norm, addr=TINY_NORM + 0) is not None
