@@ -87,11 +87,14 @@ class _KeepOpen:
         return getattr(self.device, name)
 
 
-def test_a_fault_after_a_prefetch_leaves_the_memory_path_clean():
-    """An RMSNORM prefetches the MATMUL after it, which then faults in RANGE (its source
-    outside VMEM: BAD_ADDRESS) with its weight reads in flight; the drain empties them, and
-    the next request on the same engine (a forward whose MATMULs prefetch too) is the sim
-    device's, cycles included."""
+@pytest.mark.parametrize("fault", ["range", "decode"])
+def test_a_fault_after_a_prefetch_leaves_the_memory_path_clean(fault):
+    """An RMSNORM prefetches the MATMUL after it, which then faults with its weight reads
+    in flight: in its sequencer's RANGE (its source outside VMEM: BAD_ADDRESS), or before
+    it runs, in the controller's DECODE (a LOGITS of two rows in a chain forward:
+    PROGRAM; the wide read path is still lent to the prefetch then). The drain empties
+    them, FINISH takes the loan back, and the next request on the same engine (a forward
+    whose MATMUL prefetches too) is the sim device's, cycles included."""
     from dfvg_hw.spec.descriptors import DraftRequest, ErrorCode
     from dfvg_host.fixtures import TINY_NORM, TINY_WEIGHTS
     from test_rtl_device import run, same
@@ -100,9 +103,13 @@ def test_a_fault_after_a_prefetch_leaves_the_memory_path_clean():
     head = f"""
         embed rows=1, dst=0, n=16, addr=0
         rmsnorm rows=1, dst=4, src=0, n=16, addr={hex(TINY_NORM)}, wide"""
-    faulting = head + f"""
+    faulting = head + {
+        "range": f"""
         matmul rows=1, dst=8, src={ENGINE.vmem_bytes // 16 - 1}, n=24, k=16, addr={up}, mode=int8, wide
-        halt"""
+        halt""",
+        "decode": f"""
+        matmul rows=2, dst=8, src=4, n=40, k=16, addr={logits}, mode=logits, wide
+        halt"""}[fault]
     forward = head + f"""
         matmul rows=1, dst=0, src=4, n=40, k=16, addr={logits}, mode=logits, wide
         sample n=40
@@ -115,7 +122,8 @@ def test_a_fault_after_a_prefetch_leaves_the_memory_path_clean():
         second = run(keep, forward, DraftRequest([7], start_pos=1, n_draft=1, topk=4, seq=2))
         device.close()
         results[name] = first, second
-    assert results["sim"][0][0].status == ErrorCode.BAD_ADDRESS
+    assert results["sim"][0][0].status == {"range": ErrorCode.BAD_ADDRESS,
+                                           "decode": ErrorCode.PROGRAM}[fault]
     assert results["sim"][1][0].status == ErrorCode.OK
     for rtl, ref in zip(results["rtl"], results["sim"]):
         same(rtl, ref)
