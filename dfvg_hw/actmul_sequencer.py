@@ -142,6 +142,12 @@ class ActMulSequencer(wiring.Component):
 
         wiring.connect(m, reader.read_cmd, wiring.flipped(self.read_cmd))
         wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
+        # the parameter blocks are the job's one read: once its command is with the port,
+        # no other comes (the controller may prefetch the next MATMUL's weights behind it)
+        param_issued = Signal()
+        m.d.comb += self.reads_done.eq(param_issued)
+        with m.If(self.read_cmd.valid & self.read_cmd.ready):
+            m.d.sync += param_issued.eq(1)
 
         job = Signal(OpJob())
         wide, ungated = flags_view(job.flags).wide, flags_view(job.flags).ungated
@@ -259,6 +265,7 @@ class ActMulSequencer(wiring.Component):
                                  in_bytes.eq(Mux(flags_view(p.flags).ungated, p.n, 2 * p.n)),
                                  out_bytes.eq(Mux(flags_view(p.flags).wide, 2 * p.n, p.n)),
                                  row.eq(0), block_chunk.eq(0), block.eq(0), chan.eq(0),
+                                 param_issued.eq(0),
                                  error.eq(ErrorCode.OK), *progress.restart()]
                     m.next = "PARAM_CMD"
             with m.State("PARAM_CMD"):

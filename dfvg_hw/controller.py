@@ -72,6 +72,16 @@ the request front end, the result writer, EMBED, RMSNORM, ROPE, the KV sequencer
 :class:`~dfvg_hw.beat_narrower.BeatNarrower`, which costs no cycle and is a wire with one
 memory port. After a fault the drain empties the wide port itself and flushes the
 narrower's reads in flight.
+
+**The MATMUL prefetch.** IMEM has a second read port that shows the word after the
+current one. While a unit instruction of a chain forward runs and that word is a MATMUL,
+the controller offers it to the MATMUL sequencer's ``prefetch`` port once the running
+unit says ``reads_done`` (its last read command is out: ATTN, ACTMUL, a one-row RMSNORM)
+and the memory port is read-idle, and lends the sequencer the wide read path from then
+until that MATMUL runs (or FINISH): its first pass's weights are in flight when it
+starts. Not when the next FETCH will stop the request (watchdog, abort), so a fault
+there has no reads to drain. The overlapped cycles count for the running unit
+(docs/isa.md, the timing section).
 """
 
 from __future__ import annotations
@@ -162,8 +172,10 @@ class Controller(wiring.Component):
             "mem": Out(MemoryClientSignature(config, data_width)),
         }))
         self.imem = Memory(shape=unsigned(128), depth=config.imem_words, init=[])
-        self._imem_ports = self.imem.write_port(), self.imem.read_port()
+        # the second read port shows the next instruction (pc + 1) to the MATMUL prefetch
+        self._imem_ports = self.imem.write_port(), self.imem.read_port(), self.imem.read_port()
         self.decoder = InstructionDecoder()
+        self.next_decoder = InstructionDecoder()
         self.program_flow = ProgramFlow()
         self.vmem = VectorMemory(config)
         self.sample_unit = SampleSequencer(config)
@@ -199,10 +211,21 @@ class Controller(wiring.Component):
         with m.If(~matmul_reads):
             wiring.connect(m, narrower.wide.read_cmd, wiring.flipped(wide.read_cmd))
             wiring.connect(m, wiring.flipped(wide.read_data), narrower.wide.read_data)
+        mm = self.units.get("matmul")
+        if mm is not None:
+            with m.If(matmul_reads):
+                wiring.connect(m, mm.read_cmd, wiring.flipped(wide.read_cmd))
+                wiring.connect(m, wiring.flipped(wide.read_data), mm.read_data)
+        # the wide read path is lent to a MATMUL prefetch (from the cycle after the MATMUL
+        # sequencer took it until that MATMUL runs, or the request stops)
+        lent = Signal()
+        with m.If(lent):
+            m.d.comb += matmul_reads.eq(1)
 
         imem = m.submodules.imem = self.imem
-        imem_w, imem_r = self._imem_ports
+        imem_w, imem_r, imem_next = self._imem_ports
         dec = m.submodules.decoder = self.decoder
+        nxt_dec = m.submodules.next_decoder = self.next_decoder
         seq = m.submodules.sequencer = self.program_flow
         vmem = m.submodules.vmem = self.vmem
         samp = m.submodules.sample_unit = self.sample_unit
@@ -219,7 +242,7 @@ class Controller(wiring.Component):
             m.d.comb += [unit.peek_data.eq(vmem.peek_data), unit.vmem_error.eq(vmem.error),
                          unit.vmem_wr_done.eq(vmem.wr_done)]
             op_units.append((self.unit_opcodes[name], name.upper(), unit, cancel))
-        mm, kv, embed = self.units.get("matmul"), self.units.get("kv"), self.units["embed"]
+        kv, embed = self.units.get("kv"), self.units["embed"]
 
         # -- host commands arrive as pulses; keep them until their turn ----------------------
         cmd = ctrl.command
@@ -256,7 +279,8 @@ class Controller(wiring.Component):
         with m.If(busy):
             m.d.sync += cycles.eq(cycles + 1)
 
-        m.d.comb += [imem_r.addr.eq(seq.pc), dec.word.eq(imem_r.data)]
+        m.d.comb += [imem_r.addr.eq(seq.pc), dec.word.eq(imem_r.data),
+                     imem_next.addr.eq(seq.pc + 1), nxt_dec.word.eq(imem_next.data)]
         mem_failed = mem.error.as_value().any()
         tree_forward = seq.tree_forward
         m.d.comb += [front.mem_error.eq(mem_failed),
@@ -298,6 +322,33 @@ class Controller(wiring.Component):
         def lend_memory_reads(part):
             wiring.connect(m, part.read_cmd, mem.read_cmd)
             wiring.connect(m, mem.read_data, part.read_data)
+
+        layer_offset = Signal(64)
+        m.d.comb += layer_offset.eq(seq.layer * seq.lstride)
+        # -- the MATMUL prefetch: while a unit instruction of a chain forward runs and the
+        # next word (pc + 1, where it retires to) is a MATMUL, once that unit has issued
+        # its last read (``reads_done``) and the port is read-idle, the MATMUL sequencer
+        # gets the next instruction's job and the wide read path, and issues its first
+        # pass's reads (tiles wait in its packer, the rest in the aligner and the port);
+        # the instruction itself then runs as usual. A fault or an abort in between goes
+        # through FINISH and DRAIN like any other. Not in a tree forward (split jobs).
+        nxt = nxt_dec.fields
+        prefetch_ok = Signal()
+        if mm is not None:
+            m.d.comb += prefetch_ok.eq((nxt.opcode == Op.MATMUL) & ~nxt_dec.illegal
+                                       & (seq.pc + 1 < program_len) & ~tree_forward & ~lent
+                                       & wide.read_idle
+                                       # (not when the next FETCH stops the request: a
+                                       # watchdog or an abort leaves no reads to drain)
+                                       & (budget != 0) & ~want_abort)
+            pf = mm.prefetch.payload
+            m.d.comb += [pf.opcode.eq(nxt.opcode), pf.flags.eq(nxt.flags), pf.rows.eq(nxt.rows),
+                         pf.dst.eq(nxt.dst), pf.src.eq(nxt.src), pf.n.eq(nxt.n), pf.k.eq(nxt.k),
+                         pf.addr.eq(ctrl.image_base + nxt.addr
+                                    + Mux(flags_view(nxt.flags).layer_relative, layer_offset, 0)),
+                         pf.pos.eq(seq.pos), pf.layer.eq(seq.layer)]
+            with m.If(mm.prefetch.valid & mm.prefetch.ready):
+                m.d.sync += lent.eq(1)
 
         with m.FSM(name="phase") as phase:
             # -- idle: take the pending commands in order --------------------------------------
@@ -517,8 +568,7 @@ class Controller(wiring.Component):
                                  job.rows.eq(Mux(split, 1, ins.rows)),
                                  job.dst.eq(row_line(ins.dst)), job.src.eq(row_line(ins.src)),
                                  job.n.eq(ins.n), job.k.eq(ins.k),
-                                 job.addr.eq(ctrl.image_base + ins.addr
-                                             + Mux(lrel, seq.layer * seq.lstride, 0)),
+                                 job.addr.eq(ctrl.image_base + ins.addr + Mux(lrel, layer_offset, 0)),
                                  job.pos.eq(seq.pos), job.layer.eq(seq.layer),
                                  # several rows of a tree forward lie row_pitch lines apart
                                  job.pitch.eq(Mux(tree_forward & ~split, header.row_pitch, 0)),
@@ -532,11 +582,13 @@ class Controller(wiring.Component):
                         m.next = f"{name}_RUN"
                 with m.State(f"{name}_RUN"):
                     if unit is mm:
+                        # (the wide read path: see matmul_reads; a prefetch's loan ends here)
                         m.d.comb += matmul_reads.eq(1)
-                        wiring.connect(m, unit.read_cmd, wiring.flipped(wide.read_cmd))
-                        wiring.connect(m, wiring.flipped(wide.read_data), unit.read_data)
+                        m.d.sync += lent.eq(0)
                     else:
                         lend_memory_reads(unit)
+                        if mm is not None:
+                            m.d.comb += mm.prefetch.valid.eq(prefetch_ok & unit.reads_done)
                     _lend_vmem(m, unit, vmem)
                     if unit is mm:
                         # the MATMUL sequencer also owns the logit buffer's write side
@@ -588,6 +640,7 @@ class Controller(wiring.Component):
 
             # -- the result descriptor --------------------------------------------------------------
             with m.State("FINISH"):
+                m.d.sync += lent.eq(0)          # (the MATMUL sequencer is reset with the rest)
                 m.d.comb += vmem.cancel.eq(1)
                 m.d.comb += [cancel.eq(1) for *_, cancel in op_units]
                 m.d.sync += [result_cycles.eq(cycles), want_abort.eq(0)]

@@ -209,6 +209,14 @@ class KvSequencer(wiring.Component):
         cut_v = m.submodules.cut_v = HeadCutter(c, D, lookahead=0)
         wiring.connect(m, params.read_cmd, wiring.flipped(self.read_cmd))
         wiring.connect(m, wiring.flipped(self.read_data), params.read_data)
+        # ATTN's parameter block is the job's one device-memory read: once its command is
+        # out, the controller may prefetch the next MATMUL's weights behind it (op_port)
+        params_issued = Signal()
+        m.d.comb += self.reads_done.eq(params_issued)
+        with m.If(self.read_cmd.valid & self.read_cmd.ready):
+            m.d.sync += params_issued.eq(1)
+        with m.If(self.job.valid & self.job.ready):
+            m.d.sync += params_issued.eq(0)
         m.d.comb += [cut_k.grant.eq(cut_k.want), cut_v.grant.eq(cut_v.want & ~cut_k.want),
                      self.peek_addr.eq(Mux(cut_k.want, cut_k.peek_addr,
                                            Mux(cut_v.want, cut_v.peek_addr, window.peek_addr))),

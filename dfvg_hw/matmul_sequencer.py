@@ -35,6 +35,16 @@ back); a scale tile is taken into ``scales`` as it completes, whenever that is. 
 words, residual reads (VMEM's read port serves the x load first) and results wait for
 STREAM, after the x load. A pass after the first reads its weights again from its own PASS.
 
+**Prefetch.** The controller may offer the MATMUL on ``prefetch`` while the unit
+instruction before it still runs (controller.py): taken in IDLE, the job's fields are
+latched and checked against device memory (PREFETCH_CHECK: rows, BLOCKS, the block's
+end; a block RANGE would refuse is not prefetched, so a prefetch faults nothing), then
+PREFETCH issues the first pass's reads exactly as PASS would, its tiles waiting in the
+packer (``x_in`` is 0) and the rest in the aligner and the port. The job itself, the same
+instruction, is then taken in PREFETCH; RANGE, PASS and the rest run as ever with the
+reads going on. A reset (the controller's cancel) forgets a prefetch; the controller's
+drain empties what it left in flight.
+
 **Checks**, all before the first pass and in the functional model's order, so a refused
 MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), ``BLOCKS`` on an engine
 built without block multipliers (``PROGRAM``: ``EngineConfig.weight_blocks``; no scale
@@ -289,6 +299,12 @@ class MatmulSequencer(wiring.Component):
         VMEM refused a span (cannot happen: spans are checked first; kept as a guard).
     peek_addr, peek_data : VMEM line reads (RESADD residuals; data one cycle after the address)
     poke_en, poke_addr, poke_data : VMEM line writes with a byte mask (results)
+    prefetch : In(stream.Signature(OpJob()))
+        The next instruction, when it is a MATMUL, offered while another unit runs (the
+        controller lends this sequencer the wide read path from the cycle after it is
+        taken): taken in IDLE, its first pass's weight and requant reads are issued from
+        then on if they pass RANGE's memory checks (PREFETCH), and ``job`` must then be
+        the same instruction. A reset (the controller's cancel) forgets it.
     logits_begin : Out(1)
         One-cycle pulse: a LOGITS buffer of ``logits_rows`` rows of ``logits_n`` entries
         starts (once per LOGITS job, whatever its passes).
@@ -321,6 +337,7 @@ class MatmulSequencer(wiring.Component):
         self.x_depth = -(-min(K_MAX, c.vmem_bytes) // c.reduce)
         members = dict(OpSequencerSignature(config, data_width).members.items())
         members.update({
+            "prefetch": In(stream.Signature(OpJob())),
             "logits_begin": Out(1),
             "logits_n": Out(16),
             "logits_rows": Out(8),
@@ -377,7 +394,8 @@ class MatmulSequencer(wiring.Component):
         # into the matrix unit as their x entries come in (the weights do not depend on x:
         # the reads run while x loads, the packer, the aligner and the memory port holding
         # the beats that come before their x) ----------------------------------------------
-        fetching = Signal()             # PASS … STREAM
+        fetching = Signal()             # PASS … STREAM (PREFETCH … STREAM when prefetched)
+        prefetched = Signal()           # this job's first pass read from PREFETCH on
         cmd_group, cmd_q = Signal(16), Signal()
         data_q, data_beats, data_group = Signal(), Signal(32), Signal(16)
 
@@ -509,28 +527,55 @@ class MatmulSequencer(wiring.Component):
                     m.d.sync += scales_in.eq(0)
 
         with m.FSM(name="matmul"):
+            def accept(p):
+                """Take job ``p`` (the job itself, or the prefetch of the same instruction)."""
+                p_wide, p_mode = flags_view(p.flags).wide, flags_view(p.flags).mode
+                npad, kpad = padded(p.n, N), padded(p.k, K)
+                p_k_tiles = kpad // K
+                p_g_tiles = p_k_tiles + Mux(flags_view(p.flags).blocks,
+                                            (p_k_tiles + T - 1) >> exact_log2(T), 0)
+                p_in = p.k * Mux(p_wide, 2, 1)
+                p_out = p.n * Mux(p_mode == MatmulMode.INT8, 1, 4)
+                p_pitched = (p.pitch != 0) & (p.rows > 1)
+                pitch_bytes = p.pitch * L
+                return [job.eq(p), n_groups.eq(npad // N), k_tiles.eq(p_k_tiles),
+                        g_tiles.eq(p_g_tiles), weight_bytes.eq(npad * p_g_tiles * K),
+                        first.eq(0),
+                        in_bytes.eq(p_in), out_bytes.eq(p_out), pitched.eq(p_pitched),
+                        stride_in.eq(Mux(p_pitched, pitch_bytes, padded(p_in, L))),
+                        stride_out.eq(Mux(p_pitched, pitch_bytes, padded(p_out, L))),
+                        x_row_spans.eq(p_pitched & (pitch_bytes != padded(p_in, L)))]
+
             with m.State("IDLE"):
-                m.d.comb += self.job.ready.eq(1)
+                m.d.comb += [self.job.ready.eq(1), self.prefetch.ready.eq(~self.job.valid)]
+                m.d.sync += prefetched.eq(0)
                 with m.If(self.job.valid):
-                    p = self.job.payload
-                    p_wide, p_mode = flags_view(p.flags).wide, flags_view(p.flags).mode
-                    npad, kpad = padded(p.n, N), padded(p.k, K)
-                    p_k_tiles = kpad // K
-                    p_g_tiles = p_k_tiles + Mux(flags_view(p.flags).blocks,
-                                                (p_k_tiles + T - 1) >> exact_log2(T), 0)
-                    p_in = p.k * Mux(p_wide, 2, 1)
-                    p_out = p.n * Mux(p_mode == MatmulMode.INT8, 1, 4)
-                    p_pitched = (p.pitch != 0) & (p.rows > 1)
-                    pitch_bytes = p.pitch * L
-                    m.d.sync += [job.eq(p), n_groups.eq(npad // N), k_tiles.eq(p_k_tiles),
-                                 g_tiles.eq(p_g_tiles), weight_bytes.eq(npad * p_g_tiles * K),
-                                 first.eq(0),
-                                 in_bytes.eq(p_in), out_bytes.eq(p_out), pitched.eq(p_pitched),
-                                 stride_in.eq(Mux(p_pitched, pitch_bytes, padded(p_in, L))),
-                                 stride_out.eq(Mux(p_pitched, pitch_bytes, padded(p_out, L))),
-                                 x_row_spans.eq(p_pitched & (pitch_bytes != padded(p_in, L)))]
+                    m.d.sync += accept(self.job.payload)
+                    m.next = "RANGE"
+                with m.Elif(self.prefetch.valid):
+                    m.d.sync += accept(self.prefetch.payload)
+                    m.next = "PREFETCH_CHECK"
+            # -- prefetch: the next instruction's first pass reads its weights while the unit
+            # before it still runs (the controller lends the wide read path once that unit's
+            # reads are done and the port is idle). Only reads that RANGE would allow go out
+            # (rows, BLOCKS, the block inside device memory): a prefetch faults nothing; a
+            # refused one just leaves the job to start as usual.
+            with m.State("PREFETCH_CHECK"):
+                end = job.addr + weight_bytes + record_offset(n_groups)
+                with m.If((job.rows > M) | (flags_view(job.flags).blocks & (not c.weight_blocks))
+                          | (end > c.mem_bytes)):
+                    m.next = "IDLE"
+                with m.Else():
+                    m.d.sync += prefetched.eq(1)
+                    m.next = "PREFETCH"
+            with m.State("PREFETCH"):
+                # the tiles wait in the packer (x_in = 0), the rest in the aligner and the port
+                m.d.comb += [fetching.eq(1), self.job.ready.eq(1)]
+                with m.If(self.job.valid):
+                    m.d.sync += accept(self.job.payload)        # the same fields
                     m.next = "RANGE"
             with m.State("RANGE"):
+                m.d.comb += fetching.eq(prefetched)     # a prefetch's reads go on
                 # every check, in the functional model's order, before anything moves
                 logits = mode == MatmulMode.LOGITS
                 end = job.addr + weight_bytes + record_offset(n_groups)

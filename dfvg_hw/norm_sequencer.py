@@ -192,6 +192,16 @@ class NormSequencer(wiring.Component):
         with m.Else():
             wiring.connect(m, wiring.flipped(self.read_data), reader.read_data)
 
+        # ``reads_done`` (the controller may then prefetch the next MATMUL's weights): a
+        # one-row job (one segment) of an early start whose row fits the row buffer reads
+        # the head and gamma once each and nothing after; it says so once gamma's reader
+        # has given its last line (the port has then given every beat). Only where gamma
+        # beats are packed from whole lines (2·lanes ≥ L: the cycle model's gamma takes);
+        # other jobs never say so.
+        reads_issued = Signal(2)
+        with m.If(self.read_cmd.valid & self.read_cmd.ready & (reads_issued != 3)):
+            m.d.sync += reads_issued.eq(reads_issued + 1)
+
         job = Signal(OpJob())
         wide = flags_view(job.flags).wide
         in_bytes = Signal(18)                       # 4n: an int32 row
@@ -203,6 +213,7 @@ class NormSequencer(wiring.Component):
         # job runs as rows·k rows of n laid end to end
         segments = Mux(job.k > 1, job.k, 1)
         segment_rows = Signal(len(job.rows) + len(job.k))     # set with the job
+        early = Signal()                                      # the job took an early start
         row = Signal.like(segment_rows)                       # the segment-row being normalised
         error = Signal(8)
         gamma_addr = job.addr + NORM_PARAM_BYTES
@@ -260,6 +271,9 @@ class NormSequencer(wiring.Component):
             m.d.sync += [eps.eq(head[:32]), gamma_shift.eq(head[32:64]), head_pending.eq(0)]
         with m.If(reader.o.valid & reader.o.ready & reader.o.p.last):
             m.d.sync += gamma_reading.eq(0)
+        if 2 * lanes >= L:
+            m.d.comb += self.reads_done.eq(early & (segment_rows == 1) & (job.n <= depth * lanes)
+                                           & (reads_issued == 2) & ~gamma_wanted & ~gamma_reading)
 
         # an early start (everything the instruction says checked in HEAD_CMD): row 0's
         # pass 0 and the gamma read go while the head is read; the head's check comes before
@@ -297,7 +311,8 @@ class NormSequencer(wiring.Component):
                     m.d.sync += [job.eq(p), in_bytes.eq(4 * p.n), gamma_bytes.eq(2 * p.n),
                                  out_bytes.eq(Mux(p_wide, 2 * p.n, p.n)), row.eq(0), gamma_kept.eq(0),
                                  segment_rows.eq(p.rows * Mux(p.k > 1, p.k, 1)),
-                                 refused.eq(0), error.eq(ErrorCode.OK), *progress.restart()]
+                                 refused.eq(0), error.eq(ErrorCode.OK), *progress.restart(),
+                                 reads_issued.eq(0), early.eq(0)]
                     m.next = "HEAD_CMD"
             # what the instruction alone says: gamma (so the head) inside memory, both spans
             # inside VMEM; then the head's gamma_shift is the only fault left
@@ -313,7 +328,7 @@ class NormSequencer(wiring.Component):
                     with m.If(head_reader.cmd.ready):
                         m.d.sync += head_pending.eq(1)
                         with m.If(static_ok & (job.n != 0)):
-                            m.d.sync += [checking.eq(1), gamma_wanted.eq(1)]
+                            m.d.sync += [checking.eq(1), gamma_wanted.eq(1), early.eq(1)]
                             m.next = "PASS0_CMD"
                         with m.Else():                  # today's order: faults, or n = 0
                             m.next = "HEAD"

@@ -73,6 +73,11 @@ class OpSequencerSignature(wiring.Signature):
     poke_addr : Out(16)
     poke_data : Out(8 · vmem_line_bytes)
         VMEM random line reads and byte-masked writes, while no span uses the same port.
+    reads_done : Out(1)
+        The running job has handed its last device-memory read command to the port (it
+        will issue no other before ``done``): once the port is read-idle too, the
+        controller may lend the wide read path to the next MATMUL's weight prefetch. A
+        sequencer that never says so leaves it 0 (no prefetch behind it).
     """
 
     def __init__(self, config: EngineConfig, data_width: int):
@@ -94,4 +99,5 @@ class OpSequencerSignature(wiring.Signature):
             "poke_en": Out(line_bytes),
             "poke_addr": Out(16),
             "poke_data": Out(8 * line_bytes),
+            "reads_done": Out(1),
         })

@@ -41,7 +41,8 @@ from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BY
 from dfvg_hw.spec.isa import Instruction, MatmulMode, Op
 from sim.attention_timing import attn_cycles, attn_job_cycles, compaction_cycles, kvappend_cycles
 from sim.sample_timing import tree_sample_cycles
-from sim.elementwise_timing import actmul_cycles, rmsnorm_cycles, rmsnorm_gamma_reads, rope_cycles
+from sim.elementwise_timing import (actmul_cycles, rmsnorm_cycles, rmsnorm_gamma_reads,
+                                    rmsnorm_gamma_taken, rope_cycles)
 from sim.matmul_timing import matmul_cycles, ReadPath
 from sim.timing_common import READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, LineSplitter, PortTiming
 
@@ -123,14 +124,16 @@ class CycleModel:
                 + port.beat_offset(ceil(nbytes / port.bus_bytes) - 1))
 
     def instruction(self, ins: Instruction, *, pos: int = 0, topk: int = 1, addr: int | None = None,
-                    token_from_request: bool = True, tree: TreeTiming | None = None) -> tuple[int, int]:
+                    token_from_request: bool = True, tree: TreeTiming | None = None,
+                    head: int = 0) -> tuple[int, int]:
         """(cycles, device-memory bytes read) of one instruction.
 
         ``pos`` is the KV position, ``addr`` the resolved device address of the
         instruction's block (image base + ``addr`` + the layer offset; by default
         ``ins.addr``, i.e. an image at a 4 KiB-aligned base), ``token_from_request``
         whether EMBED's token comes from the request (read from memory) rather than from
-        the sampler, ``tree`` the tree request's shape where there is one.
+        the sampler, ``tree`` the tree request's shape where there is one, ``head`` a
+        MATMUL's prefetch head start (:meth:`prefetch_head`; 0: not prefetched).
         """
         c, port, unit_port = self.config, self.port, self.unit_port
         op = ins.opcode
@@ -147,7 +150,7 @@ class CycleModel:
             cycles = matmul_cycles(port, c.lanes, c.reduce, c.rows, ins.n, ins.k, rows,
                                     int(ins.mode), bool(ins.wide), addr % port.page,
                                     ins.dst if ins.mode == MatmulMode.RESADD else 0, pitch,
-                                    ins.bias, ins.blocks)
+                                    ins.bias, ins.blocks, head)
             return cycles, (weight_area_bytes(ins.n, ins.k, c.lanes, c.reduce, ins.blocks)
                             + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes))
         if op == Op.RMSNORM:
@@ -174,6 +177,53 @@ class CycleModel:
         if op == Op.SAMPLE:
             return self._sample(ins.n, topk), 0
         return ISSUE, 0      # NOP, HALT, LOOP, ENDLOOP, BRANCH, NEXT
+
+    def prefetch_at(self, ins: Instruction, *, addr: int | None = None) -> int | None:
+        """The cycle, from this unit instruction's FETCH, in which the controller hands the
+        next instruction, when it is a MATMUL, to the MATMUL sequencer as a prefetch
+        (controller.py): the cycle after the memory port gave the unit's last read beat
+        (the unit says ``reads_done`` once its last read command is out; the port is then
+        read-idle, :data:`~dfvg_hw.spec.timing.PREFETCH_IDLE`). ATTN and ACTMUL say so
+        (their parameter blocks are their only reads, taken as they come), and a one-row
+        RMSNORM whose row fits the row buffer, where gamma beats are whole lines, the
+        cycle after its gamma reader gave the last line
+        (:func:`~sim.elementwise_timing.rmsnorm_gamma_taken`); the others give no
+        prefetch (None). Chain forwards only: the caller checks that."""
+        c, op = self.config, ins.opcode
+        addr = ins.addr if addr is None else addr
+        port = self.unit_port
+        if op == Op.RMSNORM:
+            if (ins.rows * max(ins.k, 1) != 1 or ins.n == 0
+                    or ins.n > tm.norm_row_buffer_beats(c.lanes) * c.lanes):
+                return None
+            taken = rmsnorm_gamma_taken(port, c.lanes, ins.n, bool(ins.wide), addr)
+            return None if taken is None else ISSUE + taken + 1
+        if op == Op.ATTN:
+            # ATTN_CHECK, PARAMS, the BlockReader's command register, then the block's beats
+            nbytes = ATTN_PARAM_BYTES
+            first = tm.ATTN_CHECK + tm.ATTN_PARAMS - tm.BLOCK_READ_DONE + tm.READER_CMD_REGISTER
+        elif op == Op.ACTMUL:
+            nbytes = max(ins.k, 1) * ACT_PARAM_BYTES
+            port = port.with_line(tm.actmul_param_line(port.line, port.bus_bytes))
+            first = tm.PARAM_CMD
+        else:
+            return None
+        port = port.at(addr)
+        first += READ_OVERHEAD + port.latency          # the read's first beat on the port
+        last = ceil((addr % port.bus_bytes + nbytes) / port.bus_bytes) - 1
+        # the reader's gearbox takes a beat as it takes the beat's first line
+        taken = port.arrival(last * port.lines_per_beat, first) - tm.GEARBOX_LATENCY
+        return ISSUE + taken + tm.PREFETCH_IDLE
+
+    @staticmethod
+    def prefetch_head(at: int | None, cycles: int) -> int:
+        """A MATMUL's head start: the cycles its first read command comes before its PASS,
+        when the unit instruction before it (``cycles`` long) gave the prefetch in cycle
+        ``at`` from its FETCH (:meth:`prefetch_at`); 0 when it gave none, or not while it
+        ran (its RUN state ends the cycle before RETIRE)."""
+        if at is None or at > cycles - tm.RETIRE - 1:
+            return 0
+        return cycles - (at + tm.PREFETCH_FIRST_READ) + tm.MATMUL_PASS_FROM_FETCH
 
     def _tree_rows(self, ins: Instruction, tree: TreeTiming, pos: int, addr: int) -> tuple[int, int]:
         """A tree forward's EMBED, RMSNORM, ROPE, KVAPPEND, ATTN or ACTMUL (controller.py):
@@ -302,16 +352,21 @@ def estimate_request(config: EngineConfig, program: list[int], *, n_in: int, n_d
     seq = ProgramFlow([0] * n_in, start_pos, n_draft, tree_width=tree_width, tree_pc=tree_pc)
     budget = watchdog_budget(n_in, n_draft, len(program))
     sources, records = 1, 0
+    prefetch = None                     # (cycle, cycles) of a unit instruction that prefetches
     while not seq.halted and budget:
         budget -= 1
         ins = decode(program[seq.pc])
         tree = None
         if tree_width:
             tree = TreeTiming(tree_width, seq.tree_level, seq.tree_base, 16 * row_pitch, sources, sample)
-        counts.add(ins.opcode, *model.instruction(ins, pos=seq.pos, topk=topk,
-                                                  addr=seq.block_address(ins, image_base),
-                                                  token_from_request=not seq.token_is_drafted, tree=tree),
-                   macs=model.macs(ins, pos=seq.pos))
+        head = model.prefetch_head(*prefetch) if prefetch and ins.opcode == Op.MATMUL else 0
+        addr = seq.block_address(ins, image_base)
+        cycles, nbytes = model.instruction(ins, pos=seq.pos, topk=topk, addr=addr,
+                                           token_from_request=not seq.token_is_drafted, tree=tree,
+                                           head=head)
+        counts.add(ins.opcode, cycles, nbytes, macs=model.macs(ins, pos=seq.pos))
+        # a chain forward's unit instruction may prefetch the MATMUL after it (controller.py)
+        prefetch = None if seq.tree_forward else (model.prefetch_at(ins, addr=addr), cycles)
         if ins.opcode in CONTROL_OPS:
             seq.control(ins)
             continue

@@ -18,7 +18,8 @@ from dfvg_hw.spec.image import ACT_PARAM_BYTES, NORM_PARAM_BYTES
 from sim.head_stream_timing import streamed_heads
 from sim.timing_common import NEVER, READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, PortTiming, ReadCredit
 
-__all__ = ["rmsnorm_cycles", "rmsnorm_gamma_reads", "actmul_cycles", "rope_cycles"]
+__all__ = ["rmsnorm_cycles", "rmsnorm_gamma_reads", "rmsnorm_gamma_taken", "actmul_cycles",
+           "rope_cycles"]
 
 
 def _writer_tail(row_bytes: int, beats_per_row: int, lanes: int, wide: bool,
@@ -72,7 +73,19 @@ def rmsnorm_gamma_reads(lanes: int, n: int, rows: int, line: int) -> int:
 
 
 def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int) -> int:
-    """norm_sequencer.py, a job that completes (an early start): the head read, row 0's
+    """Cycles of an RMSNORM job (:func:`_rmsnorm`)."""
+    return _rmsnorm(port, lanes, n, rows, wide, addr)[0]
+
+
+def rmsnorm_gamma_taken(port: PortTiming, lanes: int, n: int, wide: bool, addr: int) -> int | None:
+    """The cycle (from the job's hand-over) the gamma Gearbox takes the last gamma line of a
+    one-row RMSNORM whose row fits the row buffer and whose gamma beats are whole lines
+    or packed from them (``2·lanes ≥ line``); None for any other job."""
+    return _rmsnorm(port, lanes, n, 1, wide, addr)[1]
+
+
+def _rmsnorm(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int):
+    """(cycles, :func:`rmsnorm_gamma_taken`) of norm_sequencer.py, a job that completes (an early start): the head read, row 0's
     pass 0 and its gamma read start together, row 0's pass 1 waits for the head's line
     (``tm.NORM_HEAD_CHECK``); per row, pass 0 over x (the row's shift) and pass 1 (sum
     of squares, then rsqrt) race the gamma read, requested at the row's start and issued
@@ -106,7 +119,7 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
                     head_port.arrival(head_lines - 1, first) + tm.LINE_ALIGNER_LATENCY)
     if n == 0:                                     # CHECK goes to DONE: nothing to read
         check = gamma_cmd - tm.NORM_HEAD_TO_GAMMA + 1
-        return UNIT_OVERHEAD + check + tm.ROW_JOB_DONE
+        return UNIT_OVERHEAD + check + tm.ROW_JOB_DONE, None
     gamma_skip = (addr + NORM_PARAM_BYTES) % B
     s, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide, line)
 
@@ -124,6 +137,7 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
     checked = head_out + tm.NORM_HEAD_CHECK
     reader_free = 0                    # gamma's reader: the head has a reader of its own
     g_lines_in = ceil((2 * n + gamma_skip) / B) * port.lines_per_beat
+    gamma_taken = None                 # a one-row job's last gamma line into the Gearbox
     for row in range(rows):
         if kept and row:
             last1 = (g + tm.NORM_PASS_START + stream - 1 + tm.RMSNORM_SHIFT_TURNAROUND
@@ -145,6 +159,8 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
             last1 = last0 + tm.RMSNORM_SHIFT_TURNAROUND + beats - 1
             u = last1 + turnaround
             end, gap = _norm_replay_pass2(u, beats, gamma, g_cut, g_pack, g_ell)
+            if rows == 1 and (g_pack is not None or g_cut == 1):
+                gamma_taken = gamma.taken[-1]
             reader_free = max(reader_free, gamma.last_in())
             g = end
             continue
@@ -164,7 +180,7 @@ def rmsnorm_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, 
             gap = ell - pack * (beats - 1)
         g = end
     last_out = end + tm.RMSNORM_LATENCY + (max(0, s - gap) if beats > 1 else 0)
-    return UNIT_OVERHEAD + _done_after(last_out, s, dropped)
+    return UNIT_OVERHEAD + _done_after(last_out, s, dropped), gamma_taken
 
 
 def _norm_replay_pass2(u, beats, gamma, g_cut, g_pack, g_ell):
@@ -178,6 +194,8 @@ def _norm_replay_pass2(u, beats, gamma, g_cut, g_pack, g_ell):
     for k in range(beats):
         if g_cut is not None:                      # gamma beats cut from lines
             gk = gamma.line(k // g_cut) + 1 + k % g_cut
+            if k % g_cut == 0:     # the line is taken once the last one's beats are out
+                gamma.take(max(gamma.line(k // g_cut), -1 if t is None else t))
         else:                                      # or packed from g_pack lines
             for j in range(g_pack * k, min(g_pack * (k + 1), g_ell)):
                 a = gamma.line(j)

@@ -246,6 +246,7 @@ class FunctionalEngine:
         # budget, after a control instruction's fault) spends that FETCH (BEFORE_FINISH)
         # before FINISH; one that another instruction stops goes from it straight to FINISH.
         executed = 0
+        prefetch = None             # (cycle, cycles) of the last instruction (CycleModel.prefetch_at)
         while not seq.halted:
             if seq.pc >= len(self.imem):
                 self.counts.add("REQUEST", BEFORE_FINISH)
@@ -268,10 +269,14 @@ class FunctionalEngine:
                 # the unit refuses the job before it moves any data (docs/isa.md §8)
                 self.counts.add(ins.opcode, UNIT_OVERHEAD)
                 raise
+            head = (self.cycle_model.prefetch_head(*prefetch)
+                    if prefetch and ins.opcode == Op.MATMUL else 0)
             cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"], addr=addr,
                                                           token_from_request=not seq.token_is_drafted,
-                                                          tree=self._tree_timing(ins, seq, h))
+                                                          tree=self._tree_timing(ins, seq, h), head=head)
             self.counts.add(ins.opcode, cycles, nbytes, self.cycle_model.macs(ins, pos=seq.pos))
+            # a chain forward's unit instruction may prefetch the MATMUL after it
+            prefetch = None if seq.tree_forward else (self.cycle_model.prefetch_at(ins, addr=addr), cycles)
             if ins.opcode in CONTROL_OPS:
                 try:
                     seq.control(ins)

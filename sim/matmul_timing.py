@@ -278,11 +278,12 @@ def _q_batch(bus_bytes: int, lanes: int, addr: int, k_tiles: int, bias: bool) ->
 def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_tiles: int,
                    pass_rows: int, hold: int, addr: int, q_addr: int, line_of,
                    bias: bool = False, blocks: bool = False, start: int = 0,
-                   x_ready: list[int] | None = None) -> int:
+                   x_ready: list[int] | None = None, head: int = 0) -> int:
     """Cycles of one row pass of the MATMUL sequencer (matmul_sequencer.py) from PASS, where
     the pass's first read command is offered, to the end of its STREAM state, which starts
     in cycle ``start`` (after the x load); ``x_ready[kt]`` is the first cycle the matrix unit
-    can take a weight tile against x-buffer entry ``kt`` (None when k = 0).
+    can take a weight tile against x-buffer entry ``kt`` (None when k = 0); with ``head``
+    the first read command was offered that many cycles before PASS (a prefetch).
 
     Reads, per group ``g``: its tiles (``lanes·k_tiles·reduce`` bytes from ``addr``, none
     when ``k = 0``: a zero tile is offered instead) and then its requant record
@@ -301,6 +302,7 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
     """
     B = port.bus_bytes
     reads = ReadPath(port)
+    reads.issued -= head        # a prefetched pass: its first command offered `head` cycles before PASS
     acc = _Accumulate(lanes * reduce // B, scale_run_tiles(reduce) + 1 if blocks else 0, start)
     wb = _WriteBack(hold, max(1, RES_BYTES * lanes // port.line), line_of, start)
     tile_bytes = lanes * reduce * group_tiles(k_tiles, reduce, blocks)
@@ -337,7 +339,7 @@ def _slice_cycle(kt: int, slice_bytes: int, line: int, row_lines: int) -> int:
 @lru_cache(maxsize=4096)
 def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int, n: int, k: int,
                    rows: int, mode: int, wide: bool, page_offset: int, dst: int,
-                   pitch: int = 0, bias: bool = False, blocks: bool = False) -> int:
+                   pitch: int = 0, bias: bool = False, blocks: bool = False, head: int = 0) -> int:
     """Cycles of a MATMUL from the controller's FETCH to its RETIRE (matmul_sequencer.py):
     :data:`UNIT_OVERHEAD`, RANGE and DONE, then per row pass PASS, X_CMD, the x load (none
     when ``k = 0``), CHECK, STREAM (none when ``n = 0``: CHECK goes to DONE) and NEXT_PASS.
@@ -362,6 +364,11 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     §9.2). Where that is not the source rows' own stride they are not one run of lines, so
     each row is loaded as a span of its own: X_CMD again and VMEM's read latency per row
     after the pass's first (:data:`~dfvg_hw.spec.timing.MATMUL_ROW_SPAN`).
+
+    ``head`` is a prefetched MATMUL's head start (controller.py, the MATMUL prefetch): its
+    first pass's first read command was offered ``head`` cycles before its PASS, during
+    the unit instruction before it, whose cycles these are not; the pass's beats wait for
+    their x as ever (:meth:`~sim.cycle_model.CycleModel.prefetch_head`).
     """
     line = port.line                                # the VMEM line
     npad, kpad = padded(n, lanes), padded(k, reduce)
@@ -400,6 +407,6 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
         total += tm.MATMUL_NEXT_PASS + _matmul_stream(port, lanes, reduce, groups, k_tiles, pass_rows, hold,
                                     page_offset, page_offset + weight_area_bytes(n, k, lanes, reduce, blocks),
                                     line_of if mode == MatmulMode.RESADD else None, bias, blocks,
-                                    start, x_ready)
+                                    start, x_ready, head if first == 0 else 0)
         first += pass_rows
     return total

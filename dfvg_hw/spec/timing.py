@@ -312,6 +312,16 @@ KVAPPEND_CHECK = 1
 #: KvSequencer, ATTN: its states' latencies are in :mod:`dfvg_hw.spec.kv_timing`.
 #: MatmulSequencer: RANGE and DONE, once per instruction.
 MATMUL_STATES = 2
+#: The MATMUL prefetch (controller.py): the memory port is read-idle (its output register
+#: empty, no burst outstanding) the cycle after its last beat is taken, and the controller
+#: hands the next MATMUL to its sequencer in that cycle.
+PREFETCH_IDLE = 1
+#: ... which takes it into PREFETCH_CHECK, then PREFETCH, whose first cycle offers the first
+#: read command: two cycles after the hand-over.
+PREFETCH_FIRST_READ = 2
+#: A MATMUL's PASS, where an unprefetched job offers its first read command, from its
+#: FETCH: FETCH, DECODE, the job's hand-over, RANGE.
+MATMUL_PASS_FROM_FETCH = ISSUE + JOB_HANDOVER + 1
 #: MatmulSequencer per row pass: PASS, X_CMD, CHECK.
 MATMUL_PASS_STATES = 3
 #: MatmulSequencer per row pass: NEXT_PASS.
