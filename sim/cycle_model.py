@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from math import ceil
 
+from dfvg_hw.spec import kv_timing as kvt
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import REQUEST_HEADER_WORDS, RESULT_HEADER_WORDS, record_words, watchdog_budget
@@ -199,9 +200,9 @@ class CycleModel:
             taken = rmsnorm_gamma_taken(port, c.lanes, ins.n, bool(ins.wide), addr)
             return None if taken is None else ISSUE + taken + 1
         if op == Op.ATTN:
-            # ATTN_CHECK, PARAMS, the BlockReader's command register, then the block's beats
+            # the block's read goes out from CHECK, through the BlockReader's command register
             nbytes = ATTN_PARAM_BYTES
-            first = tm.ATTN_CHECK + tm.ATTN_PARAMS - tm.BLOCK_READ_DONE + tm.READER_CMD_REGISTER
+            first = kvt.ATTN_CHECK + tm.READER_CMD_REGISTER
         elif op == Op.ACTMUL:
             nbytes = max(ins.k, 1) * ACT_PARAM_BYTES
             port = port.with_line(tm.actmul_param_line(port.line, port.bus_bytes))
