@@ -22,7 +22,7 @@ kv_slots`` or ``k > head_dim`` (PROGRAM); ``kv_pos ≥ kv_positions`` (KV_OVERFL
 ``2·n·k``-byte row outside VMEM (BAD_ADDRESS). Then per head ``h`` the K bytes at
 ``h·k`` and the V bytes at ``n·k + h·k`` are appended at slot ``base + layer · n + h``,
 position ``kv_pos``; bytes ``k … head_dim − 1`` of the entry keep their contents. The
-heads stream: two :class:`~dfvg_hw.head_stream.HeadCutter`\ s peek the row's K half and
+heads stream: two :class:`~dfvg_hw.head_stream.HeadCutter`s peek the row's K half and
 its V half (K first, sharing the peek port) a head ahead of the one being appended, so
 the next APPEND goes to the KV buffer in the cycle after the last word of the one
 before, unless that head's lines take longer to peek.

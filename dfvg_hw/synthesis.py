@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["yosys_resources", "select_modules"]
+__all__ = ["yosys_resources", "select_modules", "within"]
 
 _CELL_CLASSES = {
     "LUT": re.compile(r"^(LUT[1-6]|LUT6_2)$"),
@@ -43,7 +43,7 @@ _MODULE = re.compile(r"^module \\?(\S+?)\s*\(", re.M)
 _PORT = re.compile(r"^\s*(input|output|inout)\b[^;]*;\s*$", re.M)
 
 
-def _within(name: str, root: str) -> bool:
+def within(name: str, root: str) -> bool:
     """Whether module ``name`` is ``root`` or one of its submodules (Amaranth names a
     submodule's module after its path: ``root.child``)."""
     return name == root or name.startswith(root + ".")
@@ -64,9 +64,10 @@ def select_modules(verilog_text: str, top: str, blackbox: tuple[str, ...] = ()) 
     for start in starts:
         end = verilog_text.index("endmodule", start) + len("endmodule")
         name = _MODULE.match(verilog_text, start).group(1)
-        if not _within(name, top):
+        if not within(name, top):
             continue
-        box = next((b for b in blackbox if _within(name, b)), None)
+        # the outermost box: one nested in another box goes with it
+        box = min((b for b in blackbox if within(name, b)), key=len, default=None)
         if box is None:
             out.append(verilog_text[start:end])
         elif name == box:
@@ -91,11 +92,12 @@ def yosys_resources(verilog_text: str, top: str = "top", timeout: int = 1800,
     exe = _yosys()
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "top.v"
-        src.write_text(select_modules(verilog_text, top, blackbox))
+        part = select_modules(verilog_text, top, blackbox)
+        src.write_text(part)
         # yowasp (WebAssembly) sees only the working directory: use relative paths.
         # -flatten: one module, so stat counts every cell once; -uram: large memories may
         # map to URAM288.
-        boxes = "".join(f"blackbox \\{name}; " for name in blackbox)
+        boxes = "".join(f"blackbox \\{name}; " for name in blackbox if f"module \\{name} (" in part)
         script = (f"read_verilog {src.name}; {boxes}synth_xilinx -flatten -family xcup -uram -top {top}; "
                   "tee -q -o stat.txt stat")
         proc = subprocess.run([exe, "-q", "-p", script], capture_output=True, text=True,

@@ -87,22 +87,38 @@ def test_controller_elaborates_past_a_512_bit_engine_beat():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--draft-cores", "2"], "give it with --estimate"),
+    (["--draft-cores", "2"], "--draft-cores is for the estimate: give it with --estimate"),
     (["--draft-cores", "17", "--estimate"], "draft_cores = 17"),
+    (["--verilog", "{engine}"], "--verilog is for the estimate"),
+    (["--jobs", "2"], "--jobs is for the estimate"),
+    (["--estimate", "--jobs", "0"], "--jobs 0: give at least 1"),
+    (["--estimate", "--verilog", "{engine}", "--run"], "leave one out"),
+    (["--estimate", "--verilog", "{tmp}/missing.v"], "No such file"),
+    (["--estimate", "--verilog", "{other}"], "has no module dfvg_engine: give the dfvg_engine.v"),
+    (["--estimate", "--verilog", "{engine}"], "has 2 memory channel modules where the tiny preset's engine "
+                                              "has 0"),
 ])
-def test_draft_cores_estimate_arguments(argv, message, tmp_path, capsys):
-    """``--draft-cores`` is checked before anything is synthesised."""
-    from dfvg_hw.build import main
+def test_estimate_arguments(argv, message, tmp_path, capsys):
+    """The estimate's arguments, and a saved Verilog that is not the preset's engine, are
+    refused before anything is synthesised."""
+    from dfvg_hw.build import CHANNEL_MODULE, TOP, main
+    channel = "".join(f"module \\{CHANNEL_MODULE.format(p)} (clk);\nendmodule\n" for p in range(2))
+    (tmp_path / "engine.v").write_text(f"module {TOP}(clk);\nendmodule\n{channel}")
+    (tmp_path / "other.v").write_text("module top(clk);\nendmodule\n")
+    files = {"engine": tmp_path / "engine.v", "other": tmp_path / "other.v", "tmp": tmp_path}
     with pytest.raises(SystemExit) as exc:
-        main(["--board", "alveo", "--preset", "tiny", "--out", str(tmp_path), *argv])
+        main(["--board", "alveo", "--preset", "tiny", "--out", str(tmp_path),
+              *(arg.format(**files) for arg in argv)])
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_board_estimate_synthesises_the_engine_in_parts(monkeypatch):
     """At a striped board preset the estimate synthesises the engine in parts, each its
     own Yosys run: the matrix unit from a slice (× lanes/slice), one memory channel's port
-    (× mem_ports), the sampler and the attention unit whole, and the rest with all of
-    them left out, so that every module is counted exactly once."""
+    (× mem_ports), each separate module without the separate modules inside it (the KV
+    unit without the attention unit and the KV buffer, the striped reader without its
+    channels), and the rest with all of them left out, so that every module is counted
+    exactly once."""
     import dfvg_hw.synthesis
     from dfvg_hw import build as flow
 
@@ -119,12 +135,18 @@ def test_board_estimate_synthesises_the_engine_in_parts(monkeypatch):
     channels = {flow.CHANNEL_MODULE.format(p) for p in range(config.mem_ports)}
     assert set(calls) == {flow.TOP, "matrix", "channel", *flow.SEPARATE_MODULES}
     assert set(calls[flow.TOP]) == {flow.MATRIX_MODULE, *channels, *flow.SEPARATE_MODULES}
-    assert all(calls[name] == () for name in flow.SEPARATE_MODULES)
+    kv = f"{flow.TOP}.controller.kv"
+    assert set(calls[kv]) == {f"{kv}.attention", f"{kv}.kv"}
+    assert set(calls[f"{flow.TOP}.memory_port"]) == channels
+    assert calls[f"{flow.TOP}.controller.matmul"] == (flow.MATRIX_MODULE,)
+    assert calls[f"{kv}.attention"] == () and calls[f"{flow.TOP}.controller.sample_unit.sampler"] == ()
     scale = config.lanes / flow.MATRIX_SLICE_LANES
     assert total["LUT"] == 10 + 10 * scale + 10 * config.mem_ports + 10 * len(flow.SEPARATE_MODULES)
     assert "32 x 512-bit" in parts[2][0] and parts[2][1]["FF"] == 20 * 32
-    assert [name for name, _ in parts[3:]] == [f"{name.removeprefix(flow.TOP + '.')} [synthesised]"
-                                              for name in flow.SEPARATE_MODULES]
+    names = [name for name, _ in parts[3:]]
+    assert len(names) == len(flow.SEPARATE_MODULES)
+    assert "controller.kv without attention, kv [synthesised]" in names
+    assert "controller.sample_unit.sampler [synthesised]" in names
 
 
 def test_a_synthesis_part_reads_only_its_modules():
@@ -174,6 +196,8 @@ def test_a_synthesis_part_reads_only_its_modules():
     assert "(* blackbox *)\nmodule \\top.a " in rest and "always" not in stub
     ports = sorted(re.findall(r"^ *((?:input|output) (?:\[7:0\] )?\w+);$", stub, re.M))
     assert sorted(p.split()[-1] for p in ports) == ["clk", "i", "o", "rst"]
+    # boxes nested in boxes: the outer one's stub alone (the inner one is its business)
+    assert select_modules(text, "top", blackbox=("top.a.inner", "top.a")) == rest
     part = select_modules(text, "top.a")
     assert sorted(names(part)) == ["top.a", "top.a.inner"] and "blackbox" not in part
     with pytest.raises(ValueError, match="top.c"):
