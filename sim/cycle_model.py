@@ -47,7 +47,7 @@ from sim.elementwise_timing import (actmul_cycles, rmsnorm_cycles, rmsnorm_gamma
 from sim.matmul_timing import matmul_cycles, ReadPath
 from sim.timing_common import READ_OVERHEAD, RES_BYTES, UNIT_OVERHEAD, LineSplitter, PortTiming
 
-__all__ = ["CycleModel", "CycleCounts", "TreeTiming", "estimate_request", "BEFORE_FINISH", "ISSUE",
+__all__ = ["CycleModel", "CycleCounts", "PrefetchChain", "TreeTiming", "estimate_request", "BEFORE_FINISH", "ISSUE",
            "UNIT_OVERHEAD", "SPLIT_OPS"]
 
 #: The latencies and fixed overheads below are the RTL's own (:mod:`dfvg_hw.spec.timing`).
@@ -332,6 +332,28 @@ class CycleModel:
         return 0
 
 
+class PrefetchChain:
+    """The MATMUL prefetch from one instruction of a request to the next, as the functional
+    model and :func:`estimate_request` walk the program: :meth:`head` is a MATMUL's head
+    start, :meth:`ran` records what the instruction just priced gives the next one."""
+
+    def __init__(self, model: CycleModel):
+        self.model = model
+        self._given: tuple[int | None, int] | None = None    # (prefetch_at, cycles) of the last
+
+    def head(self, ins: Instruction) -> int:
+        """``ins``'s head start (:meth:`CycleModel.prefetch_head`): 0 but for a MATMUL that
+        the instruction before it prefetched."""
+        if self._given is None or ins.opcode != Op.MATMUL:
+            return 0
+        return self.model.prefetch_head(*self._given)
+
+    def ran(self, ins: Instruction, cycles: int, *, addr: int, tree_forward: bool) -> None:
+        """``ins`` took ``cycles``; only a chain forward's unit instruction prefetches the
+        MATMUL after it (controller.py)."""
+        self._given = None if tree_forward else (self.model.prefetch_at(ins, addr=addr), cycles)
+
+
 def estimate_request(config: EngineConfig, program: list[int], *, n_in: int, n_draft: int,
                      start_pos: int, topk: int = 1, image_base: int = 0, tree_width: int = 0,
                      tree_pc: int = 0, row_pitch: int = 0, sample: bool = False,
@@ -353,21 +375,19 @@ def estimate_request(config: EngineConfig, program: list[int], *, n_in: int, n_d
     seq = ProgramFlow([0] * n_in, start_pos, n_draft, tree_width=tree_width, tree_pc=tree_pc)
     budget = watchdog_budget(n_in, n_draft, len(program))
     sources, records = 1, 0
-    prefetch = None                     # (cycle, cycles) of a unit instruction that prefetches
+    prefetch = PrefetchChain(model)
     while not seq.halted and budget:
         budget -= 1
         ins = decode(program[seq.pc])
         tree = None
         if tree_width:
             tree = TreeTiming(tree_width, seq.tree_level, seq.tree_base, 16 * row_pitch, sources, sample)
-        head = model.prefetch_head(*prefetch) if prefetch and ins.opcode == Op.MATMUL else 0
         addr = seq.block_address(ins, image_base)
         cycles, nbytes = model.instruction(ins, pos=seq.pos, topk=topk, addr=addr,
                                            token_from_request=not seq.token_is_drafted, tree=tree,
-                                           head=head)
+                                           head=prefetch.head(ins))
         counts.add(ins.opcode, cycles, nbytes, macs=model.macs(ins, pos=seq.pos))
-        # a chain forward's unit instruction may prefetch the MATMUL after it (controller.py)
-        prefetch = None if seq.tree_forward else (model.prefetch_at(ins, addr=addr), cycles)
+        prefetch.ran(ins, cycles, addr=addr, tree_forward=seq.tree_forward)
         if ins.opcode in CONTROL_OPS:
             seq.control(ins)
             continue

@@ -22,7 +22,7 @@ from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BY
                            unpack_requant_records, untile_scales, untile_weights, weight_area_bytes)
 from dfvg_hw.spec.isa import ACTMUL_SEGMENTS, IllegalInstruction, Instruction, MatmulMode, Op, decode
 from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
-from sim.cycle_model import BEFORE_FINISH, ISSUE, UNIT_OVERHEAD, CycleCounts, CycleModel, TreeTiming
+from sim.cycle_model import BEFORE_FINISH, ISSUE, UNIT_OVERHEAD, CycleCounts, CycleModel, PrefetchChain, TreeTiming
 from sim.memory import DeviceMemory, MemoryError_
 from sim.tree_state import SampledRow, TreeState
 
@@ -246,7 +246,7 @@ class FunctionalEngine:
         # budget, after a control instruction's fault) spends that FETCH (BEFORE_FINISH)
         # before FINISH; one that another instruction stops goes from it straight to FINISH.
         executed = 0
-        prefetch = None             # (cycle, cycles) of the last instruction (CycleModel.prefetch_at)
+        prefetch = PrefetchChain(self.cycle_model)
         while not seq.halted:
             if seq.pc >= len(self.imem):
                 self.counts.add("REQUEST", BEFORE_FINISH)
@@ -269,14 +269,12 @@ class FunctionalEngine:
                 # the unit refuses the job before it moves any data (docs/isa.md §8)
                 self.counts.add(ins.opcode, UNIT_OVERHEAD)
                 raise
-            head = (self.cycle_model.prefetch_head(*prefetch)
-                    if prefetch and ins.opcode == Op.MATMUL else 0)
             cycles, nbytes = self.cycle_model.instruction(ins, pos=seq.pos, topk=h["topk"], addr=addr,
                                                           token_from_request=not seq.token_is_drafted,
-                                                          tree=self._tree_timing(ins, seq, h), head=head)
+                                                          tree=self._tree_timing(ins, seq, h),
+                                                          head=prefetch.head(ins))
             self.counts.add(ins.opcode, cycles, nbytes, self.cycle_model.macs(ins, pos=seq.pos))
-            # a chain forward's unit instruction may prefetch the MATMUL after it
-            prefetch = None if seq.tree_forward else (self.cycle_model.prefetch_at(ins, addr=addr), cycles)
+            prefetch.ran(ins, cycles, addr=addr, tree_forward=seq.tree_forward)
             if ins.opcode in CONTROL_OPS:
                 try:
                     seq.control(ins)
