@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                          "the memory arbiters and the register windows; dfvg_hw/draft_cores.py)")
     ap.add_argument("--verilog", metavar="FILE",
                     help="with --estimate: estimate this engine Verilog, written by an earlier build of "
-                         "the same board and preset, instead of elaborating the engine again (about an "
-                         "hour at alveo-u55c); writes no build tree")
+                         "the same board and preset, instead of elaborating the engine again (35 min "
+                         "at alveo-u55c on 2 cores); writes no build tree")
     ap.add_argument("--jobs", type=int, metavar="N",
                     help="with --estimate: Yosys runs at once (default: one a CPU core; a part of a "
                          "board preset takes up to about 5 GB)")
