@@ -341,17 +341,21 @@ class MemoryPort(wiring.Component):
         with m.Elif(ready):
             m.d.sync += valid.eq(0)
 
-    def _beat_bytes(self, track, command_end):
+    def _beat_bytes(self, m, track, command_end):
         """Byte enables of a beat and its byte count: all bytes, except those at and past
-        ``keep`` on a command's final beat."""
-        trimmed = command_end & (track.keep != self.bytes_per_beat)
+        ``keep`` on a command's final beat. Both are signals: as expressions each of the
+        ``bytes_per_beat`` uses would carry its own copy of the comparisons (a 512-bit
+        channel's Verilog was 1.7 MB of them)."""
+        trimmed = Signal()
+        enables = Signal(self.bytes_per_beat)
+        m.d.comb += trimmed.eq(command_end & (track.keep != self.bytes_per_beat))
         # A trimmed beat keeps bytes 0 … keep-1, where keep < bytes_per_beat: the top byte
         # never; byte 0 always on a lone port (keep ≥ 1 there), else unless keep = 0
         # (written out, as comparisons with a constant result are what Verilator's
         # CMPCONST warns about).
         first = Const(1) if self.channels == 1 else ~trimmed | (track.keep != 0)
-        enables = Cat(first, *[~trimmed | (track.keep > i)
-                               for i in range(1, self.bytes_per_beat - 1)], ~trimmed)
+        m.d.comb += enables.eq(Cat(first, *[~trimmed | (track.keep > i)
+                                            for i in range(1, self.bytes_per_beat - 1)], ~trimmed))
         count = Mux(trimmed, track.keep, self.bytes_per_beat)
         return enables, count
 
@@ -377,7 +381,7 @@ class MemoryPort(wiring.Component):
         # consumer that is always ready takes a beat every cycle.
         m.d.comb += axi.rready.eq(tracks.r_rdy & (~out.valid | out.ready))
         take = axi.rvalid & axi.rready
-        enables, nbytes = self._beat_bytes(track, command_end)
+        enables, nbytes = self._beat_bytes(m, track, command_end)
         with m.If(take):
             m.d.comb += tracks.r_en.eq(burst_end)
             m.d.sync += [
@@ -411,7 +415,7 @@ class MemoryPort(wiring.Component):
         burst_end = beat == track.len
         command_end = burst_end & track.ends_command
         m.d.comb += inp.ready.eq(w_tracks.r_rdy & (~axi.wvalid | axi.wready))
-        enables, nbytes = self._beat_bytes(track, command_end)
+        enables, nbytes = self._beat_bytes(m, track, command_end)
         with m.If(inp.valid & inp.ready):
             m.d.comb += w_tracks.r_en.eq(burst_end)
             m.d.sync += [
