@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                          "at alveo-u55c on 2 cores); writes no build tree")
     ap.add_argument("--jobs", type=int, metavar="N",
                     help="with --estimate: Yosys runs at once (default: one a CPU core; a part of a "
-                         "board preset takes up to about 5 GB)")
+                         "board preset can pass 7 GB)")
     args = ap.parse_args(argv)
     for flag, value in (("--draft-cores", args.draft_cores != 1), ("--verilog", args.verilog),
                         ("--jobs", args.jobs is not None)):
