@@ -54,6 +54,9 @@ __all__ = ["CycleModel", "CycleCounts", "PrefetchChain", "TreeTiming", "estimate
 ISSUE, BEFORE_FINISH = tm.ISSUE, tm.BEFORE_FINISH
 #: The opcodes a tree forward runs as one single-row job per row (controller.py).
 SPLIT_OPS = (Op.EMBED, Op.RMSNORM, Op.ROPE, Op.KVAPPEND, Op.ATTN, Op.ACTMUL)
+#: Instruction prices a :class:`CycleModel` keeps (a few MB; the keys include the KV
+#: position, so a long generation would otherwise keep one per instruction and position)
+PRICES_KEPT = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,9 @@ class CycleModel:
         self.config = config
         self.port = PortTiming.for_config(config)
         self.unit_port = PortTiming.for_units(config)
+        # Timing depends on no data (the module docstring), so a price is kept by its
+        # arguments: a program prices the same instructions request after request.
+        self._priced: dict[tuple, object] = {}
 
     def _read(self, nbytes: int, offset: int) -> int:
         """A read state pair (command, data) of ``nbytes`` at ``offset`` bytes into a
@@ -136,6 +142,15 @@ class CycleModel:
         the sampler, ``tree`` the tree request's shape where there is one, ``head`` a
         MATMUL's prefetch head start (:meth:`prefetch_head`; 0: not prefetched).
         """
+        key = (ins, pos, topk, addr, token_from_request, tree, head)
+        price = self._priced.get(key)
+        if price is None:
+            self._keep_room()
+            price = self._priced[key] = self._price(ins, pos, topk, addr, token_from_request, tree, head)
+        return price
+
+    def _price(self, ins: Instruction, pos: int, topk: int, addr: int | None, token_from_request: bool,
+               tree: TreeTiming | None, head: int) -> tuple[int, int]:
         c, port, unit_port = self.config, self.port, self.unit_port
         op = ins.opcode
         addr = ins.addr if addr is None else addr
@@ -190,8 +205,18 @@ class CycleModel:
         cycle after its gamma reader gave the last line
         (:func:`~sim.elementwise_timing.rmsnorm_gamma_taken`); the others give no
         prefetch (None). Chain forwards only: the caller checks that."""
+        key = ("prefetch_at", ins, addr)
+        if key not in self._priced:
+            self._keep_room()
+            self._priced[key] = self._prefetch_cycle(ins, ins.addr if addr is None else addr)
+        return self._priced[key]
+
+    def _keep_room(self) -> None:
+        if len(self._priced) >= PRICES_KEPT:
+            self._priced.clear()
+
+    def _prefetch_cycle(self, ins: Instruction, addr: int) -> int | None:
         c, op = self.config, ins.opcode
-        addr = ins.addr if addr is None else addr
         port = self.unit_port
         if op == Op.RMSNORM:
             if (ins.rows * max(ins.k, 1) != 1 or ins.n == 0

@@ -16,6 +16,23 @@ def test_requant_rounds_half_up_and_saturates():
     assert nx.requant([100], 3, 0, bits=16).tolist() == [300]
 
 
+def test_round_shift_of_one_shift_equals_per_element_shifts():
+    x = np.random.default_rng(0).integers(-2**50, 2**50, size=300)
+    for shift in (0, 1, 7, 31, 62, 63):
+        want = [(int(v) + (1 << shift >> 1)) >> shift for v in x]
+        assert nx.round_shift(x, shift).tolist() == want
+        assert nx.round_shift(x, np.full(x.shape, shift)).tolist() == want
+        assert nx.round_shift(x, np.int64(shift)).tolist() == want
+
+
+@pytest.mark.parametrize("size", [1, 32, 33, 1000])
+def test_bit_length_is_exact_on_both_sides_of_every_power_of_two(size):
+    edges = [0] + [v for e in range(63) for v in ((1 << e) - 1, 1 << e, (1 << e) + 1)] + [2**63 - 1]
+    rng = np.random.default_rng(size)
+    x = np.array(rng.choice(edges, size=size), dtype=np.int64).reshape(-1, 1)
+    assert nx.bit_length(x).tolist() == [[int(v).bit_length()] for v in x[:, 0]]
+
+
 def test_wide_digits_reconstruct_every_int16():
     x = np.arange(-32768, 32768)
     hi, lo = nx.wide_digits(x)

@@ -22,7 +22,7 @@ __all__ = [
     "MULT_BITS", "EXP_FRAC", "RSQRT_INDEX_BITS", "RSQRT_BITS", "ROPE_FRAC", "RECIP_BITS",
     "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "NORM_IN_BITS", "saturate", "round_shift", "requant", "add_bias",
     "BLOCK_MULT_BITS", "BLOCK_SHIFT", "block_matmul", "block_round",
-    "residual_add", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
+    "residual_add", "bit_length", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
     "rope", "act_mul", "topk_select", "sampler_probs", "sample_index",
     "path_score", "TREE_SCORE_ROOT", "tree_expand_greedy",
     "mix32", "rng32",
@@ -59,12 +59,16 @@ def _as_i64(x) -> np.ndarray:
 def saturate(x, bits: int) -> np.ndarray:
     """Clamp to the signed *bits*-bit range."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    return np.clip(_as_i64(x), lo, hi)
+    # np.clip's dtype checks cost more than the clamp on the functional model's short rows
+    return np.minimum(np.maximum(_as_i64(x), lo), hi)
 
 
 def round_shift(x, shift) -> np.ndarray:
     """``floor((x + 2^(shift-1)) / 2^shift)`` — round half up; ``shift`` ≥ 0 (0 is a no-op)."""
     x = _as_i64(x)
+    if np.ndim(shift) == 0 and shift >= 0:      # one shift for all: Python ints, no masks
+        shift = int(shift)
+        return np.right_shift(x + ((1 << shift) >> 1), shift)
     shift = _as_i64(shift)
     half = np.where(shift > 0, np.left_shift(_I64(1), np.maximum(shift - 1, 0)), 0)
     return np.right_shift(x + half, shift)
@@ -131,6 +135,20 @@ def residual_add(x, acc, mult, shift) -> np.ndarray:
     return saturate(_as_i64(x) + requant(acc, mult, shift, RES_BITS), RES_BITS)
 
 
+def bit_length(x) -> np.ndarray:
+    """Each non-negative int64 element's bit length (0 for 0), exactly: a leading-one
+    detector in hardware; no floats here, whose rounding would be off by one near 2^53+."""
+    x = _as_i64(x)
+    if x.size <= 32:        # a row's norm or a head's sum: one Python call beats 18 ufuncs
+        return np.array([int(v).bit_length() for v in x.flat], dtype=_I64).reshape(x.shape)
+    length = np.zeros_like(x)
+    for step in (32, 16, 8, 4, 2, 1):      # binary search: how far each element shifts to 1
+        big = x >= (_I64(1) << step)
+        length = length + np.where(big, step, 0)
+        x = np.where(big, x >> step, x)
+    return length + (x > 0)
+
+
 # -- reciprocal square root -------------------------------------------------------------
 def _build_rsqrt_lut() -> np.ndarray:
     lo, hi = 1 << RSQRT_INDEX_BITS, 4 << RSQRT_INDEX_BITS
@@ -155,14 +173,7 @@ def rsqrt_fixed(s) -> tuple[np.ndarray, np.ndarray]:
     if np.any(s < 0):
         raise ValueError("rsqrt_fixed needs a non-negative argument")
     s = np.maximum(s, 1)
-    # bit_length without floats: count how many shifts reach zero.
-    e = np.zeros_like(s)
-    t = s.copy()
-    for step in (32, 16, 8, 4, 2, 1):
-        big = t >= (_I64(1) << step)
-        e = e + np.where(big, step, 0)
-        t = np.where(big, t >> step, t)
-    k = e // 2
+    k = (bit_length(s) - 1) // 2
     sh = 2 * k - RSQRT_INDEX_BITS
     u = np.where(sh >= 0, s >> np.maximum(sh, 0), s << np.maximum(-sh, 0))
     return RSQRT_LUT[u - (1 << RSQRT_INDEX_BITS)], k
@@ -179,13 +190,7 @@ def norm_input_shift(x) -> np.ndarray:
     """
     x = _as_i64(x)
     m = np.bitwise_or.reduce(np.where(x < 0, ~x, x), axis=-1, keepdims=True)
-    length = np.zeros_like(m)
-    for step in (32, 16, 8, 4, 2, 1):
-        big = m >= (_I64(1) << step)
-        length = length + np.where(big, step, 0)
-        m = np.where(big, m >> step, m)
-    length = length + (m > 0)                         # bit_length of the OR
-    return np.maximum(length - (NORM_IN_BITS - 1), 0)
+    return np.maximum(bit_length(m) - (NORM_IN_BITS - 1), 0)
 
 
 def rmsnorm(x, gamma, gamma_shift: int, eps: int, out_bits: int = ACT_BITS) -> np.ndarray:
