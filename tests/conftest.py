@@ -65,7 +65,7 @@ SLOW_TESTS = {
     "test_cli.py::test_generate_streams_text_and_labels_figures",
     "test_compiler_accuracy.py::test_int8_engine_agrees_with_float_draft",
     # Not reached by the measuring run; slow by what they do (a compiled draft on the RTL
-    # engine; 50 prompts x 128 tokens; 20 000 samples).
+    # engine; 24 prompts x 128 tokens; 3 000 samples).
     "test_rtl_driver.py::test_driver_on_the_rtl_engine_equals_the_sim_device",
     "test_rtl_driver.py::test_generate_runs_end_to_end_on_verilator",
     "test_rtl_driver.py::test_multichannel_engine_equals_the_sim_device",

@@ -58,12 +58,13 @@ PROMPT = [1, 4, 6, 3]
 def test_sampling_is_lossless(small_vocab_pair):
     draft, target = small_vocab_pair
     decoder = make_decoder(draft, target, PARAMS)
-    # 8 000 samples (~60 ms each, mostly the functional model) give p = 0.25 here; a
+    # 3 000 samples (~30 ms each, mostly the functional model) give p = 0.83 here; a
     # uniform q gives p = 0.0 (float64) from 1 000 samples on (test_wrong_q_is_detected).
-    n = 8000
+    n = 3000
     counts = sample_first_two(decoder, PROMPT, n, PARAMS)
     expected = first_two_distribution(target, PROMPT, PARAMS)
     p = chi_square_p(counts, expected, n)
+    print(f"chi-square p = {p:.3g} from {n} samples")
     assert p > 0.01, f"speculative samples differ from the target distribution (p = {p:.2e})"
 
 
@@ -85,7 +86,7 @@ def heldout_prompts(data_dir, tokenizer, count=50, length=24, stride=300):
 
 
 def test_greedy_is_exact_on_the_demo_pair(demo_pair, demo_compiled):
-    """50 prompts x 128 new tokens: speculative output == target-only greedy generate()."""
+    """24 prompts x 128 new tokens: speculative output == target-only greedy generate()."""
     from transformers import AutoTokenizer
     draft_dir, target_dir, data_dir = demo_pair
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -94,7 +95,7 @@ def test_greedy_is_exact_on_the_demo_pair(demo_pair, demo_compiled):
     decoder = SpeculativeDecoder(device, Verifier(target, torch.device("cpu")), gamma=4,
                                  eos_token_id=tok.eos_token_id)
     accepted = drafted = 0
-    for prompt in heldout_prompts(data_dir, tok):
+    for prompt in heldout_prompts(data_dir, tok, count=24):
         out = decoder.generate(prompt, 128)
         with torch.no_grad():     # generate() also stops after EOS, and includes it
             ref = target.generate(torch.tensor([prompt]), max_new_tokens=128,
