@@ -97,8 +97,8 @@ def build_harness(config: EngineConfig, data_width: int | None = None, log=None,
         if log:
             log(f"verilator: building the {config.name} engine (about a minute, once)")
         # -Wno-fatal: lint is the RTL tests' job (verilator --lint-only); here only speed matters.
-        # -O0: g++ -O1 took 182 s of CPU on tiny's model, -O0 118 s, and the harness drafts
-        # as fast either way (its pipe and memory model set the pace: ~50k cycles/s).
+        # -O0: g++ -O1 took 182 s of CPU on tiny's model, -O0 118 s, and the harness drafted
+        # as fast either way (~50k cycles/s; its pipe and memory model, probably).
         proc = subprocess.run([exe, "--cc", "--exe", "--build", "-j", str(BUILD_JOBS), "-O2", "-Wno-fatal",
                                "-Wno-lint", "-Wno-style", "--top-module", TOP, "-o", "harness", f"{TOP}.v",
                                str(HARNESS), "-CFLAGS", f"-O0 -std=c++17 -I{out.resolve()}"],
