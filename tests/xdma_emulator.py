@@ -291,6 +291,17 @@ class XdmaEmulator:
         from dfvg_hw.spec.regmap import Reg
         return bool(self.device.read32(Reg.IRQ_STATUS) & self.device.read32(Reg.IRQ_ENABLE))
 
+    def _user_access(self, access):
+        """``access()`` on the register file; one event if it raised usr_irq_req. A card's
+        engine finishes whenever it finishes; the emulated one can change state only inside
+        an access, a read included (a device that runs on its nth STATUS read)."""
+        before = self._irq_line()
+        result = access()
+        if self._irq_line() and not before:
+            self._events = 1
+            self._deliver_events()
+        return result
+
     def _read(self, unique, node, payload):
         _, offset, size, *_ = IO_IN.unpack_from(payload)
         if node == FILES["user"]:
@@ -298,7 +309,7 @@ class XdmaEmulator:
                 raise _Reply(errno.EPROTO)
             if offset + 4 > BAR_BYTES:
                 raise _Reply(errno.EINVAL)
-            return self.device.read32(offset).to_bytes(4, "little")[:size]
+            return self._user_access(lambda: self.device.read32(offset)).to_bytes(4, "little")[:size]
         if node == FILES["c2h_0"]:
             return self._c2h(unique, offset, size)
         if node == FILES["events_0"]:
@@ -332,11 +343,7 @@ class XdmaEmulator:
                 raise _Reply(errno.EPROTO)
             if offset + 4 > BAR_BYTES:
                 raise _Reply(errno.EINVAL)
-            before = self._irq_line()
-            self.device.write32(offset, int.from_bytes(data, "little"))
-            if self._irq_line() and not before:      # usr_irq_req rose: one event
-                self._events = 1
-                self._deliver_events()
+            self._user_access(lambda: self.device.write32(offset, int.from_bytes(data, "little")))
         elif node == FILES["h2c_0"]:
             try:
                 self.device.dma_write(offset, data)
