@@ -97,14 +97,16 @@ def target(tiny_draft_dir):
     return load_model(tiny_draft_dir)
 
 
+def greedy_reference(target, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation of ``prompt``, ``n`` tokens."""
+    with torch.no_grad():
+        return target.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                               eos_token_id=1, pad_token_id=2)[0, len(prompt):].tolist()
+
+
 @pytest.fixture(scope="module")
 def reference(target):
-    out = {}
-    with torch.no_grad():
-        for p in PROMPTS:
-            out[tuple(p)] = target.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                                            eos_token_id=1, pad_token_id=2)[0, len(p):].tolist()
-    return out
+    return {tuple(p): greedy_reference(target, p, NEW) for p in PROMPTS}
 
 
 def decoder_for(compiled, target, **kwargs) -> MultiDraftDecoder:
@@ -443,7 +445,7 @@ def test_generate_on_a_card_with_two_cores(demo_pair, capsys):
     assert code == 2 and "card with 2 draft cores; 3 drafters were given it" in capsys.readouterr().err
 
 
-def test_two_rtl_cores_of_one_card_draft_for_two_drafters(drafters, target, reference):
+def test_two_rtl_cores_of_one_card_draft_for_two_drafters(drafters, target):
     """``rtl://tiny?cores=2``: the generated DraftCores in simulation, each core driven
     by its drafter's driver through its window; the output is exact and each core's
     cycles are at least what the cycle model gives it alone (they share the memory port)."""
@@ -455,9 +457,11 @@ def test_two_rtl_cores_of_one_card_draft_for_two_drafters(drafters, target, refe
     devices = [DraftDevice(w, c, memory_base=w.memory_base, timeout_s=600) for w, c in zip(windows, drafters[1:])]
     decoder = MultiDraftDecoder(devices, Verifier(target, torch.device("cpu")), merge="tree", gamma=2,
                                 eos_token_id=1)
-    prompt = PROMPTS[1]
+    # Two prompt tokens: each core's prefill and a full draft of gamma = 2 are ~9,300 cycles
+    # (PROMPTS[1]'s four, 14,500), which the Amaranth simulator runs at ~150 cycles/s.
+    prompt = PROMPTS[1][:2]
     out = decoder.generate(prompt, 3)
-    assert out.tokens == reference[tuple(prompt)][:3] and not out.faults
+    assert out.tokens == greedy_reference(target, prompt, 3) and not out.faults
     sim_cards = [DraftDevice.open("sim://tiny", c) for c in drafters[1:]]
     model = MultiDraftDecoder(sim_cards, Verifier(target, torch.device("cpu")), merge="tree", gamma=2,
                               eos_token_id=1).generate(prompt, 3)
