@@ -48,7 +48,8 @@ drain empties what it left in flight.
 **Checks**, all before the first pass and in the functional model's order, so a refused
 MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), ``BLOCKS`` on an engine
 built without block multipliers (``PROGRAM``: ``EngineConfig.weight_blocks``; no scale
-tile then ever reaches the matrix unit), the weight block past
+tile then ever reaches the matrix unit), the weight block off its alignment
+(``matmul_alignment``: a requant record's ``4·lanes`` bytes, at most a beat) or past
 device memory (``BAD_ADDRESS``; its records' biases too with ``BIAS``), the source span
 outside VMEM (``BAD_ADDRESS``), LOGITS
 with ``n > vocab_max`` (``PROGRAM``), the destination span outside VMEM
@@ -138,7 +139,7 @@ from amaranth.utils import exact_log2
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
-from dfvg_hw.spec.image import requant_record_bytes, scale_run_tiles
+from dfvg_hw.spec.image import matmul_alignment, requant_record_bytes, scale_run_tiles
 from dfvg_hw.spec.timing import matmul_records_per_beat
 from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.matrix import DIGIT_BITS, MatrixUnit
@@ -156,28 +157,32 @@ K_MAX = (1 << 16) - 1
 
 
 class BeatAligner(wiring.Component):
-    """Re-cuts the beats of a bus-aligned read so that they start ``offset`` bytes in.
+    """Re-cuts the beats of a bus-aligned read so that they start ``offset`` granules in.
 
-    A read of ``len`` bytes at byte address ``a`` is issued as ``a − offset`` (aligned,
-    ``offset = a mod B``) with length ``offset + len``; its ``ceil((offset + len)/B)``
+    A read of ``len`` bytes at byte address ``a`` (a multiple of the granule ``G``) is
+    issued as ``a − G·offset`` (aligned, ``G·offset = a mod B``) with length
+    ``G·offset + len``; its ``ceil((offset + len)/B)``
     beats come in on ``i`` and leave as the ``ceil(len/B)`` beats of ``[a, a + len)`` on
     ``o``. The owner says which output beat is the read's last (``final``, while that
     beat is on ``o``) and holds ``offset`` for the whole read.
 
     With ``offset = 0`` beats pass straight through (no register, no added cycle).
-    Otherwise output beat ``j`` is input beats ``j`` and ``j + 1`` through a byte
-    shifter: the first input beat is only held, and when the input ends first (its last
+    Otherwise output beat ``j`` is input beats ``j`` and ``j + 1`` through a shifter of
+    ``B/G`` positions (a multiplexer ``log2(B/G)`` levels deep; at byte granularity a 2 KiB
+    beat's would be 11): the first input beat is only held, and when the input ends first (its last
     beat carries the output's final bytes) the final beat is flushed from the held one.
 
     Parameters
     ----------
     data_width : int
         Bus width in bits (``B = data_width / 8`` bytes per beat).
+    granule : int
+        ``G``, the bytes a read's start is a multiple of (a power of two dividing ``B``).
 
     Members
     -------
-    offset : In(range(B))
-        Byte offset of the current read in its first beat.
+    offset : In(range(B / G))
+        Offset of the current read in its first beat, in granules.
     final : In(1)
         The beat now on ``o`` is the read's last (the aligner starts afresh after it).
     i : In(stream.Signature(ReadBeat(data_width)))
@@ -186,10 +191,11 @@ class BeatAligner(wiring.Component):
         The aligned beats.
     """
 
-    def __init__(self, data_width: int):
-        self.data_width = data_width
+    def __init__(self, data_width: int, granule: int = 1):
+        assert (data_width // 8) % granule == 0
+        self.data_width, self.granule = data_width, granule
         super().__init__(wiring.Signature({
-            "offset": In(range(data_width // 8)),
+            "offset": In(range(max(2, data_width // 8 // granule))),
             "final": In(1),
             "i": In(stream.Signature(ReadBeat(data_width))),
             "o": Out(stream.Signature(unsigned(data_width))),
@@ -203,7 +209,7 @@ class BeatAligner(wiring.Component):
         input_done = Signal()       # the read's last input beat has been taken
         # the held beat and the next one (zeros once the input has ended), shifted by whole bytes
         window = Cat(held, Mux(input_done, 0, self.i.p.data))
-        m.d.comb += self.o.p.eq((window >> (self.offset * 8))[:DW])
+        m.d.comb += self.o.p.eq((window >> (self.offset * 8 * self.granule))[:DW])
         take = self.i.valid & self.i.ready
         give = self.o.valid & self.o.ready
         with m.If(self.offset == 0):
@@ -357,7 +363,8 @@ class MatmulSequencer(wiring.Component):
         xw, xr = xbuf.write_port(granularity=slot_bits), xbuf.read_port()
         cut8 = m.submodules.cut_int8 = Gearbox(L, K)          # VMEM lines → K int8
         cut16 = m.submodules.cut_int16 = Gearbox(L, 2 * K)    # VMEM lines → K int16
-        align = m.submodules.align = BeatAligner(DW)
+        granule = matmul_alignment(N, beat_bytes)     # a block's address is a multiple of it
+        align = m.submodules.align = BeatAligner(DW, granule)
         tiles = m.submodules.tiles = TilePacker(beat_bytes, N * K)
 
         job = Signal(OpJob())
@@ -379,7 +386,8 @@ class MatmulSequencer(wiring.Component):
         weight_bytes = Signal(48)
         out_eb = Mux(mode == MatmulMode.INT8, 1, 4)      # RESADD: int32 residuals
         k_zero = k_tiles == 0            # no tiles: each group gets one zero tile
-        offset_bits = exact_log2(beat_bytes)
+        offset_bits, granule_bits = exact_log2(beat_bytes), exact_log2(granule)
+        misaligned = job.addr[:granule_bits].any() if granule_bits else Const(0)   # BAD_ADDRESS
 
         def padded(x, mult):
             return (x + mult - 1) // mult * mult
@@ -467,7 +475,7 @@ class MatmulSequencer(wiring.Component):
             in_q = data_q | k_zero
             q_data_offset = (job.addr + weight_bytes + record_offset(data_group))[:offset_bits]
             job_q_beats = Mux(bias, q_beats[True], q_beats[False])
-            m.d.comb += [align.offset.eq(Mux(in_q, q_data_offset, job.addr[:offset_bits])),
+            m.d.comb += [align.offset.eq(Mux(in_q, q_data_offset, job.addr[:offset_bits])[granule_bits:]),
                          align.final.eq(data_beats + 1 == Mux(in_q, job_q_beats, tile_beats))]
             wiring.connect(m, wiring.flipped(self.read_data), align.i)
             beat = align.o
@@ -563,7 +571,7 @@ class MatmulSequencer(wiring.Component):
             with m.State("PREFETCH_CHECK"):
                 end = job.addr + weight_bytes + record_offset(n_groups)
                 with m.If((job.rows > M) | (flags_view(job.flags).blocks & (not c.weight_blocks))
-                          | (end > c.mem_bytes)):
+                          | (end > c.mem_bytes) | misaligned):
                     m.next = "IDLE"
                 with m.Else():
                     m.d.sync += prefetched.eq(1)
@@ -591,7 +599,7 @@ class MatmulSequencer(wiring.Component):
                 with m.Elif(flags_view(job.flags).blocks & (not c.weight_blocks)):
                     m.d.sync += self.error.eq(ErrorCode.PROGRAM)
                     m.next = "DONE"
-                with m.Elif(end > c.mem_bytes):
+                with m.Elif(misaligned | (end > c.mem_bytes)):
                     m.d.sync += self.error.eq(ErrorCode.BAD_ADDRESS)
                     m.next = "DONE"
                 with m.Elif(outside(job.src, in_bytes)):

@@ -52,7 +52,7 @@ from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_FIELDS, REQUEST_HEADER_WORDS, DraftResult,
                                       ErrorCode,
                                       pack_fields, result_bytes)
-from dfvg_hw.spec.image import (ACT_PARAM_BYTES, NORM_PARAM_BYTES, pack_attn_params,
+from dfvg_hw.spec.image import (ACT_PARAM_BYTES, NORM_PARAM_BYTES, matmul_alignment, pack_attn_params,
                                 pack_norm_params, pack_requant_records, padded, tile_weights,
                                 untile_weights)
 from dfvg_hw.spec.isa import (INSTRUCTION_BITS, Cond, Flag, IllegalInstruction, Instruction,
@@ -255,17 +255,28 @@ class _Vmem:
 
 
 class _Image:
-    """An image built block by block, 16-byte aligned (a weight block now and then off
-    its beat, which the engine reads with one more beat)."""
+    """An image built block by block, 16-byte aligned; weight blocks on their alignment
+    (``matmul_alignment``), now and then off their beat where that alignment is less than
+    a beat (the engine reads such a block with one more beat)."""
 
     def __init__(self, rng):
         self.rng, self.data = rng, bytearray(rng.bytes(256))
 
-    def put(self, block: bytes, misalign: bool = False) -> int:
-        at = len(self.data) + (int(self.rng.integers(1, 16)) if misalign else 0)
+    def put(self, block: bytes, alignment: int = 16, skip: int = 0) -> int:
+        """``block`` at the next multiple of ``alignment``, plus ``skip`` bytes."""
+        at = padded(len(self.data), alignment) + skip
         self.data += bytes(at - len(self.data)) + block
         self.data += bytes(-len(self.data) % 16)
         return at
+
+    def _weight_skip(self, c: EngineConfig) -> tuple[int, int]:
+        """(alignment, bytes past it) of a weight block's address: off the beat one time
+        in ten where the block's alignment allows it. (Random instructions, the other
+        half of the cases, put MATMULs off their alignment too.)"""
+        alignment, beat = matmul_alignment(c.lanes, c.mem_beat_bytes), c.mem_beat_bytes
+        if self.rng.random() < 0.1 and alignment < beat:
+            return beat, alignment * int(self.rng.integers(1, beat // alignment))
+        return alignment, 0
 
     def weights(self, n: int, k: int, c: EngineConfig, bias: bool = False, scales=None) -> int:
         """An ``n × k`` int8 block: random tiles, then requant records: words with shifts
@@ -283,7 +294,7 @@ class _Image:
             m = scales.integers(0, 1 << 16, (npad, kpad // c.reduce))
             tiles = tile_weights(w, c.lanes, c.reduce, m).tobytes()
         return self.put(tiles + pack_requant_records(mult, shift, biases, npad, c.lanes),
-                        misalign=self.rng.random() < 0.1)
+                        *self._weight_skip(c))
 
     def norm(self, n: int) -> int:
         eps = 0 if self.rng.random() < 0.2 else int(self.rng.integers(0, 1 << 20))

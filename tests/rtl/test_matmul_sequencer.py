@@ -41,8 +41,8 @@ from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.spec.descriptors import ErrorCode
-from dfvg_hw.spec.image import (pack_requant_records, padded, requant_record_bytes, tile_weights,
-                                weight_area_bytes)
+from dfvg_hw.spec.image import (matmul_alignment, pack_requant_records, padded, requant_record_bytes,
+                                tile_weights, weight_area_bytes)
 from dfvg_hw.spec.isa import Flag, Instruction, MatmulMode, Op
 from dfvg_hw.matmul_sequencer import MatmulSequencer
 from sim.cycle_model import CycleModel, TreeTiming
@@ -120,14 +120,18 @@ def _write_block(rng, memory: DeviceMemory, config, addr: int, n: int, k: int,
     return tiles.size + len(records)
 
 
-def _blocks(rng, config, shapes=SHAPES, misalign=(0,), bias=False, blocks=False):
+def _blocks(rng, config, shapes=SHAPES, misalign=(0,), bias=False, blocks=False, data_width=128):
     """Device memory with one block per shape (each with biases if ``bias``, scale tiles
     if ``blocks``), block ``i`` ``misalign[i % len(misalign)]`` bytes past a 64-byte
-    boundary; returns the memory and ``{(n, k): addr}``."""
+    boundary, rounded down to a block's alignment on a ``data_width``-bit bus
+    (``matmul_alignment``: a misalignment that is no multiple of it is BAD_ADDRESS, which
+    test_blocks_off_their_alignment_are_bad_address holds the sequencer to); returns the
+    memory and ``{(n, k): addr}``."""
     memory = DeviceMemory(config.mem_bytes)
     addrs, addr = {}, 0x1000
+    alignment = matmul_alignment(config.lanes, data_width // 8)
     for i, (n, k) in enumerate(shapes):
-        at = addr + misalign[i % len(misalign)]
+        at = addr + misalign[i % len(misalign)] // alignment * alignment
         addrs[(n, k)] = at
         addr = padded(at + _write_block(rng, memory, config, at, n, k, bias, blocks), 64)
     return memory, addrs
@@ -180,6 +184,8 @@ def _check(rng, config, jobs, memory, data_width=128, vmem=None):
     model's cycles. Returns the error codes."""
     if vmem is None:
         vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    # the functional model's memory beat is the bench's bus (a block's alignment depends on it)
+    config = config.with_changes(mem_port_bits=data_width)
     jobs = [{"pitch": 0, "opcode": Op.MATMUL} | job for job in jobs]
     jobs = [job | {"tree": TreeState(job["rows"], 0, level=1)} if _in_tree(job) else job
             for job in jobs]
@@ -198,7 +204,7 @@ def _check_random(seed, config, data_width=128, count=16, misalign=(0,), bias=Fa
     INT32 and an INT8 of more rows than a pass holds), all OK; every job with ``BIAS`` if
     ``bias``, with ``BLOCKS`` if ``blocks``. Returns the jobs."""
     rng = np.random.default_rng(seed)
-    memory, addrs = _blocks(rng, config, misalign=misalign, bias=bias, blocks=blocks)
+    memory, addrs = _blocks(rng, config, misalign=misalign, bias=bias, blocks=blocks, data_width=data_width)
     jobs = [_random_job(rng, config, addrs, bias, blocks) for _ in range(count)]
     a = addrs[(33, 17)]
     flags = dict(bias=bias, blocks=blocks)
@@ -220,9 +226,18 @@ def test_tiny_random_jobs():
     _check_random(1, TINY, count=20)
 
 
-def test_tiny_unaligned_weights():
-    """Weight blocks at byte offsets the 128-bit bus cannot address directly."""
-    _check_random(2, TINY, count=6, misalign=(3, 8, 0, 13))
+def test_blocks_off_their_alignment_are_bad_address():
+    """A block's address is a multiple of ``matmul_alignment`` (16 bytes at tiny: a
+    requant record, the whole 128-bit beat): any other is BAD_ADDRESS, as in the
+    functional model, and a prefetch of one reads nothing (the job after it still runs)."""
+    rng = np.random.default_rng(2)
+    assert matmul_alignment(TINY.lanes, TINY.mem_beat_bytes) == 16
+    memory, addrs = _blocks(rng, TINY, shapes=((8, 8), (40, 40)))
+    a, b = addrs[(8, 8)], addrs[(40, 40)]
+    jobs = [_mm(INT8, 1, 8, 8, 0, 40, a + 1), _mm(INT8, 1, 8, 8, 0, 40, a + 15),
+            _mm(INT8, 2, 40, 40, 0, 60, b + 8), _mm(INT8, 1, 8, 8, 0, 40, a)]
+    errors = _check(rng, TINY, jobs, memory)
+    assert errors == [ErrorCode.BAD_ADDRESS] * 3 + [ErrorCode.OK]
 
 
 def test_errors_in_the_functional_models_order():
@@ -281,15 +296,16 @@ def test_16_lanes():
 
 def test_32_lanes_wide_bus():
     """256-bit bus, 32 lanes × reduce 4 × 4 rows: INT8 rows two lines, RESADD rows eight,
-    requant words four beats, weights on and off the bus alignment; wide jobs of 3 and
-    4 rows take two passes."""
-    _check_random(6, TINY.with_changes(lanes=32, reduce=4, rows=4), data_width=256, count=10,
-                  misalign=(16, 0, 8))
+    requant words four beats (a block's alignment is the whole beat: blocks start on one);
+    wide jobs of 3 and 4 rows take two passes."""
+    _check_random(6, TINY.with_changes(lanes=32, reduce=4, rows=4), data_width=256, count=10)
 
 
 def test_reduce_32_eight_rows():
     """256-bit bus, 4 lanes × reduce 32 × 8 rows (the Alveo presets' reduce and rows): x
-    slices packed from two lines (four when wide), up to four wide rows per pass."""
+    slices packed from two lines (four when wide), up to four wide rows per pass; blocks
+    that start mid-beat (a block's alignment is 16 bytes, half a beat), which the aligner
+    re-cuts."""
     _check_random(9, TINY.with_changes(reduce=32, rows=8), data_width=256, count=6,
                   misalign=(0, 16))
 
@@ -438,7 +454,7 @@ def test_blocks_32_lanes_wide_bus():
     """256-bit bus, 32 lanes × reduce 4: a scale tile is four beats for a run of two tiles,
     int32 rows eight lines; wide jobs take two passes."""
     _check_random(43, TINY.with_changes(lanes=32, reduce=4, rows=4), data_width=256, count=5,
-                  misalign=(16, 0, 8), blocks=True)
+                  blocks=True)
 
 
 def test_blocks_reduce_32():
@@ -499,7 +515,8 @@ def test_an_engine_without_block_multipliers():
 
 #: Geometry (config, bus width) and jobs ``(mode, rows, n, k, weight address, wide)`` where a
 #: term of the MATMUL cycle model decides the count: changing that term by one cycle
-#: changes some job's count. ``far``: 100 cycles of latency, so bursts wait for the
+#: changes some job's count. Weight addresses are on a block's alignment (16 bytes at 4
+#: lanes, 64 at 16), off the beat where the beat is wider. ``far``: 100 cycles of latency, so bursts wait for the
 #: burst-track FIFO, and reads split at a 4 KiB page one or two beats in. ``rows8``: eight
 #: rows of 16 lanes on a 512-bit bus (requant words one beat), so write-back outlasts the
 #: weights: the matrix unit waits for the bank, the packer holds a tile, and consecutive
@@ -514,17 +531,17 @@ def test_an_engine_without_block_multipliers():
 #: records, so one read per two groups.
 CORNERS = {
     "far": (TINY.with_changes(mem_latency_ns=1000.0), 128, [
-        (LOGITS, 1, 100, 40, 0x1f73, True), (RESADD, 2, 64, 70, 0x1fb6, False),
-        (RESADD, 2, 64, 0, 0x1004, True), (INT8, 2, 64, 5, 0x1f61, True),
-        (RESADD, 1, 33, 70, 0x1fa8, True), (RESADD, 1, 5, 5, 0x1ffc, True)]),
+        (LOGITS, 1, 100, 40, 0x1f70, True), (RESADD, 2, 64, 70, 0x1fb0, False),
+        (RESADD, 2, 64, 0, 0x1010, True), (INT8, 2, 64, 5, 0x1f60, True),
+        (RESADD, 1, 33, 70, 0x1fa0, True), (RESADD, 1, 5, 5, 0x1ff0, True)]),
     "rows8": (TINY.with_changes(lanes=16, reduce=4, rows=8, mem_bandwidth_gbps=6.4), 512, [
-        (INT8, 8, 33, 8, 0x1ff3, False), (LOGITS, 1, 33, 8, 0x1000, False),
+        (INT8, 8, 33, 8, 0x1fc0, False), (LOGITS, 1, 33, 8, 0x1000, False),
         (INT8, 6, 16, 8, 0x1000, False), (RESADD, 8, 7, 8, 0x1000, False),
         (RESADD, 5, 7, 40, 0x1000, True), (RESADD, 2, 33, 3, 0x1000, False),
-        (INT8, 3, 16, 3, 0x1fd6, False)]),
+        (INT8, 3, 16, 3, 0x1f80, False)]),
     "slow": (TINY.with_changes(mem_latency_ns=300.0, mem_bandwidth_gbps=0.64), 256, [
         (RESADD, 1, 16, 40, 0x1000, False), (RESADD, 2, 33, 3, 0x1fb0, False),
-        (RESADD, 2, 1, 70, 0x1023, False), (RESADD, 2, 100, 0, 0x1000, False)]),
+        (RESADD, 2, 1, 70, 0x1030, False), (RESADD, 2, 100, 0, 0x1000, False)]),
     "fractional": (TINY.with_changes(reduce=16, mem_latency_ns=300.0, mem_bandwidth_gbps=4.4),
                    512, [
         (INT8, 1, 40, 40, 0x1000, False), (LOGITS, 1, 100, 8, 0x1400, False),
@@ -644,7 +661,7 @@ def _check_tree_random(seed, config, data_width=128, count=40, misalign=(0,)):
     every mode and a LOGITS of several rows, plus a wide LOGITS and a wide RESADD of all
     rows at a pitch (more rows than a pass holds)."""
     rng = np.random.default_rng(seed)
-    memory, addrs = _blocks(rng, config, misalign=misalign)
+    memory, addrs = _blocks(rng, config, misalign=misalign, data_width=data_width)
     jobs = [_random_tree_job(rng, config, addrs) for _ in range(count)]
     a, pitch = addrs[(33, 17)], _lines(4 * 33) + 1
     jobs += [_mm(LOGITS, config.rows, 33, 17, 3, 0, a, wide=True, pitch=pitch),
