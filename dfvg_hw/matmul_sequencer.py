@@ -161,7 +161,7 @@ class BeatAligner(wiring.Component):
 
     A read of ``len`` bytes at byte address ``a`` (a multiple of the granule ``G``) is
     issued as ``a − G·offset`` (aligned, ``G·offset = a mod B``) with length
-    ``G·offset + len``; its ``ceil((offset + len)/B)``
+    ``G·offset + len``; its ``ceil((G·offset + len)/B)``
     beats come in on ``i`` and leave as the ``ceil(len/B)`` beats of ``[a, a + len)`` on
     ``o``. The owner says which output beat is the read's last (``final``, while that
     beat is on ``o``) and holds ``offset`` for the whole read.
@@ -207,7 +207,7 @@ class BeatAligner(wiring.Component):
         held = Signal(DW)
         have_held = Signal()        # the read's first beat is held
         input_done = Signal()       # the read's last input beat has been taken
-        # the held beat and the next one (zeros once the input has ended), shifted by whole bytes
+        # the held beat and the next one (zeros once the input has ended), shifted by whole granules
         window = Cat(held, Mux(input_done, 0, self.i.p.data))
         m.d.comb += self.o.p.eq((window >> (self.offset * 8 * self.granule))[:DW])
         take = self.i.valid & self.i.ready
