@@ -23,9 +23,6 @@ TINY = get_preset("tiny")
 #: longer samples. A case's bound is 30 s: a watchdog case runs up to ~40 000 instructions
 #: of real work, ~5 s.
 SEEDS, PER_SEED = 5, 160
-#: Runs that complete, at least: 41.5 of 160 on average over seeds 5-16 (35 the fewest),
-#: 28 at seed 3; a floor that says the sample reaches the engine, ~2.5 sd below the mean.
-COMPLETE_AT_LEAST = PER_SEED // 6
 
 
 @pytest.mark.parametrize("seed", range(SEEDS))
@@ -35,7 +32,7 @@ def test_random_programs_fault_only_with_error_codes(seed):
     for _ in range(PER_SEED):
         case = random_case(rng, TINY)
         tally.add(case, run_case(TINY, case, time_limit_s=30.0))
-    assert tally.ends["OK"] >= COMPLETE_AT_LEAST and tally.ends["PROGRAM"]
+    assert tally.ends["OK"] >= PER_SEED // 5 and tally.ends["PROGRAM"]
     # the model-shaped half reaches every unit in runs that complete
     assert [op.name for op in Op if op != Op.NOP and not tally.ran[op.name]] == []
 
