@@ -29,9 +29,8 @@ the pass's first state (PASS), before and during the x load, and the x load does
 for the stream either: the matrix unit takes the first group's tile ``kt`` as soon as
 x-buffer entry ``kt`` holds every row of the pass
 (:data:`~dfvg_hw.spec.timing.MATMUL_X_TO_TILE` cycles after the last row's slice ``kt``),
-while the later slices still load. Beats that come before their x wait in the tile packer,
-the aligner and the memory port's ``read_data`` register (the memory holding the rest
-back); a scale tile is taken into ``scales`` as it completes, whenever that is. Requant
+while the later slices still load. Beats that come before their x wait in the tile packer
+and the memory port's ``read_data`` register (the memory holding the rest back); a scale tile is taken into ``scales`` as it completes, whenever that is. Requant
 words, residual reads (VMEM's read port serves the x load first) and results wait for
 STREAM, after the x load. A pass after the first reads its weights again from its own PASS.
 
@@ -40,7 +39,7 @@ instruction before it still runs (controller.py): taken in IDLE, the job's field
 latched and checked against device memory (PREFETCH_CHECK: rows, BLOCKS, the block's
 end; a block RANGE would refuse is not prefetched, so a prefetch faults nothing), then
 PREFETCH issues the first pass's reads exactly as PASS would, its tiles waiting in the
-packer (``x_in`` is 0) and the rest in the aligner and the port. The job itself, the same
+packer (``x_in`` is 0) and the rest in the port. The job itself, the same
 instruction, is then taken in PREFETCH; RANGE, PASS and the rest run as ever with the
 reads going on. A reset (the controller's cancel) forgets a prefetch; the controller's
 drain empties what it left in flight.
@@ -48,13 +47,14 @@ drain empties what it left in flight.
 **Checks**, all before the first pass and in the functional model's order, so a refused
 MATMUL changes nothing: ``rows > config.rows`` (``PROGRAM``), ``BLOCKS`` on an engine
 built without block multipliers (``PROGRAM``: ``EngineConfig.weight_blocks``; no scale
-tile then ever reaches the matrix unit), the weight block off its alignment
-(``matmul_alignment``: a requant record's ``4·lanes`` bytes, at most a beat) or past
+tile then ever reaches the matrix unit), the weight block off the bus beat or past
 device memory (``BAD_ADDRESS``; its records' biases too with ``BIAS``), the source span
 outside VMEM (``BAD_ADDRESS``), LOGITS
 with ``n > vocab_max`` (``PROGRAM``), the destination span outside VMEM
 (``BAD_ADDRESS``). A MATMUL with ``n = 0`` writes nothing (LOGITS: an empty vector); with
-``k = 0`` every accumulator is 0 (no tile is read: each group gets one zero tile).
+``k = 0`` every accumulator is 0 (no tile is read: each group meets zero x rows with
+whatever tile the packer holds, ``rows·reduce`` digits cleared instead of a
+``lanes·reduce``-byte tile).
 Whether a LOGITS may have several rows (a tree forward's ``W``, else 1; isa.md §9) is the
 controller's check, made before it hands the job over.
 
@@ -75,22 +75,21 @@ group, and passes follow each other, so each row's tiles arrive in group order.
 **Geometry** (:meth:`MatmulSequencer.supports`): any lanes ``N`` and reduce ``K`` with
 ``N·K`` at least one bus beat (a tile is whole beats) and ``2K ≤ 256`` (the x cutter).
 
-* *Weights at any byte address.* The memory port takes bus-aligned addresses only, and
-  the image aligns blocks to 16 bytes, not to a 256-bit beat. Each read asks for the
-  aligned run around its bytes and :class:`BeatAligner` shifts the beats back (one more
-  beat per read when the address is not aligned; none when it is).
+* *Weights on a beat.* A block starts on a bus beat (``BAD_ADDRESS`` otherwise, as the
+  memory port takes bus-aligned addresses only), and a group's tiles are whole beats, so
+  every read starts on a beat and its beats go to the packer or the record register as
+  they come. (Until 2026-12-05 a block could start anywhere and a beat aligner re-cut
+  the reads: 66k LUTs at alveo-u55c even at record granularity, 202k at byte granularity.)
 * *Requant records* ``R = 4N`` bytes per group (``8N`` with ``BIAS``: the words, then
-  the biases): whole beats, or, when ``R`` is less than a beat, part of one (the aligner
-  puts them at byte 0). When ``R`` is less than a beat (and divides it), the block is
-  bus-aligned (the compiler aligns blocks to beats) and ``k > 0``, the records of
-  ``G = B/R`` groups share a beat (:func:`~dfvg_hw.spec.timing.matmul_records_per_beat`;
+  the biases): whole beats, or, when ``R`` is less than a beat (and divides it), the
+  records of ``G = B/R`` groups share a beat (:func:`~dfvg_hw.spec.timing.matmul_records_per_beat`;
   ``G`` halves with ``BIAS``): group ``g``'s record is read only for ``g`` a multiple of
   ``G``, as one aligned beat of ``min(G, groups − g)·R`` bytes after its tiles, and kept
   in a register (``max(8N, B)`` bytes) that serves the next ``G − 1`` groups (a group's
   record is shown to the matrix unit as soon as the previous group's is used). At the
   Alveo U55C preset (``4N`` = 256 B, 2 KiB beats) that is one requant beat per 8 groups
-  (4 with ``BIAS``) instead of one per group, and no per-group BeatAligner flush (a
-  group's words at ``256·g`` bytes were off the beat for 7 groups in 8).
+  (4 with ``BIAS``) instead of one per group. With ``k = 0`` the reads are the records
+  alone, one per batch.
 * *Write-back*: a group's result row is ``N`` bytes (INT8) or ``4N`` (RESADD: the int32
   residual; INT32). Up to a line it is one masked write inside a line; beyond, it starts a line
   and takes ``W = N·eb/16`` line writes, one per cycle, the lanes past ``n`` masked off.
@@ -115,9 +114,7 @@ rows (a wide row counts once). Earlier groups' write-backs overlap the next grou
 weight stream and cost nothing while ``rows_pass · W`` (RESADD: ``rows_pass · (R + 1)``) is
 at most that group's ``N·Kp/B + max(1, 4N/B)`` beats: at the Alveo presets 32 (136)
 cycles for 8 rows against at least 72 beats, so a RESADD of 8 rows at 64 lanes now
-waits on its write-back (single-row RESADDs, the compiler's, take 17 against 72). A weight block off the bus alignment costs one
-more beat per read whose bytes straddle one more beat (every tile read; a requant read
-unless ``4N < B`` and its words stay inside one beat).
+waits on its write-back (single-row RESADDs, the compiler's, take 17 against 72).
 
 The x buffer holds ``ceil(min(65535, vmem_bytes) / K)`` K-slices: the longest ``k`` a
 MATMUL can use (the ``k`` field is 16-bit, and an int8 source row of ``k`` bytes must fit
@@ -139,96 +136,20 @@ from amaranth.utils import exact_log2
 from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
-from dfvg_hw.spec.image import matmul_alignment, requant_record_bytes, scale_run_tiles
+from dfvg_hw.spec.image import requant_record_bytes, scale_run_tiles
 from dfvg_hw.spec.timing import matmul_records_per_beat
 from dfvg_hw.spec.isa import MatmulMode
 from dfvg_hw.matrix import DIGIT_BITS, MatrixUnit
-from dfvg_hw.memory_port import ReadBeat
 from dfvg_hw.layouts import flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import vmem_span_outside
 from dfvg_hw.sample_sequencer import LogitTile
 from dfvg_hw.vmem import Gearbox
 
-__all__ = ["MatmulSequencer", "BeatAligner", "TilePacker"]
+__all__ = ["MatmulSequencer", "TilePacker"]
 
 #: the longest k the 16-bit instruction field allows
 K_MAX = (1 << 16) - 1
-
-
-class BeatAligner(wiring.Component):
-    """Re-cuts the beats of a bus-aligned read so that they start ``offset`` granules in.
-
-    A read of ``len`` bytes at byte address ``a`` (a multiple of the granule ``G``) is
-    issued as ``a − G·offset`` (aligned, ``G·offset = a mod B``) with length
-    ``G·offset + len``; its ``ceil((G·offset + len)/B)``
-    beats come in on ``i`` and leave as the ``ceil(len/B)`` beats of ``[a, a + len)`` on
-    ``o``. The owner says which output beat is the read's last (``final``, while that
-    beat is on ``o``) and holds ``offset`` for the whole read.
-
-    With ``offset = 0`` beats pass straight through (no register, no added cycle).
-    Otherwise output beat ``j`` is input beats ``j`` and ``j + 1`` through a shifter of
-    ``B/G`` positions (a multiplexer ``log2(B/G)`` levels deep; at byte granularity a 2 KiB
-    beat's would be 11): the first input beat is only held, and when the input ends first (its last
-    beat carries the output's final bytes) the final beat is flushed from the held one.
-
-    Parameters
-    ----------
-    data_width : int
-        Bus width in bits (``B = data_width / 8`` bytes per beat).
-    granule : int
-        ``G``, the bytes a read's start is a multiple of (a power of two dividing ``B``).
-
-    Members
-    -------
-    offset : In(range(B / G))
-        Offset of the current read in its first beat, in granules.
-    final : In(1)
-        The beat now on ``o`` is the read's last (the aligner starts afresh after it).
-    i : In(stream.Signature(ReadBeat(data_width)))
-        The memory port's beats (``last`` on a read's final beat).
-    o : Out(stream.Signature(unsigned(data_width)))
-        The aligned beats.
-    """
-
-    def __init__(self, data_width: int, granule: int = 1):
-        assert (data_width // 8) % granule == 0
-        self.data_width, self.granule = data_width, granule
-        super().__init__(wiring.Signature({
-            "offset": In(range(max(2, data_width // 8 // granule))),
-            "final": In(1),
-            "i": In(stream.Signature(ReadBeat(data_width))),
-            "o": Out(stream.Signature(unsigned(data_width))),
-        }))
-
-    def elaborate(self, platform):
-        m = Module()
-        DW = self.data_width
-        held = Signal(DW)
-        have_held = Signal()        # the read's first beat is held
-        input_done = Signal()       # the read's last input beat has been taken
-        # the held beat and the next one (zeros once the input has ended), shifted by whole granules
-        window = Cat(held, Mux(input_done, 0, self.i.p.data))
-        m.d.comb += self.o.p.eq((window >> (self.offset * 8 * self.granule))[:DW])
-        take = self.i.valid & self.i.ready
-        give = self.o.valid & self.o.ready
-        with m.If(self.offset == 0):
-            m.d.comb += [self.o.valid.eq(self.i.valid), self.o.p.eq(self.i.p.data),
-                         self.i.ready.eq(self.o.ready)]
-        with m.Elif(~have_held):
-            m.d.comb += self.i.ready.eq(1)
-            with m.If(take):
-                m.d.sync += [held.eq(self.i.p.data), have_held.eq(1),
-                             input_done.eq(self.i.p.last)]
-        with m.Elif(~input_done):
-            m.d.comb += [self.o.valid.eq(self.i.valid), self.i.ready.eq(self.o.ready)]
-            with m.If(take):
-                m.d.sync += [held.eq(self.i.p.data), input_done.eq(self.i.p.last)]
-        with m.Else():                              # flush the held beat's last bytes
-            m.d.comb += self.o.valid.eq(1)
-        with m.If(give & self.final):
-            m.d.sync += [have_held.eq(0), input_done.eq(0)]
-        return m
 
 
 class TilePacker(wiring.Component):
@@ -363,8 +284,6 @@ class MatmulSequencer(wiring.Component):
         xw, xr = xbuf.write_port(granularity=slot_bits), xbuf.read_port()
         cut8 = m.submodules.cut_int8 = Gearbox(L, K)          # VMEM lines → K int8
         cut16 = m.submodules.cut_int16 = Gearbox(L, 2 * K)    # VMEM lines → K int16
-        granule = matmul_alignment(N, beat_bytes)     # a block's address is a multiple of it
-        align = m.submodules.align = BeatAligner(DW, granule)
         tiles = m.submodules.tiles = TilePacker(beat_bytes, N * K)
 
         job = Signal(OpJob())
@@ -386,8 +305,8 @@ class MatmulSequencer(wiring.Component):
         weight_bytes = Signal(48)
         out_eb = Mux(mode == MatmulMode.INT8, 1, 4)      # RESADD: int32 residuals
         k_zero = k_tiles == 0            # no tiles: each group gets one zero tile
-        offset_bits, granule_bits = exact_log2(beat_bytes), exact_log2(granule)
-        misaligned = job.addr[:granule_bits].any() if granule_bits else Const(0)   # BAD_ADDRESS
+        # a block starts on a beat (BAD_ADDRESS otherwise): every read below is then aligned
+        misaligned = job.addr[:exact_log2(beat_bytes)].any()
 
         def padded(x, mult):
             return (x + mult - 1) // mult * mult
@@ -400,35 +319,25 @@ class MatmulSequencer(wiring.Component):
         m.d.sync += peek_live.eq(0)
         # -- the pass's weights and requant records, read from the pass's start, and its tiles
         # into the matrix unit as their x entries come in (the weights do not depend on x:
-        # the reads run while x loads, the packer, the aligner and the memory port holding
+        # the reads run while x loads, the packer and the memory port holding
         # the beats that come before their x) ----------------------------------------------
         fetching = Signal()             # PASS … STREAM (PREFETCH … STREAM when prefetched)
         prefetched = Signal()           # this job's first pass read from PREFETCH on
         cmd_group, cmd_q = Signal(16), Signal()
         data_q, data_beats, data_group = Signal(), Signal(32), Signal(16)
 
-        # The records of G = B/R groups share a beat (R < B): on a beat-aligned block
-        # (the compiler's) with k > 0 one read of the beat serves them all, made with
-        # the first group's tiles; otherwise one read per group. G differs with BIAS.
+        # The records of G = B/R groups share a beat (R < B): one read of the beat serves
+        # them all, made with the first group's tiles (k = 0: the reads are the records
+        # alone, one a batch). G differs with BIAS; G = 1 is a batch of one.
         G = {b: matmul_records_per_beat(beat_bytes, N, b) for b in (False, True)}
-        if G[False] > 1:            # (G[True] > 1 only if G[False] > 1; G = 1: a batch of one)
-            batched = (job.addr[:offset_bits] == 0) & ~k_zero
-            g_batch = Mux(bias, G[True], G[False])
+        g_batch = Mux(bias, G[True], G[False])
 
-            def needs_q(g):
-                return ~batched | ((g & (g_batch - 1)) == 0)
+        def needs_q(g):                 # group g's read brings its batch's records
+            return (g & (g_batch - 1)) == 0
 
-            def q_groups(g):        # groups whose records a read for group g brings
-                left = n_groups - g
-                return Mux(batched, Mux(left < g_batch, left, g_batch), 1)
-        else:
-            batched = 0
-
-            def needs_q(g):
-                return 1
-
-            def q_groups(g):
-                return 1
+        def q_groups(g):                # groups whose records a read for group g brings
+            left = n_groups - g
+            return Mux(left < g_batch, left, g_batch)
         # mx.q shows the words of group q_group while q_group < q_end (q_end: one past
         # the last group whose words are in qbuf); a read's beats enter at q_group == q_end
         q_group, q_end = Signal(16), Signal(16)
@@ -444,44 +353,41 @@ class MatmulSequencer(wiring.Component):
         # then each take their lanes' multipliers from it
         scales, scales_in = Signal(8 * N * K), Signal()
         scale_tile = blocks & ~scales_in
+        # Wide data paths are driven in every state and only their valids say when they
+        # count: a comb assignment under a condition ANDs each of its bits with it (two
+        # 16,384-bit paths at alveo-u55c, 33k LUTs in Yosys). These go in after the FSM.
+        ungated = []
+        beat = self.read_data
+        qbuf = Signal(max(64 * N, DW))
+        ungated += [tiles.i.p.eq(beat.p.data), mx.w.payload.data.as_value().eq(tiles.o.p),
+                    # k = 0: zero rows against whatever tile (M·K digits to clear, not N·K weights)
+                    mx.x.payload.as_value().eq(Mux(k_zero, 0, xr.data))]
         with m.If(fetching):
             tile_beats = N * g_tiles * K // beat_bytes
             q_beats = {b: max(1, requant_record_bytes(N, b) // beat_bytes) for b in (False, True)}
-            # commands: tiles of group g (none when k = 0), then its requant record; each
-            # from the bus-aligned address below its first byte
+            # commands: tiles of group g (none when k = 0), then its batch's requant records
             is_q = cmd_q | k_zero
             q_addr = job.addr + weight_bytes + record_offset(cmd_group)
             tile_addr = job.addr + cmd_group * N * g_tiles * K
-            cmd_addr = Mux(is_q, q_addr, tile_addr)
-            cmd_offset = cmd_addr[:offset_bits]
             with m.If(cmd_group < n_groups):
                 m.d.comb += [
                     self.read_cmd.valid.eq(1),
-                    self.read_cmd.payload.addr.eq(cmd_addr & ~(beat_bytes - 1)),
+                    self.read_cmd.payload.addr.eq(Mux(is_q, q_addr, tile_addr)),
                     self.read_cmd.payload.length.eq(
-                        cmd_offset + Mux(is_q, record_offset(q_groups(cmd_group)),
-                                         N * g_tiles * K)),
+                        Mux(is_q, record_offset(q_groups(cmd_group)), N * g_tiles * K)),
                 ]
                 with m.If(self.read_cmd.ready):
                     with m.If(is_q):
-                        m.d.sync += [cmd_q.eq(0), cmd_group.eq(cmd_group + 1)]
+                        m.d.sync += [cmd_q.eq(0),
+                                     cmd_group.eq(cmd_group + Mux(k_zero, q_groups(cmd_group), 1))]
                     with m.Elif(needs_q(cmd_group)):
                         m.d.sync += cmd_q.eq(1)
                     with m.Else():          # its words come with an earlier group's
                         m.d.sync += cmd_group.eq(cmd_group + 1)
-            # data: aligned beats to the tile packer or the record register. The tiles
-            # of every group share the block's offset (a group's tiles are whole beats);
-            # the record of group g starts R·g bytes after the tiles.
+            # data: beats to the tile packer or the record register
             in_q = data_q | k_zero
-            q_data_offset = (job.addr + weight_bytes + record_offset(data_group))[:offset_bits]
             job_q_beats = Mux(bias, q_beats[True], q_beats[False])
-            m.d.comb += [align.offset.eq(Mux(in_q, q_data_offset, job.addr[:offset_bits])[granule_bits:]),
-                         align.final.eq(data_beats + 1 == Mux(in_q, job_q_beats, tile_beats))]
-            wiring.connect(m, wiring.flipped(self.read_data), align.i)
-            beat = align.o
-            qbuf = Signal(max(64 * N, DW))
             q_full = q_group != q_end
-            m.d.comb += tiles.i.p.eq(beat.p)
             with m.If(~in_q):
                 m.d.comb += [tiles.i.valid.eq(beat.valid), beat.ready.eq(tiles.i.ready)]
                 with m.If(beat.valid & tiles.i.ready):
@@ -497,14 +403,14 @@ class MatmulSequencer(wiring.Component):
                 with m.If(beat.valid & ~q_full):
                     if q_beats[True] > 1:
                         m.d.sync += qbuf.word_select(data_beats[:exact_log2(q_beats[True])],
-                                                     DW).eq(beat.p)
+                                                     DW).eq(beat.p.data)
                     else:
-                        m.d.sync += qbuf.eq(beat.p)
+                        m.d.sync += qbuf.eq(beat.p.data)
                     m.d.sync += data_beats.eq(data_beats + 1)
                     with m.If(data_beats + 1 == job_q_beats):
                         m.d.sync += [data_beats.eq(0), data_q.eq(0),
                                      q_end.eq(data_group + q_groups(data_group)),
-                                     data_group.eq(data_group + 1)]
+                                     data_group.eq(data_group + Mux(k_zero, q_groups(data_group), 1))]
             with m.If(tiles.o.valid & scale_tile):
                 m.d.sync += [scales.eq(tiles.o.p), scales_in.eq(1)]
             # tiles meet x-buffer entries: the read port shows entry `x_at`, and entry `kt`
@@ -517,15 +423,13 @@ class MatmulSequencer(wiring.Component):
             m.d.comb += [xr.addr.eq(Mux(take, next_kt, kt)),
                          mx.w.valid.eq(Mux(k_zero, streaming & (zero_tiles < n_groups),
                                            tiles.o.valid & ~scale_tile & (x_at == kt) & x_ready)),
-                         mx.w.payload.data.as_value().eq(Mux(k_zero, 0, tiles.o.p)),
                          mx.w.payload.last.eq(k_zero | (kt + 1 == k_tiles)),
                          tiles.o.ready.eq(scale_tile | (mx.w.ready & (x_at == kt) & x_ready)),
-                         mx.x.valid.eq(mx.w.valid),
-                         mx.x.payload.as_value().eq(xr.data)]
+                         mx.x.valid.eq(mx.w.valid)]
             if c.weight_blocks:
-                m.d.comb += mx.w.payload.scale.as_value().eq(
+                ungated.append(mx.w.payload.scale.as_value().eq(
                     Mux(blocks, scales.word_select(kt[:exact_log2(T)], 16 * N),
-                        Cat(*(Const(1, 16) for _ in range(N)))))
+                        Cat(*(Const(1, 16) for _ in range(N))))))
             m.d.sync += x_at.eq(xr.addr)
             with m.If(take):
                 m.d.sync += kt.eq(next_kt)
@@ -577,7 +481,7 @@ class MatmulSequencer(wiring.Component):
                     m.d.sync += prefetched.eq(1)
                     m.next = "PREFETCH"
             with m.State("PREFETCH"):
-                # the tiles wait in the packer (x_in = 0), the rest in the aligner and the port
+                # the tiles wait in the packer (x_in = 0), the rest in the port
                 m.d.comb += [fetching.eq(1), self.job.ready.eq(1)]
                 with m.If(self.job.valid):
                     m.d.sync += accept(self.job.payload)        # the same fields
@@ -698,22 +602,20 @@ class MatmulSequencer(wiring.Component):
             out_group = Signal(16)
             with m.State("STREAM"):
                 m.d.comb += [fetching.eq(1), streaming.eq(1)]
-                records = []            # group q_group's record: without BIAS, then with it
-                for b in (False, True):
-                    record_bits = 8 * requant_record_bytes(N, b)
-                    if G[b] > 1:
-                        records.append(Mux(batched, qbuf.word_select(q_group[:exact_log2(G[b])],
-                                                                     record_bits),
-                                           qbuf[:record_bits]))
-                    else:
-                        records.append(qbuf[:record_bits])
-                words = Mux(bias, records[1][:32 * N], records[0])
-                m.d.comb += [mx.q.valid.eq(q_full), mx.q.payload.words.as_value().eq(words),
-                             mx.q.payload.bias.as_value().eq(Mux(bias, records[1][32 * N:], 0)),
-                             mx.q.payload.mode.eq(mode), mx.q.payload.wide.eq(wide),
-                             mx.q.payload.rows.eq(pass_rows)]
+                # group q_group's record in qbuf, in units of a record's words (4N bytes):
+                # at q_group mod G without BIAS; words at 2·(q_group mod G), biases after
+                def in_batch(g, batch):
+                    return g[:exact_log2(batch)] if batch > 1 else Const(0, 1)
+                at = Mux(bias, in_batch(q_group, G[True]) << 1, in_batch(q_group, G[False]))
+                words = qbuf.word_select(at, 32 * N)
+                m.d.comb += mx.q.valid.eq(q_full)
+                ungated += [mx.q.payload.words.as_value().eq(words),
+                            mx.q.payload.bias.as_value().eq(
+                                Mux(bias, qbuf.word_select(at | 1, 32 * N), 0)),
+                            mx.q.payload.mode.eq(mode), mx.q.payload.wide.eq(wide),
+                            mx.q.payload.rows.eq(pass_rows)]
                 if c.weight_blocks:
-                    m.d.comb += mx.q.payload.blocks.eq(blocks)
+                    ungated.append(mx.q.payload.blocks.eq(blocks))
                 with m.If(mx.q.valid & mx.q.ready):
                     m.d.sync += q_group.eq(q_group + 1)
                 # RESADD: the residual of each output row, read in output order (group by
@@ -753,7 +655,7 @@ class MatmulSequencer(wiring.Component):
                     # past the last group it gathers lines nobody takes: start the next pass afresh
                     restart_residuals = [res_j.eq(0)]
                 for lane in range(N):
-                    m.d.comb += mx.res.payload[lane].eq(res_bytes.word_select(lane, 32).as_signed())
+                    ungated.append(mx.res.payload[lane].eq(res_bytes.word_select(lane, 32).as_signed()))
                 with m.If(mx.res.valid & mx.res.ready):
                     m.d.sync += res_row.eq(res_row + 1)
                     with m.If(res_row + 1 == pass_rows):
@@ -761,13 +663,13 @@ class MatmulSequencer(wiring.Component):
 
                 # results: to the logit buffer (a tile per row) or into dst, a line per cycle
                 o = mx.o
+                ungated += [self.logits.payload.row.eq(first + o.payload.row),
+                            *(self.logits.payload.data[j].eq(o.payload.data[j][:nx.LOGIT_BITS])
+                              for j in range(N))]
                 wb_lines = {eb: max(1, N * eb // L) for eb in (1, 4)}
                 wb_line = Signal(range(max(2, *wb_lines.values())))      # (no 0-bit signal)
                 with m.If(mode == MatmulMode.LOGITS):
-                    m.d.comb += [self.logits.valid.eq(o.valid), o.ready.eq(self.logits.ready),
-                                 self.logits.payload.row.eq(first + o.payload.row),
-                                 *(self.logits.payload.data[j].eq(o.payload.data[j][:nx.LOGIT_BITS])
-                                   for j in range(N))]
+                    m.d.comb += [self.logits.valid.eq(o.valid), o.ready.eq(self.logits.ready)]
                 with m.Else():
                     # the group's row is N·eb bytes at byte `row·stride + group·N·eb` of dst:
                     # inside one line when N·eb ≤ 16 (at `shift`), else whole lines from a
@@ -783,8 +685,9 @@ class MatmulSequencer(wiring.Component):
                         pieces.append(row_bytes if nbytes <= L
                                       else row_bytes.word_select(wb_line, 8 * L))
                         masks.append(Cat(*(left > i for i in range(min(L, nbytes)))))
+                    ungated.append(self.poke_data.eq(Mux(out_eb == 1, pieces[0], pieces[1])
+                                                     << (8 * shift)))
                     m.d.comb += [self.poke_addr.eq(job.dst + offset // L + wb_line),
-                                 self.poke_data.eq(Mux(out_eb == 1, pieces[0], pieces[1]) << (8 * shift)),
                                  self.poke_en.eq(Mux(o.valid, Mux(out_eb == 1, masks[0], masks[1]) << shift,
                                                      0)),
                                  o.ready.eq(last_line)]
@@ -812,6 +715,7 @@ class MatmulSequencer(wiring.Component):
             with m.State("CLEAR"):
                 m.d.sync += self.error.eq(0)
                 m.next = "IDLE"
+        m.d.comb += ungated
         return m
 
 

@@ -18,7 +18,7 @@ from dfvg_hw.spec.descriptors import (MAX_COMPACT, MAX_DRAFT, REQUEST_HEADER_WOR
                                       RESULT_HEADER_WORDS, TREE_FIELDS, Compaction, DraftedToken,
                                       DraftRequest, DraftResult, ErrorCode, watchdog_budget)
 from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES,
-                           embed_row_stride, matmul_alignment, padded, requant_record_bytes,
+                           embed_row_stride, padded, requant_record_bytes,
                            unpack_requant_records, untile_scales, untile_weights, weight_area_bytes)
 from dfvg_hw.spec.isa import ACTMUL_SEGMENTS, IllegalInstruction, Instruction, MatmulMode, Op, decode
 from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
@@ -337,10 +337,9 @@ class FunctionalEngine:
             if ins.blocks and not c.weight_blocks:
                 raise EngineFault(ErrorCode.PROGRAM, "MATMUL BLOCKS on an engine built without "
                                   "block multipliers (weight_blocks)")
-            alignment = matmul_alignment(c.lanes, c.mem_beat_bytes)
-            if addr % alignment:
-                raise EngineFault(ErrorCode.BAD_ADDRESS, f"MATMUL block at 0x{addr:x} is not aligned "
-                                  f"to {alignment} bytes (a requant record's words)")
+            if addr % c.mem_beat_bytes:
+                raise EngineFault(ErrorCode.BAD_ADDRESS, f"MATMUL block at 0x{addr:x} is not "
+                                  f"aligned to the {c.mem_beat_bytes}-byte memory beat")
             npad = padded(ins.n, c.lanes)
             self._dram(addr, weight_area_bytes(ins.n, ins.k, c.lanes, c.reduce, ins.blocks)
                        + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes))

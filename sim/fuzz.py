@@ -52,7 +52,7 @@ from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import (MAX_DRAFT, REQUEST_FIELDS, REQUEST_HEADER_WORDS, DraftResult,
                                       ErrorCode,
                                       pack_fields, result_bytes)
-from dfvg_hw.spec.image import (ACT_PARAM_BYTES, NORM_PARAM_BYTES, matmul_alignment, pack_attn_params,
+from dfvg_hw.spec.image import (ACT_PARAM_BYTES, NORM_PARAM_BYTES, pack_attn_params,
                                 pack_norm_params, pack_requant_records, padded, tile_weights,
                                 untile_weights)
 from dfvg_hw.spec.isa import (INSTRUCTION_BITS, Cond, Flag, IllegalInstruction, Instruction,
@@ -142,7 +142,8 @@ def random_instruction(rng, c: EngineConfig, prog_len: int, image_len: int) -> i
     if "addr" in used:
         f["addr"] = _pick(rng, image_len, 1 << 32, 0.1)
         if rng.random() < 0.5:
-            f["addr"] &= ~15                       # the image's block alignment
+            # the image's block alignment; a MATMUL block's, the engine beat (docs/isa.md §3.4)
+            f["addr"] &= ~(c.mem_beat_bytes - 1 if op == Op.MATMUL else 15)
     if needs_rows and not f.get("rows"):
         f["rows"] = 1
     return encode(Instruction(op, **f))
@@ -255,9 +256,9 @@ class _Vmem:
 
 
 class _Image:
-    """An image built block by block, 16-byte aligned; weight blocks on their alignment
-    (``matmul_alignment``), now and then off their beat where that alignment is less than
-    a beat (the engine reads such a block with one more beat)."""
+    """An image built block by block, 16-byte aligned; weight blocks on a memory beat, as
+    MATMUL needs (docs/isa.md §4), now and then a beat further on. (Random instructions,
+    the other half of the cases, put MATMULs off the beat too.)"""
 
     def __init__(self, rng):
         self.rng, self.data = rng, bytearray(rng.bytes(256))
@@ -269,18 +270,14 @@ class _Image:
         self.data += bytes(-len(self.data) % 16)
         return at
 
-    def _weight_skip(self, c: EngineConfig) -> tuple[int, int]:
-        """(alignment, bytes past it) of a weight block's address: one time in ten off the
-        beat where the block's alignment allows it. (Random instructions, the other half
-        of the cases, put MATMULs off their alignment too.)"""
-        alignment, beat = matmul_alignment(c.lanes, c.mem_beat_bytes), c.mem_beat_bytes
+    def _weight_skip(self, c: EngineConfig) -> int:
+        """Bytes past the next beat a weight block starts: one time in ten a beat."""
         if self.rng.random() < 0.1:
-            # the draws of the byte offsets these blocks had before blocks were aligned
-            # (docs/isa.md §4), so each seed keeps its cases; where the alignment is the
-            # beat, a beat further on
-            drawn = int(self.rng.integers(1, 16))
-            return beat, alignment * (1 + drawn % max(1, beat // alignment - 1))
-        return alignment, 0
+            # (a draw kept from when these blocks sat at random byte offsets, so that each
+            # seed keeps its cases)
+            self.rng.integers(1, 16)
+            return c.mem_beat_bytes
+        return 0
 
     def weights(self, n: int, k: int, c: EngineConfig, bias: bool = False, scales=None) -> int:
         """An ``n × k`` int8 block: random tiles, then requant records: words with shifts
@@ -298,7 +295,7 @@ class _Image:
             m = scales.integers(0, 1 << 16, (npad, kpad // c.reduce))
             tiles = tile_weights(w, c.lanes, c.reduce, m).tobytes()
         return self.put(tiles + pack_requant_records(mult, shift, biases, npad, c.lanes),
-                        *self._weight_skip(c))
+                        c.mem_beat_bytes, self._weight_skip(c))
 
     def norm(self, n: int) -> int:
         eps = 0 if self.rng.random() < 0.2 else int(self.rng.integers(0, 1 << 20))
@@ -408,6 +405,8 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
              attn=img.attn(g), wo=img.weights(h, nh * hd, c, scales=scales(bo)), norm2=img.norm(h),
              wgu=img.weights(2 * inter, h, c, scales=scales(bgu)), act=img.act(),
              wd=img.weights(h, inter, c, scales=scales(bd)))
+    # (whole beats: the copies' weight blocks stay on a beat, as MATMUL needs)
+    img.data += bytes(-(len(img.data) - start) % c.mem_beat_bytes)
     stride = len(img.data) - start
     img.data += bytes(img.data[start:]) * (max(layers, 1) - 1)
     final_norm, lm_head = img.norm(h), img.weights(vocab, h, c, scales=scales(bhead))

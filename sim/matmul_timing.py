@@ -55,22 +55,15 @@ class _Stalls:
 
 
 class ReadPath:
-    """The MATMUL sequencer's reads, one after another: :class:`~dfvg_hw.memory_port.
-    MemoryPort` (command splitter, burst-track FIFO, ``read_data`` register) and the
-    sequencer's :class:`~dfvg_hw.matmul_sequencer.BeatAligner`.
+    """The MATMUL sequencer's reads, one after another, through :class:`~dfvg_hw.memory_port.
+    MemoryPort` (command splitter, burst-track FIFO, ``read_data`` register); every read
+    starts on a beat (a MATMUL block is beat-aligned, docs/isa.md §4).
 
     The sequencer offers its next command as soon as the splitter is free: a command costs
     a cycle to accept and one per burst issued, and a burst waits while
     :data:`~dfvg_hw.spec.timing.MEM_MAX_OUTSTANDING` bursts await their last beat. Burst data is due ``L`` cycles
     after its address (one cycle after its issue) and the memory offers ``p`` beats a
     cycle; a beat enters ``read_data`` when that register is empty or being emptied.
-
-    A read at a byte address off the bus alignment is issued from the beat it starts in
-    (``skip`` bytes in) and the aligner re-cuts it: the read's first beat is held
-    (taken from ``read_data`` the cycle after it arrives, whatever the consumer does),
-    output beat ``i`` leaves with input beat ``i + 1``; when the read has no more input
-    beats than output beats, its last output beat is flushed from the held one the cycle
-    after the last input beat, and the aligner takes nothing in that cycle.
     """
 
     def __init__(self, port: PortTiming):
@@ -80,16 +73,14 @@ class ReadPath:
         self.pops: list[int] = []       #: per burst: the cycle its last beat entered read_data
         self.entered = NEVER            #: the last beat's cycle into read_data
         self.left = NEVER               #: ... and out of it
-        self.aligner_free = NEVER       #: first cycle the aligner takes a beat after a flush
 
     def read(self, addr: int, nbytes: int, consumer) -> int:
-        """Issue a read of ``nbytes`` at device byte ``addr`` and stream it to
-        ``consumer`` (:class:`_Accumulate` or :class:`_Words`), whose ``beat(i, t)``
-        returns the cycle it takes output beat ``i`` offered from cycle ``t``. Returns the
-        cycle it takes the last one."""
-        skip = addr % self.bus_bytes
-        n_out = ceil(nbytes / self.bus_bytes)
-        j = 0                                           # input beats so far
+        """Issue a read of ``nbytes`` at device byte ``addr`` (a multiple of the beat) and
+        stream it to ``consumer`` (:class:`_Accumulate` or :class:`_Words`), whose
+        ``beat(i, t)`` returns the cycle it takes beat ``i`` offered from cycle ``t``.
+        Returns the cycle it takes the last one."""
+        assert addr % self.bus_bytes == 0, "MATMUL reads start on a beat"
+        j = 0                                           # beats so far
         for i, beats in enumerate(axi_bursts(addr, nbytes, self.bus_bytes, self.page)):
             # accepting the command is the cycle before its first burst
             issue = self.issued + (2 if i == 0 else 1)
@@ -101,26 +92,20 @@ class ReadPath:
                 due = issue + 1 + self.latency
                 offered = self.bucket.offer(max(due, self.entered + 1), due, self.entered)
                 self.entered = max(offered, self.left)
-                arrives = max(self.entered + 1, self.aligner_free)
-                if skip and j == 0:
-                    self.left = arrives                 # held by the aligner
-                else:
-                    self.left = taken = consumer.beat(j - (1 if skip else 0), arrives)
+                arrives = self.entered + 1
+                self.left = taken = consumer.beat(j, arrives)
                 b, j = b + 1, j + 1
                 rest = beats - b
-                if (rest and self.left == arrives == self.entered + 1
+                if (rest and self.left == arrives
                         and self.bucket.p >= 1 and consumer.free(arrives + 1)):
                     # nothing held this beat up and nothing will hold the rest of the burst
                     # (its data is due, the memory keeps up: p = 1 leaves the bucket
                     # unused): a beat a cycle, the loop's sums in closed form
-                    consumer.skip(j - (1 if skip else 0), rest, arrives + 1)
+                    consumer.skip(j, rest, arrives + 1)
                     self.entered += rest
                     self.left = taken = arrives + rest
                     b, j = beats, j + rest
             self.pops.append(self.entered)
-        if skip and j == n_out:                         # the last output beat is flushed
-            taken = consumer.beat(n_out - 1, self.left + 1)
-            self.aligner_free = taken + 1
         return taken
 
 
@@ -266,15 +251,6 @@ class _WriteBack:
         return self.out + self.hold
 
 
-def _q_batch(bus_bytes: int, lanes: int, addr: int, k_tiles: int, bias: bool) -> int:
-    """Groups whose requant records one read brings: ``B / R``
-    (:func:`~dfvg_hw.spec.timing.matmul_records_per_beat`) when the block is beat-aligned
-    and ``k > 0``; else 1."""
-    if addr % bus_bytes == 0 and k_tiles:
-        return tm.matmul_records_per_beat(bus_bytes, lanes, bias)
-    return 1
-
-
 def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_tiles: int,
                    pass_rows: int, hold: int, addr: int, q_addr: int, line_of,
                    bias: bool = False, blocks: bool = False, start: int = 0,
@@ -289,7 +265,7 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
     when ``k = 0``: a zero tile is offered instead) and then its requant record
     (``R = 4·lanes`` bytes from ``q_addr``, ``8·lanes`` with ``bias``: the words, then the
     biases), through :class:`ReadPath`; when a beat holds the records of several groups
-    (:func:`_q_batch`) only every ``batch``-th group reads, one beat of its batch's
+    (:func:`~dfvg_hw.spec.timing.matmul_records_per_beat`) only every ``batch``-th group reads, one beat of its batch's
     records, and the other groups' records are in the register from the cycle after the
     previous group's were used. Tile beats go through
     :class:`_Accumulate`; the first requant beat of group ``g`` waits until group
@@ -307,7 +283,7 @@ def _matmul_stream(port: PortTiming, lanes: int, reduce: int, groups: int, k_til
     wb = _WriteBack(hold, max(1, RES_BYTES * lanes // port.line), line_of, start)
     tile_bytes = lanes * reduce * group_tiles(k_tiles, reduce, blocks)
     q_bytes = requant_record_bytes(lanes, bias)
-    batch = _q_batch(B, lanes, addr, k_tiles, bias)
+    batch = tm.matmul_records_per_beat(B, lanes, bias)
     prev, prev_done = None, NEVER                       # the group awaiting write-back
     for g in range(groups):
         if k_tiles:
@@ -346,7 +322,7 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     The pass's weight and requant reads start with PASS and run during the x load; the first
     group's tile ``kt`` enters the matrix unit once the pass's last row has written x slice
     ``kt`` (:data:`~dfvg_hw.spec.timing.MATMUL_X_TO_TILE` later), beats that come earlier
-    waiting in the packer, the aligner and the memory port; requant words, residuals and
+    waiting in the packer and the memory port; requant words, residuals and
     results wait for STREAM.
 
     The x load: VMEM's read latency, then one x slice a cycle (a VMEM line cut into

@@ -31,7 +31,7 @@ import numpy as np
 
 __all__ = [
     "IMAGE_MAGIC", "IMAGE_VERSION", "HEADER_BYTES", "ALIGN", "ImageHeader",
-    "padded", "embed_row_stride", "tile_weights", "untile_weights", "matmul_bytes", "matmul_alignment", "pack_qparams",
+    "padded", "embed_row_stride", "tile_weights", "untile_weights", "matmul_bytes", "pack_qparams",
     "scale_run_tiles", "group_tiles", "weight_area_bytes", "untile_scales",
     "unpack_qparams", "requant_record_bytes", "pack_requant_records", "unpack_requant_records", "NORM_PARAM_BYTES", "ATTN_PARAM_BYTES", "ACT_PARAM_BYTES",
     "pack_norm_params", "pack_attn_params", "pack_act_params", "align",
@@ -204,16 +204,6 @@ def requant_record_bytes(lanes: int, bias: bool) -> int:
     """Bytes of one output group's requantisation record after the tiles: its ``lanes``
     requant words, then (``BIAS``) its ``lanes`` int32 biases."""
     return (8 if bias else 4) * lanes
-
-
-def matmul_alignment(lanes: int, beat_bytes: int) -> int:
-    """The byte alignment a MATMUL block's address needs (docs/isa.md §4): one requant
-    record's words, ``4·lanes`` bytes, or the engine beat where that is smaller. Every
-    offset the sequencer then re-cuts a read by (the block's, each requant record's) is a
-    multiple of it, so its beat aligner shifts by whole records: 8 positions of a 2 KiB
-    beat at ``alveo-u55c`` instead of 2,048 byte positions (202k LUTs in Yosys, 15.5 % of
-    the card)."""
-    return min(requant_record_bytes(lanes, False), beat_bytes)
 
 
 def matmul_bytes(n: int, k: int, lanes: int, reduce: int, bias: bool = False,

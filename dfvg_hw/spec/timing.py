@@ -344,8 +344,8 @@ MATMUL_ROW_SPAN = 1 + VMEM_READ_LATENCY
 def matmul_records_per_beat(bus_bytes: int, lanes: int, bias: bool) -> int:
     """MatmulSequencer: output groups whose requant records (``R = 4·lanes`` bytes, ``8·lanes``
     with ``BIAS``; :func:`~dfvg_hw.spec.image.requant_record_bytes`) one read of a beat
-    brings: ``B / R`` when a record is less than a beat and divides it, else 1. The
-    sequencer batches them so only on a beat-aligned block with ``k > 0``."""
+    brings: ``B / R`` when a record is less than a beat and divides it, else 1 (the block
+    is beat-aligned, so a batch's records start on a beat)."""
     record = requant_record_bytes(lanes, bias)
     return bus_bytes // record if record < bus_bytes and bus_bytes % record == 0 else 1
 

@@ -7,8 +7,9 @@ Geometries: ``tiny`` (one VMEM line per result row, one bus beat of requant word
 ``tiny`` with 16 lanes (a RESADD row is two lines, requant words four beats), 32 lanes
 × reduce 4 × 4 rows on a 256-bit bus (INT8 rows two lines, RESADD rows four, x slices
 split from lines), 4 lanes × reduce 32 × 8 rows on a 256-bit bus, ``tiny`` on a 256-bit bus
-(requant words in half a beat, weight blocks 16 bytes off the bus alignment) and a slow
-memory (under a beat a cycle, long latency). Weight padding and the requant words'
+(requant words in half a beat) and a slow memory (under a beat a cycle, long latency);
+weight blocks on a beat, at several offsets from a 64-byte boundary (a block off the beat
+is BAD_ADDRESS). Weight padding and the requant words'
 reserved bits are random, so nothing may depend on them.
 
 Tree forwards (docs/isa.md §9.2): jobs with a row ``pitch`` (rows of the source, of the
@@ -19,15 +20,14 @@ model's pitch.
 
 BIAS (issue #17): random jobs of all four modes (INT32 too) over blocks whose requant
 records hold int32 biases, at tiny (a record two beats), 16 lanes (eight beats) and on a
-512-bit bus (two records a beat, batched), on and off the bus alignment; accumulators
+512-bit bus (two records a beat, batched); accumulators
 and biases at their extremes, so that every mode saturates; a block whose biases end past
 device memory; a timing corner where the batched record reads decide the count.
 
 BLOCKS (issue #13): random jobs of all four modes over blocks with scale tiles (random
 block multipliers, 0 and 65535 common; random bytes in the scale tiles' unused entries),
 with and without BIAS, at tiny (a scale tile two beats), 32 lanes × reduce 4 on a 256-bit
-bus (a run of two tiles per scale tile), reduce 32 × 8 rows, a slow memory, on and off the
-bus alignment; the timing corners again with every job block-scaled (the matrix unit
+bus (a run of two tiles per scale tile), reduce 32 × 8 rows, a slow memory; the timing corners again with every job block-scaled (the matrix unit
 stalled while a scale tile arrives); a block whose scale tiles put its records past memory.
 """
 
@@ -41,7 +41,7 @@ from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.spec.descriptors import ErrorCode
-from dfvg_hw.spec.image import (matmul_alignment, pack_requant_records, padded, requant_record_bytes,
+from dfvg_hw.spec.image import (pack_requant_records, padded, requant_record_bytes,
                                 tile_weights, weight_area_bytes)
 from dfvg_hw.spec.isa import Flag, Instruction, MatmulMode, Op
 from dfvg_hw.matmul_sequencer import MatmulSequencer
@@ -120,18 +120,17 @@ def _write_block(rng, memory: DeviceMemory, config, addr: int, n: int, k: int,
     return tiles.size + len(records)
 
 
-def _blocks(rng, config, shapes=SHAPES, misalign=(0,), bias=False, blocks=False, data_width=128):
+def _blocks(rng, config, shapes=SHAPES, offsets=(0,), bias=False, blocks=False, data_width=128):
     """Device memory with one block per shape (each with biases if ``bias``, scale tiles
-    if ``blocks``), block ``i`` ``misalign[i % len(misalign)]`` bytes past a 64-byte
-    boundary, rounded down to a block's alignment on a ``data_width``-bit bus
-    (``matmul_alignment``: a misalignment that is no multiple of it is BAD_ADDRESS, which
-    test_blocks_off_their_alignment_are_bad_address holds the sequencer to); returns the
-    memory and ``{(n, k): addr}``."""
+    if ``blocks``), block ``i`` ``offsets[i % len(offsets)]`` bytes past a 64-byte
+    boundary, a multiple of the ``data_width``-bit beat (a block off the beat is
+    BAD_ADDRESS, which test_blocks_off_the_beat_are_bad_address holds the sequencer to);
+    returns the memory and ``{(n, k): addr}``."""
     memory = DeviceMemory(config.mem_bytes)
     addrs, addr = {}, 0x1000
-    alignment = matmul_alignment(config.lanes, data_width // 8)
+    assert all(offset % (data_width // 8) == 0 for offset in offsets)
     for i, (n, k) in enumerate(shapes):
-        at = addr + misalign[i % len(misalign)] // alignment * alignment
+        at = addr + offsets[i % len(offsets)]
         addrs[(n, k)] = at
         addr = padded(at + _write_block(rng, memory, config, at, n, k, bias, blocks), 64)
     return memory, addrs
@@ -192,19 +191,21 @@ def _check(rng, config, jobs, memory, data_width=128, vmem=None):
     cycles = []
     errors = compare_with_reference(config, MatmulSequencer(config, data_width), vmem, memory,
                                     jobs, data_width=data_width, cycles=cycles)
+    # every job ends with the sequencer's done: its own checks refuse a bad block before
+    # a read goes out (None: the memory port refused a read and the bench cancelled)
+    assert len(cycles) == len(jobs) and None not in cycles
     # (the model costs instructions that complete; a refused one stops after RANGE)
-    assert len(cycles) == len(jobs)
     timed = [(job, got) for job, got, error in zip(jobs, cycles, errors) if error == ErrorCode.OK]
     assert [got for _, got in timed] == [model_cycles(config, data_width, job) for job, _ in timed]
     return errors
 
 
-def _check_random(seed, config, data_width=128, count=16, misalign=(0,), bias=False, blocks=False):
+def _check_random(seed, config, data_width=128, count=16, offsets=(0,), bias=False, blocks=False):
     """``count`` random jobs plus one wide job of every mode with all rows (a RESADD, an
     INT32 and an INT8 of more rows than a pass holds), all OK; every job with ``BIAS`` if
     ``bias``, with ``BLOCKS`` if ``blocks``. Returns the jobs."""
     rng = np.random.default_rng(seed)
-    memory, addrs = _blocks(rng, config, misalign=misalign, bias=bias, blocks=blocks, data_width=data_width)
+    memory, addrs = _blocks(rng, config, offsets=offsets, bias=bias, blocks=blocks, data_width=data_width)
     jobs = [_random_job(rng, config, addrs, bias, blocks) for _ in range(count)]
     a = addrs[(33, 17)]
     flags = dict(bias=bias, blocks=blocks)
@@ -226,18 +227,21 @@ def test_tiny_random_jobs():
     _check_random(1, TINY, count=20)
 
 
-def test_blocks_off_their_alignment_are_bad_address():
-    """A block's address is a multiple of ``matmul_alignment`` (16 bytes at tiny: a
-    requant record, the whole 128-bit beat): any other is BAD_ADDRESS, as in the
-    functional model, and a prefetch of one reads nothing (the job after it still runs)."""
+@pytest.mark.parametrize("data_width", [128, 256])
+def test_blocks_off_the_beat_are_bad_address(data_width):
+    """A block's address is a multiple of the bus beat: any other is BAD_ADDRESS, as in the
+    functional model, k = 0 (only records to read) too. On a 256-bit bus that includes
+    blocks a whole requant record (16 bytes at tiny) off the beat, which the sequencer
+    once re-cut; the last job, on the beat, still runs."""
     rng = np.random.default_rng(2)
-    assert matmul_alignment(TINY.lanes, TINY.mem_beat_bytes) == 16
-    memory, addrs = _blocks(rng, TINY, shapes=((8, 8), (40, 40)))
+    beat = data_width // 8
+    memory, addrs = _blocks(rng, TINY, shapes=((8, 8), (40, 40)), data_width=data_width)
     a, b = addrs[(8, 8)], addrs[(40, 40)]
-    jobs = [_mm(INT8, 1, 8, 8, 0, 40, a + 1), _mm(INT8, 1, 8, 8, 0, 40, a + 15),
-            _mm(INT8, 2, 40, 40, 0, 60, b + 8), _mm(INT8, 1, 8, 8, 0, 40, a)]
-    errors = _check(rng, TINY, jobs, memory)
-    assert errors == [ErrorCode.BAD_ADDRESS] * 3 + [ErrorCode.OK]
+    jobs = [_mm(INT8, 1, 8, 8, 0, 40, a + 1), _mm(INT8, 1, 8, 8, 0, 40, a + beat - 1),
+            _mm(INT8, 2, 40, 40, 0, 60, b + 8), _mm(LOGITS, 1, 8, 8, 0, 0, a + 16),
+            _mm(INT8, 1, 8, 0, 0, 40, b + 16), _mm(INT8, 1, 8, 8, 0, 40, a)]
+    off_beat = [ErrorCode.BAD_ADDRESS] * 3 + [ErrorCode.OK if beat == 16 else ErrorCode.BAD_ADDRESS] * 2
+    assert _check(rng, TINY, jobs, memory, data_width) == off_beat + [ErrorCode.OK]
 
 
 def test_errors_in_the_functional_models_order():
@@ -272,19 +276,23 @@ def test_errors_in_the_functional_models_order():
                       ErrorCode.BAD_ADDRESS, ErrorCode.OK, ErrorCode.OK]
 
 
-def test_empty_operands():
-    """n = 0 writes nothing (LOGITS: an empty vector); k = 0 gives zero accumulators."""
+@pytest.mark.parametrize("data_width", [128, 256])
+def test_empty_operands(data_width):
+    """n = 0 writes nothing (LOGITS: an empty vector); k = 0 gives zero accumulators
+    whatever tile and x rows the jobs before left (on a 256-bit bus its reads are one beat
+    of two groups' records each)."""
     rng = np.random.default_rng(4)
-    memory, addrs = _blocks(rng, TINY, shapes=((10, 16),))
+    memory, addrs = _blocks(rng, TINY, shapes=((10, 16),), data_width=data_width)
     a = addrs[(10, 16)]
     last_line = TINY.vmem_bytes // L - 1
     jobs = [_mm(INT8, 2, 0, 16, 0, 40, a), _mm(LOGITS, 1, 0, 16, 0, 0, a),
             _mm(INT8, 2, 10, 0, last_line + 1, 40, a),         # an empty row just past VMEM: OK
             _mm(RESADD, 2, 10, 0, 3, 40, a),
             _mm(INT8, 2, 10, 0, 3, 50, a, wide=True), _mm(LOGITS, 1, 10, 0, 3, 0, a),
-            _mm(RESADD, 2, 0, 0, 3, last_line + 2, a), _mm(INT8, 2, 10, 16, 0, 60, a)]
-    errors = _check(rng, TINY, jobs, memory)
-    assert errors == [ErrorCode.OK] * 6 + [ErrorCode.BAD_ADDRESS, ErrorCode.OK]
+            _mm(RESADD, 2, 0, 0, 3, last_line + 2, a), _mm(INT8, 2, 10, 16, 0, 60, a),
+            _mm(INT32, 1, 10, 0, 0, 70, a)]
+    errors = _check(rng, TINY, jobs, memory, data_width)
+    assert errors == [ErrorCode.OK] * 6 + [ErrorCode.BAD_ADDRESS, ErrorCode.OK, ErrorCode.OK]
 
 
 # -- wider geometries: result rows over several lines --------------------------------------------
@@ -296,18 +304,16 @@ def test_16_lanes():
 
 def test_32_lanes_wide_bus():
     """256-bit bus, 32 lanes × reduce 4 × 4 rows: INT8 rows two lines, RESADD rows eight,
-    requant words four beats (a block's alignment is the whole beat: blocks start on one);
+    requant words four beats;
     wide jobs of 3 and 4 rows take two passes."""
     _check_random(6, TINY.with_changes(lanes=32, reduce=4, rows=4), data_width=256, count=10)
 
 
 def test_reduce_32_eight_rows():
     """256-bit bus, 4 lanes × reduce 32 × 8 rows (the Alveo presets' reduce and rows): x
-    slices packed from two lines (four when wide), up to four wide rows per pass; blocks
-    that start mid-beat (a block's alignment is 16 bytes, half a beat), which the aligner
-    re-cuts."""
+    slices packed from two lines (four when wide), up to four wide rows per pass."""
     _check_random(9, TINY.with_changes(reduce=32, rows=8), data_width=256, count=6,
-                  misalign=(0, 16))
+                  offsets=(0, 32))
 
 
 @pytest.mark.parametrize("line, lanes", [(32, 16), (64, 8)])
@@ -316,20 +322,20 @@ def test_wider_lines(line, lanes):
     line (INT8) and over two (INT32 and RESADD at 16 lanes, 32-byte lines), residuals
     peeked a line at a time, with BIAS; as the functional model, in the cycle model's cycles."""
     config, data_width = wide_line(line, TINY.with_changes(lanes=lanes))
-    _check_random(50 + line, config, data_width=data_width, count=3, misalign=(0, 16), bias=True)
+    _check_random(50 + line, config, data_width=data_width, count=3, offsets=(0, 64), bias=True)
 
 
 def test_tiny_wide_bus():
     """256-bit bus at 4 lanes: a group's requant words are half a beat, at either half
-    (or across two beats when the block is not 16-byte aligned)."""
-    _check_random(7, TINY, data_width=256, count=8, misalign=(16, 0, 5, 27))
+    (a read of the beat serves two groups)."""
+    _check_random(7, TINY, data_width=256, count=8, offsets=(32, 0))
 
 
 def test_slow_memory():
     """8 lanes × 4 rows on a 256-bit bus at 1 GB/s (0.31 beats a cycle) and 300 ns (30
-    cycles): beats wait for the memory's bandwidth, blocks at odd byte offsets."""
+    cycles): beats wait for the memory's bandwidth."""
     config = TINY.with_changes(lanes=8, rows=4, mem_latency_ns=300.0, mem_bandwidth_gbps=1.0)
-    _check_random(10, config, data_width=256, count=8, misalign=(0, 3, 17))
+    _check_random(10, config, data_width=256, count=8, offsets=(0, 32))
 
 
 # -- BIAS: a group's record is its requant words, then its int32 biases -------------------------
@@ -341,9 +347,9 @@ def _output_values(job) -> int:
 
 def test_bias_tiny():
     """BIAS jobs of all four modes, narrow and wide, at tiny (a group's record is two
-    beats: words, then biases), blocks on and off the bus alignment: at least 1000 output
+    beats: words, then biases), blocks at four offsets from 64 bytes: at least 1000 output
     values against the functional model, every job in the cycle model's cycles."""
-    jobs = _check_random(31, TINY, count=22, misalign=(0, 3, 8, 13), bias=True)
+    jobs = _check_random(31, TINY, count=22, offsets=(0, 16, 32, 48), bias=True)
     assert {((j["flags"] >> 1) & 3, bool(j["flags"] & Flag.WIDE)) for j in jobs} == \
         {(mode, wide) for mode in MatmulMode for wide in (False, True)}
     assert sum(map(_output_values, jobs)) >= 1000
@@ -351,24 +357,23 @@ def test_bias_tiny():
 
 def test_bias_batched_records():
     """512-bit bus at 4 lanes: a beat holds two BIAS records (four without BIAS), read once
-    per two groups on a beat-aligned block and per group off it (16 bytes off: a record
-    across two beats)."""
+    per two groups (one per four without BIAS)."""
     config = TINY.with_changes(reduce=16)
     assert tm.matmul_records_per_beat(64, config.lanes, True) == 2
-    _check_random(32, config, data_width=512, count=6, misalign=(0, 0, 16), bias=True)
+    _check_random(32, config, data_width=512, count=6, offsets=(0, 0, 64), bias=True)
 
 
 def test_bias_tiny_wide_bus():
     """256-bit bus at 4 lanes: two records a beat without BIAS, one with it (8N = B), so a
-    BIAS job reads a record per group even on a beat-aligned block (tiny-hbm's shape)."""
+    BIAS job reads a record per group (tiny-hbm's shape)."""
     assert [tm.matmul_records_per_beat(32, TINY.lanes, b) for b in (False, True)] == [2, 1]
-    _check_random(36, TINY, data_width=256, count=4, misalign=(0, 16, 5), bias=True)
+    _check_random(36, TINY, data_width=256, count=4, offsets=(0, 32), bias=True)
 
 
 def test_bias_16_lanes():
     """16 lanes: a BIAS record is eight beats (four of words, four of biases) and int32
     rows are four lines."""
-    _check_random(33, TINY.with_changes(lanes=16), count=6, misalign=(0, 5), bias=True)
+    _check_random(33, TINY.with_changes(lanes=16), count=6, offsets=(0, 16), bias=True)
 
 
 def test_bias_extremes():
@@ -440,11 +445,11 @@ def test_bias_records_past_memory():
 
 def test_blocks_tiny():
     """BLOCKS jobs of all four modes, narrow and wide, with and without BIAS, at tiny (a
-    scale tile two beats, four tiles a run), blocks on and off the bus alignment: at least
+    scale tile two beats, four tiles a run), blocks at four offsets from 64 bytes: at least
     1000 output values against the functional model, every job in the cycle model's
     cycles."""
-    jobs = _check_random(41, TINY, count=22, misalign=(0, 3, 8, 13), blocks=True)
-    jobs += _check_random(42, TINY, count=6, misalign=(0, 5), bias=True, blocks=True)
+    jobs = _check_random(41, TINY, count=22, offsets=(0, 16, 32, 48), blocks=True)
+    jobs += _check_random(42, TINY, count=6, offsets=(0, 16), bias=True, blocks=True)
     assert {((j["flags"] >> 1) & 3, bool(j["flags"] & Flag.WIDE)) for j in jobs} == \
         {(mode, wide) for mode in MatmulMode for wide in (False, True)}
     assert sum(map(_output_values, jobs)) >= 1000
@@ -461,13 +466,13 @@ def test_blocks_reduce_32():
     """256-bit bus, 4 lanes × reduce 32 × 8 rows (the Alveo presets' reduce): runs of 16
     tiles, so a k of 17 … 70 has one or two runs, the last one short."""
     _check_random(44, TINY.with_changes(reduce=32, rows=8), data_width=256, count=3,
-                  misalign=(0, 16), blocks=True)
+                  offsets=(0, 32), blocks=True)
 
 
 def test_blocks_slow_memory():
     """A slow memory (0.31 beats a cycle, 30 cycles of latency) at odd byte offsets."""
     config = TINY.with_changes(lanes=8, rows=4, mem_latency_ns=300.0, mem_bandwidth_gbps=1.0)
-    _check_random(45, config, data_width=256, count=6, misalign=(0, 3, 17), blocks=True)
+    _check_random(45, config, data_width=256, count=6, offsets=(0, 32), blocks=True)
 
 
 def test_blocks_records_past_memory():
@@ -515,18 +520,18 @@ def test_an_engine_without_block_multipliers():
 
 #: Geometry (config, bus width) and jobs ``(mode, rows, n, k, weight address, wide)`` where a
 #: term of the MATMUL cycle model decides the count: changing that term by one cycle
-#: changes some job's count. Weight addresses are on a block's alignment (16 bytes at 4
-#: lanes, 64 at 16), off the beat where the beat is wider. ``far``: 100 cycles of latency, so bursts wait for the
+#: changes some job's count. Weight addresses are on the beat. ``far``: 100 cycles of latency, so bursts wait for the
 #: burst-track FIFO, and reads split at a 4 KiB page one or two beats in. ``rows8``: eight
 #: rows of 16 lanes on a 512-bit bus (requant words one beat), so write-back outlasts the
 #: weights: the matrix unit waits for the bank, the packer holds a tile, and consecutive
-#: RESADD rows share a residual line. ``slow``: 0.2 beats a cycle, so a misaligned
-#: requant read's flushed beat decides when its group is written back; k = 0 too.
+#: RESADD rows share a residual line. ``slow``: 0.2 beats a cycle, so a requant read
+#: decides when its group is written back; k = 0 too (a read per two groups' records).
 #: ``fractional``: 4 lanes × reduce 16 (a tile is a beat) on a 512-bit bus at 0.6875 beats
 #: a cycle (the alveo-u55c rate's shape: a fraction over 1/2) and 30 cycles of latency:
 #: one beat holds four groups' requant words, read once per four groups on a beat-aligned
 #: block (full and partial batches, one group and 25; RESADD of two rows, so a batch's
-#: later groups wait for the word register), and per group when the block is off the beat.
+#: later groups wait for the word register), and with k = 0, where the reads are the
+#: records alone.
 #: ``fractional-bias``: the same with ``BIAS`` (a job's seventh entry): a beat holds two
 #: records, so one read per two groups.
 CORNERS = {
@@ -540,18 +545,18 @@ CORNERS = {
         (RESADD, 5, 7, 40, 0x1000, True), (RESADD, 2, 33, 3, 0x1000, False),
         (INT8, 3, 16, 3, 0x1f80, False)]),
     "slow": (TINY.with_changes(mem_latency_ns=300.0, mem_bandwidth_gbps=0.64), 256, [
-        (RESADD, 1, 16, 40, 0x1000, False), (RESADD, 2, 33, 3, 0x1fb0, False),
-        (RESADD, 2, 1, 70, 0x1030, False), (RESADD, 2, 100, 0, 0x1000, False)]),
+        (RESADD, 1, 16, 40, 0x1000, False), (RESADD, 2, 33, 3, 0x1fa0, False),
+        (RESADD, 2, 1, 70, 0x1020, False), (RESADD, 2, 100, 0, 0x1000, False)]),
     "fractional": (TINY.with_changes(reduce=16, mem_latency_ns=300.0, mem_bandwidth_gbps=4.4),
                    512, [
         (INT8, 1, 40, 40, 0x1000, False), (LOGITS, 1, 100, 8, 0x1400, False),
         (RESADD, 2, 33, 17, 0x1000, False), (INT8, 2, 40, 5, 0x1000, True),
-        (INT8, 1, 3, 8, 0x1000, False), (RESADD, 1, 40, 40, 0x1010, False)]),
+        (INT8, 1, 3, 8, 0x1000, False), (RESADD, 2, 40, 0, 0x1000, False)]),
     "fractional-bias": (TINY.with_changes(reduce=16, mem_latency_ns=300.0, mem_bandwidth_gbps=4.4),
                         512, [
         (INT8, 1, 100, 8, 0x1000, False, True), (RESADD, 2, 33, 17, 0x1000, False, True),
         (INT32, 2, 40, 40, 0x1000, True, True), (LOGITS, 1, 3, 8, 0x1000, False, True),
-        (INT32, 1, 40, 40, 0x1010, False, True)]),
+        (INT32, 2, 25, 0, 0x1040, False, True)]),
 }
 
 
@@ -656,12 +661,12 @@ def _random_tree_job(rng, config, addrs) -> dict:
             return _mm(mode, rows, n, k, src, dst, addr, wide, pitch)
 
 
-def _check_tree_random(seed, config, data_width=128, count=40, misalign=(0,)):
+def _check_tree_random(seed, config, data_width=128, count=40, offsets=(0,)):
     """``count`` random tree-forward jobs (all OK) with at least one pitched job of
     every mode and a LOGITS of several rows, plus a wide LOGITS and a wide RESADD of all
     rows at a pitch (more rows than a pass holds)."""
     rng = np.random.default_rng(seed)
-    memory, addrs = _blocks(rng, config, misalign=misalign, data_width=data_width)
+    memory, addrs = _blocks(rng, config, offsets=offsets, data_width=data_width)
     jobs = [_random_tree_job(rng, config, addrs) for _ in range(count)]
     a, pitch = addrs[(33, 17)], _lines(4 * 33) + 1
     jobs += [_mm(LOGITS, config.rows, 33, 17, 3, 0, a, wide=True, pitch=pitch),
@@ -684,17 +689,17 @@ def test_tree_rows_16_lanes():
 
 
 def test_tree_rows_32_lanes_wide_bus():
-    """Four rows of 32 lanes on a 256-bit bus, weights on and off the bus alignment:
+    """Four rows of 32 lanes on a 256-bit bus, weights at two offsets from 64 bytes:
     INT8 rows of two lines, RESADD rows of eight, LOGITS of up to four rows (two passes
     when wide)."""
     _check_tree_random(23, TINY.with_changes(lanes=32, reduce=4, rows=4), data_width=256,
-                       count=40, misalign=(16, 0, 8))
+                       count=40, offsets=(32, 0))
 
 
 def test_tree_rows_reduce_32_eight_rows():
     """Eight rows at reduce 32 (the Alveo presets' rows and reduce) on a 256-bit bus."""
     _check_tree_random(24, TINY.with_changes(reduce=32, rows=8), data_width=256, count=30,
-                       misalign=(0, 16))
+                       offsets=(0, 32))
 
 
 def test_tree_rows_at_vmems_end():
@@ -762,12 +767,12 @@ EARLY_MEMORIES = {
 @pytest.mark.parametrize("name", EARLY_MEMORIES)
 def test_weight_reads_ahead_of_the_x_load(name):
     """Jobs whose x load (long and wide source rows, several passes, rows a pitch apart:
-    a span per row) is far longer or shorter than the memory latency, on blocks on and off
-    the bus alignment, with BIAS and with BLOCKS (a scale tile taken while x loads) and
+    a span per row) is far longer or shorter than the memory latency, on blocks at two
+    offsets from 64 bytes, with BIAS and with BLOCKS (a scale tile taken while x loads) and
     k = 0 (only requant reads): as the functional model, in the cycle model's cycles."""
     config = EARLY_MEMORIES[name]
     rng = np.random.default_rng(60)
-    memory, addrs = _blocks(rng, config, shapes=((9, 200), (33, 17), (4, 8)), misalign=(0, 5),
+    memory, addrs = _blocks(rng, config, shapes=((9, 200), (33, 17), (4, 8)), offsets=(0, 16),
                             bias=True, blocks=True)
     long_, mid, small = addrs[(9, 200)], addrs[(33, 17)], addrs[(4, 8)]
     jobs = [_mm(INT8, 2, 9, 200, 0, 100, long_, wide=True, bias=True, blocks=True),
