@@ -13,7 +13,7 @@ from dfvg_hw.spec import kv_timing as kvt
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
-from sim.head_stream_timing import head_end_lines, run_lines
+from sim.head_stream_timing import head_end_line
 from sim.timing_common import PortTiming, window_cycles
 
 __all__ = ["kvappend_cycles", "attn_cycles", "attn_job_cycles", "compaction_cycles"]
@@ -51,11 +51,12 @@ def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
     w = _kv_words(config)
     line = config.vmem_line_bytes
     per_append = tm.KVAPPEND_HEAD_STATES + 2 * w
-    ends = [head_end_lines(run_lines(n * k, 1, line, skip), k, n) for skip in (0, n * k % line)]
+    skips = (0, n * k % line)                      # the K half's and the V half's
     peeks = tm.KVAPPEND_CHECK + 1                  # SET_POS: the cutters' first peeks
     append = peeks + 1                             # the first APPEND state
     for h in range(n):
-        lines = sum(end[h] - (end[h - 1] if h else -1) for end in ends)
+        lines = sum(head_end_line(h, k, line, skip) - (head_end_line(h - 1, k, line, skip) if h else -1)
+                    for skip in skips)
         ready = peeks + lines + (tm.HEAD_CUTTER_LATENCY - 1 if lines else 1)
         append = max(append, ready) if h == 0 else max(append + per_append, ready)
         peeks = append                             # the heads leave: the next ones' peeks

@@ -17,7 +17,7 @@ from itertools import accumulate
 
 from dfvg_hw.spec import timing as tm
 
-__all__ = ["run_lines", "head_end_lines", "streamed_heads"]
+__all__ = ["run_lines", "head_end_lines", "head_end_line", "streamed_heads"]
 
 
 def run_lines(row_bytes: int, rows: int, line: int, skip: int = 0) -> list[int]:
@@ -37,6 +37,13 @@ def head_end_lines(amounts: list[int], k: int, heads: int) -> list[int]:
     its last byte is in (-1 for an empty head)."""
     ends = list(accumulate(amounts))
     return [bisect_left(ends, (h + 1) * k) if k else -1 for h in range(heads)]
+
+
+def head_end_line(h: int, k: int, line: int, skip: int = 0) -> int:
+    """:func:`head_end_lines` of one row, in closed form: the line head ``h`` of ``k``
+    bytes ends in, the row starting ``skip`` bytes into its first line (-1 for an empty
+    head). KVAPPEND's row can be ``65535 · 65535`` bytes, whose line list is 4 GiB."""
+    return ((h + 1) * k + skip - 1) // line if k else -1
 
 
 @lru_cache(maxsize=4096)

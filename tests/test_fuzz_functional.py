@@ -15,6 +15,7 @@ from dfvg_hw.spec.isa import IllegalInstruction, Instruction, MatmulMode, Op, de
 from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Control, Reg
 from sim.cycle_model import BEFORE_FINISH, ISSUE, CycleModel
 from sim.device import SimDevice
+from sim.head_stream_timing import head_end_line, head_end_lines, run_lines
 from sim.fuzz import DeviceRunner, FuzzCase, Outcome, Tally, compare, fuzz_rtl, random_case, run_case
 from sim.session import FunctionalSession
 
@@ -69,6 +70,27 @@ def test_huge_matmul_faults_before_the_cycle_model():
     r = s.run(REQUEST)
     assert r.status == ErrorCode.BAD_ADDRESS and time.perf_counter() - t < 2
     assert s.engine.counts.by_op["MATMUL"] == 4
+
+
+def test_huge_kvappend_is_priced_without_listing_its_lines():
+    """n = 59099 heads of k = 65535 bytes (fuzz seed 10, case 12 at tiny): the cycle model
+    prices it before the unit faults it, and used to list the row's 242 million VMEM lines
+    first (seconds and gigabytes); the head ends are now in closed form."""
+    t = time.perf_counter()
+    s = session(Instruction(Op.KVAPPEND, rows=1, dst=0, src=0, n=59099, k=65535, addr=0))
+    assert s.run(REQUEST).status == ErrorCode.PROGRAM and time.perf_counter() - t < 2
+
+
+def test_head_ends_in_closed_form_are_the_listed_ones():
+    """:func:`~sim.head_stream_timing.head_end_line` (KVAPPEND's price) against the line
+    list it replaced, on random rows: any head width, line and first-line offset."""
+    rng = np.random.default_rng(5)
+    for _ in range(2000):
+        k, n = int(rng.integers(0, 300)), int(rng.integers(0, 40))
+        line = int(rng.choice([16, 32, 64]))
+        skip = int(rng.integers(0, line))
+        listed = head_end_lines(run_lines(n * k, 1, line, skip), k, n)
+        assert [head_end_line(h, k, line, skip) for h in range(n)] == listed
 
 
 @pytest.mark.parametrize("mode, code", [(MatmulMode.LOGITS, ErrorCode.PROGRAM),
