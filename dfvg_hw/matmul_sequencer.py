@@ -30,9 +30,10 @@ for the stream either: the matrix unit takes the first group's tile ``kt`` as so
 x-buffer entry ``kt`` holds every row of the pass
 (:data:`~dfvg_hw.spec.timing.MATMUL_X_TO_TILE` cycles after the last row's slice ``kt``),
 while the later slices still load. Beats that come before their x wait in the tile packer
-and the memory port's ``read_data`` register (the memory holding the rest back); a scale tile is taken into ``scales`` as it completes, whenever that is. Requant
-words, residual reads (VMEM's read port serves the x load first) and results wait for
-STREAM, after the x load. A pass after the first reads its weights again from its own PASS.
+and the memory port's ``read_data`` register (the memory holding the rest back); a scale
+tile is taken into ``scales`` as it completes, whenever that is. Requant words, residual
+reads (VMEM's read port serves the x load first) and results wait for STREAM, after the
+x load. A pass after the first reads its weights again from its own PASS.
 
 **Prefetch.** The controller may offer the MATMUL on ``prefetch`` while the unit
 instruction before it still runs (controller.py): taken in IDLE, the job's fields are
