@@ -54,9 +54,12 @@ def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
     skips = (0, n * k % line)                      # the K half's and the V half's
     peeks = tm.KVAPPEND_CHECK + 1                  # SET_POS: the cutters' first peeks
     append = peeks + 1                             # the first APPEND state
+    ends = [-1, -1]                                # the line each half's last head ended in
     for h in range(n):
-        lines = sum(head_end_line(h, k, line, skip) - (head_end_line(h - 1, k, line, skip) if h else -1)
-                    for skip in skips)
+        lines = 0
+        for half, skip in enumerate(skips):
+            end = head_end_line(h, k, line, skip)
+            lines, ends[half] = lines + end - ends[half], end
         ready = peeks + lines + (tm.HEAD_CUTTER_LATENCY - 1 if lines else 1)
         append = max(append, ready) if h == 0 else max(append + per_append, ready)
         peeks = append                             # the heads leave: the next ones' peeks

@@ -43,7 +43,6 @@ SLOW_TESTS = {
     "test_matmul_sequencer.py::test_16_lanes",
     "test_matmul_sequencer.py::test_tiny_random_jobs",
     "test_matmul_sequencer.py::test_reduce_32_eight_rows",
-    "test_matmul_sequencer.py::test_blocks_off_their_alignment_are_bad_address",
     "test_matmul_sequencer.py::test_timing_corners[rows8]",
     "test_matmul_sequencer.py::test_slow_memory",
     "test_token_sampler.py::test_random_vectors[4-4-1000]",
