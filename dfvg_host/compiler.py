@@ -311,7 +311,8 @@ def _residual_scale(sd: dict, cal: Calibration, layer_scales: list["LayerScales"
     for li, ls in enumerate(layer_scales):
         p = f"{fam.layers}.{li}."
         w_down = sd[f"{p}{fam.down}.weight"][:, ls.order] * ls.u
-        for s_in, w in ((ls.o, sd[f"{p}{fam.o}.weight"]), (ls.h, w_down)):
+        # a row of exponent e steps by s_h · 2^e: the coarsest must keep shift ≥ e
+        for s_in, w in ((ls.o, sd[f"{p}{fam.o}.weight"]), (ls.h * 2 ** ls.h_exp, w_down)):
             finest = max(finest, s_in * float(np.abs(w).max()) / 127.0)
     return max(s_x, finest / 2 ** 15)
 
@@ -389,9 +390,12 @@ class LayerScales:
     #: shift, so 24 bits for the calibrated maximum only set the eps's resolution
     q32: float = 0.0
     k32: float = 0.0
+    #: h's row exponent budget (ACTMUL's E, down's ROWEXP); 0: one static scale
+    h_exp: int = 0
 
     @classmethod
-    def calibrated(cls, c: dict, w_down: np.ndarray, gated: bool = True) -> "LayerScales":
+    def calibrated(cls, c: dict, w_down: np.ndarray, gated: bool = True,
+                   row_exponents: bool = True) -> "LayerScales":
         # Matmul inputs are wide (int16); q, k, v (the KV cache), gate and up stay int8.
         # An ungated MLP (OPT) has no up: u = 1.
         order = np.argsort(-c["gate"], kind="stable")
@@ -406,8 +410,9 @@ class LayerScales:
                    n2=_act_scale(c["norm2"], 16), order=order, groups=groups,
                    gate=tuple(_act_scale(float(gate_max[a:b].max())) for a, b in spans),
                    up=tuple(_act_scale(float((up_max / u)[a:b].max())) for a, b in spans),
-                   h=_act_scale(float(np.max(h_max / u)), 16), u=u,
-                   q32=c["q32"] / 2 ** QK_ROW_BITS, k32=c["k32"] / 2 ** QK_ROW_BITS)
+                   h=_act_scale(float(np.max(h_max / u)), 16) / 2 ** (H_FINE_BITS if row_exponents else 0),
+                   u=u, q32=c["q32"] / 2 ** QK_ROW_BITS, k32=c["k32"] / 2 ** QK_ROW_BITS,
+                   h_exp=nx.ROW_EXP_MAX if row_exponents else 0)
 
     def to_dict(self) -> dict:
         qk = dict(q32=self.q32, k32=self.k32) if self.q32 else {}
@@ -417,6 +422,11 @@ class LayerScales:
 
 #: Bits of the int32 q/k rows (before QK-norm) below their calibrated maximum.
 QK_ROW_BITS = 24
+
+#: With row exponents, h's base scale is this many bits finer than its calibrated maximum
+#: needs: a row down to 2^-8 of the calibrated maximum keeps all 15 bits (exponent 0), and
+#: with ROW_EXP_MAX = 15 a row up to 2^7 times the maximum fits (numerics.md §13.2).
+H_FINE_BITS = 8
 
 
 def _norm_block(gamma: np.ndarray, hidden: int, eps: float, s_x: float, s_out: float,
@@ -473,6 +483,7 @@ class Layout:
     vmem: dict = field(default_factory=dict)
     biased: list = field(default_factory=list)  # layer blocks whose MATMUL adds a bias (BIAS)
     blocks: bool = False                        # every MATMUL's weights block-scaled (BLOCKS)
+    row_exponents: bool = False                 # ACTMUL measures h's row exponents, down reads them (ROWEXP)
     logits: int = 0                             # LOGITS/SAMPLE length: the drafted tokens
     act_groups: list = field(default_factory=list)  # channels of each ACTMUL's group
     positions: int = 0                          # learned position table (int16 rows)
@@ -504,7 +515,7 @@ def _mlp_blocks(parts: dict, linear, sd: dict, key, li: int, fam: FamilyLayout, 
     for i, (a, _) in enumerate(spans):
         lut, s_lut = nx.host_act_lut(act, ls.gate[i])
         m, sh = nx.host_multiplier(s_lut * (ls.up[i] if fam.gated else 1.0) / ls.h)
-        blocks.append(pack_act_params(int(m), int(sh), lut, first=a))
+        blocks.append(pack_act_params(int(m), int(sh), lut, first=a, exp_max=ls.h_exp if i == 0 else 0))
     parts["act"] = b"".join(blocks)
     linear("down", sd[key(li, fam.down)][:, ls.order] * ls.u, ls.h, s_x, sd.get(key(li, fam.down, "bias")))
 
@@ -562,11 +573,14 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     fam = layout_of(shape.model_type)
     sd = decoder_state(model, shape)
     key = lambda li, part, what="weight": f"{fam.layers}.{li}.{part}.{what}"
-    layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated)
+    # a bias joins the accumulator in the units of exponent 0: row exponents only for
+    # bias-free down projections (OPT's fc2 has one)
+    row_exponents = not any(key(li, fam.down, "bias") in sd for li in range(shape.layers))
+    layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated, row_exponents)
                     for li, c in enumerate(cal.layers)]
     s_x = _residual_scale(sd, cal, layer_scales, fam)
     b = ImageBuilder(engine.mem_beat_bytes)
-    lay = Layout(blocks=weight_blocks, line=engine.vmem_line_bytes)
+    lay = Layout(blocks=weight_blocks, row_exponents=row_exponents, line=engine.vmem_line_bytes)
     scales = dict(residual=s_x, layers=[])
 
     emb = sd[f"{fam.embed}.weight"]
@@ -773,6 +787,8 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     # channel group a segment with its own block (one after the other in "act")
     gated = layout_of(s.model_type).gated
     segments = len(lay.act_groups)
+    # h's rows at their own exponents: ACTMUL measures them, down reads them
+    row_exp = Flag.ROWEXP if lay.row_exponents else 0
     streams = 2 if gated else 1
     return [
         Instruction(Op.EMBED, rows=rows, dst=v["x"], n=s.hidden, addr=lay.embed),
@@ -791,10 +807,11 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
                     addr=L("norm2")),
         Instruction(Op.MATMUL, flags=lrel | to_int8 | bias("gateup"), rows=rows, dst=v["gateup"],
                     src=v["xn"], n=streams * s.intermediate, k=s.hidden, addr=L("gateup")),
-        Instruction(Op.ACTMUL, flags=lrel | wide | (0 if gated else Flag.UNGATED), rows=rows,
+        Instruction(Op.ACTMUL, flags=lrel | wide | (0 if gated else Flag.UNGATED) | row_exp, rows=rows,
                     dst=v["h"], src=v["gateup"], n=s.intermediate, k=segments if segments > 1 else 0,
                     addr=L("act")),
-        Instruction(Op.MATMUL, flags=lrel | to_residual | bias("down"), rows=rows, dst=v["x"], src=v["h"],
+        Instruction(Op.MATMUL, flags=lrel | to_residual | bias("down") | row_exp,
+                    rows=rows, dst=v["x"], src=v["h"],
                     n=s.hidden, k=s.intermediate, addr=L("down")),
         Instruction(Op.ENDLOOP),
     ]

@@ -37,6 +37,17 @@ Per job:
    + j``) goes through the table, ``mult`` and ``shift`` of the last segment whose
    ``first ≤ c``; the row streams as one, whatever its segments, so a segment may end at
    any channel and the rows' timing does not depend on where the segments end.
+6. **Row exponents** (``ROWEXP``, with the budget ``E = exp_max`` of the first block's
+   head; docs/isa.md §3.8, :func:`~dfvg_hw.spec.numerics.act_row_exponent`). Each row goes
+   through ActMul twice. The **measure pass** runs it at the coarsest exponent (``extra =
+   E``) and writes nothing: the results' magnitudes are OR-ed into ``peak`` (lanes past
+   ``n`` take ``up = 0``), whose bit length gives the row's exponent ``e`` once the pass's
+   last beat has left ActMul. The **write pass** is a row as above, at ``extra = e``,
+   except that a gated row's gates are still in the gate buffer: it reads the up half
+   alone (from its first line, the aligner skipping ``n mod L`` bytes). The next row's
+   measure pass starts once the write pass's last beat has left ActMul (to the writer),
+   so each pass starts on an empty ActMul. Every row a job computes (``n ≥ 1``)
+   reports its exponent on ``exp_we`` as its write pass starts.
 
 The gate buffer holds ``ceil(vmem_bytes / 2L)`` lines (half of VMEM: the longest gate a
 row inside VMEM can have). It is what makes ``src == dst`` exact for wide results too:
@@ -57,12 +68,17 @@ read latency and the pipeline's drain (ActMul's is
 
 from __future__ import annotations
 
-from amaranth import Cat, Module, Mux, Signal, unsigned
+import operator
+from functools import reduce
+
+from amaranth import Cat, Module, Mux, Signal, signed, unsigned
 from amaranth.utils import exact_log2
 from amaranth.lib import data, wiring
+from amaranth.lib.wiring import Out
 from amaranth.lib.fifo import SyncFIFOBuffered
 from amaranth.lib.memory import Memory
 
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
@@ -115,6 +131,11 @@ class ActMulSequencer(wiring.Component):
     vmem_error : In(1)
         Unused: spans are checked before they are issued.
     peek_addr, peek_data, poke_en, poke_addr, poke_data : unused (idle)
+    exp_we : Out(1)
+        Row ``exp_row``'s exponent is ``exp_value`` (the controller's row exponent registers,
+        which MATMUL ``ROWEXP`` reads).
+    exp_row : Out(8)
+    exp_value : Out(ROW_EXP_BITS)
     """
 
     def __init__(self, config: EngineConfig, data_width: int):
@@ -122,7 +143,12 @@ class ActMulSequencer(wiring.Component):
         self.gate_depth = -(-config.vmem_bytes // (2 * config.vmem_line_bytes))
         #: bytes of the parameter stream's lines: a VMEM line, at most a bus beat and 64
         self.param_line = timing.actmul_param_line(config.vmem_line_bytes, data_width // 8)
-        super().__init__(OpSequencerSignature(config, data_width))
+        super().__init__(wiring.Signature({
+            **dict(OpSequencerSignature(config, data_width).members.items()),
+            "exp_we": Out(1),
+            "exp_row": Out(8),
+            "exp_value": Out(nx.ROW_EXP_BITS),
+        }))
 
     def elaborate(self, platform):
         m = Module()
@@ -134,7 +160,8 @@ class ActMulSequencer(wiring.Component):
         up_align = m.submodules.up_align = LineAligner(L)
         gate_cut = m.submodules.gate_cut = Gearbox(L, lanes)        # lines → lanes × int8
         up_cut = m.submodules.up_cut = Gearbox(L, lanes)
-        lasts = m.submodules.row_lasts = SyncFIFOBuffered(width=1, depth=_LAST_FIFO_DEPTH)
+        # each beat's end-of-row flag and whether it is a measure pass's
+        lasts = m.submodules.row_lasts = SyncFIFOBuffered(width=2, depth=_LAST_FIFO_DEPTH)
         writer = m.submodules.writer = RowWriter(c)
         gate_buffer = m.submodules.gate_buffer = Memory(shape=unsigned(8 * L),
                                                         depth=self.gate_depth, init=[])
@@ -151,9 +178,11 @@ class ActMulSequencer(wiring.Component):
 
         job = Signal(OpJob())
         wide, ungated = flags_view(job.flags).wide, flags_view(job.flags).ungated
+        rowexp = flags_view(job.flags).row_exponent
         in_bytes = Signal(17)                       # 2n: gate and up; n: an ungated gate
         out_bytes = Signal(17)                      # n, or 2n when wide
         gate_lines = lines_of(job.n, L)
+        n_lines_in = job.n >> exact_log2(L)         # whole lines before the up half starts
         segments = Mux(job.k == 0, 1, job.k)
         block_chunk = Signal(range(_BLOCK_CHUNKS))  # the next line's first chunk in its block
         block = Signal(range(ACTMUL_SEGMENTS + 2))  # ... and its block (segment)
@@ -166,10 +195,20 @@ class ActMulSequencer(wiring.Component):
         pair = Signal(16)                           # up line (and gate line) to pair next
         gate_at = Signal(16)                        # the gate line on gate_rd.data
         error = Signal(8)
+        exp_max = Signal(nx.ROW_EXP_BITS)           # the row exponent budget E (ROWEXP)
+        measuring = Signal()                        # the row's pass is its measure pass
+        exp = Signal(nx.ROW_EXP_BITS)               # the row's exponent, for its write pass
+        peak = Signal(16)                           # OR of the measure pass's |results|
+        up_only = Signal()                          # a gated row's write pass: its gates are buffered
+        # passes whose last pair is taken and last beat not yet out of ActMul, modulo 16: at
+        # most the FIFO's beats and the two cutters' are in flight, so 0 means none
+        in_flight = Signal(4)
 
         m.d.comb += [
             self.error.eq(error),
             act.mult.eq(mults), act.shift.eq(shifts), act.wide.eq(wide),
+            act.extra.eq(Mux(measuring, exp_max, exp)),
+            up_only.eq(rowexp & ~measuring & ~ungated),
         ]
         progress = RowWriteProgress(m, writer, self.vmem_wr, self.vmem_wr_done,
                                     wide=wide, row_bytes=out_bytes)
@@ -191,6 +230,8 @@ class ActMulSequencer(wiring.Component):
             with m.If(ours & (index == 0)):
                 m.d.sync += [mults[seg].eq(chunk[:16]), shifts[seg].eq(chunk[16:22]),
                              firsts[seg].eq(chunk[32:48])]
+                with m.If(seg == 0):
+                    m.d.sync += exp_max.eq(chunk[48:48 + nx.ROW_EXP_BITS])
             word = Cat((index - 1)[:5], seg[:exact_log2(ACTMUL_SEGMENTS)])   # 32·seg + entry word
             for b in range(chunks):                         # the bank of the word
                 with m.If(ours & (index != 0) & (word[:bank_bits] == b)):
@@ -208,7 +249,7 @@ class ActMulSequencer(wiring.Component):
         m.d.comb += [
             up_align.i.valid.eq(self.vmem_rd.valid), up_align.i.p.data.eq(self.vmem_rd.p.data),
             up_align.i.p.last.eq(self.vmem_rd.p.last), self.vmem_rd.ready.eq(up_align.i.ready),
-            gate_wr.en.eq(line_taken & ~ungated & (row_line < gate_lines)),
+            gate_wr.en.eq(line_taken & ~ungated & ~up_only & (row_line < gate_lines)),
             gate_wr.addr.eq(row_line), gate_wr.data.eq(self.vmem_rd.p.data),
         ]
         with m.If(line_taken):
@@ -236,14 +277,23 @@ class ActMulSequencer(wiring.Component):
         # -- ActMul, with each beat's end-of-row flag beside it --------------------------------
         beat_valid = gate_cut.o.valid & up_cut.o.valid & lasts.w_rdy
         beat_taken = beat_valid & act.i.ready
+        # a measure pass's beats go nowhere: only their magnitudes are kept
+        out_last, out_measured = lasts.r_data[0], lasts.r_data[1]
+        taken_out = Signal()
         m.d.comb += [
             act.i.valid.eq(beat_valid), gate_cut.o.ready.eq(beat_taken), up_cut.o.ready.eq(beat_taken),
-            lasts.w_en.eq(beat_taken), lasts.w_data.eq(gate_cut.o.p.last),
-            writer.i.valid.eq(act.o.valid & lasts.r_rdy),
-            act.o.ready.eq(writer.i.ready & lasts.r_rdy),
-            lasts.r_en.eq(act.o.valid & writer.i.ready),
-            writer.i.p.last.eq(lasts.r_data),
+            lasts.w_en.eq(beat_taken), lasts.w_data.eq(Cat(gate_cut.o.p.last, measuring)),
+            writer.i.valid.eq(act.o.valid & lasts.r_rdy & ~out_measured),
+            act.o.ready.eq((writer.i.ready | out_measured) & lasts.r_rdy),
+            lasts.r_en.eq(act.o.valid & (writer.i.ready | out_measured)),
+            taken_out.eq(act.o.valid & lasts.r_rdy & (writer.i.ready | out_measured)),
+            writer.i.p.last.eq(out_last),
         ]
+        with m.If(taken_out & out_measured):
+            m.d.sync += peak.eq(reduce(operator.or_, (Mux(y < 0, -y, y)[:16] for y in act.o.p), peak))
+        pass_sent = Signal()                        # set in ROW when the pass's last pair is taken
+        pass_out = taken_out & out_last
+        m.d.sync += in_flight.eq(in_flight + pass_sent - pass_out)
         # each lane's segment: the last whose first channel is at most the lane's channel
         with m.If(beat_taken):
             m.d.sync += chan.eq(Mux(gate_cut.o.p.last, 0, chan + lanes))
@@ -252,9 +302,21 @@ class ActMulSequencer(wiring.Component):
                 with m.If((s < segments) & (firsts[s] <= chan + j)):
                     m.d.comb += act.i.p.seg[j].eq(s)
         for j in range(lanes):
+            # a measure pass's lanes past the row's n channels (a beat's tail) count as 0
+            past_row = measuring & (chan + j >= job.n)
             m.d.comb += [act.i.p.gate[j].eq(gate_cut.o.p.data[j]),
-                         act.i.p.up[j].eq(Mux(ungated, 1, up_cut.o.p.data[j])),
+                         act.i.p.up[j].eq(Mux(past_row, 0, Mux(ungated, 1, up_cut.o.p.data[j]))),
                          writer.i.p.y[j].eq(act.o.p[j])]
+
+        # the row's exponent from the measure pass's peak: numerics.act_row_exponent
+        peak_bits = Signal(range(17))
+        for i in range(16):
+            with m.If(peak[i]):
+                m.d.comb += peak_bits.eq(i + 1)
+        needed = Signal(signed(8))
+        m.d.comb += needed.eq(peak_bits + exp_max - Mux(wide, 15, 7))
+        measured = Mux(needed < 0, 0, Mux(needed > exp_max, exp_max, needed))
+        drained = (in_flight == 0)
 
         with m.FSM(name="actmul"):
             with m.State("IDLE"):
@@ -265,6 +327,7 @@ class ActMulSequencer(wiring.Component):
                                  in_bytes.eq(Mux(flags_view(p.flags).ungated, p.n, 2 * p.n)),
                                  out_bytes.eq(Mux(flags_view(p.flags).wide, 2 * p.n, p.n)),
                                  row.eq(0), block_chunk.eq(0), block.eq(0), chan.eq(0),
+                                 exp_max.eq(0),
                                  param_issued.eq(0),
                                  error.eq(ErrorCode.OK), *progress.restart()]
                     m.next = "PARAM_CMD"
@@ -291,22 +354,43 @@ class ActMulSequencer(wiring.Component):
             with m.State("WRITE_CMD"):
                 m.d.comb += span_request(self.vmem_wr_cmd, job.dst, job.rows, out_bytes)
                 with m.If(self.vmem_wr_cmd.ready):
+                    m.d.sync += [measuring.eq(rowexp), exp.eq(0), peak.eq(0)]
                     m.next = "ROW_ALIGN"
-            with m.State("ROW_ALIGN"):                   # the up half starts n bytes in
+            # the up half starts n bytes into the row, n mod L into a write pass's span
+            up_skip = Mux(up_only, job.n[:exact_log2(L)], job.n)
+            with m.State("ROW_ALIGN"):
                 # an ungated row has no up half: the aligner passes its gate through
                 m.d.comb += [up_align.setup.valid.eq(1),
-                             up_align.setup.p.skip.eq(Mux(ungated, 0, job.n)),
+                             up_align.setup.p.skip.eq(Mux(ungated, 0, up_skip)),
                              up_align.setup.p.lines.eq(gate_lines)]
                 m.d.sync += [row_line.eq(0), pair.eq(0)]
+                # a write pass: the row's exponent is known
+                m.d.comb += [self.exp_we.eq(rowexp & ~measuring), self.exp_row.eq(row),
+                             self.exp_value.eq(exp)]
                 with m.If(up_align.setup.ready):
                     m.next = "ROW_CMD"
             with m.State("ROW_CMD"):
-                m.d.comb += span_request(self.vmem_rd_cmd, job.src + row * lines_of(in_bytes, L), 1,
-                                         in_bytes)
+                row_start = job.src + row * lines_of(in_bytes, L)
+                m.d.comb += span_request(self.vmem_rd_cmd, row_start + Mux(up_only, n_lines_in, 0), 1,
+                                         in_bytes - Mux(up_only, n_lines_in * L, 0))
                 with m.If(self.vmem_rd_cmd.ready):
                     m.next = "ROW"
             with m.State("ROW"):
                 with m.If(pair_taken & up_align.o.p.last):
-                    progress.end_row(m, row, job.rows, next_row_state="ROW_ALIGN")
+                    m.d.comb += pass_sent.eq(1)
+                    with m.If(measuring):
+                        m.next = "MEASURED"
+                    with m.Elif(~rowexp):
+                        progress.end_row(m, row, job.rows, next_row_state="ROW_ALIGN")
+                    with m.Else():
+                        progress.end_row(m, row, job.rows, next_row_state="DRAIN")
+            with m.State("MEASURED"):                   # the measure pass's last beat is out
+                with m.If(drained):
+                    m.d.sync += [exp.eq(measured), measuring.eq(0)]
+                    m.next = "ROW_ALIGN"
+            with m.State("DRAIN"):                      # the write pass's last beat is out
+                with m.If(drained):
+                    m.d.sync += [measuring.eq(1), peak.eq(0)]
+                    m.next = "ROW_ALIGN"
             progress.add_finish_states(m, job.rows, self.done)
         return m

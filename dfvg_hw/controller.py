@@ -87,10 +87,11 @@ there has no reads to drain. The overlapped cycles count for the running unit
 from __future__ import annotations
 
 from amaranth import Cat, Module, Mux, ResetInserter, Signal, unsigned
-from amaranth.lib import stream, wiring
+from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.beat_narrower import NARROW_BEAT_BITS, BeatNarrower, MemoryClientSignature
 from dfvg_hw.decoder import InstructionDecoder
@@ -244,6 +245,19 @@ class Controller(wiring.Component):
             op_units.append((self.unit_opcodes[name], name.upper(), unit, cancel))
         kv, embed = self.units.get("kv"), self.units["embed"]
 
+        # -- row exponents: set by ACTMUL ROWEXP (a row as its write pass starts), read by
+        # MATMUL ROWEXP; architectural state, zeroed by soft reset only (isa.md §3.8) -----
+        row_exp = Signal(data.ArrayLayout(unsigned(nx.ROW_EXP_BITS), c.rows))
+        clear_row_exp = Signal()
+        actmul = self.units.get("actmul")
+        if actmul is not None:
+            with m.If(actmul.exp_we):
+                m.d.sync += row_exp[actmul.exp_row].eq(actmul.exp_value)
+        with m.If(clear_row_exp):
+            m.d.sync += row_exp.eq(0)
+        if mm is not None:
+            m.d.comb += mm.row_exp.eq(row_exp)
+
         # -- host commands arrive as pulses; keep them until their turn ----------------------
         cmd = ctrl.command
         want_reset, want_load, want_start, start_buf = Signal(), Signal(), Signal(), Signal()
@@ -389,7 +403,7 @@ class Controller(wiring.Component):
 
             # -- soft reset: zero VMEM ---------------------------------------------------------
             with m.State("CLEAR_VMEM"):
-                m.d.comb += [vmem.wr_cmd.valid.eq(1), vmem.wr_cmd.payload.line.eq(0),
+                m.d.comb += [clear_row_exp.eq(1), vmem.wr_cmd.valid.eq(1), vmem.wr_cmd.payload.line.eq(0),
                              vmem.wr_cmd.payload.rows.eq(1),
                              vmem.wr_cmd.payload.row_bytes.eq(c.vmem_bytes)]
                 with m.If(vmem.wr_cmd.ready):

@@ -223,9 +223,10 @@ class ActMul(wiring.Component):
     channel segments, each with its own table, ``mult`` and ``shift`` (one ACTMUL of
     several channel groups, docs/isa.md §3.8).
 
-    ``y = sat(round_shift(lut_s[gate + 128] · up · mult_s, shift_s))`` per lane, ``s`` the
-    lane's segment (``i.p.seg``), to int8, or to int16 with ``wide`` (``ACTMUL`` with
-    ``WIDE``). Stage 1 looks the gate up in the segment's 256 × int16 table (one copy of
+    ``y = sat(round_shift(lut_s[gate + 128] · up · mult_s, min(shift_s + extra, 63)))`` per
+    lane, ``s`` the lane's segment (``i.p.seg``), to int8, or to int16 with ``wide``
+    (``ACTMUL`` with ``WIDE``); ``extra`` is the beat's row exponent
+    (:func:`numerics.act_mul_shift`). Stage 1 looks the gate up in the segment's 256 × int16 table (one copy of
     all the segments' tables per lane, with a synchronous read port: LUTRAM on an FPGA) and
     picks the segment's ``mult`` and ``shift``, stage 2 multiplies by ``up``, then a
     :class:`VectorRequantizer`. Lanes of one beat may be in different segments: a segment
@@ -262,6 +263,8 @@ class ActMul(wiring.Component):
         Each segment's multiplier, sampled with each accepted beat.
     shift : In(ArrayLayout(unsigned(6), segments))
         Each segment's shift, sampled with each accepted beat.
+    extra : In(ROW_EXP_BITS)
+        The row exponent added to every segment's shift, sampled with each accepted beat.
     wide : In(1)
         int16 output, sampled with each accepted beat.
     lut_we : In(write_words)
@@ -294,6 +297,7 @@ class ActMul(wiring.Component):
             "i": In(stream.Signature(data.StructLayout({"gate": vec8, "up": vec8, "seg": segs}))),
             "mult": In(data.ArrayLayout(unsigned(nx.MULT_BITS), segments)),
             "shift": In(data.ArrayLayout(unsigned(6), segments)),
+            "extra": In(nx.ROW_EXP_BITS),
             "wide": In(1),
             "lut_we": In(write_words),
             "lut_addr": In(data.ArrayLayout(
@@ -320,6 +324,12 @@ class ActMul(wiring.Component):
         sub_bits = timing.ceil_log2(e) + timing.ceil_log2(q)    # the entry and the bank
         word = data.ArrayLayout(signed(16), e)
         init = [[self.init[w * e + k] for k in range(e)] for w in range(self.LUT_WORDS)] * self.segments
+        # each segment's shift with the row exponent, once a beat for all lanes
+        shifts = []
+        for s in range(self.segments):
+            total = self.shift[s] + self.extra
+            shifts.append(Mux(total > 63, 63, total)[:6])
+        shift_of = Array(shifts)
         for l in range(self.lanes):
             # one copy of every segment's table per lane in `q` banks (LUTRAMs with one
             # write and one read port each), all lanes written together
@@ -345,7 +355,7 @@ class ActMul(wiring.Component):
             with m.If(adv):
                 m.d.sync += [sub1.eq(idx[:sub_bits]),
                              mult1.eq(self.mult[seg[:self.seg_bits]] if self.seg_bits else self.mult[0]),
-                             shift1.eq(self.shift[seg[:self.seg_bits]] if self.seg_bits else self.shift[0]),
+                             shift1.eq(shift_of[seg[:self.seg_bits]] if self.seg_bits else shifts[0]),
                              r.acc.eq(entries.word_select(sub1, 16).as_signed() * up1[l]),
                              r.mult.eq(mult1), r.shift.eq(shift1)]
         m.d.comb += [self.o.payload[l].eq(narrow_unless_wide(vr.o.payload.y[l], vr.o.payload.side))

@@ -29,14 +29,14 @@ def _packed(fields, total_bits: int, nested: dict | None = None) -> dict:
     return members
 
 
-class InstructionFlags(data.StructLayout):
+class InstructionFlags(data.FlexibleLayout):
     """A unit instruction's ``flags`` field, its sub-fields from
-    :data:`~dfvg_hw.spec.isa.FLAG_FIELDS` (``layer_relative``, ``mode``, ``wide``)."""
+    :data:`~dfvg_hw.spec.isa.FLAG_FIELDS` (``layer_relative``, ``mode``, ``wide``, …); a
+    bit that opcodes read differently has a field per name (bit 5: ``position``,
+    ``row_exponent``)."""
 
     def __init__(self):
-        assert [lsb for _, lsb, _ in FLAG_FIELDS] == [sum(w for _, _, w in FLAG_FIELDS[:i])
-                                                     for i in range(len(FLAG_FIELDS))]
-        super().__init__({name: unsigned(width) for name, _, width in FLAG_FIELDS})
+        super().__init__(8, {name: data.Field(unsigned(width), lsb) for name, lsb, width in FLAG_FIELDS})
 
 
 def flags_view(flags) -> data.View:

@@ -242,6 +242,10 @@ class MatmulSequencer(wiring.Component):
     logits : Out(stream.Signature(LogitTile(lanes)))
         The logit buffer's write side (:class:`~dfvg_hw.sample_sequencer.SampleSequencer`):
         ``lanes`` logits of row ``row``, each row's tiles in order (see the module docstring).
+    row_exp : In(ArrayLayout(unsigned(ROW_EXP_BITS), rows))
+        The controller's row exponent registers; a ``ROWEXP`` job requantises row ``r``
+        with ``max(shift − row_exp[r], 0)`` (read as its groups are written back, after
+        the ACTMUL before it has set them).
     """
 
     @staticmethod
@@ -270,6 +274,7 @@ class MatmulSequencer(wiring.Component):
             "logits_n": Out(16),
             "logits_rows": Out(8),
             "logits": Out(stream.Signature(LogitTile(c.lanes))),
+            "row_exp": In(data.ArrayLayout(unsigned(nx.ROW_EXP_BITS), c.rows)),
         })
         super().__init__(wiring.Signature(members))
 
@@ -291,6 +296,7 @@ class MatmulSequencer(wiring.Component):
         mode = flags_view(job.flags).mode
         wide = flags_view(job.flags).wide
         bias = flags_view(job.flags).bias
+        rowexp = flags_view(job.flags).row_exponent
         # without block multipliers a BLOCKS job is refused in RANGE, so none streams
         blocks = flags_view(job.flags).blocks if c.weight_blocks else Const(0)
         # g_tiles: the tiles of a group's read, its scale tiles (BLOCKS) included
@@ -614,7 +620,9 @@ class MatmulSequencer(wiring.Component):
                             mx.q.payload.bias.as_value().eq(
                                 Mux(bias, qbuf.word_select(at | 1, 32 * N), 0)),
                             mx.q.payload.mode.eq(mode), mx.q.payload.wide.eq(wide),
-                            mx.q.payload.rows.eq(pass_rows)]
+                            mx.q.payload.rows.eq(pass_rows),
+                            *(mx.q.payload.exps[r].eq(Mux(rowexp, self.row_exp[(first + r)[:8]], 0))
+                              for r in range(M))]
                 if c.weight_blocks:
                     ungated.append(mx.q.payload.blocks.eq(blocks))
                 with m.If(mx.q.valid & mx.q.ready):

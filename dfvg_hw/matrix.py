@@ -115,7 +115,9 @@ class GroupParams(data.StructLayout):
     rows are digit pairs of int16 rows, ``blocks`` (a field only with ``blocks``) set when
     the tiles' sums were scaled by block multipliers (the write-back rounds by
     ``BLOCK_SHIFT``), ``rows`` the number of (wide) rows to write back (1 … M, or
-    1 … M // 2 when wide; 0 or more means all).
+    1 … M // 2 when wide; 0 or more means all), ``exps[r]`` the row exponent of (wide)
+    row ``r``: its requantisation shift is ``max(shift − exps[r], 0)``
+    (:func:`~dfvg_hw.spec.numerics.row_shift`; 0 without MATMUL ``ROWEXP``).
     """
 
     def __init__(self, rows: int, lanes: int, blocks: bool = True):
@@ -128,6 +130,7 @@ class GroupParams(data.StructLayout):
         if blocks:
             fields["blocks"] = unsigned(1)
         fields["rows"] = unsigned(ceil_log2(rows + 1))
+        fields["exps"] = data.ArrayLayout(unsigned(nx.ROW_EXP_BITS), rows)
         super().__init__(fields)
 
 
@@ -197,7 +200,8 @@ class MatrixUnit(wiring.Component):
     With ``q.wide`` set, ``acc`` of output row ``r`` is ``256·acc[2r] + acc[2r+1]``: the
     exact int16 × int8 dot product of the wide row whose digits came in rows ``2r``, ``2r+1``.
     With ``q.blocks`` set it is then ``round_shift(acc, BLOCK_SHIFT)``
-    (:func:`~dfvg_hw.spec.numerics.block_round`).
+    (:func:`~dfvg_hw.spec.numerics.block_round`). Row ``r``'s ``shift`` is less its row
+    exponent ``q.exps[r]`` (not below 0).
 
     The write-back bank is a single buffer: a group's sums wait in the accumulate stage
     (stalling the whole pipeline, hence ``w``/``x``) while the previous group is still being
@@ -369,7 +373,9 @@ class MatrixUnit(wiring.Component):
         take = Signal()
         m.d.comb += take.eq(req_valid & reqs[0].i.ready)
         half = self.BLOCK_HALF
+        row_exp = self.q.p.exps[row]
         for l, rq in enumerate(reqs):
+            shift = self.q.p.words[l].shift
             combined = Mux(wide, (bank[0][l] << 8) + bank[1][l], bank[0][l])
             scaled = (Mux(self.q.p.blocks, (combined + half) >> nx.BLOCK_SHIFT, combined)
                       if self.weight_blocks else combined)
@@ -377,7 +383,7 @@ class MatrixUnit(wiring.Component):
                 rq.i.valid.eq(req_valid),
                 rq.i.p.acc.eq(scaled + self.q.p.bias[l]),
                 rq.i.p.mult.eq(self.q.p.words[l].mult),
-                rq.i.p.shift.eq(self.q.p.words[l].shift),
+                rq.i.p.shift.eq(Mux(shift > row_exp, shift - row_exp, 0)),
             ]
         m.d.comb += self.q.ready.eq(take & last_row)
         with m.If(advance & vt & lt):          # advance implies ~busy here

@@ -49,6 +49,9 @@ class Scheme:
     inputs: str = "float"               #: float | static8 | static16 | token8 | pow2_16
     qkv: str = "float"                  #: float | static8 | head8
     qkv_which: tuple[str, ...] = ("k_proj", "v_proj")
+    #: with inputs="pow2_16": the linear layers (name suffixes) whose inputs get the
+    #: per-token power of two; the others' inputs are int16 static. None: all of them
+    pow2_only: tuple[str, ...] | None = None
 
 
 SCHEMES = [
@@ -62,6 +65,15 @@ SCHEMES = [
     Scheme("int8 W per row, inputs int16 pow2 per token", inputs="pow2_16"),
     Scheme("int8 W per 32-block, inputs int16 static", weight_block=32, inputs="static16"),
     Scheme("int8 W per 32-block, inputs int16 pow2 per token", weight_block=32, inputs="pow2_16"),
+    # which inputs the per-token power of two pays on (the rest int16 static)
+    Scheme("int8 W per row, h (down_proj input) pow2, others static", inputs="pow2_16",
+           pow2_only=("down_proj", "fc2")),
+    Scheme("int8 W per 32-block, h pow2, others static", weight_block=32, inputs="pow2_16",
+           pow2_only=("down_proj", "fc2")),
+    Scheme("int8 W per 32-block, norm outputs pow2, others static", weight_block=32, inputs="pow2_16",
+           pow2_only=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")),
+    Scheme("int8 W per 32-block, attention output pow2, others static", weight_block=32,
+           inputs="pow2_16", pow2_only=("o_proj",)),
     Scheme("  + k, v int8 static", weight_block=32, inputs="pow2_16", qkv="static8"),
     Scheme("  + k, v int8 pow2 per (token, head)", weight_block=32, inputs="pow2_16", qkv="head8"),
     Scheme("  + v alone int8 pow2 per (token, head)", weight_block=32, inputs="pow2_16", qkv="head8",
@@ -165,7 +177,10 @@ class Study:
         hooks = []
         for n, m in self.linears:
             if scheme.inputs != "float":
-                hooks.append(m.register_forward_pre_hook(self._input_hook(n, scheme.inputs)))
+                mode = scheme.inputs
+                if mode == "pow2_16" and scheme.pow2_only is not None and not n.endswith(scheme.pow2_only):
+                    mode = "static16"
+                hooks.append(m.register_forward_pre_hook(self._input_hook(n, mode)))
             if scheme.qkv != "float" and n.endswith(scheme.qkv_which):
                 hooks.append(m.register_forward_hook(self._output_hook(n, scheme.qkv, head_dim)))
         try:

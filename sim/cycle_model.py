@@ -185,7 +185,7 @@ class CycleModel:
         if op == Op.ACTMUL:
             segments = max(ins.k, 1)        # one parameter block per channel segment
             return (actmul_cycles(unit_port, c.lanes, ins.n, rows, bool(ins.wide), addr,
-                                  ungated=bool(ins.ungated), segments=segments),
+                                  ungated=bool(ins.ungated), segments=segments, rowexp=ins.rowexp),
                     ACT_PARAM_BYTES * segments)
         if op == Op.EMBED:
             # POSITION indexes the table by POS: no token to read

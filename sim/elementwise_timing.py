@@ -265,9 +265,14 @@ class _GammaLines:
         return self._beat(self.lines_in - 1) + tm.GEARBOX_LATENCY + tm.LINE_ALIGNER_LATENCY
 
 
-def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool, line: int):
+def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool, line: int,
+                 rowexp: bool = False):
     """ACTMUL's row loop from the first ROW_ALIGN in cycle ``a`` (VMEM lines of ``line``
-    bytes): (cycle the writer takes the last beat, beats per row)."""
+    bytes): (cycle the writer takes the last beat, beats per row). With ``rowexp`` each
+    row is a measure pass, then a write pass once the measure pass's last beat has left
+    ActMul (MEASURED), which reads a gated row's up half alone (its gates are buffered:
+    no lines dropped first), and the next row's measure pass waits until the write pass's
+    last beat is with the writer (DRAIN)."""
     g_lines = ceil(n / line)
     d = 0 if ungated else n // line                # lines the up-half aligner drops
     r = max(1, line // lanes)                      # cycles per (gate, up) line pair
@@ -279,15 +284,23 @@ def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool, l
         last_lines, spacing = g_lines - q * (beats - 1), q
     m = beats - 1
     w_last = None
-    for _ in range(rows):
+    lat = tm.ACTMUL_LATENCY
+
+    def pairs(a, d=d):
+        """(first pair's cycle, last pair's, first beat into ActMul, last but one, last)."""
         f0 = a + tm.ACTMUL_ROW_START + d
         f_last = f0 + r * (g_lines - 1)
         if lanes <= line:
-            in0, in_prev, in_last = f0 + 1, f0 + beats - 1, f0 + beats
-        else:
-            in0 = f0 + min(q, g_lines)
-            in_prev, in_last = f_last + 1 - last_lines, f_last + 1
-        lat = tm.ACTMUL_LATENCY
+            return f0, f_last, f0 + 1, f0 + beats - 1, f0 + beats
+        return f0, f_last, f0 + min(q, g_lines), f_last + 1 - last_lines, f_last + 1
+
+    for row in range(rows):
+        if rowexp:
+            if row:                                # DRAIN: the last write beat is taken
+                a = max(a, w_last + 1) + 1
+            _, f_last, _, _, in_last = pairs(a)
+            a = max(f_last + 1, in_last + lat + 1) + 1     # MEASURED, then the write pass
+        f0, f_last, in0, in_prev, in_last = pairs(a, 0 if rowexp else d)
         w0 = in0 + lat if w_last is None else max(in0 + lat, w_last + s)
         w_last = _writer_last_take(w0, in_prev + lat, in_last + lat, beats, s)
         last_pair = f_last
@@ -306,7 +319,7 @@ def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool, l
 
 
 def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int,
-                  ungated: bool = False, segments: int = 1) -> int:
+                  ungated: bool = False, segments: int = 1, rowexp: bool = False) -> int:
     """actmul_sequencer.py: each of the ``segments`` parameter blocks' head and SiLU table
     (256 entries, every instruction), all in one read of lines of
     :func:`~dfvg_hw.spec.timing.actmul_param_line` (``L/2`` entries a cycle, at most
@@ -315,7 +328,8 @@ def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, a
     ``n`` gate bytes alone, which go through the up half's aligner from byte 0: it drops
     no lines before the first pair, and each row reads ``ceil(n/L)`` lines instead of
     ``ceil(2n/L)`` (the pairs, not the reads, set a row's pace either way). Where the segments end
-    does not change the rows' timing (they stream as one row)."""
+    does not change the rows' timing (they stream as one row). With ``rowexp`` each row
+    is read twice (:func:`_actmul_rows`)."""
     line = port.line
     port = port.at(addr).with_line(tm.actmul_param_line(line, port.bus_bytes))
     first = tm.PARAM_CMD + READ_OVERHEAD + port.latency
@@ -330,7 +344,7 @@ def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, a
         return UNIT_OVERHEAD + a - 1
     beat_bytes = lanes * (2 if wide else 1)
     s = max(1, beat_bytes // line)
-    w_last, beats = _actmul_rows(a, rows, n, lanes, s, ungated, line)
+    w_last, beats = _actmul_rows(a, rows, n, lanes, s, ungated, line, rowexp)
     _, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide, line)
     if beat_bytes <= line and wide:
         dropped = 2 * ceil(n / line) - ceil(2 * n / line)

@@ -89,6 +89,8 @@ class FunctionalEngine:
         self.imem: list[int] = []
         self._decoded: list = []
         self.logits: np.ndarray | None = None
+        #: each row's exponent from the last ACTMUL that computed it (MATMUL ROWEXP reads them)
+        self.row_exp = np.zeros(config.rows, dtype=np.int64)
         self.cycle_model = CycleModel(config)
         self.counts = CycleCounts()
         self._weights: dict[tuple[int, int, int, bool, bool], tuple] = {}
@@ -112,7 +114,9 @@ class FunctionalEngine:
                 self._decoded.append(exc)
 
     def soft_reset(self) -> None:
-        """Clear KV, VMEM and the logit buffer (the CONTROL register's soft reset)."""
+        """Clear KV, VMEM, the row exponents and the logit buffer (the CONTROL register's
+        soft reset)."""
+        self.row_exp.fill(0)
         self.kv_k.fill(0)
         self.kv_v.fill(0)
         self.vmem.fill(0)
@@ -421,16 +425,26 @@ class FunctionalEngine:
             blocks = self._dram(addr, ACT_PARAM_BYTES * max(ins.k, 1)).reshape(-1, ACT_PARAM_BYTES)
             heads = blocks[:, :8].copy().view("<u4")
             firsts = np.where(np.arange(len(blocks)) == 0, 0, heads[:, 1] & 0xFFFF)
+            exp_max = int(heads[0, 1] >> 16) & nx.ROW_EXP_MAX
             # (the last True of each channel's row of firsts ≤ c; segment 0 always holds)
             starts_by = firsts[None, :] <= np.arange(ins.n)[:, None]
             segment = len(blocks) - 1 - np.argmax(starts_by[:, ::-1], axis=1)
-            y = np.zeros(gate.shape, np.int64)
-            for s, block in enumerate(blocks):
-                cols = segment == s
-                mult, shift = int(heads[s, 0]) & 0xFFFF, (int(heads[s, 0]) >> 16) & 0x3F
-                lut = block[16:].copy().view("<i2")
-                y[:, cols] = nx.act_mul(gate[:, cols], up[:, cols], lut, mult, shift, bits)
-            self._vstore(ins.dst, y, dtype)
+
+            def act(extra):
+                y = np.zeros(gate.shape, np.int64)
+                for s, block in enumerate(blocks):
+                    cols = segment == s
+                    mult, shift = int(heads[s, 0]) & 0xFFFF, (int(heads[s, 0]) >> 16) & 0x3F
+                    lut = block[16:].copy().view("<i2")
+                    y[:, cols] = nx.act_mul(gate[:, cols], up[:, cols], lut, mult, shift, bits, extra)
+                return y
+            if ins.rowexp:      # each row measured at the coarsest exponent E first
+                exp = nx.act_row_exponent(act(exp_max), exp_max, bits)
+                self._vstore(ins.dst, act(exp[:, None]), dtype)
+                if ins.n:
+                    self.row_exp[:rows] = exp
+            else:
+                self._vstore(ins.dst, act(0), dtype)
         elif op == Op.NOP:
             pass
         else:  # pragma: no cover - decode() admits only the opcodes handled above
@@ -464,6 +478,8 @@ class FunctionalEngine:
             # float64 BLAS is exact: |int16 · int8| sums over k < 2^16 stay below 2^38 < 2^53.
             acc = np.rint(x.astype(np.float64) @ wt).astype(np.int64)
         acc = nx.add_bias(acc, bias)
+        if ins.rowexp:
+            shift = nx.row_shift(shift[None, :], self.row_exp[:ins.rows, None])
         mode = ins.mode
         if mode == MatmulMode.INT8:
             self._vstore(ins.dst, nx.requant(acc, mult, shift), np.int8)

@@ -57,7 +57,7 @@ from dfvg_hw.spec.image import (ACT_PARAM_BYTES, NORM_PARAM_BYTES, pack_attn_par
                                 untile_weights)
 from dfvg_hw.spec.isa import (INSTRUCTION_BITS, Cond, Flag, IllegalInstruction, Instruction,
                               MatmulMode, Op, decode, encode, opcode_rules, to_bytes)
-from dfvg_hw.spec.numerics import GAMMA_SHIFT_MAX
+from dfvg_hw.spec.numerics import GAMMA_SHIFT_MAX, ROW_EXP_MAX
 from dfvg_hw.spec.regmap import OP_CYCLE_BUCKETS, Control, Reg, Status, op_cycles_offset
 from sim.device import SimDevice
 from sim.program_flow import CONTROL_OPS
@@ -310,7 +310,11 @@ class _Image:
 
     def act(self) -> int:
         word = int(self.rng.integers(1, 1 << 16)) | int(self.rng.integers(4, 24)) << 16
-        return self.put(struct.pack("<I", word).ljust(16, b"\0") + self.rng.bytes(ACT_PARAM_BYTES - 16))
+        # the row exponent budget from the multiplier's low bits: no draw of its own, so a
+        # seed keeps its cases
+        exp_max = word & ROW_EXP_MAX
+        return self.put(struct.pack("<2I", word, exp_max << 16).ljust(16, b"\0")
+                        + self.rng.bytes(ACT_PARAM_BYTES - 16))
 
 
 def _mutate(rng, c: EngineConfig, words: list[int], image_len: int) -> list[int]:
@@ -378,6 +382,8 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     bq, bkv, bo, bgu, bd, bhead = (int(Flag.BLOCKS) if c.weight_blocks and brng.random() < 0.3 else 0
                                    for _ in range(6))
     qk_norm = hd % c.vmem_line_bytes == 0 and rng.random() < 0.4
+    # h's row exponents: the ACTMUL measures them, the down MATMUL reads them
+    rowexp = int(Flag.ROWEXP) if brng.random() < 0.5 else 0
 
     def scales(blocks_flag):
         return brng if blocks_flag else None
@@ -431,8 +437,8 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
         Instruction(Op.RMSNORM, flags=lrel(), rows=r, dst=xn, src=x, n=h, addr=b["norm2"]),
         Instruction(Op.MATMUL, flags=lrel() | bgu | M(MatmulMode.INT8), rows=r, dst=gu, src=xn,
                     n=2 * inter, k=h, addr=b["wgu"]),
-        Instruction(Op.ACTMUL, flags=lrel() | w3, rows=r, dst=act, src=gu, n=inter, addr=b["act"]),
-        Instruction(Op.MATMUL, flags=lrel() | w3 | bd | M(MatmulMode.RESADD), rows=r, dst=x, src=act,
+        Instruction(Op.ACTMUL, flags=lrel() | w3 | rowexp, rows=r, dst=act, src=gu, n=inter, addr=b["act"]),
+        Instruction(Op.MATMUL, flags=lrel() | w3 | bd | rowexp | M(MatmulMode.RESADD), rows=r, dst=x, src=act,
                     n=h, k=inter, addr=b["wd"]),
     ]
     if rng.random() < 0.3:                            # drop a few, as a smaller model might

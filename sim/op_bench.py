@@ -15,6 +15,12 @@ them) gets an always-ready sink that collects each logit vector it streams, so L
 results are compared too; one with ``logits_rows`` (a LOGITS matmul of several rows, a tree
 forward's, docs/isa.md §9.2) has each tile placed in the row its ``row`` field names.
 
+Row exponents (docs/isa.md §3.8): a sequencer that reports them (ACTMUL's ``exp_we``,
+``exp_row``, ``exp_value``) has them kept in a table as the controller keeps them, and
+compared with the functional model's ``row_exp`` after every job; one that reads them
+(MATMUL's ``row_exp``) gets each job's ``row_exp`` entry (a list; zeros at first, kept
+from job to job where a job has none), which the functional model is given too.
+
 A sequencer with a path port (the KV sequencer's ``path_index``/``path_pos``: the KV
 positions of a tree row's path, which the controller serves) gets a table in the bench,
 set per job from the job's ``path`` entry (a list of positions), and ``path_pos`` answers
@@ -42,7 +48,7 @@ from sim.tree_state import TreeState
 from sim.testbench import run_simulation, stream_put
 
 __all__ = ["OpBench", "run_jobs", "functional_reference", "reference_jobs", "compare_with_reference",
-           "has_logit_port", "has_path_port", "PATH_ENTRIES"]
+           "has_logit_port", "has_path_port", "reports_exponents", "reads_exponents", "PATH_ENTRIES"]
 
 #: Entries of the bench's path table (a tree row's path has at most MAX_DRAFT levels).
 PATH_ENTRIES = 64
@@ -87,6 +93,8 @@ class OpBench(wiring.Component):
             "axi": Out(self.port.axi.signature),
             **({"path_table": In(data.ArrayLayout(unsigned(16), PATH_ENTRIES))}
                if has_path_port(sequencer) else {}),
+            **({"row_exp": In(sequencer.signature.members["row_exp"].shape)}
+               if reads_exponents(sequencer) else {}),
         }))
 
     def elaborate(self, platform):
@@ -118,6 +126,8 @@ class OpBench(wiring.Component):
         ]
         if has_path_port(seq):
             m.d.comb += seq.path_pos.eq(self.path_table[seq.path_index])
+        if reads_exponents(seq):
+            m.d.comb += seq.row_exp.eq(self.row_exp)
         return m
 
 
@@ -131,10 +141,31 @@ def has_path_port(sequencer) -> bool:
     return "path_index" in sequencer.signature.members
 
 
+def reports_exponents(sequencer) -> bool:
+    """Whether ``sequencer`` sets row exponents (``exp_we``, ``exp_row``, ``exp_value``)."""
+    return "exp_we" in sequencer.signature.members
+
+
+def reads_exponents(sequencer) -> bool:
+    """Whether ``sequencer`` reads the row exponents (``row_exp``)."""
+    return "row_exp" in sequencer.signature.members
+
+
+def _exponent_keeper(sequencer, table: list):
+    """A simulator process standing in for the controller's row exponent registers:
+    ``table`` (a list of ints) takes each ``exp_we`` write."""
+    async def process(ctx):
+        async for _, _, we, row, value in ctx.tick().sample(sequencer.exp_we, sequencer.exp_row,
+                                                          sequencer.exp_value):
+            if we:
+                table[row] = int(value)
+    return process
+
+
 def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMemory,
              jobs: list[dict], *, data_width: int = 128, timing: MemoryTiming | None = None,
              max_cycles: int = 200_000, logits: list | None = None,
-             cycles: list | None = None) -> tuple[np.ndarray, list[int]]:
+             cycles: list | None = None, exponents: list | None = None) -> tuple[np.ndarray, list[int]]:
     """Run ``jobs`` (dicts of :class:`OpJob` fields) one after the other, starting from
     VMEM contents ``vmem`` (uint8, ``vmem_bytes``); return VMEM afterwards and each job's
     error code. A job's ``path`` entry (a list of KV positions) is the path port's table
@@ -145,7 +176,8 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
     in order; ``[rows, n]`` for a LOGITS job of several rows; a sequencer with a logit
     port only). ``cycles``, if given, receives each
     job's cycle count from the clock edge that transfers the job to the one after which
-    ``done`` is high (None for a job cancelled after a memory error).
+    ``done`` is high (None for a job cancelled after a memory error). ``exponents``, if
+    given, receives the row exponent table after each job (a sequencer that sets them).
     """
     bench = OpBench(config, sequencer, data_width)
     slave = AXI4SlaveMemory(bench.axi, memory, timing or MemoryTiming.for_config(config, data_width))
@@ -156,6 +188,9 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
     processes = [slave.process]
     if has_logit_port(sequencer):
         processes.append(_logit_sink(sequencer, [] if logits is None else logits))
+    table = [0] * config.rows
+    if reports_exponents(sequencer):
+        processes.append(_exponent_keeper(sequencer, table))
 
     async def tb(ctx):
         ctx.set(bench.backdoor, 1)
@@ -170,6 +205,8 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
             path = job.get("path", [])
             if has_path_port(sequencer):
                 ctx.set(bench.path_table, list(path) + [0] * (PATH_ENTRIES - len(path)))
+            if reads_exponents(sequencer) and "row_exp" in job:     # else they stay
+                ctx.set(bench.row_exp, list(job["row_exp"]))
             fields = {name: job.get(name, 0) for name in OpJob().members}   # not path, tree
             await stream_put(ctx, bench.job, fields)
             for elapsed in range(max_cycles):
@@ -190,6 +227,8 @@ def run_jobs(config: EngineConfig, sequencer, vmem: np.ndarray, memory: DeviceMe
             else:
                 raise AssertionError(f"job {job} did not finish in {max_cycles} cycles")
             await ctx.tick()
+            if exponents is not None:
+                exponents.append(list(table))
         ctx.set(bench.backdoor, 1)
         for i in range(len(lines)):
             ctx.set(bench.peek_addr, i)
@@ -270,7 +309,8 @@ _INSTRUCTION_FIELDS = ("flags", "rows", "dst", "src", "n", "k", "addr")
 
 
 def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
-                   jobs: list[dict], *, logits: list | None = None) -> tuple[np.ndarray, list[int]]:
+                   jobs: list[dict], *, logits: list | None = None,
+                   exponents: list | None = None) -> tuple[np.ndarray, list[int]]:
     """The functional model's answer to :func:`run_jobs` with the same arguments. A job's
     ``pitch`` and ``tree`` entries make it an instruction of a tree forward
     (:func:`functional_reference`); ``path`` entries are the RTL bench's and ignored.
@@ -288,6 +328,9 @@ def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
     logits : list, optional
         Receives the logit buffer of each job that completes a LOGITS matmul (its one row,
         or ``[rows, n]``).
+    exponents : list, optional
+        Receives the row exponents after each job. A job's ``row_exp`` entry sets them
+        before it runs.
 
     Returns
     -------
@@ -300,12 +343,16 @@ def reference_jobs(config: EngineConfig, vmem: np.ndarray, memory: DeviceMemory,
     for job in jobs:
         ins = Instruction(Op(job["opcode"]), **{name: job.get(name, 0) for name in _INSTRUCTION_FIELDS})
         engine.logits = None
+        if "row_exp" in job:
+            engine.row_exp[:] = job["row_exp"]
         errors.append(functional_reference(engine, ins, pos=job.get("pos", 0),
                                            layer=job.get("layer", 0), pitch=job.get("pitch", 0),
                                            tree=job.get("tree")))
         if logits is not None and engine.logits is not None:
             rows = engine.logit_rows
             logits.append(np.asarray(engine.logits if len(rows) == 1 else rows, np.int16))
+        if exponents is not None:
+            exponents.append([int(e) for e in engine.row_exp])
     return engine.vmem, errors
 
 
@@ -314,15 +361,19 @@ def compare_with_reference(config: EngineConfig, sequencer, vmem: np.ndarray,
                            data_width: int = 128, cycles: list | None = None) -> list[int]:
     """Run ``jobs`` on ``sequencer`` (:func:`run_jobs`) and on the functional model
     (:func:`reference_jobs`) from the same VMEM and device memory; assert both give the
-    same error codes, the same VMEM and (a sequencer with a logit port) the same logit
-    vectors, and return the error codes. ``cycles``, if given, receives each job's cycles
+    same error codes, the same VMEM, (a sequencer with a logit port) the same logit
+    vectors and (one that sets row exponents) the same row exponents after every job,
+    and return the error codes. ``cycles``, if given, receives each job's cycles
     on the sequencer (as :func:`run_jobs` counts them)."""
-    got_logits, want_logits = [], []
+    got_logits, want_logits, got_exponents, want_exponents = [], [], [], []
     after, errors = run_jobs(config, sequencer, vmem, memory, jobs, data_width=data_width,
-                             logits=got_logits, cycles=cycles)
-    expected, expected_errors = reference_jobs(config, vmem, memory, jobs, logits=want_logits)
+                             logits=got_logits, cycles=cycles, exponents=got_exponents)
+    expected, expected_errors = reference_jobs(config, vmem, memory, jobs, logits=want_logits,
+                                               exponents=want_exponents)
     assert errors == expected_errors
     np.testing.assert_array_equal(after, expected)
+    if reports_exponents(sequencer):
+        assert got_exponents == want_exponents
     if has_logit_port(sequencer):
         assert len(got_logits) == len(want_logits)
         for got, want in zip(got_logits, want_logits):

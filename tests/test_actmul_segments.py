@@ -6,8 +6,9 @@ import struct
 import numpy as np
 import pytest
 
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import get_preset
-from dfvg_hw.spec.image import ACT_PARAM_BYTES
+from dfvg_hw.spec.image import ACT_PARAM_BYTES, unpack_requant_records, weight_area_bytes
 from dfvg_hw.spec.isa import Op, decode
 
 
@@ -16,7 +17,7 @@ def test_one_actmul_a_layer_over_its_groups_blocks(tiny_draft_dir, preset):
     """The groups are 8, 8, 16 and the rest whatever the VMEM line, one ACTMUL a layer has
     a segment for each, and its k blocks lie one after the other at its address (a layer
     block's parts are aligned to the engine beat: the blocks must be one part), each naming
-    its group's first channel."""
+    its group's first channel; the first block carries h's row exponent budget."""
     from dfvg_host.compiler import compile_draft
     compiled = compile_draft(tiny_draft_dir, get_preset(preset))
     groups = compiled.manifest["layout"]["act_groups"]
@@ -26,5 +27,27 @@ def test_one_actmul_a_layer_over_its_groups_blocks(tiny_draft_dir, preset):
     for ins in actmuls:
         blocks = compiled.image[ins.addr:ins.addr + len(groups) * ACT_PARAM_BYTES]
         heads = [struct.unpack_from("<2I", blocks, s * ACT_PARAM_BYTES) for s in range(len(groups))]
-        assert [first for _, first in heads] == list(np.cumsum([0] + groups[:-1]))
+        assert [first & 0xFFFF for _, first in heads] == list(np.cumsum([0] + groups[:-1]))
+        assert [first >> 16 for _, first in heads] == [nx.ROW_EXP_MAX] + [0] * (len(groups) - 1)
         assert all(word & 0xFFFF for word, _ in heads)           # every segment has a multiplier
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hbm"])
+def test_row_exponents_reach_the_down_projection_unclipped(tiny_draft_dir, preset):
+    """Each layer's ACTMUL measures h's row exponents and its down projection (the next
+    MATMUL, which reads h) takes them; every down requant shift is at least the budget E,
+    so ``max(shift − e, 0)`` never clips (numerics.md §13.2). No other MATMUL reads them."""
+    from dfvg_host.compiler import compile_draft
+    config = get_preset(preset)
+    compiled = compile_draft(tiny_draft_dir, config)
+    program = list(map(decode, compiled.program))
+    flagged = [i for i, ins in enumerate(program) if ins.rowexp]
+    actmuls = [i for i, ins in enumerate(program) if ins.opcode == Op.ACTMUL]
+    assert actmuls and flagged == sorted(actmuls + [i + 1 for i in actmuls])
+    for i in actmuls:
+        down = program[i + 1]
+        assert down.opcode == Op.MATMUL and down.src == program[i].dst
+        area = weight_area_bytes(down.n, down.k, config.lanes, config.reduce, down.blocks)
+        records = np.frombuffer(compiled.image, np.uint8)[down.addr + area:]
+        mult, shift, _ = unpack_requant_records(records, down.n, config.lanes, down.bias)
+        assert (shift[mult > 0] >= nx.ROW_EXP_MAX).all(), shift.min()

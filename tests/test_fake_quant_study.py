@@ -66,5 +66,8 @@ def test_study_runs_on_the_demo_draft(capsys):
     assert by_name["int8 W per 32-block, float activations"][0] > 0.95
     # static int8 inputs lose far more than per-token int16 ones (the table's point)
     assert by_name["float W, inputs int8 static"][1] < by_name["int8 W per 32-block, inputs int16 pow2 per token"][1]
+    # a per-input row applies its power of two: h's alone already differs from all static
+    static = by_name["int8 W per 32-block, inputs int16 static"]
+    assert by_name["int8 W per 32-block, h pow2, others static"] != static
     for agree, mean_cos, min_cos in by_name.values():
         assert 0 <= agree <= 1 and -1 <= min_cos <= mean_cos <= 1

@@ -63,7 +63,8 @@ def test_assembler_labels_and_comments():
     (encode(Instruction(Op.EMBED, rows=1, n=4)) | (1 << 80), "k"),
     (encode(Instruction(Op.EMBED, rows=1, n=4)) & ~(0xFF << 16), "rows"),  # rows = 0
     (encode(Instruction(Op.MATMUL, rows=1, n=4, k=4)) | (0x40 << 8), "flags"),  # undefined bit
-    (encode(Instruction(Op.MATMUL, rows=1, n=4, k=4)) | (Flag.POSITION << 8), "flags"),  # EMBED's
+    (encode(Instruction(Op.MATMUL, rows=1, n=4, k=4)) | (Flag.UNGATED << 8), "flags"),  # ACTMUL's
+    (encode(Instruction(Op.RMSNORM, rows=1, n=4)) | (Flag.ROWEXP << 8), "flags"),  # ACTMUL's
     (encode(Instruction(Op.EMBED, rows=1, n=4)) | (Flag.UNGATED << 8), "flags"),  # ACTMUL's
     (encode(Instruction(Op.RMSNORM, rows=1, n=4)) | (0x80 << 8), "flags"),   # undefined bit
     (encode(Instruction(Op.BRANCH, n=1)) | (9 << 8), "flags"),     # undefined condition

@@ -248,3 +248,45 @@ def test_block_matmul_is_the_rounded_sum_of_scaled_tile_dots():
     assert big[0, 0] == (k * 32768 * 128 * 65535 + (1 << 15)) >> 16 and big[0, 0] < 1 << 38
     # multipliers of 2^16 would be the identity; 65535 is the largest a u16 holds
     assert nx.block_round(np.int64(3 << 16)) == 3 and nx.block_round(np.int64(-(1 << 15))) == 0
+
+
+@pytest.mark.parametrize("out_bits", [8, 16])
+def test_row_exponent_is_the_least_that_fits_the_row(out_bits):
+    """ACTMUL ROWEXP's exponent: at ``e < E`` a row fits ``out_bits`` (within a unit of
+    rounding at the edge); at ``e − 1`` it would not, wherever the coarse measurement
+    resolves it (always for int16 rows with ``E ≤ 15``; an int8 row's exponent is at least
+    ``E − 7``); a row of zeros, or an empty one, gets 0 (int16)."""
+    rng = np.random.default_rng(3 + out_bits)
+    lut = rng.integers(-32768, 32768, 256)
+    hi = (1 << (out_bits - 1)) - 1
+    seen = set()
+    for _ in range(400):
+        n = int(rng.integers(1, 40))
+        gate, up = rng.integers(-128, 128, (2, n))
+        up = up >> int(rng.integers(0, 8))               # rows of every magnitude
+        mult, shift = int(rng.integers(1 << 15, 1 << 16)), int(rng.integers(0, 40))
+        E = int(rng.integers(0, nx.ROW_EXP_MAX + 1))
+        e = int(nx.act_row_exponent(nx.act_mul(gate, up, lut, mult, shift, out_bits, E), E, out_bits))
+        seen.add(e)
+        assert max(0, E - (out_bits - 1)) <= e <= E
+
+        def peak(x):                                     # the row's largest |value| at exponent x
+            return np.abs(nx.round_shift(lut[gate + 128] * up * mult, min(shift + x, 63))).max()
+        if e < E:
+            assert peak(e) <= hi + 1
+        if e > max(0, E - (out_bits - 1)):
+            assert peak(e - 1) > hi // 2, (e, E)
+        row = nx.act_mul(gate, up, lut, mult, shift, out_bits, e)
+        assert np.array_equal(row, nx.saturate(nx.round_shift(lut[gate + 128] * up * mult,
+                                                              min(shift + e, 63)), out_bits))
+    assert len(seen) >= 10
+    assert nx.act_row_exponent(np.zeros((3, 0), np.int64), 15, 16).tolist() == [0, 0, 0]
+    assert nx.act_row_exponent(np.zeros((2, 5), np.int64), 15, 16).tolist() == [0, 0]
+
+
+def test_row_shift_and_act_mul_shift_clamp():
+    assert nx.row_shift(np.array([20, 3, 0]), np.array([[5], [15]])).tolist() == [[15, 0, 0], [5, 0, 0]]
+    assert nx.act_mul_shift(60, 15) == 63 and nx.act_mul_shift(40, 3) == 43
+    # a shift past 63 rounds every product to 0, as 63 does
+    lut = np.full(256, -32768)
+    assert nx.act_mul(np.array([0]), np.array([-128]), lut, 65535, 63, 16, 15).tolist() == [0]

@@ -29,6 +29,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from dfvg_hw.spec.numerics import ROW_EXP_MAX
+
 __all__ = [
     "IMAGE_MAGIC", "IMAGE_VERSION", "HEADER_BYTES", "ALIGN", "ImageHeader",
     "padded", "embed_row_stride", "tile_weights", "untile_weights", "matmul_bytes", "pack_qparams",
@@ -263,7 +265,11 @@ def pack_attn_params(mult: int, shift: int, kv_heads: int) -> bytes:
     return struct.pack("<2I", (mult & 0xFFFF) | (shift << 16), kv_heads).ljust(ATTN_PARAM_BYTES, b"\0")
 
 
-def pack_act_params(mult: int, shift: int, lut: np.ndarray, first: int = 0) -> bytes:
-    assert len(lut) == 256 and 0 <= first < 1 << 16
-    head = struct.pack("<2I", (mult & 0xFFFF) | (shift << 16), first).ljust(16, b"\0")
+def pack_act_params(mult: int, shift: int, lut: np.ndarray, first: int = 0, exp_max: int = 0) -> bytes:
+    """One ACTMUL segment's block: ``mult | shift << 16``, then ``first | exp_max << 16``
+    (the row exponent budget of an ACTMUL with ``ROWEXP``, read from the first segment's
+    block only; docs/isa.md §3.8),
+    then the 256-entry int16 table."""
+    assert len(lut) == 256 and 0 <= first < 1 << 16 and 0 <= exp_max <= ROW_EXP_MAX
+    head = struct.pack("<2I", (mult & 0xFFFF) | (shift << 16), first | exp_max << 16).ljust(16, b"\0")
     return head + np.asarray(lut, dtype="<i2").tobytes()

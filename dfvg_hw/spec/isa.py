@@ -75,9 +75,11 @@ CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
 #: (name, lsb, width) of the sub-fields of a unit instruction's ``flags`` field, in bit
 #: order (BRANCH reads the whole field as its :class:`Cond`). :class:`Flag`, the
 #: :class:`Instruction` accessors and the RTL's ``InstructionFlags`` layout derive from it.
+#: Bit 5 has a name per opcode that uses it: EMBED's ``position``, ACTMUL's and MATMUL's
+#: ``row_exponent``.
 FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (
     ("layer_relative", 0, 1), ("mode", 1, 2), ("wide", 3, 1), ("bias", 4, 1), ("position", 5, 1),
-    ("ungated", 6, 1), ("blocks", 7, 1),
+    ("row_exponent", 5, 1), ("ungated", 6, 1), ("blocks", 7, 1),
 )
 _FLAG_FIELD = {name: (lsb, width) for name, lsb, width in FLAG_FIELDS}
 
@@ -109,6 +111,12 @@ class Flag(enum.IntFlag):
     #: inputs) has its own unsigned 16-bit multiplier, stored in the weight block's scale
     #: tiles (docs/isa.md §4.2, numerics.block_matmul).
     BLOCKS = 1 << _FLAG_FIELD["blocks"][0]
+    #: Row exponents (docs/isa.md §3.4, §3.8). ACTMUL measures each row's exponent ``e_r``
+    #: (numerics.act_row_exponent, two passes over the row), writes the row at it and
+    #: keeps it in the engine's row exponent registers; MATMUL requantises input row ``r``
+    #: with shift ``max(shift − e_r, 0)`` (numerics.row_shift). The same bit as POSITION,
+    #: which only EMBED reads.
+    ROWEXP = 1 << _FLAG_FIELD["row_exponent"][0]
 
 
 class MatmulMode(enum.IntEnum):
@@ -136,11 +144,12 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
     Op.EMBED: (frozenset({"flags", "rows", "dst", "n", "addr"}), Flag.POSITION),
     Op.RMSNORM: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
     Op.MATMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
-                Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS | Flag.BLOCKS),
+                Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS | Flag.BLOCKS | Flag.ROWEXP),
     Op.ROPE: (frozenset({"rows", "dst", "src", "n", "k", "addr"}), 0),
     Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
     Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
-    Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE | Flag.UNGATED),
+    Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
+                Flag.LREL | Flag.WIDE | Flag.UNGATED | Flag.ROWEXP),
     Op.SAMPLE: (frozenset({"n"}), 0),
 }
 #: Opcodes that process ``rows`` rows; rows must be ≥ 1 for them.
@@ -204,6 +213,10 @@ class Instruction:
     @property
     def position(self) -> bool:
         return self.opcode == Op.EMBED and bool(flag_field(self.flags, "position"))
+
+    @property
+    def rowexp(self) -> bool:
+        return self.opcode in (Op.MATMUL, Op.ACTMUL) and bool(flag_field(self.flags, "row_exponent"))
 
     @property
     def ungated(self) -> bool:
@@ -278,12 +291,12 @@ def from_bytes(data: bytes) -> list[int]:
 # -- assembly text ------------------------------------------------------------------
 # One instruction per line: ``mnemonic key=value, key=value ...``; MATMUL's mode and
 # BRANCH's condition are written by name (mode=resadd, cond=no_sample), the flag bits as
-# bare words (``lrel``, ``wide``, ``bias``, ``position``, ``ungated``, ``blocks``). Numbers may be decimal or 0x-hex. ``;`` starts a comment;
+# bare words (``lrel``, ``wide``, ``bias``, ``position``, ``rowexp``, ``ungated``, ``blocks``). Numbers may be decimal or 0x-hex. ``;`` starts a comment;
 # ``label:`` defines a label that n= of BRANCH/NEXT may name.
 
 #: Flags written as bare words, in this order.
 _BARE_FLAGS = {"lrel": Flag.LREL, "wide": Flag.WIDE, "bias": Flag.BIAS, "position": Flag.POSITION,
-               "ungated": Flag.UNGATED, "blocks": Flag.BLOCKS}
+               "rowexp": Flag.ROWEXP, "ungated": Flag.UNGATED, "blocks": Flag.BLOCKS}
 
 
 def _format(ins: Instruction) -> str:

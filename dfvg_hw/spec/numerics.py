@@ -23,7 +23,8 @@ __all__ = [
     "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "NORM_IN_BITS", "saturate", "round_shift", "requant", "add_bias",
     "BLOCK_MULT_BITS", "BLOCK_SHIFT", "block_matmul", "block_round",
     "residual_add", "bit_length", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
-    "rope", "act_mul", "topk_select", "sampler_probs", "sample_index",
+    "rope", "act_mul", "ROW_EXP_BITS", "ROW_EXP_MAX", "act_mul_shift", "act_row_exponent", "row_shift",
+    "topk_select", "sampler_probs", "sample_index",
     "path_score", "TREE_SCORE_ROOT", "tree_expand_greedy",
     "mix32", "rng32",
     "host_multiplier", "host_rope_table", "host_act_lut", "host_temperature",
@@ -48,6 +49,8 @@ RECIP_BITS = 32       #: attention normaliser: floor(2^32 / sum)
 EXP_ONE = 1 << 16     #: exp2_neg(0): weights are Q0.16 (17-bit unsigned)
 GAMMA_SHIFT_MAX = 16  #: RMSNORM gamma shift bound: 15 + k (≤ 31) + 16 keeps every shift < 63
 T1_MULT, T1_SHIFT = 47274, 15  #: sampler multiplier at temperature 1 (= host_temperature(1.0))
+ROW_EXP_BITS = 4      #: row exponents (ACTMUL → MATMUL ROWEXP): unsigned 4-bit ...
+ROW_EXP_MAX = (1 << ROW_EXP_BITS) - 1   #: ... at most 15
 
 _I64 = np.int64
 
@@ -275,15 +278,47 @@ def rope(x, cos, sin) -> np.ndarray:
                            saturate(round_shift(b * c + a * s, ROPE_FRAC), ACT_BITS)], axis=-1)
 
 
-def act_mul(gate, up, lut, mult: int, shift: int, out_bits: int = ACT_BITS) -> np.ndarray:
-    """Gated activation: ``sat8(round_shift(lut[gate + 128] · up · mult, shift))``.
+def act_mul_shift(shift, extra) -> np.ndarray:
+    """ACTMUL's shift with a row exponent added: ``min(shift + extra, 63)`` (a product
+    ``|lut · up · mult| < 2^38`` rounds to 0 alike at every shift from 39 on)."""
+    return np.minimum(_as_i64(shift) + _as_i64(extra), 63)
+
+
+def act_mul(gate, up, lut, mult: int, shift: int, out_bits: int = ACT_BITS, extra=0) -> np.ndarray:
+    """Gated activation: ``sat(round_shift(lut[gate + 128] · up · mult, shift + extra))``.
 
     ``lut`` is a 256-entry int16 table of the activation (SiLU, GELU, …) of every int8
     gate value, at a scale chosen by the compiler; the product with int8 ``up`` is
-    requantised with (mult, shift) to ``out_bits``: ``requant(lut[g+128] · up, mult, shift)``.
+    requantised with ``(mult, act_mul_shift(shift, extra))`` to ``out_bits``. ``extra``
+    is the row's exponent (0, or per row broadcast against the channels:
+    :func:`act_row_exponent`).
     """
     a = _as_i64(lut)[_as_i64(gate) + 128]
-    return requant(a * _as_i64(up), mult, shift, out_bits)
+    return requant(a * _as_i64(up), mult, act_mul_shift(shift, extra), out_bits)
+
+
+def act_row_exponent(coarse, exp_max: int, out_bits: int) -> np.ndarray:
+    """Each row's exponent ``e`` for an ACTMUL with an exponent budget ``E = exp_max``.
+
+    ``coarse[..., n]`` is the row's ACTMUL output at the coarsest exponent, ``act_mul(...,
+    extra=E)`` (saturated to ``out_bits``). The row's largest magnitude there has
+    ``b = bit_length(max |coarse|)`` bits, so at exponent ``e`` it needs ``b + E − e``:
+    ``e = clamp(b + E − (out_bits − 1), 0, E)``, the smallest exponent that fits the row
+    as far as the coarse values tell (a row right at the edge saturates by at most one
+    unit). For int16 rows with ``E ≤ 15`` that is the smallest there is, and a row of
+    zeros (or an empty one) has ``e = 0``; an int8 row's is at least ``E − 7``. A row that
+    does not fit even at ``E`` has ``e = E`` and saturates.
+    """
+    coarse = _as_i64(coarse)
+    peak = np.abs(coarse).max(axis=-1) if coarse.shape[-1] else np.zeros(coarse.shape[:-1], _I64)
+    return np.clip(bit_length(peak) + exp_max - (out_bits - 1), 0, exp_max)
+
+
+def row_shift(shift, exp) -> np.ndarray:
+    """A MATMUL with ``ROWEXP``: requantisation shift ``max(shift − e, 0)`` for an input
+    row of exponent ``e`` (its values are ``2^e`` times coarser, so the accumulator is
+    too). The compiler keeps every such shift at least ``ROW_EXP_MAX``."""
+    return np.maximum(_as_i64(shift) - _as_i64(exp), 0)
 
 
 # -- token sampler ------------------------------------------------------------------

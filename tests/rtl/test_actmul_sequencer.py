@@ -8,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import ConfigError
 from dfvg_hw.spec.descriptors import ErrorCode
@@ -153,7 +154,8 @@ def _model_cycles(config, data_width, job):
     port = CycleModel(config.with_changes(mem_port_bits=data_width)).port
     return actmul_cycles(port, config.lanes, job["n"], job["rows"], bool(job["flags"] & Flag.WIDE),
                          job["addr"], ungated=bool(job["flags"] & Flag.UNGATED),
-                         segments=max(job.get("k", 0), 1)) - timing.UNIT_OVERHEAD
+                         segments=max(job.get("k", 0), 1),
+                         rowexp=bool(job["flags"] & Flag.ROWEXP)) - timing.UNIT_OVERHEAD
 
 
 def _check_timed(rng, jobs, data_width=128, config=TINY, sequencer_class=ActMulSequencer):
@@ -217,9 +219,9 @@ def test_ungated_wide_lanes():
 
 @pytest.mark.parametrize("old, new", [
     # the row's own bytes taken as up (the gate itself) instead of 1: other values
-    ("act.i.p.up[j].eq(Mux(ungated, 1, up_cut.o.p.data[j]))", "act.i.p.up[j].eq(up_cut.o.p.data[j])"),
+    ("Mux(past_row, 0, Mux(ungated, 1, up_cut.o.p.data[j]))", "Mux(past_row, 0, up_cut.o.p.data[j])"),
     # the aligner still skipping n bytes: it passes the bytes past the gate as gate lines
-    ("up_align.setup.p.skip.eq(Mux(ungated, 0, job.n))", "up_align.setup.p.skip.eq(job.n)"),
+    ("up_align.setup.p.skip.eq(Mux(ungated, 0, up_skip))", "up_align.setup.p.skip.eq(up_skip)"),
 ], ids=["up-from-the-row", "skip-n"])
 def test_ungated_mutations_are_caught(old, new):
     """The ungated checks can fail: a sequencer that reads the row as a gated one would
@@ -325,3 +327,119 @@ def test_banked_table_mutation_is_caught():
     with pytest.raises(AssertionError):
         _check_timed(np.random.default_rng(35), jobs, data_width=data_width, config=config,
                      sequencer_class=bad)
+
+
+# -- ROWEXP: each row measured at the coarsest exponent, then written at its own -----------
+#: parameter blocks for ROWEXP jobs: (head word, exponent budget E). Results that need a
+#: few bits more than int16 (wide) or ten more than int8; results far past int16 even at
+#: E = 3 (every row at E, saturating); results that fit at exponent 0; and E = 0.
+EXP_BLOCKS = {0xA000: (40000 | 20 << 16, nx.ROW_EXP_MAX), 0xB003: (30000 | 12 << 16, 3),
+              0xC008: (65535 | 33 << 16, nx.ROW_EXP_MAX), 0xD00D: (50000 | 22 << 16, 0)}
+#: a block whose table is 1 but at gate 0 (32767): an ungated row's lanes past its end
+#: (gate bytes past the span, which VMEM's reader gives as 0) would dominate its peak
+ZERO_GATE_PEAK = 0xE000
+
+
+def _exp_memory(rng) -> DeviceMemory:
+    memory = _memory(rng)
+    for addr, (word, exp_max) in EXP_BLOCKS.items():
+        head = struct.pack("<2I", word, exp_max << 16).ljust(16, b"\xAA")
+        memory.write(addr, head + rng.integers(-32768, 32768, 256).astype("<i2").tobytes())
+    table = np.ones(256, "<i2")
+    table[128] = 32767
+    memory.write(ZERO_GATE_PEAK, struct.pack("<2I", 65535 | 8 << 16, nx.ROW_EXP_MAX << 16).ljust(16, b"\0")
+                 + table.tobytes())
+    return memory
+
+
+def _rowexp_jobs(rng, count, config=TINY):
+    """``count`` random ROWEXP jobs over EXP_BLOCKS and (a quarter) the segment runs
+    (whose first block's head gives E = 10), a quarter ungated."""
+    jobs = []
+    for _ in range(count):
+        segmented = rng.random() < 0.25
+        job = random_row_job(rng, Op.ACTMUL, list(SEGMENT_RUNS if segmented else EXP_BLOCKS), config)
+        if rng.random() < 0.25:
+            wide = bool(job["flags"] & Flag.WIDE) and job["src"] != job["dst"]
+            job = _ungated(job["rows"], job["n"], job["src"], job["dst"], job["addr"], wide)
+        job["flags"] |= Flag.ROWEXP
+        if segmented:
+            job["k"] = int(rng.integers(2, ACTMUL_SEGMENTS + 1))
+        jobs.append(job)
+    return jobs
+
+
+def _check_exp(rng, jobs, data_width=128, config=TINY, sequencer_class=ActMulSequencer, vmem=None):
+    """The jobs against the functional model (VMEM, error codes and the row exponents
+    after every job) and in the cycle model's cycles, from random VMEM unless ``vmem`` is
+    given; returns the error codes."""
+    if vmem is None:
+        vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    cycles = []
+    errors = compare_with_reference(config, sequencer_class(config, data_width), vmem, _exp_memory(rng),
+                                    jobs, data_width=data_width, cycles=cycles)
+    timed = [(job, got) for job, got, error in zip(jobs, cycles, errors) if error == ErrorCode.OK]
+    assert [got for _, got in timed] == [_model_cycles(config, data_width, job) for job, _ in timed]
+    return errors
+
+
+def test_row_exponents_random_jobs():
+    """Random ROWEXP jobs (1 or 2 rows, WIDE or not, some ungated or of several segments):
+    the results, the exponents each leaves and the cycles are the models'; at least 1000
+    outputs, and exponents 0, the saturating block's budget and three others reached."""
+    rng = np.random.default_rng(41)
+    jobs = _rowexp_jobs(rng, 30)
+    assert _check_exp(rng, jobs) == [ErrorCode.OK] * len(jobs)
+    assert sum(j["rows"] * j["n"] for j in jobs) >= 1000
+    engine_exps = set()
+    vmem = rng.integers(0, 256, TINY.vmem_bytes, dtype=np.uint8)
+    from sim.op_bench import reference_jobs
+    exps = []
+    reference_jobs(TINY, vmem, _exp_memory(rng), jobs, exponents=exps)
+    for job, after in zip(jobs, exps):
+        engine_exps.update(after[:job["rows"]])
+    assert {0, 3} <= engine_exps and len(engine_exps) >= 5, engine_exps
+
+
+def test_row_exponents_edges():
+    """n = 1, a row of one line and one past it, in place, n = 0 (no row computed: the
+    exponents stay), a job without ROWEXP after (they stay too), on 128- and 512-bit
+    buses and at 64 lanes, where the measure pass's beats pack four lines."""
+    def job(rows, n, src, dst, addr, wide=False):
+        return dict(_actmul(rows, n, src, dst, addr=addr, wide=wide), flags=Flag.ROWEXP | (Flag.WIDE if wide else 0))
+    rng = np.random.default_rng(42)
+    jobs = [job(2, 1, 10, 40, 0xA000, wide=True), job(2, 16, 60, 60, 0xB003), job(1, 17, 80, 90, 0xA000, True),
+            job(2, 0, 10, 10, 0xA000), _actmul(2, 20, 100, 120, addr=0x2003, wide=True),
+            job(2, 33, 150, 150, 0xC008, wide=True), job(1, 8, 170, 180, 0xD00D)]
+    for data_width in (128, 512):
+        assert _check_exp(rng, jobs, data_width) == [ErrorCode.OK] * len(jobs)
+    jobs = [job(2, 100, 10, 60, 0xA000, wide=True), job(1, 70, 150, 150, 0xB003),
+            dict(job(2, 90, 200, 230, 0x5000, wide=True), k=5)]
+    assert _check_exp(rng, jobs, 256, TINY.with_changes(lanes=64)) == [ErrorCode.OK] * len(jobs)
+    config, data_width = wide_line(WIDE_LINES[1], TINY.with_changes(lanes=16))
+    assert _check_exp(rng, jobs[:2], data_width, config) == [ErrorCode.OK] * 2
+
+
+@pytest.mark.parametrize("old, new", [
+    # the exponent one too small for int16 rows: they saturate
+    ("Mux(wide, 15, 7)", "Mux(wide, 14, 7)"),
+    # a beat's lanes past the row counted in the peak
+    ("past_row = measuring & (chan + j >= job.n)", "past_row = 0"),
+    # the write pass at the budget instead of the row's exponent
+    ("act.extra.eq(Mux(measuring, exp_max, exp))", "act.extra.eq(exp_max)"),
+    # the write pass's up lines taken into the gate buffer as gates
+    ("gate_wr.en.eq(line_taken & ~ungated & ~up_only & (row_line < gate_lines))",
+     "gate_wr.en.eq(line_taken & ~ungated & (row_line < gate_lines))"),
+], ids=["exponent-off-by-one", "lanes-past-the-row", "write-at-the-budget", "gates-overwritten"])
+def test_row_exponent_mutations_are_caught(old, new):
+    """The exponent checks can fail. Besides random jobs, ungated rows of one or five
+    channels at a table whose only large entry is at gate 0, the gate of the lanes past
+    the row (the span's tail): counted, they would set the exponent."""
+    import dfvg_hw.actmul_sequencer as actmul_module
+    bad = mutant(actmul_module, old, new, shared=()).ActMulSequencer
+    rng = np.random.default_rng(43)
+    vmem = rng.integers(1, 256, TINY.vmem_bytes, dtype=np.uint8)     # no gate 0 in the rows
+    tails = [dict(_ungated(2, n, 10, 40, addr=ZERO_GATE_PEAK, wide=True), flags=Flag.ROWEXP | Flag.WIDE | Flag.UNGATED)
+             for n in (1, 5)]
+    with pytest.raises(AssertionError):
+        _check_exp(rng, tails + _rowexp_jobs(rng, 8), sequencer_class=bad, vmem=vmem)

@@ -117,13 +117,19 @@ def test_act_mul_random(cfg):
     gate[3 + lanes: 6 + lanes], up[3 + lanes: 6 + lanes] = gate[0:3], up[0:3]
     mult[3 + lanes: 6 + lanes] = mult[0:3]
     shift = np.where(wide & (shift >= 20), shift - 8, shift)
+    # row exponents: none on the edge beats, random on a third of the rest, and a shift
+    # whose sum with the exponent passes 63 (clamped)
+    extra = np.where(rng.random(n) < 1 / 3, rng.integers(0, nx.ROW_EXP_MAX + 1, n), 0)
+    extra[:6 + lanes] = 0
+    shift[-1], extra[-1] = 60, nx.ROW_EXP_MAX
     beats = [{"gate": [int(v) for v in gate[k]], "up": [int(v) for v in up[k]]} for k in range(n)]
-    params = [{"mult": mult[k], "shift": shift[k], "wide": wide[k]} for k in range(n)]
+    params = [{"mult": mult[k], "shift": shift[k], "extra": extra[k], "wide": wide[k]} for k in range(n)]
     dut = ActMul(cfg)
     got = simulate(dut, beats, params=params, setup=load_lut(dut, lut))
+    e = extra[:, None]
     expected = np.where(wide[:, None],
-                        nx.act_mul(gate, up, lut, mult[:, None], shift[:, None], 16),
-                        nx.act_mul(gate, up, lut, mult[:, None], shift[:, None], 8))
+                        nx.act_mul(gate, up, lut, mult[:, None], shift[:, None], 16, e),
+                        nx.act_mul(gate, up, lut, mult[:, None], shift[:, None], 8, e))
     np.testing.assert_array_equal(got, expected)
     for w, (lo, hi) in ((False, (-128, 127)), (True, (-32768, 32767))):
         assert (got[wide == w] == lo).any() and (got[wide == w] == hi).any()

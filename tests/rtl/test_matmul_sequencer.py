@@ -804,3 +804,28 @@ def test_tiles_meet_x_as_it_loads():
         two.append(model_cycles(config, 128, jobs[1]))
     assert [c - one[0] for c in one] == [lat - latencies[0] for lat in latencies]
     assert two[0] == two[1] == two[2]
+
+
+# -- ROWEXP: each row's requantisation shift less its row exponent -------------------------
+@pytest.mark.parametrize("config, data_width", [(TINY, 128), (TINY.with_changes(lanes=32), 256),
+                                                (TINY.with_changes(rows=8, reduce=32), 128)],
+                         ids=["tiny", "32-lanes", "8-rows"])
+def test_row_exponents(config, data_width):
+    """Random jobs with ``ROWEXP`` (half of them; any mode, wide or not, some with more
+    rows than a pass holds) under random row exponents: the sequencer reads row ``r``'s
+    exponent for its output row ``r`` of every pass, as the functional model does, in
+    the same cycles as without."""
+    rng = np.random.default_rng(71 + config.rows + config.lanes)
+    memory, addrs = _blocks(rng, config, data_width=data_width)
+    jobs = []
+    for _ in range(24):
+        job = _random_job(rng, config, addrs)
+        if rng.random() < 0.5:
+            job["flags"] |= Flag.ROWEXP
+        job["row_exp"] = [int(e) for e in rng.integers(0, nx.ROW_EXP_MAX + 1, config.rows)]
+        jobs.append(job)
+    a = addrs[(33, 17)]
+    jobs.append(dict(_mm(RESADD, config.rows, 33, 17, 0, 100, a, wide=True),
+                     row_exp=list(range(config.rows)), flags=Flag.ROWEXP | Flag.WIDE | RESADD << 1))
+    assert _check(rng, config, jobs, memory, data_width) == [ErrorCode.OK] * len(jobs)
+    assert sum(bool(j["flags"] & Flag.ROWEXP) for j in jobs) >= 8

@@ -45,7 +45,7 @@ class Matmul:
     """One MATMUL: operands, the streams the unit sees, and the expected output rows."""
 
     def __init__(self, rng, cfg, *, n, k, rows, mode, wide=False, extreme=False, bias=False,
-                 blocks=False):
+                 blocks=False, exps=None):
         M, N, K = cfg.rows, cfg.lanes, cfg.reduce
         self.mode, self.rows = mode, rows
         self.n_values = rows * n           # real (unpadded) outputs checked
@@ -115,6 +115,12 @@ class Matmul:
         # [x_rows, Np], exact in int64
         acc = nx.add_bias(nx.block_matmul(xp, Wp, scales, K) if blocks else xp @ Wp.T, biases)
         mult_p, shift_p = words & 0xFFFF, (words >> 16) & 0x3F
+        # row exponents (MATMUL ROWEXP): each row's shift less its exponent, not below 0
+        if exps is None:
+            exps = rng.integers(0, nx.ROW_EXP_MAX + 1, M) if rng.random() < 0.5 else np.zeros(M, np.int64)
+        for q in self.qbeats:
+            q["exps"] = [int(e) for e in exps]
+        shift_p = nx.row_shift(shift_p[None, :], np.asarray(exps)[:x_rows, None])
         # int32 residuals of a random bit width per row (a massive channel among small ones)
         bits = rng.integers(1, 33, (x_rows, 1))
         self.res = rng.integers(-(1 << 31), 1 << 31, (x_rows, np_)) >> (32 - bits)
@@ -378,3 +384,21 @@ def test_lint_clean(name):
     # file-naming style rule that no multi-module Amaranth output can meet.
     clean, output = verilator_lint("/* verilator lint_off DECLFILENAME */\n" + v, "matrix")
     assert clean, output
+
+
+@pytest.mark.parametrize("old, new", [
+    ("row_exp = self.q.p.exps[row]", "row_exp = self.q.p.exps[0]"),          # one row's for all
+    ("Mux(shift > row_exp, shift - row_exp, 0)", "(shift - row_exp)[:6]"),   # wraps below 0
+], ids=["first-row-exponent", "no-floor"])
+def test_row_exponent_mutations_are_caught(old, new):
+    """The row exponent check can fail: a unit that takes row 0's exponent for every row,
+    or lets the shift wrap where an exponent passes it, gives other results."""
+    import dfvg_hw.matrix as matrix_module
+    from sequencer_cases import mutant
+    cfg, pack = CONFIGS["m5n8k4"]
+    rng = np.random.default_rng(17)
+    matmuls = random_matmuls(rng, cfg, 30, min_values=500)
+    assert any(len(set(mm.qbeats[0]["exps"])) > 1 for mm in matmuls)
+    bad = mutant(matrix_module, old, new, shared=()).MatrixUnit
+    with pytest.raises(AssertionError):
+        check(simulate(bad(cfg, pack_rows=pack), matmuls, rng), matmuls)
