@@ -245,18 +245,6 @@ class Controller(wiring.Component):
             op_units.append((self.unit_opcodes[name], name.upper(), unit, cancel))
         kv, embed = self.units.get("kv"), self.units["embed"]
 
-        # -- row exponents: set by ACTMUL ROWEXP (a row as its write pass starts), read by
-        # MATMUL ROWEXP; architectural state, zeroed by soft reset only (isa.md §3.8) -----
-        row_exp = Signal(data.ArrayLayout(unsigned(nx.ROW_EXP_BITS), c.rows))
-        clear_row_exp = Signal()
-        actmul = self.units.get("actmul")
-        if actmul is not None:
-            with m.If(actmul.exp_we):
-                m.d.sync += row_exp[actmul.exp_row].eq(actmul.exp_value)
-        with m.If(clear_row_exp):
-            m.d.sync += row_exp.eq(0)
-        if mm is not None:
-            m.d.comb += mm.row_exp.eq(row_exp)
 
         # -- host commands arrive as pulses; keep them until their turn ----------------------
         cmd = ctrl.command
@@ -287,6 +275,20 @@ class Controller(wiring.Component):
         # a tree forward's instruction split into single-row jobs: the row running (the
         # last first) and whether it is split at all
         split, row = Signal(), Signal(range(c.rows))
+
+        # -- row exponents: set by ACTMUL ROWEXP (a row as its write pass starts; a split
+        # job's row 0 is the tree row it runs), read by MATMUL ROWEXP; architectural state,
+        # zeroed by soft reset only (isa.md §1.6, §3.8) -------------------------------------
+        row_exp = Signal(data.ArrayLayout(unsigned(nx.ROW_EXP_BITS), c.rows))
+        clear_row_exp = Signal()
+        actmul = self.units.get("actmul")
+        if actmul is not None:
+            with m.If(actmul.exp_we):
+                m.d.sync += row_exp[Mux(split, row, actmul.exp_row)].eq(actmul.exp_value)
+        with m.If(clear_row_exp):
+            m.d.sync += row_exp.eq(0)
+        if mm is not None:
+            m.d.comb += mm.row_exp.eq(row_exp)
         busy = Signal()
         # STATUS.BUSY: a request runs, or a command is pending or in progress (docs/registers.md)
         m.d.comb += st.cycles.eq(cycles)
