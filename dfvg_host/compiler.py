@@ -562,11 +562,14 @@ def decoder_state(model, shape: ModelShape) -> dict:
 
 
 def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig,
-                vocabulary: DraftVocabulary | None = None, weight_blocks: bool = False):
+                vocabulary: DraftVocabulary | None = None, weight_blocks: bool = False,
+                row_exponents: bool = True):
     """Quantise the model and lay out the image; returns (bytes, Layout, scales). With a
     ``vocabulary`` the embedding holds its kept rows and one shared row (the mean of the
     others), and the LM head its kept rows. With ``weight_blocks`` every matrix has a
-    scale per block of ``reduce`` inputs (``BLOCKS``, numerics.md §13.2)."""
+    scale per block of ``reduce`` inputs (``BLOCKS``, numerics.md §13.2). With
+    ``row_exponents`` each row of ``h`` gets its own power of two (``ROWEXP``), unless a
+    down projection has a bias."""
     import torch
     from transformers.activations import ACT2FN
 
@@ -575,7 +578,7 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     key = lambda li, part, what="weight": f"{fam.layers}.{li}.{part}.{what}"
     # a bias joins the accumulator in the units of exponent 0: row exponents only for
     # bias-free down projections (OPT's fc2 has one)
-    row_exponents = not any(key(li, fam.down, "bias") in sd for li in range(shape.layers))
+    row_exponents = row_exponents and not any(key(li, fam.down, "bias") in sd for li in range(shape.layers))
     layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated, row_exponents)
                     for li, c in enumerate(cal.layers)]
     s_x = _residual_scale(sd, cal, layer_scales, fam)
@@ -952,13 +955,15 @@ def calibration_sequences(model_dir: Path, text: str | None, vocab: int, *,
 def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_text: str | None = None,
                   calibration_tokens: list[int] | None = None, tokenizer_dir: str | Path | None = None,
                   random_weights: bool = False, model=None, draft_vocab: int | None = None,
-                  weight_blocks: bool = False) -> CompiledDraft:
+                  weight_blocks: bool = False, row_exponents: bool = True) -> CompiledDraft:
     """Compile the draft at ``model_dir`` for ``engine``, calibrating its activation scales
     on ``calibration_tokens``, else ``calibration_text`` (tokenised by the tokenizer in
     ``tokenizer_dir``, default ``model_dir``), else random ids. ``draft_vocab``: the engine
     drafts over that many of the model's tokens (:mod:`dfvg_host.draft_vocab`).
     ``weight_blocks``: block-scaled int8 weights, one scale per ``reduce`` inputs of a row
-    (MATMUL ``BLOCKS``, numerics.md §13.2), for an engine that has them."""
+    (MATMUL ``BLOCKS``, numerics.md §13.2), for an engine that has them. ``row_exponents``
+    (default): ``h`` at a power-of-two scale per row (``ROWEXP``, numerics.md §13.2) where
+    no down projection has a bias; False: one static scale (the numerics before them)."""
     check_weight_blocks(engine, weight_blocks)
     model_dir = Path(model_dir)
     model = model if model is not None else load_model(model_dir, random_weights=random_weights)
@@ -973,7 +978,7 @@ def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_te
         frequent = [int(t) for t in np.argsort(-counts, kind="stable") if counts[t]]
         vocabulary = choose_draft_vocabulary(shape.vocab, draft_vocab, special=_special_ids(model.config),
                                              frequent=frequent)
-    image, lay, scales = build_image(model, shape, cal, engine, vocabulary, weight_blocks)
+    image, lay, scales = build_image(model, shape, cal, engine, vocabulary, weight_blocks, row_exponents)
     room = engine.mem_bytes - MemoryMap.IMAGE
     if len(image) > room:
         raise DoesNotFit(f"image of {len(image)} bytes exceeds the {room} bytes of device memory "

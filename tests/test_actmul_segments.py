@@ -51,3 +51,18 @@ def test_row_exponents_reach_the_down_projection_unclipped(tiny_draft_dir, prese
         records = np.frombuffer(compiled.image, np.uint8)[down.addr + area:]
         mult, shift, _ = unpack_requant_records(records, down.n, config.lanes, down.bias)
         assert (shift[mult > 0] >= nx.ROW_EXP_MAX).all(), shift.min()
+
+
+def test_without_row_exponents_h_has_one_static_scale(tiny_draft_dir):
+    """``compile_draft(..., row_exponents=False)`` compiles the numerics before them: no
+    ROWEXP anywhere, no exponent budget in the ACTMUL blocks, and h's scale 2^8 coarser
+    (numerics.md §13.2)."""
+    from dfvg_host.compiler import H_FINE_BITS, compile_draft
+    config = get_preset("tiny")
+    on = compile_draft(tiny_draft_dir, config)
+    off = compile_draft(tiny_draft_dir, config, row_exponents=False)
+    assert not any(ins.rowexp for ins in map(decode, off.program))
+    for ins in (ins for ins in map(decode, off.program) if ins.opcode == Op.ACTMUL):
+        assert struct.unpack_from("<2I", off.image, ins.addr)[1] >> 16 == 0
+    for a, b in zip(on.manifest["scales"]["layers"], off.manifest["scales"]["layers"]):
+        assert b["down_in"] == pytest.approx(a["down_in"] * 2 ** H_FINE_BITS)

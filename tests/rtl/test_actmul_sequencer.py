@@ -158,12 +158,15 @@ def _model_cycles(config, data_width, job):
                          rowexp=bool(job["flags"] & Flag.ROWEXP)) - timing.UNIT_OVERHEAD
 
 
-def _check_timed(rng, jobs, data_width=128, config=TINY, sequencer_class=ActMulSequencer):
-    """The jobs against the functional model (VMEM and error codes) and, each that
-    completes, against the cycle model; returns the error codes."""
-    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+def _check_timed(rng, jobs, data_width=128, config=TINY, sequencer_class=ActMulSequencer, vmem=None,
+                 make_memory=_memory):
+    """The jobs against the functional model (VMEM, error codes and the row exponents
+    after every job) and, each that completes, against the cycle model, from random VMEM
+    unless ``vmem`` is given; returns the error codes."""
+    if vmem is None:
+        vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
     cycles = []
-    errors = compare_with_reference(config, sequencer_class(config, data_width), vmem, _memory(rng),
+    errors = compare_with_reference(config, sequencer_class(config, data_width), vmem, make_memory(rng),
                                     jobs, data_width=data_width, cycles=cycles)
     timed = [(job, got) for job, got, error in zip(jobs, cycles, errors) if error == ErrorCode.OK]
     assert [got for _, got in timed] == [_model_cycles(config, data_width, job) for job, _ in timed]
@@ -369,18 +372,9 @@ def _rowexp_jobs(rng, count, config=TINY):
     return jobs
 
 
-def _check_exp(rng, jobs, data_width=128, config=TINY, sequencer_class=ActMulSequencer, vmem=None):
-    """The jobs against the functional model (VMEM, error codes and the row exponents
-    after every job) and in the cycle model's cycles, from random VMEM unless ``vmem`` is
-    given; returns the error codes."""
-    if vmem is None:
-        vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
-    cycles = []
-    errors = compare_with_reference(config, sequencer_class(config, data_width), vmem, _exp_memory(rng),
-                                    jobs, data_width=data_width, cycles=cycles)
-    timed = [(job, got) for job, got, error in zip(jobs, cycles, errors) if error == ErrorCode.OK]
-    assert [got for _, got in timed] == [_model_cycles(config, data_width, job) for job, _ in timed]
-    return errors
+def _check_exp(rng, jobs, *args, **kwargs):
+    """:func:`_check_timed` over the memory with the ROWEXP blocks."""
+    return _check_timed(rng, jobs, *args, make_memory=_exp_memory, **kwargs)
 
 
 def test_row_exponents_random_jobs():
