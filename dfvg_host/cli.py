@@ -24,6 +24,13 @@ WEIGHT_BLOCKS_HELP = ("block-scaled int8 weights: a 16-bit multiplier per block 
                       "weight bytes, 1/16 at reduce 32); for a preset built with weight_blocks")
 
 
+#: ``--row-exponents`` of compile, generate and accuracy
+ROW_EXPONENTS_HELP = ("h (the down projection's input) at a power-of-two scale per row: ACTMUL "
+                      "measures each row and writes it at its own exponent, the down MATMUL shifts "
+                      "by it (ROWEXP; a second pass of each row through the activation unit). Off by "
+                      "default: it does not pay while gate and up are int8 (docs/numerics.md §13.7)")
+
+
 def _preset(name: str):
     from dfvg_hw.spec.config import ConfigError, get_preset
     try:
@@ -74,7 +81,8 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     compiled = compile_draft(draft, engine, calibration_text=text, calibration_tokens=tokens,
                              tokenizer_dir=args.tokenizer, random_weights=args.random_weights,
-                             draft_vocab=args.draft_vocab, weight_blocks=args.weight_blocks)
+                             draft_vocab=args.draft_vocab, weight_blocks=args.weight_blocks,
+                             row_exponents=args.row_exponents)
     compiled.save(args.output)
     shape = compiled.shape
     report = compile_report(engine, compiled.program, model=shape.describe(),
@@ -175,11 +183,13 @@ def _weight_format(args) -> str:
 
 
 def _compile_source(source: DraftSource, engine, calibration: str | None, log, *,
-                    target: Path | None = None, demo: bool = False, weight_blocks: bool = False):
+                    target: Path | None = None, demo: bool = False, weight_blocks: bool = False,
+                    row_exponents: bool = False):
     """The compiled draft of ``source``: as loaded, or its model compiled (and cached) now.
     The demo draft calibrates on the demo's Python; a draft without a tokenizer of its own
     is calibrated through the ``target``'s (they must share one). ``weight_blocks``
-    (``--weight-blocks``): block-scaled weights (cached apart from the plain ones)."""
+    (``--weight-blocks``): block-scaled weights, ``row_exponents`` (``--row-exponents``): h's
+    row exponents (each cached apart from the plain ones)."""
     from dfvg_host.checkpoints import has_tokenizer
     from dfvg_host.compiler import check_weight_blocks
     from dfvg_host.demo import DEMO_DATA, compile_cached
@@ -189,6 +199,9 @@ def _compile_source(source: DraftSource, engine, calibration: str | None, log, *
         if weight_blocks and not source.compiled.manifest["layout"].get("blocks"):
             raise CliError(f"--weight-blocks: --draft {source.model_dir} is a compiled draft without "
                            "block-scaled weights; compile it with `dfvg compile --weight-blocks`")
+        if row_exponents and not source.compiled.manifest["layout"].get("row_exponents"):
+            raise CliError(f"--row-exponents: --draft {source.model_dir} is a compiled draft without "
+                           "row exponents; compile it with `dfvg compile --row-exponents`")
         return source.compiled
     path = source.model_dir
     if demo:
@@ -202,7 +215,7 @@ def _compile_source(source: DraftSource, engine, calibration: str | None, log, *
                            f"first with `dfvg compile --draft {path} --tokenizer DIR` (or "
                            "--calibration-tokens FILE) and pass the compile output as --draft")
     return compile_cached(path, engine, cal_path, log=log, tokenizer_dir=tokenizer_dir,
-                          weight_blocks=weight_blocks)
+                          weight_blocks=weight_blocks, row_exponents=row_exponents)
 
 
 def _open_device(url: str):
@@ -460,7 +473,7 @@ def cmd_generate(args) -> int:
         raise CliError(f"the prompt has {len(prompt)} tokens; the draft's context limit is "
                        f"{limit}. Shorten the prompt or use a preset with more kv_positions")
     compiled = [_compile_source(d.source, d.engine, args.calibration, log, target=target_dir, demo=d.demo,
-                                weight_blocks=args.weight_blocks)
+                                weight_blocks=args.weight_blocks, row_exponents=args.row_exponents)
                 for d in opened]
     tree_width = _check_tree(args, opened[0], compiled[0], tree_engine) if args.strategy == "tree" else 0
     try:
@@ -767,7 +780,7 @@ def cmd_accuracy(args) -> int:
     remainder = args.positions - length * (len(parts) - 1)
     parts[-1] = parts[-1][:remainder]
     compiled = _compile_source(source, engine, args.calibration, print, demo=args.draft is None,
-                               weight_blocks=args.weight_blocks)
+                               weight_blocks=args.weight_blocks, row_exponents=args.row_exponents)
     t0 = time.perf_counter()
     agreement = teacher_forced_agreement(load_model(draft_dir), engine, compiled.image,
                                          compiled.program, parts, compiled.vocabulary)
@@ -976,6 +989,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "lowest ids), for a vocabulary past the preset's vocab_max (e.g. Qwen's "
                         "151,936); the target still verifies every token")
     c.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_HELP)
+    c.add_argument("--row-exponents", action="store_true", help=ROW_EXPONENTS_HELP)
     c.add_argument("--context", type=int, default=256,
                    help="context length the speed figures are modelled at (default 256)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -1012,6 +1026,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
     g.add_argument("--calibration", help="calibration text when --draft needs compiling")
     g.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_HELP)
+    g.add_argument("--row-exponents", action="store_true", help=ROW_EXPONENTS_HELP)
     g.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
     g.add_argument("--schedule", choices=["serial", "pipelined"], default="serial",
                    help="serial: draft, then verify; pipelined: the engine drafts the next round "
@@ -1121,6 +1136,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--segment", type=int, default=256, help="tokens per segment, each from position 0")
     a.add_argument("--calibration", help="calibration text when --draft needs compiling")
     a.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_HELP)
+    a.add_argument("--row-exponents", action="store_true", help=ROW_EXPONENTS_HELP)
     a.add_argument("--json", action="store_true", help="print the figures as JSON")
     a.set_defaults(func=cmd_accuracy)
 

