@@ -80,6 +80,12 @@ SCHEMES = [
            pow2_only=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")),
     Scheme("int8 W per 32-block, attention output pow2, others static", weight_block=32,
            inputs="pow2_16", pow2_only=("o_proj",)),
+    Scheme("  + k, v int8 static", weight_block=32, inputs="pow2_16", qkv="static8"),
+    Scheme("  + k, v int8 pow2 per (token, head)", weight_block=32, inputs="pow2_16", qkv="head8"),
+    Scheme("  + v alone int8 pow2 per (token, head)", weight_block=32, inputs="pow2_16", qkv="head8",
+           qkv_which=("v_proj",)),
+    Scheme("  + q, k, v int8 pow2 per (token, head)", weight_block=32, inputs="pow2_16", qkv="head8",
+           qkv_which=("q_proj", "k_proj", "v_proj")),
     # h's row exponents pay only once gate and up (the ACTMUL's inputs) are wider than int8
     Scheme("int8 W per row, inputs int16 static, gate/up int8 static", inputs="static16",
            gate_bits=8, up_bits=8),
@@ -90,12 +96,6 @@ SCHEMES = [
     Scheme("int8 W per row, inputs int16 static, gate/up int16", inputs="static16",
            gate_bits=16, up_bits=16),
     Scheme("  the same, h pow2", inputs="pow2_16", pow2_only=("down_proj", "fc2"), gate_bits=16, up_bits=16),
-    Scheme("  + k, v int8 static", weight_block=32, inputs="pow2_16", qkv="static8"),
-    Scheme("  + k, v int8 pow2 per (token, head)", weight_block=32, inputs="pow2_16", qkv="head8"),
-    Scheme("  + v alone int8 pow2 per (token, head)", weight_block=32, inputs="pow2_16", qkv="head8",
-           qkv_which=("v_proj",)),
-    Scheme("  + q, k, v int8 pow2 per (token, head)", weight_block=32, inputs="pow2_16", qkv="head8",
-           qkv_which=("q_proj", "k_proj", "v_proj")),
 ]
 
 
