@@ -253,9 +253,10 @@ def test_block_matmul_is_the_rounded_sum_of_scaled_tile_dots():
 @pytest.mark.parametrize("out_bits", [8, 16])
 def test_row_exponent_is_the_least_that_fits_the_row(out_bits):
     """ACTMUL ROWEXP's exponent: at ``e < E`` a row fits ``out_bits`` (within a unit of
-    rounding at the edge); at ``e − 1`` it would not, wherever the coarse measurement
-    resolves it (always for int16 rows with ``E ≤ 15``; an int8 row's exponent is at least
-    ``E − 7``); a row of zeros, or an empty one, gets 0 (int16)."""
+    rounding at the edge); at ``e − 1`` its largest value passes half the range, so ``e``
+    is at most one more than the least that fits (the coarse values are rounded), wherever
+    the coarse measurement resolves it (an int8 row's exponent is at least ``E − 7``); a
+    row of zeros, or an empty one, gets 0 (int16)."""
     rng = np.random.default_rng(3 + out_bits)
     lut = rng.integers(-32768, 32768, 256)
     hi = (1 << (out_bits - 1)) - 1
@@ -280,6 +281,8 @@ def test_row_exponent_is_the_least_that_fits_the_row(out_bits):
         assert np.array_equal(row, nx.saturate(nx.round_shift(lut[gate + 128] * up * mult,
                                                               min(shift + e, 63)), out_bits))
     assert len(seen) >= 10
+    # the rounding's spare bit: a row whose largest value at exponent 0 is 2^14 gets 1
+    assert nx.act_row_exponent(np.array([[1, 0]]), 15, 16).tolist() == [1]
     assert nx.act_row_exponent(np.zeros((3, 0), np.int64), 15, 16).tolist() == [0, 0, 0]
     assert nx.act_row_exponent(np.zeros((2, 5), np.int64), 15, 16).tolist() == [0, 0]
 

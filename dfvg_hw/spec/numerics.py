@@ -305,9 +305,10 @@ def act_row_exponent(coarse, exp_max: int, out_bits: int) -> np.ndarray:
     ``b = bit_length(max |coarse|)`` bits, so at exponent ``e`` it needs ``b + E − e``:
     ``e = clamp(b + E − (out_bits − 1), 0, E)``, the smallest exponent that fits the row
     as far as the coarse values tell (a row right at the edge saturates by at most one
-    unit). For int16 rows with ``E ≤ 15`` that is the smallest there is, and a row of
-    zeros (or an empty one) has ``e = 0``; an int8 row's is at least ``E − 7``. A row that
-    does not fit even at ``E`` has ``e = E`` and saturates.
+    unit). The coarse values are rounded, so ``e`` may be one more than the smallest that
+    fits (a row whose largest value at exponent 0 is in ``[2^14, 2^15)`` gets 1); an int8
+    row's is at least ``E − 7``. With int16 rows and ``E ≤ 15`` a row of zeros (or an empty
+    one) has ``e = 0``. A row that does not fit even at ``E`` has ``e = E`` and saturates.
     """
     coarse = _as_i64(coarse)
     peak = np.abs(coarse).max(axis=-1) if coarse.shape[-1] else np.zeros(coarse.shape[:-1], _I64)
