@@ -568,8 +568,8 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     ``vocabulary`` the embedding holds its kept rows and one shared row (the mean of the
     others), and the LM head its kept rows. With ``weight_blocks`` every matrix has a
     scale per block of ``reduce`` inputs (``BLOCKS``, numerics.md §13.2). With
-    ``row_exponents`` each row of ``h`` gets its own power of two (``ROWEXP``), unless a
-    down projection has a bias."""
+    ``row_exponents`` each row of ``h`` gets its own power of two (``ROWEXP``): a
+    :class:`CompileError` where a down projection has a bias."""
     import torch
     from transformers.activations import ACT2FN
 
@@ -578,7 +578,10 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     key = lambda li, part, what="weight": f"{fam.layers}.{li}.{part}.{what}"
     # a bias joins the accumulator in the units of exponent 0: row exponents only for
     # bias-free down projections (OPT's fc2 has one)
-    row_exponents = row_exponents and not any(key(li, fam.down, "bias") in sd for li in range(shape.layers))
+    if row_exponents and any(key(li, fam.down, "bias") in sd for li in range(shape.layers)):
+        raise CompileError(f"--row-exponents: the model's {fam.down} has a bias, which joins the "
+                           "accumulator at exponent 0; row exponents need bias-free down "
+                           "projections: compile without --row-exponents")
     layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated, row_exponents)
                     for li, c in enumerate(cal.layers)]
     s_x = _residual_scale(sd, cal, layer_scales, fam)
@@ -962,9 +965,9 @@ def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_te
     drafts over that many of the model's tokens (:mod:`dfvg_host.draft_vocab`).
     ``weight_blocks``: block-scaled int8 weights, one scale per ``reduce`` inputs of a row
     (MATMUL ``BLOCKS``, numerics.md §13.2), for an engine that has them. ``row_exponents``:
-    ``h`` at a power-of-two scale per row (``ROWEXP``, numerics.md §13.2) where no down
-    projection has a bias; off by default, one static scale (it does not pay while gate and
-    up are int8, numerics.md §13.7)."""
+    ``h`` at a power-of-two scale per row (``ROWEXP``, numerics.md §13.2), for a model whose
+    down projections have no bias (else :class:`CompileError`); off by default, one static
+    scale (it does not pay while gate and up are int8, numerics.md §13.7)."""
     check_weight_blocks(engine, weight_blocks)
     model_dir = Path(model_dir)
     model = model if model is not None else load_model(model_dir, random_weights=random_weights)

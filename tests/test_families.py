@@ -66,6 +66,20 @@ def test_the_program_uses_the_family_operations(family_draft):
         assert [(i.n, i.k) for i in segmented[:2]] == [(16, 4), (16, 2)]  # q heads, then k heads
 
 
+def test_row_exponents_are_refused_where_down_has_a_bias(family_draft):
+    """``--row-exponents`` needs bias-free down projections (a bias joins the accumulator at
+    exponent 0): OPT's fc2 is refused with a message naming the option; the others compile
+    with ROWEXP on ACTMUL and down."""
+    from dfvg_host.compiler import CompileError
+    family, path, _ = family_draft
+    if family == "opt":
+        with pytest.raises(CompileError, match="--row-exponents: the model's fc2 has a bias"):
+            compile_draft(path, TINY, row_exponents=True)
+    else:
+        program = [decode(w) for w in compile_draft(path, TINY, row_exponents=True).program]
+        assert {i.opcode for i in program if i.rowexp} == {Op.ACTMUL, Op.MATMUL}
+
+
 def _without(compiled, strip):
     """The program with ``strip(instruction)`` applied to every word."""
     return [encode(strip(decode(w))) for w in compiled.program]
