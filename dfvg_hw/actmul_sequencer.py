@@ -49,6 +49,14 @@ Per job:
    so each pass starts on an empty ActMul. Every row a job computes (``n ≥ 1``)
    reports its exponent on ``exp_we`` as its write pass starts.
 
+7. **int16 gate and up** (``IN16``, docs/isa.md §3.8). The row is ``[gate | up]`` of
+   ``2n`` int16 (``n`` ungated): the gate half is ``2n`` bytes, so its lines, the up half's
+   start and a write pass's skip count bytes of ``2n``; lines are cut by a second pair of
+   cutters into beats of ``lanes`` int16 (``2·lanes`` bytes), each lane's two bytes one
+   signed value, and ActMul interpolates the table's knots
+   (:func:`~dfvg_hw.spec.numerics.act_mul_wide`). A job uses one pair of cutters; the
+   other stays empty.
+
 The gate buffer holds ``ceil(vmem_bytes / 2L)`` lines (half of VMEM: the longest gate a
 row inside VMEM can have). It is what makes ``src == dst`` exact for wide results too:
 a wide output line overlays gate bytes needed by later outputs, which the buffer has
@@ -120,7 +128,8 @@ class ActMulSequencer(wiring.Component):
     -------
     job : In(stream.Signature(OpJob()))
         The ACTMUL: ``addr`` (the first parameter block), ``flags`` (``WIDE``,
-        ``UNGATED``), ``rows``, ``dst``, ``src``, ``n``, ``k`` (segments; 0 is one).
+        ``UNGATED``, ``ROWEXP``, ``IN16``), ``rows``, ``dst``, ``src``, ``n``, ``k``
+        (segments; 0 is one).
     done : Out(1)
         One-cycle pulse: the job is finished, ``error`` holds its outcome.
     error : Out(8)
@@ -158,8 +167,11 @@ class ActMulSequencer(wiring.Component):
         reader = m.submodules.reader = UnalignedReader(c, self.data_width, self.param_line)
         act = m.submodules.act = ActMul(c, segments=ACTMUL_SEGMENTS, write_words=chunks)
         up_align = m.submodules.up_align = LineAligner(L)
-        gate_cut = m.submodules.gate_cut = Gearbox(L, lanes)        # lines → lanes × int8
-        up_cut = m.submodules.up_cut = Gearbox(L, lanes)
+        # lines → beats of lanes × int8, and (IN16) of lanes × int16
+        cutters = {8: (Gearbox(L, lanes), Gearbox(L, lanes)),
+                   16: (Gearbox(L, 2 * lanes), Gearbox(L, 2 * lanes))}
+        for bits, (gate_cutter, up_cutter) in cutters.items():
+            m.submodules[f"gate_cut{bits}"], m.submodules[f"up_cut{bits}"] = gate_cutter, up_cutter
         # each beat's end-of-row flag and whether it is a measure pass's
         lasts = m.submodules.row_lasts = SyncFIFOBuffered(width=2, depth=_LAST_FIFO_DEPTH)
         writer = m.submodules.writer = RowWriter(c)
@@ -179,10 +191,12 @@ class ActMulSequencer(wiring.Component):
         job = Signal(OpJob())
         wide, ungated = flags_view(job.flags).wide, flags_view(job.flags).ungated
         rowexp = flags_view(job.flags).row_exponent
-        in_bytes = Signal(17)                       # 2n: gate and up; n: an ungated gate
+        in16 = flags_view(job.flags).in16
+        in_bytes = Signal(19)                       # 2n: gate and up; n: an ungated gate; IN16 twice
         out_bytes = Signal(17)                      # n, or 2n when wide
-        gate_lines = lines_of(job.n, L)
-        n_lines_in = job.n >> exact_log2(L)         # whole lines before the up half starts
+        gate_bytes = Mux(in16, job.n << 1, job.n)   # the gate half's bytes
+        gate_lines = lines_of(gate_bytes, L)
+        n_lines_in = gate_bytes >> exact_log2(L)    # whole lines before the up half starts
         segments = Mux(job.k == 0, 1, job.k)
         block_chunk = Signal(range(_BLOCK_CHUNKS))  # the next line's first chunk in its block
         block = Signal(range(ACTMUL_SEGMENTS + 2))  # ... and its block (segment)
@@ -206,7 +220,7 @@ class ActMulSequencer(wiring.Component):
 
         m.d.comb += [
             self.error.eq(error),
-            act.mult.eq(mults), act.shift.eq(shifts), act.wide.eq(wide),
+            act.mult.eq(mults), act.shift.eq(shifts), act.wide.eq(wide), act.in16.eq(in16),
             act.extra.eq(Mux(measuring, exp_max, exp)),
             up_only.eq(rowexp & ~measuring & ~ungated),
         ]
@@ -259,30 +273,41 @@ class ActMulSequencer(wiring.Component):
         # the previous cycle, and re-reads it every cycle, so a line written since is seen.
         # An ungated row's gate is the aligner's line itself (a row of up to all of VMEM,
         # longer than the buffer), paired with up = 1 at ActMul
+        # (the job's element width picks one pair of cutters; the other stays idle and empty)
         pair_valid = up_align.o.valid & (ungated | (gate_at == pair))
-        pair_taken = pair_valid & gate_cut.i.ready & up_cut.i.ready
+        cut_ready = Mux(in16, cutters[16][0].i.ready & cutters[16][1].i.ready,
+                        cutters[8][0].i.ready & cutters[8][1].i.ready)
+        pair_taken = pair_valid & cut_ready
         m.d.comb += [
             gate_rd.addr.eq(Mux(pair_taken, pair + 1, pair)),
-            gate_cut.i.valid.eq(pair_valid & up_cut.i.ready),
-            up_cut.i.valid.eq(pair_valid & gate_cut.i.ready),
             up_align.o.ready.eq(pair_taken),
-            gate_cut.i.p.data.eq(Mux(ungated, up_align.o.p.data, gate_rd.data)),
-            gate_cut.i.p.last.eq(up_align.o.p.last),
-            up_cut.i.p.eq(up_align.o.p),
         ]
+        for bits, (gate_cutter, up_cutter) in cutters.items():
+            ours = in16 if bits == 16 else ~in16
+            m.d.comb += [
+                gate_cutter.i.valid.eq(ours & pair_valid & up_cutter.i.ready),
+                up_cutter.i.valid.eq(ours & pair_valid & gate_cutter.i.ready),
+                gate_cutter.i.p.data.eq(Mux(ungated, up_align.o.p.data, gate_rd.data)),
+                gate_cutter.i.p.last.eq(up_align.o.p.last),
+                up_cutter.i.p.eq(up_align.o.p),
+            ]
         m.d.sync += gate_at.eq(gate_rd.addr)
         with m.If(pair_taken):
             m.d.sync += pair.eq(pair + 1)
 
         # -- ActMul, with each beat's end-of-row flag beside it --------------------------------
-        beat_valid = gate_cut.o.valid & up_cut.o.valid & lasts.w_rdy
+        gate_out = Mux(in16, cutters[16][0].o.valid, cutters[8][0].o.valid)
+        up_out = Mux(in16, cutters[16][1].o.valid, cutters[8][1].o.valid)
+        beat_last = Mux(in16, cutters[16][0].o.p.last, cutters[8][0].o.p.last)
+        beat_valid = gate_out & up_out & lasts.w_rdy
         beat_taken = beat_valid & act.i.ready
         # a measure pass's beats go nowhere: only their magnitudes are kept
         out_last, out_measured = lasts.r_data[0], lasts.r_data[1]
         taken_out = Signal()
         m.d.comb += [
-            act.i.valid.eq(beat_valid), gate_cut.o.ready.eq(beat_taken), up_cut.o.ready.eq(beat_taken),
-            lasts.w_en.eq(beat_taken), lasts.w_data.eq(Cat(gate_cut.o.p.last, measuring)),
+            act.i.valid.eq(beat_valid),
+            *(cutter.o.ready.eq(beat_taken) for pair_ in cutters.values() for cutter in pair_),
+            lasts.w_en.eq(beat_taken), lasts.w_data.eq(Cat(beat_last, measuring)),
             writer.i.valid.eq(act.o.valid & lasts.r_rdy & ~out_measured),
             act.o.ready.eq((writer.i.ready | out_measured) & lasts.r_rdy),
             lasts.r_en.eq(act.o.valid & (writer.i.ready | out_measured)),
@@ -296,16 +321,21 @@ class ActMulSequencer(wiring.Component):
         m.d.sync += in_flight.eq(in_flight + pass_sent - pass_out)
         # each lane's segment: the last whose first channel is at most the lane's channel
         with m.If(beat_taken):
-            m.d.sync += chan.eq(Mux(gate_cut.o.p.last, 0, chan + lanes))
+            m.d.sync += chan.eq(Mux(beat_last, 0, chan + lanes))
         for j in range(lanes):
             for s in range(1, ACTMUL_SEGMENTS):
                 with m.If((s < segments) & (firsts[s] <= chan + j)):
                     m.d.comb += act.i.p.seg[j].eq(s)
+        def lane(half, j):
+            """Lane j of the beat of the job's gate (``half`` 0) or up (1) cutter, signed:
+            byte j, or with IN16 bytes 2j and 2j + 1."""
+            narrow, wide16 = cutters[8][half].o.p.data, cutters[16][half].o.p.data
+            return Mux(in16, Cat(wide16[2 * j], wide16[2 * j + 1]).as_signed(), narrow[j].as_signed())
         for j in range(lanes):
             # a measure pass's lanes past the row's n channels (a beat's tail) count as 0
             past_row = measuring & (chan + j >= job.n)
-            m.d.comb += [act.i.p.gate[j].eq(gate_cut.o.p.data[j]),
-                         act.i.p.up[j].eq(Mux(past_row, 0, Mux(ungated, 1, up_cut.o.p.data[j]))),
+            m.d.comb += [act.i.p.gate[j].eq(lane(0, j)),
+                         act.i.p.up[j].eq(Mux(past_row, 0, Mux(ungated, 1, lane(1, j)))),
                          writer.i.p.y[j].eq(act.o.p[j])]
 
         # the row's exponent from the measure pass's peak: numerics.act_row_exponent
@@ -324,7 +354,8 @@ class ActMulSequencer(wiring.Component):
                 with m.If(self.job.valid):
                     p = self.job.payload
                     m.d.sync += [job.eq(p),
-                                 in_bytes.eq(Mux(flags_view(p.flags).ungated, p.n, 2 * p.n)),
+                                 in_bytes.eq(Mux(flags_view(p.flags).ungated, p.n, 2 * p.n)
+                                             << flags_view(p.flags).in16),
                                  out_bytes.eq(Mux(flags_view(p.flags).wide, 2 * p.n, p.n)),
                                  row.eq(0), block_chunk.eq(0), block.eq(0), chan.eq(0),
                                  exp_max.eq(0),
@@ -357,7 +388,7 @@ class ActMulSequencer(wiring.Component):
                     m.d.sync += [measuring.eq(rowexp), exp.eq(0), peak.eq(0)]
                     m.next = "ROW_ALIGN"
             # the up half starts n bytes into the row, n mod L into a write pass's span
-            up_skip = Mux(up_only, job.n[:exact_log2(L)], job.n)
+            up_skip = Mux(up_only, gate_bytes[:exact_log2(L)], gate_bytes)
             with m.State("ROW_ALIGN"):
                 # an ungated row has no up half: the aligner passes its gate through
                 m.d.comb += [up_align.setup.valid.eq(1),

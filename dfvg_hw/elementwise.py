@@ -226,12 +226,15 @@ class ActMul(wiring.Component):
     ``y = sat(round_shift(lut_s[gate + 128] · up · mult_s, min(shift_s + extra, 63)))`` per
     lane, ``s`` the lane's segment (``i.p.seg``), to int8, or to int16 with ``wide``
     (``ACTMUL`` with ``WIDE``); ``extra`` is the beat's row exponent
-    (:func:`numerics.act_mul_shift`). Stage 1 looks the gate up in the segment's 256 ×
-    int16 table (one copy of all the segments' tables per lane, with a synchronous read
-    port: LUTRAM on an FPGA) and picks the segment's ``mult`` and ``shift`` (with
-    ``extra``), stage 2 multiplies by ``up``, then a
-    :class:`VectorRequantizer`. Lanes of one beat may be in different segments: a segment
-    may end at any channel.
+    (:func:`numerics.act_mul_shift`). With ``in16`` (``ACTMUL IN16``) gate and up are
+    int16 and the table holds 128 (value, slope) knots: ``lut_s[gate + 128]`` becomes
+    :func:`numerics.act_interpolate` (:func:`numerics.act_mul_wide`). Stage 1 looks the
+    gate up in the segment's 256 × int16 table (one copy of all the segments' tables per
+    lane, with a synchronous read port: LUTRAM on an FPGA; a knot's value and slope are
+    neighbouring entries of one word, so one read serves both) and picks the segment's
+    ``mult`` and ``shift`` (with ``extra``), stage 2 interpolates and multiplies by
+    ``up``, then a :class:`VectorRequantizer`. Lanes of one beat may be in different
+    segments: a segment may end at any channel.
 
     The tables are loaded through ``lut_we/lut_addr/lut_data`` in words of
     :attr:`LUT_WRITE_ENTRIES` entries (word ``32s + w`` holds segment ``s``'s entries
@@ -258,8 +261,9 @@ class ActMul(wiring.Component):
 
     Members
     -------
-    i : In(stream.Signature(StructLayout({"gate": ArrayLayout(signed(8), lanes), "up": ArrayLayout(signed(8), lanes), "seg": ArrayLayout(unsigned(max(1, ceil_log2(segments))), lanes)})))
-        Gate and up operands, and each lane's segment.
+    i : In(stream.Signature(StructLayout({"gate": ArrayLayout(signed(16), lanes), "up": ArrayLayout(signed(16), lanes), "seg": ArrayLayout(unsigned(max(1, ceil_log2(segments))), lanes)})))
+        Gate and up operands (int8 values sign-extended unless ``in16``), and each lane's
+        segment.
     mult : In(ArrayLayout(unsigned(16), segments))
         Each segment's multiplier, sampled with each accepted beat.
     shift : In(ArrayLayout(unsigned(6), segments))
@@ -268,6 +272,8 @@ class ActMul(wiring.Component):
         The row exponent added to every segment's shift, sampled with each accepted beat.
     wide : In(1)
         int16 output, sampled with each accepted beat.
+    in16 : In(1)
+        int16 gate and up, the table as interpolated knots; sampled with each accepted beat.
     lut_we : In(write_words)
         Each bank's write enable.
     lut_addr : In(ArrayLayout(unsigned(ceil_log2(32 · segments / write_words)), write_words))
@@ -282,7 +288,7 @@ class ActMul(wiring.Component):
     LUT_DEPTH = timing.ACTMUL_LUT_DEPTH
     LUT_WRITE_ENTRIES = timing.ACTMUL_LUT_WRITE_ENTRIES
     LUT_WORDS = timing.ACTMUL_LUT_WORDS
-    ACC_BITS = 16 + nx.ACT_BITS  # |lut · up| ≤ 2^22
+    ACC_BITS = 17 + 16           # |a · up| < 2^31: an interpolated value of 17 bits, int16 up
 
     def __init__(self, config: EngineConfig, init=None, segments: int = 1, write_words: int = 1):
         if write_words not in (1, 2, 4):
@@ -292,14 +298,15 @@ class ActMul(wiring.Component):
         if len(self.init) != self.LUT_DEPTH:
             raise ValueError(f"activation table needs {self.LUT_DEPTH} entries, got {len(self.init)}")
         self.seg_bits = timing.ceil_log2(segments)
-        vec8 = data.ArrayLayout(signed(nx.ACT_BITS), self.lanes)
+        vec16 = data.ArrayLayout(signed(WIDE_BITS), self.lanes)
         segs = data.ArrayLayout(unsigned(max(1, self.seg_bits)), self.lanes)
         super().__init__({
-            "i": In(stream.Signature(data.StructLayout({"gate": vec8, "up": vec8, "seg": segs}))),
+            "i": In(stream.Signature(data.StructLayout({"gate": vec16, "up": vec16, "seg": segs}))),
             "mult": In(data.ArrayLayout(unsigned(nx.MULT_BITS), segments)),
             "shift": In(data.ArrayLayout(unsigned(6), segments)),
             "extra": In(nx.ROW_EXP_BITS),
             "wide": In(1),
+            "in16": In(1),
             "lut_we": In(write_words),
             "lut_addr": In(data.ArrayLayout(
                 unsigned(timing.ceil_log2(segments * self.LUT_WORDS // write_words)), write_words)),
@@ -316,11 +323,11 @@ class ActMul(wiring.Component):
         # stall-all front end: stage 1 table read, stage 2 product
         adv, v1, v2 = Signal(), Signal(), Signal()
         m.d.comb += [adv.eq(~v2 | vr.i.ready), self.i.ready.eq(adv), vr.i.valid.eq(v2)]
-        up1 = Signal(data.ArrayLayout(signed(nx.ACT_BITS), self.lanes))
-        wide1 = Signal()
+        up1 = Signal(data.ArrayLayout(signed(WIDE_BITS), self.lanes))
+        wide1, in16_1 = Signal(), Signal()
         with m.If(adv):
             m.d.sync += [v1.eq(self.i.valid), v2.eq(v1), up1.eq(self.i.payload.up),
-                         wide1.eq(self.wide), vr.i.payload.side.eq(wide1)]
+                         wide1.eq(self.wide), in16_1.eq(self.in16), vr.i.payload.side.eq(wide1)]
         e, q = self.LUT_WRITE_ENTRIES, self.write_words
         sub_bits = timing.ceil_log2(e) + timing.ceil_log2(q)    # the entry and the bank
         word = data.ArrayLayout(signed(16), e)
@@ -336,9 +343,10 @@ class ActMul(wiring.Component):
             # write and one read port each), all lanes written together
             reads = []
             g, seg = self.i.payload.gate[l], self.i.payload.seg[l]
-            # index g + 128: flip the sign bit of the two's-complement gate; the banks'
-            # words are read in stage 1, the entry picked in stage 2 by the index's low bits
-            idx = Cat(g[:7], ~g[7])
+            # index g + 128: flip the sign bit of the two's-complement gate (in16: knot
+            # (g >> 9) + 64's value, entry 2·knot); the banks' words are read in stage 1,
+            # the entry picked in stage 2 by the index's low bits
+            idx = Mux(self.in16, Cat(0, g[nx.ACT_KNOT_FRAC:15], ~g[15]), Cat(g[:7], ~g[7]))
             for b in range(q):
                 lut = m.submodules[f"lut{l}_{b}"] = Memory(shape=word, depth=len(init) // q,
                                                           init=init[b::q],
@@ -350,14 +358,20 @@ class ActMul(wiring.Component):
                 reads.append(rp.data)
             entries = Cat(*reads)
             sub1 = Signal(sub_bits, name=f"sub1_{l}")
+            frac1 = Signal(nx.ACT_KNOT_FRAC, name=f"frac1_{l}")
             mult1 = Signal(unsigned(nx.MULT_BITS), name=f"mult1_{l}")
             shift1 = Signal(unsigned(6), name=f"shift1_{l}")
             r = vr.i.payload.r[l]
+            # stage 2: the entry; in16 its knot's slope (the next entry) times the gate's
+            # low 9 bits, rounded (numerics.act_interpolate)
+            value = entries.word_select(sub1, 16).as_signed()
+            slope = entries.word_select(sub1 | 1, 16).as_signed()
+            step = (slope * frac1 + (1 << (nx.ACT_KNOT_FRAC - 1))) >> nx.ACT_KNOT_FRAC
             with m.If(adv):
-                m.d.sync += [sub1.eq(idx[:sub_bits]),
+                m.d.sync += [sub1.eq(idx[:sub_bits]), frac1.eq(g[:nx.ACT_KNOT_FRAC]),
                              mult1.eq(self.mult[seg[:self.seg_bits]] if self.seg_bits else self.mult[0]),
                              shift1.eq(shift_of[seg[:self.seg_bits]] if self.seg_bits else shifts[0]),
-                             r.acc.eq(entries.word_select(sub1, 16).as_signed() * up1[l]),
+                             r.acc.eq(Mux(in16_1, value + step, value) * up1[l]),
                              r.mult.eq(mult1), r.shift.eq(shift1)]
         m.d.comb += [self.o.payload[l].eq(narrow_unless_wide(vr.o.payload.y[l], vr.o.payload.side))
                      for l in range(self.lanes)]

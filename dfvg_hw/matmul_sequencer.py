@@ -20,9 +20,9 @@ wide rows, each as a hi/lo digit pair, :func:`~dfvg_hw.spec.numerics.wide_digits
    ``lanes`` multipliers (word ``kt mod reduce/2`` of the register) into the matrix unit,
    and the group's parameters say ``blocks`` so the write-back rounds the scaled sums.
    Without it every tile carries multipliers of 1.
-3. **Write-back.** Each output row of a group goes to VMEM (INT8: int8, RESADD: int32,
-   the residual read from the same place first, INT32: int32) or, in LOGITS mode, to the
-   logit buffer.
+3. **Write-back.** Each output row of a group goes to VMEM (INT8: int8, or int16 with
+   ``OUT16``; RESADD: int32, the residual read from the same place first; INT32: int32)
+   or, in LOGITS mode, to the logit buffer.
 
 The weights do not depend on x, so a pass's reads (2.'s tiles and records) are issued from
 the pass's first state (PASS), before and during the x load, and the x load does not wait
@@ -91,7 +91,8 @@ group, and passes follow each other, so each row's tiles arrive in group order.
   Alveo U55C preset (``4N`` = 256 B, 2 KiB beats) that is one requant beat per 8 groups
   (4 with ``BIAS``) instead of one per group. With ``k = 0`` the reads are the records
   alone, one per batch.
-* *Write-back*: a group's result row is ``N`` bytes (INT8) or ``4N`` (RESADD: the int32
+* *Write-back*: a group's result row is ``N`` bytes (INT8), ``2N`` (INT8 with ``OUT16``:
+  the matrix unit saturates it to int16, as in LOGITS) or ``4N`` (RESADD: the int32
   residual; INT32). Up to a line it is one masked write inside a line; beyond, it starts a line
   and takes ``W = N·eb/16`` line writes, one per cycle, the lanes past ``n`` masked off.
   A RESADD residual row likewise takes ``R = max(1, 4N/16)`` line reads (one per cycle,
@@ -310,7 +311,8 @@ class MatmulSequencer(wiring.Component):
         per_pass = Mux(wide, M // 2, M)
         first, pass_rows = Signal(8), Signal(8)
         weight_bytes = Signal(48)
-        out_eb = Mux(mode == MatmulMode.INT8, 1, 4)      # RESADD: int32 residuals
+        out16 = flags_view(job.flags).out16
+        out_eb = output_bytes(mode, out16)
         k_zero = k_tiles == 0            # no tiles: each group gets one zero tile
         # a block starts on a beat (BAD_ADDRESS otherwise): every read below is then aligned
         misaligned = job.addr[:exact_log2(beat_bytes)].any()
@@ -454,7 +456,7 @@ class MatmulSequencer(wiring.Component):
                 p_g_tiles = p_k_tiles + Mux(flags_view(p.flags).blocks,
                                             (p_k_tiles + T - 1) >> exact_log2(T), 0)
                 p_in = p.k * Mux(p_wide, 2, 1)
-                p_out = p.n * Mux(p_mode == MatmulMode.INT8, 1, 4)
+                p_out = p.n * output_bytes(p_mode, flags_view(p.flags).out16)
                 p_pitched = (p.pitch != 0) & (p.rows > 1)
                 pitch_bytes = p.pitch * L
                 return [job.eq(p), n_groups.eq(npad // N), k_tiles.eq(p_k_tiles),
@@ -619,7 +621,10 @@ class MatmulSequencer(wiring.Component):
                 ungated += [mx.q.payload.words.as_value().eq(words),
                             mx.q.payload.bias.as_value().eq(
                                 Mux(bias, qbuf.word_select(at | 1, 32 * N), 0)),
-                            mx.q.payload.mode.eq(mode), mx.q.payload.wide.eq(wide),
+                            # OUT16: the matrix unit's 16-bit saturation (its LOGITS case)
+                            mx.q.payload.mode.eq(Mux(out16 & (mode == MatmulMode.INT8),
+                                                     MatmulMode.LOGITS, mode)),
+                            mx.q.payload.wide.eq(wide),
                             mx.q.payload.rows.eq(pass_rows),
                             *(mx.q.payload.exps[r].eq(Mux(rowexp, self.row_exp[(first + r)[:8]], 0))
                               for r in range(M))]
@@ -675,7 +680,7 @@ class MatmulSequencer(wiring.Component):
                 ungated += [self.logits.payload.row.eq(first + o.payload.row),
                             *(self.logits.payload.data[j].eq(o.payload.data[j][:nx.LOGIT_BITS])
                               for j in range(N))]
-                wb_lines = {eb: max(1, N * eb // L) for eb in (1, 4)}
+                wb_lines = {eb: max(1, N * eb // L) for eb in _OUTPUT_BYTES}
                 wb_line = Signal(range(max(2, *wb_lines.values())))      # (no 0-bit signal)
                 with m.If(mode == MatmulMode.LOGITS):
                     m.d.comb += [self.logits.valid.eq(o.valid), o.ready.eq(self.logits.ready)]
@@ -686,19 +691,17 @@ class MatmulSequencer(wiring.Component):
                     offset = (first + o.payload.row) * stride_out + out_group * N * out_eb
                     shift = offset % L
                     left = out_bytes - (out_group * N * out_eb + L * wb_line)      # signed
-                    last_line = wb_line == Mux(out_eb == 1, wb_lines[1], wb_lines[4]) - 1
-                    pieces, masks = [], []
-                    for eb in (1, 4):
+                    last_line = wb_line == by_width(out_eb, wb_lines) - 1
+                    pieces, masks = {}, {}
+                    for eb in _OUTPUT_BYTES:
                         row_bytes = Cat(*(v[:8 * eb] for v in o.payload.data))
                         nbytes = N * eb
-                        pieces.append(row_bytes if nbytes <= L
+                        pieces[eb] = (row_bytes if nbytes <= L
                                       else row_bytes.word_select(wb_line, 8 * L))
-                        masks.append(Cat(*(left > i for i in range(min(L, nbytes)))))
-                    ungated.append(self.poke_data.eq(Mux(out_eb == 1, pieces[0], pieces[1])
-                                                     << (8 * shift)))
+                        masks[eb] = Cat(*(left > i for i in range(min(L, nbytes))))
+                    ungated.append(self.poke_data.eq(by_width(out_eb, pieces) << (8 * shift)))
                     m.d.comb += [self.poke_addr.eq(job.dst + offset // L + wb_line),
-                                 self.poke_en.eq(Mux(o.valid, Mux(out_eb == 1, masks[0], masks[1]) << shift,
-                                                     0)),
+                                 self.poke_en.eq(Mux(o.valid, by_width(out_eb, masks) << shift, 0)),
                                  o.ready.eq(last_line)]
                     with m.If(o.valid):
                         m.d.sync += wb_line.eq(Mux(last_line, 0, wb_line + 1))
@@ -726,6 +729,22 @@ class MatmulSequencer(wiring.Component):
                 m.next = "IDLE"
         m.d.comb += ungated
         return m
+
+
+#: bytes of an output element in VMEM: INT8, INT8 with OUT16, RESADD and INT32
+_OUTPUT_BYTES = (1, 2, 4)
+
+
+def output_bytes(mode, out16):
+    """An output element's bytes in VMEM (isa.matmul_output_bytes), from the job's mode
+    and OUT16 flag."""
+    return Mux(mode == MatmulMode.INT8, Mux(out16, 2, 1), 4)
+
+
+def by_width(eb, values: dict):
+    """``values[w]`` for the output element width ``eb`` (a signal of one of
+    :data:`_OUTPUT_BYTES`)."""
+    return Mux(eb == 1, values[1], Mux(eb == 2, values[2], values[4]))
 
 
 def _sext(value, bits):

@@ -166,7 +166,7 @@ class CycleModel:
             cycles = matmul_cycles(port, c.lanes, c.reduce, c.rows, ins.n, ins.k, rows,
                                     int(ins.mode), bool(ins.wide), addr % port.page,
                                     ins.dst if ins.mode == MatmulMode.RESADD else 0, pitch,
-                                    ins.bias, ins.blocks, head)
+                                    ins.bias, ins.blocks, head, ins.out16)
             return cycles, (weight_area_bytes(ins.n, ins.k, c.lanes, c.reduce, ins.blocks)
                             + requant_record_bytes(c.lanes, ins.bias) * (npad // c.lanes))
         if op == Op.RMSNORM:
@@ -185,7 +185,8 @@ class CycleModel:
         if op == Op.ACTMUL:
             segments = max(ins.k, 1)        # one parameter block per channel segment
             return (actmul_cycles(unit_port, c.lanes, ins.n, rows, bool(ins.wide), addr,
-                                  ungated=bool(ins.ungated), segments=segments, rowexp=ins.rowexp),
+                                  ungated=bool(ins.ungated), segments=segments, rowexp=ins.rowexp,
+                                  in16=ins.in16),
                     ACT_PARAM_BYTES * segments)
         if op == Op.EMBED:
             # POSITION indexes the table by POS: no token to read

@@ -266,18 +266,20 @@ class _GammaLines:
 
 
 def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool, line: int,
-                 rowexp: bool = False):
+                 rowexp: bool = False, in16: bool = False):
     """ACTMUL's row loop from the first ROW_ALIGN in cycle ``a`` (VMEM lines of ``line``
     bytes): (cycle the writer takes the last beat, beats per row). With ``rowexp`` each
     row is a measure pass, then a write pass once the measure pass's last beat has left
     ActMul (MEASURED), which reads a gated row's up half alone (its gates are buffered:
     no lines dropped first), and the next row's measure pass waits until the write pass's
-    last beat is with the writer (DRAIN)."""
-    g_lines = ceil(n / line)
-    d = 0 if ungated else n // line                # lines the up-half aligner drops
-    r = max(1, line // lanes)                      # cycles per (gate, up) line pair
-    q = max(1, lanes // line)                      # lines per ActMul beat when packing
-    if lanes <= line:
+    last beat is with the writer (DRAIN). With ``in16`` gate and up are int16: a line
+    holds ``line/2`` of them and a beat is ``2·lanes`` bytes of each."""
+    eb = 2 if in16 else 1                          # bytes of a gate (and an up) element
+    g_lines = ceil(eb * n / line)
+    d = 0 if ungated else eb * n // line           # lines the up-half aligner drops
+    r = max(1, line // (eb * lanes))               # cycles per (gate, up) line pair
+    q = max(1, eb * lanes // line)                 # lines per ActMul beat when packing
+    if eb * lanes <= line:
         beats, last_lines, spacing = r * g_lines, 1, 1
     else:
         beats = ceil(g_lines / q)
@@ -290,7 +292,7 @@ def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool, l
         """(first pair's cycle, last pair's, first beat into ActMul, last but one, last)."""
         f0 = a + tm.ACTMUL_ROW_START + d
         f_last = f0 + r * (g_lines - 1)
-        if lanes <= line:
+        if eb * lanes <= line:
             return f0, f_last, f0 + 1, f0 + beats - 1, f0 + beats
         return f0, f_last, f0 + min(q, g_lines), f_last + 1 - last_lines, f_last + 1
 
@@ -319,7 +321,8 @@ def _actmul_rows(a: int, rows: int, n: int, lanes: int, s: int, ungated: bool, l
 
 
 def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, addr: int,
-                  ungated: bool = False, segments: int = 1, rowexp: bool = False) -> int:
+                  ungated: bool = False, segments: int = 1, rowexp: bool = False,
+                  in16: bool = False) -> int:
     """actmul_sequencer.py: each of the ``segments`` parameter blocks' head and SiLU table
     (256 entries, every instruction), all in one read of lines of
     :func:`~dfvg_hw.spec.timing.actmul_param_line` (``L/2`` entries a cycle, at most
@@ -329,7 +332,8 @@ def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, a
     no lines before the first pair, and each row reads ``ceil(n/L)`` lines instead of
     ``ceil(2n/L)`` (the pairs, not the reads, set a row's pace either way). Where the segments end
     does not change the rows' timing (they stream as one row). With ``rowexp`` each row
-    is read twice (:func:`_actmul_rows`)."""
+    is read twice (:func:`_actmul_rows`). With ``in16`` gate and up are int16: twice the
+    lines, cut into beats of ``2·lanes`` bytes."""
     line = port.line
     port = port.at(addr).with_line(tm.actmul_param_line(line, port.bus_bytes))
     first = tm.PARAM_CMD + READ_OVERHEAD + port.latency
@@ -344,10 +348,11 @@ def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, a
         return UNIT_OVERHEAD + a - 1
     beat_bytes = lanes * (2 if wide else 1)
     s = max(1, beat_bytes // line)
-    w_last, beats = _actmul_rows(a, rows, n, lanes, s, ungated, line, rowexp)
+    w_last, beats = _actmul_rows(a, rows, n, lanes, s, ungated, line, rowexp, in16)
     _, dropped = _writer_tail((2 if wide else 1) * n, beats, lanes, wide, line)
     if beat_bytes <= line and wide:
-        dropped = 2 * ceil(n / line) - ceil(2 * n / line)
+        # the writer packs a row's beats into lines: those past the row's end are dropped
+        dropped = ceil(beats * beat_bytes / line) - ceil(2 * n / line)
     return UNIT_OVERHEAD + _done_after(w_last, s, dropped)
 
 

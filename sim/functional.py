@@ -20,7 +20,8 @@ from dfvg_hw.spec.descriptors import (MAX_COMPACT, MAX_DRAFT, REQUEST_HEADER_WOR
 from dfvg_hw.spec.image import (ACT_PARAM_BYTES, ATTN_PARAM_BYTES, NORM_PARAM_BYTES,
                            embed_row_stride, padded, requant_record_bytes,
                            unpack_requant_records, untile_scales, untile_weights, weight_area_bytes)
-from dfvg_hw.spec.isa import ACTMUL_SEGMENTS, IllegalInstruction, Instruction, MatmulMode, Op, decode
+from dfvg_hw.spec.isa import (ACTMUL_SEGMENTS, IllegalInstruction, Instruction, MatmulMode, Op,
+                              actmul_source_bytes, decode, matmul_output_bytes)
 from sim.program_flow import CONTROL_OPS, ControlFault, ProgramFlow, block_address
 from sim.cycle_model import BEFORE_FINISH, ISSUE, UNIT_OVERHEAD, CycleCounts, CycleModel, PrefetchChain, TreeTiming
 from sim.memory import DeviceMemory, MemoryError_
@@ -352,7 +353,7 @@ class FunctionalEngine:
                 if ins.n > c.vocab_max:
                     raise EngineFault(ErrorCode.PROGRAM, f"{ins.n} logits > vocab_max {c.vocab_max}")
             else:
-                self._vspan(ins.dst, rows, ins.n * (1 if ins.mode == MatmulMode.INT8 else 4))
+                self._vspan(ins.dst, rows, ins.n * matmul_output_bytes(ins))
         elif op == Op.ROPE:
             if ins.k % 2:
                 raise EngineFault(ErrorCode.PROGRAM, f"ROPE over an odd head dimension {ins.k}")
@@ -369,7 +370,7 @@ class FunctionalEngine:
                 raise EngineFault(ErrorCode.PROGRAM, f"ACTMUL of {ins.k} segments > "
                                   f"{ACTMUL_SEGMENTS}")
             self._dram(addr, ACT_PARAM_BYTES * max(ins.k, 1))
-            self._vspan(ins.src, rows, (1 if ins.ungated else 2) * ins.n)
+            self._vspan(ins.src, rows, actmul_source_bytes(ins))
             self._vspan(ins.dst, rows, ins.n * wide_bytes)
 
     def _unit(self, ins: Instruction, st: ProgramFlow, image_base: int) -> None:
@@ -415,10 +416,10 @@ class FunctionalEngine:
         elif op == Op.ACTMUL:
             bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
             if ins.ungated:             # an ungated MLP: the gate alone, up taken as 1
-                gate = self._vload(ins.src, rows, ins.n, np.int8)
+                gate = self._vload(ins.src, rows, ins.n, np.int16 if ins.in16 else np.int8)
                 up = np.ones_like(gate)
-            else:
-                gu = self._vload(ins.src, rows, 2 * ins.n, np.int8)
+            else:               # [gate | up], int8 or (IN16) int16
+                gu = self._vload(ins.src, rows, 2 * ins.n, np.int16 if ins.in16 else np.int8)
                 gate, up = gu[:, :ins.n], gu[:, ins.n:]
             # k blocks, one per channel segment: channel c takes the last segment whose
             # first channel (segment 0's: 0) is at most c
@@ -436,7 +437,8 @@ class FunctionalEngine:
                     cols = segment == s
                     mult, shift = int(heads[s, 0]) & 0xFFFF, (int(heads[s, 0]) >> 16) & 0x3F
                     lut = block[16:].copy().view("<i2")
-                    y[:, cols] = nx.act_mul(gate[:, cols], up[:, cols], lut, mult, shift, bits, extra)
+                    gated_act = nx.act_mul_wide if ins.in16 else nx.act_mul
+                    y[:, cols] = gated_act(gate[:, cols], up[:, cols], lut, mult, shift, bits, extra)
                 return y
             if ins.rowexp:      # each row measured at the coarsest exponent E first
                 exp = nx.act_row_exponent(act(exp_max), exp_max, bits)
@@ -481,7 +483,9 @@ class FunctionalEngine:
         if ins.rowexp:
             shift = nx.row_shift(shift[None, :], self.row_exp[:ins.rows, None])
         mode = ins.mode
-        if mode == MatmulMode.INT8:
+        if mode == MatmulMode.INT8 and ins.out16:
+            self._vstore(ins.dst, nx.requant(acc, mult, shift, 16), np.int16)
+        elif mode == MatmulMode.INT8:
             self._vstore(ins.dst, nx.requant(acc, mult, shift), np.int8)
         elif mode == MatmulMode.RESADD:
             x_res = self._vload(ins.dst, ins.rows, ins.n, np.int32)

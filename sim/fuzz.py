@@ -27,7 +27,9 @@ slots, sometimes one slot past them or any 16-bit value) and the device addresse
   also come mid-request, after real work. The q/k/v matmuls now and then have biases
   (Qwen2), every matrix now and then block-scaled weights (``BLOCKS``, where the engine has
   them), and q is now and then an INT32 row normalised per head (RMSNORM of ``k =``
-  heads segments, Qwen3's QK-norm) before ROPE.
+  heads segments, Qwen3's QK-norm) before ROPE. Half of them run the gated activation
+  on int16 gate and up (the gate/up MATMUL ``OUT16``, the ACTMUL ``IN16``), as compiled
+  gated MLPs do.
 
 :func:`run_case` executes a case on a fresh :class:`~sim.device.SimDevice` the way the host
 driver does (DMA writes, base registers, ``LOAD_PROGRAM``, ``START``); :class:`DeviceRunner`
@@ -384,6 +386,8 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     qk_norm = hd % c.vmem_line_bytes == 0 and rng.random() < 0.4
     # h's row exponents: the ACTMUL measures them, the down MATMUL reads them
     rowexp = int(Flag.ROWEXP) if brng.random() < 0.5 else 0
+    # int16 gate and up (the gate/up MATMUL's OUT16, the ACTMUL's IN16), as the compiler's
+    in16 = brng.random() < 0.5
 
     def scales(blocks_flag):
         return brng if blocks_flag else None
@@ -401,7 +405,7 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     q32 = vm.place(r, 4 * nh * hd) if qk_norm else q
     kv = vm.place(r, 2 * g * hd)
     att = vm.place(1, 2 * nh * hd)
-    gu = vm.place(r, 2 * inter)
+    gu = vm.place(r, 2 * inter * (2 if in16 else 1))
     act = vm.place(r, 2 * inter)
 
     # the layer's blocks; layers after the first are copies at LSTRIDE (LREL reaches them)
@@ -435,9 +439,10 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
         Instruction(Op.MATMUL, flags=lrel() | w2 | bo | M(MatmulMode.RESADD), rows=1, dst=x, src=att,
                     n=h, k=nh * hd, addr=b["wo"]),
         Instruction(Op.RMSNORM, flags=lrel(), rows=r, dst=xn, src=x, n=h, addr=b["norm2"]),
-        Instruction(Op.MATMUL, flags=lrel() | bgu | M(MatmulMode.INT8), rows=r, dst=gu, src=xn,
-                    n=2 * inter, k=h, addr=b["wgu"]),
-        Instruction(Op.ACTMUL, flags=lrel() | w3 | rowexp, rows=r, dst=act, src=gu, n=inter, addr=b["act"]),
+        Instruction(Op.MATMUL, flags=lrel() | bgu | M(MatmulMode.INT8) | (int(Flag.OUT16) if in16 else 0),
+                    rows=r, dst=gu, src=xn, n=2 * inter, k=h, addr=b["wgu"]),
+        Instruction(Op.ACTMUL, flags=lrel() | w3 | rowexp | (int(Flag.IN16) if in16 else 0), rows=r,
+                    dst=act, src=gu, n=inter, addr=b["act"]),
         Instruction(Op.MATMUL, flags=lrel() | w3 | bd | rowexp | M(MatmulMode.RESADD), rows=r, dst=x, src=act,
                     n=h, k=inter, addr=b["wd"]),
     ]

@@ -315,7 +315,8 @@ def _slice_cycle(kt: int, slice_bytes: int, line: int, row_lines: int) -> int:
 @lru_cache(maxsize=4096)
 def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int, n: int, k: int,
                    rows: int, mode: int, wide: bool, page_offset: int, dst: int,
-                   pitch: int = 0, bias: bool = False, blocks: bool = False, head: int = 0) -> int:
+                   pitch: int = 0, bias: bool = False, blocks: bool = False, head: int = 0,
+                   out16: bool = False) -> int:
     """Cycles of a MATMUL from the controller's FETCH to its RETIRE (matmul_sequencer.py):
     :data:`UNIT_OVERHEAD`, RANGE and DONE, then per row pass PASS, X_CMD, the x load (none
     when ``k = 0``), CHECK, STREAM (none when ``n = 0``: CHECK goes to DONE) and NEXT_PASS.
@@ -345,6 +346,8 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     first pass's first read command was offered ``head`` cycles before its PASS, during
     the unit instruction before it, whose cycles these are not; the pass's beats wait for
     their x as ever (:meth:`~sim.cycle_model.CycleModel.prefetch_head`).
+
+    ``out16`` (``OUT16``): an INT8 MATMUL writes int16, ``2·lanes`` bytes a group row.
     """
     line = port.line                                # the VMEM line
     npad, kpad = padded(n, lanes), padded(k, reduce)
@@ -354,7 +357,7 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     in_bytes = k * (2 if wide else 1)
     row_lines = ceil(in_bytes / line)
     slices_per_row = row_lines * max(1, line // slice_bytes)
-    out_bytes = 1 if mode == MatmulMode.INT8 else RES_BYTES
+    out_bytes = (2 if out16 else 1) if mode == MatmulMode.INT8 else RES_BYTES
     pitched = pitch and rows > 1
     row_stride = pitch if pitched else padded(n * out_bytes, line)
     row_spans = pitched and pitch != padded(in_bytes, line)

@@ -293,3 +293,41 @@ def test_row_shift_and_act_mul_shift_clamp():
     # a shift past 63 rounds every product to 0, as 63 does
     lut = np.full(256, -32768)
     assert nx.act_mul(np.array([0]), np.array([-128]), lut, 65535, 63, 16, 15).tolist() == [0]
+
+
+def test_interpolated_knots_are_exact_at_the_knots_and_follow_silu_between():
+    """ACTMUL IN16's table: at a knot the value itself; between knots the rounded linear
+    step (checked against exact rationals); the bounds the RTL's widths rely on; and
+    host_act_knots' SiLU within 6e-4 of the float function at every int16 gate, an int8
+    gate's table 40 times coarser."""
+    from fractions import Fraction
+    rng = np.random.default_rng(7)
+    table = rng.integers(-2 ** 15, 2 ** 15, 256)
+    table[254:256] = 32767
+    knots = (np.arange(128) - 64) * 512
+    assert np.array_equal(nx.act_interpolate(knots, table), table[0::2])
+    gate = rng.integers(-2 ** 15, 2 ** 15, 5000)
+    gate[:2] = (-32768, 32767)
+    got = nx.act_interpolate(gate, table)
+    for g, a in zip(gate[:500], got[:500]):
+        i, f = (int(g) >> 9) + 64, int(g) & 511
+        exact = table[2 * i] + Fraction(int(table[2 * i + 1]) * f, 512)
+        assert a == int(np.floor(exact + Fraction(1, 2)))       # round half up
+    assert np.abs(got).max() < 2 ** 16
+    assert nx.act_interpolate(np.array([32767]), table)[0] == 32767 + round(32767 * 511 / 512)
+    # the whole product stays inside int32 before the multiplier
+    up = np.array([-32768, 32767])
+    assert np.abs(nx.act_interpolate(np.array([32767]), table) * up).max() < 2 ** 31
+
+    def silu(x):
+        return x / (1 + np.exp(-x))
+    scale = 5 / 32767
+    t16, s16 = nx.host_act_knots(silu, scale)
+    g = np.arange(-32768, 32768)
+    err16 = np.abs(nx.act_interpolate(g, t16) * s16 - silu(g * scale)).max()
+    t8, s8 = nx.host_act_lut(silu, scale * 256)
+    g8 = np.clip(np.round(g / 256), -128, 127).astype(np.int64)
+    err8 = np.abs(t8[g8 + 128] * s8 - silu(g * scale)).max()
+    assert err16 < 6e-4 and err8 > 40 * err16, (err16, err8)
+    assert np.array_equal(nx.act_mul_wide(gate, np.full(gate.shape, 3), table, 40000, 20, 16),
+                          nx.requant(got * 3, 40000, 20, 16))

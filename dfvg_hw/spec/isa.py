@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 
 __all__ = [
     "Op", "CONTROL_OPS", "Flag", "MatmulMode", "Cond", "Instruction", "IllegalInstruction", "AsmError",
+    "matmul_output_bytes", "actmul_source_bytes",
     "FIELDS", "FLAG_FIELDS", "flag_field", "INSTRUCTION_BITS", "INSTRUCTION_BYTES",
     "encode", "decode", "assemble", "disassemble", "to_bytes", "from_bytes", "opcode_rules",
     "ACTMUL_SEGMENTS",
@@ -75,11 +76,12 @@ CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
 #: (name, lsb, width) of the sub-fields of a unit instruction's ``flags`` field, in bit
 #: order (BRANCH reads the whole field as its :class:`Cond`). :class:`Flag`, the
 #: :class:`Instruction` accessors and the RTL's ``InstructionFlags`` layout derive from it.
-#: Bit 5 has a name per opcode that uses it: EMBED's ``position``, ACTMUL's and MATMUL's
-#: ``row_exponent``.
+#: Bits 4–6 have a name per opcode that uses them: bit 4 MATMUL's ``bias`` and ACTMUL's
+#: ``in16``, bit 5 EMBED's ``position`` and ACTMUL's and MATMUL's ``row_exponent``, bit 6
+#: ACTMUL's ``ungated`` and MATMUL's ``out16``.
 FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (
-    ("layer_relative", 0, 1), ("mode", 1, 2), ("wide", 3, 1), ("bias", 4, 1), ("position", 5, 1),
-    ("row_exponent", 5, 1), ("ungated", 6, 1), ("blocks", 7, 1),
+    ("layer_relative", 0, 1), ("mode", 1, 2), ("wide", 3, 1), ("bias", 4, 1), ("in16", 4, 1),
+    ("position", 5, 1), ("row_exponent", 5, 1), ("ungated", 6, 1), ("out16", 6, 1), ("blocks", 7, 1),
 )
 _FLAG_FIELD = {name: (lsb, width) for name, lsb, width in FLAG_FIELDS}
 
@@ -117,6 +119,14 @@ class Flag(enum.IntFlag):
     #: with shift ``max(shift − e_r, 0)`` (numerics.row_shift). The same bit as POSITION,
     #: which only EMBED reads.
     ROWEXP = 1 << _FLAG_FIELD["row_exponent"][0]
+    #: ACTMUL with int16 gate and up (docs/isa.md §3.8, numerics.act_mul_wide): the source
+    #: row is ``[gate | up]`` of 2n int16 (UNGATED: n int16 gates), the table 128
+    #: interpolated knots. The same bit as BIAS, which only MATMUL reads.
+    IN16 = 1 << _FLAG_FIELD["in16"][0]
+    #: MATMUL in INT8 mode writes int16 (``requant(acc, 16)``, docs/isa.md §3.4): the rows
+    #: an ACTMUL IN16 reads; the other modes ignore it. The same bit as UNGATED, which only
+    #: ACTMUL reads.
+    OUT16 = 1 << _FLAG_FIELD["out16"][0]
 
 
 class MatmulMode(enum.IntEnum):
@@ -144,12 +154,13 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
     Op.EMBED: (frozenset({"flags", "rows", "dst", "n", "addr"}), Flag.POSITION),
     Op.RMSNORM: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
     Op.MATMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
-                Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS | Flag.BLOCKS | Flag.ROWEXP),
+                Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS | Flag.BLOCKS | Flag.ROWEXP
+                | Flag.OUT16),
     Op.ROPE: (frozenset({"rows", "dst", "src", "n", "k", "addr"}), 0),
     Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
     Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
     Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
-                Flag.LREL | Flag.WIDE | Flag.UNGATED | Flag.ROWEXP),
+                Flag.LREL | Flag.WIDE | Flag.UNGATED | Flag.ROWEXP | Flag.IN16),
     Op.SAMPLE: (frozenset({"n"}), 0),
 }
 #: Opcodes that process ``rows`` rows; rows must be ≥ 1 for them.
@@ -222,6 +233,14 @@ class Instruction:
     def ungated(self) -> bool:
         return self.opcode == Op.ACTMUL and bool(flag_field(self.flags, "ungated"))
 
+    @property
+    def in16(self) -> bool:
+        return self.opcode == Op.ACTMUL and bool(flag_field(self.flags, "in16"))
+
+    @property
+    def out16(self) -> bool:
+        return self.opcode == Op.MATMUL and bool(flag_field(self.flags, "out16"))
+
     def validate(self, word: int | None = None) -> "Instruction":
         """Raise :class:`IllegalInstruction` unless every field is legal for the opcode."""
         used, legal_flags = _USES[self.opcode]
@@ -246,6 +265,20 @@ class Instruction:
         if self.opcode in _ROW_OPS and self.rows == 0:
             raise IllegalInstruction("rows", f"{self.opcode.name} needs rows >= 1", word)
         return self
+
+
+def matmul_output_bytes(ins: Instruction) -> int:
+    """Bytes of each output element a MATMUL writes to VMEM: 1 in INT8 (2 with OUT16), 4 in
+    RESADD and INT32 (LOGITS writes the logit buffer, not VMEM: 2)."""
+    if ins.mode == MatmulMode.INT8:
+        return 2 if ins.out16 else 1
+    return 2 if ins.mode == MatmulMode.LOGITS else 4
+
+
+def actmul_source_bytes(ins: Instruction) -> int:
+    """Bytes of an ACTMUL's source row: ``[gate | up]`` of ``n`` channels each (UNGATED: the
+    ``n`` gates alone), int8, or int16 with IN16."""
+    return (1 if ins.ungated else 2) * ins.n * (2 if ins.in16 else 1)
 
 
 def encode(ins: Instruction) -> int:
@@ -291,12 +324,14 @@ def from_bytes(data: bytes) -> list[int]:
 # -- assembly text ------------------------------------------------------------------
 # One instruction per line: ``mnemonic key=value, key=value ...``; MATMUL's mode and
 # BRANCH's condition are written by name (mode=resadd, cond=no_sample), the flag bits as
-# bare words (``lrel``, ``wide``, ``bias``, ``position``, ``rowexp``, ``ungated``, ``blocks``). Numbers may be decimal or 0x-hex. ``;`` starts a comment;
+# bare words (``lrel``, ``wide``, ``bias``, ``position``, ``rowexp``, ``ungated``, ``blocks``,
+# ``in16``, ``out16``). Numbers may be decimal or 0x-hex. ``;`` starts a comment;
 # ``label:`` defines a label that n= of BRANCH/NEXT may name.
 
 #: Flags written as bare words, in this order.
 _BARE_FLAGS = {"lrel": Flag.LREL, "wide": Flag.WIDE, "bias": Flag.BIAS, "position": Flag.POSITION,
-               "rowexp": Flag.ROWEXP, "ungated": Flag.UNGATED, "blocks": Flag.BLOCKS}
+               "rowexp": Flag.ROWEXP, "ungated": Flag.UNGATED, "blocks": Flag.BLOCKS,
+               "in16": Flag.IN16, "out16": Flag.OUT16}
 
 
 def _format(ins: Instruction) -> str:

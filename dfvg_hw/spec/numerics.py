@@ -23,11 +23,11 @@ __all__ = [
     "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "NORM_IN_BITS", "saturate", "round_shift", "requant", "add_bias",
     "BLOCK_MULT_BITS", "BLOCK_SHIFT", "block_matmul", "block_round",
     "residual_add", "bit_length", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
-    "rope", "act_mul", "ROW_EXP_BITS", "ROW_EXP_MAX", "act_mul_shift", "act_row_exponent", "row_shift",
+    "rope", "act_mul", "ACT_KNOTS", "ACT_KNOT_FRAC", "act_interpolate", "act_mul_wide", "ROW_EXP_BITS", "ROW_EXP_MAX", "act_mul_shift", "act_row_exponent", "row_shift",
     "topk_select", "sampler_probs", "sample_index",
     "path_score", "TREE_SCORE_ROOT", "tree_expand_greedy",
     "mix32", "rng32",
-    "host_multiplier", "host_rope_table", "host_act_lut", "host_temperature",
+    "host_multiplier", "host_rope_table", "host_act_lut", "host_act_knots", "host_temperature",
     "RSQRT_LUT", "EXP2_LUT",
 ]
 
@@ -51,6 +51,8 @@ GAMMA_SHIFT_MAX = 16  #: RMSNORM gamma shift bound: 15 + k (≤ 31) + 16 keeps e
 T1_MULT, T1_SHIFT = 47274, 15  #: sampler multiplier at temperature 1 (= host_temperature(1.0))
 ROW_EXP_BITS = 4      #: row exponents (ACTMUL → MATMUL ROWEXP): unsigned 4-bit ...
 ROW_EXP_MAX = (1 << ROW_EXP_BITS) - 1   #: ... at most 15
+ACT_KNOTS = 128       #: ACTMUL IN16: the table's 128 (value, slope) knots over the int16 gate ...
+ACT_KNOT_FRAC = 9     #: ... 2^9 gate steps apart: the gate's low 9 bits interpolate
 
 _I64 = np.int64
 
@@ -297,6 +299,31 @@ def act_mul(gate, up, lut, mult: int, shift: int, out_bits: int = ACT_BITS, extr
     return requant(a * _as_i64(up), mult, act_mul_shift(shift, extra), out_bits)
 
 
+def act_interpolate(gate, table) -> np.ndarray:
+    """The activation of an int16 ``gate`` from a table of :data:`ACT_KNOTS` knots (ACTMUL
+    ``IN16``): entries ``2i`` and ``2i + 1`` of the 256-entry int16 ``table`` are knot
+    ``i``'s value and slope (the value change to the next knot), knot ``i`` at gate
+    ``(i − 64) · 2^9``. With ``i = (gate >> 9) + 64`` and ``f = gate & 511``::
+
+        a = value_i + round_shift(slope_i · f, 9)
+
+    ``|a| < 2^16`` (17 bits signed). The table stays 256 int16 entries in the same 528-byte
+    block; a knot's value and slope lie in one table word, so one read serves both.
+    """
+    g, t = _as_i64(gate), _as_i64(table)
+    knot = 2 * ((g >> ACT_KNOT_FRAC) + ACT_KNOTS // 2)
+    frac = g & ((1 << ACT_KNOT_FRAC) - 1)
+    return t[knot] + round_shift(t[knot + 1] * frac, ACT_KNOT_FRAC)
+
+
+def act_mul_wide(gate, up, table, mult: int, shift: int, out_bits: int = ACT_BITS, extra=0) -> np.ndarray:
+    """Gated activation of int16 ``gate`` and int16 ``up`` (ACTMUL ``IN16``):
+    ``sat(round_shift(act_interpolate(gate, table) · up · mult, shift + extra))``.
+    ``|a · up| < 2^31``, times the 16-bit ``mult`` below 2^47."""
+    a = act_interpolate(gate, table)
+    return requant(a * _as_i64(up), mult, act_mul_shift(shift, extra), out_bits)
+
+
 def act_row_exponent(coarse, exp_max: int, out_bits: int) -> np.ndarray:
     """Each row's exponent ``e`` for an ACTMUL with an exponent budget ``E = exp_max``.
 
@@ -440,6 +467,19 @@ def host_act_lut(fn, in_scale: float) -> tuple[np.ndarray, float]:
     y = np.asarray(fn(g), dtype=np.float64)
     scale = max(float(np.max(np.abs(y))), 1e-12) / 32767.0
     return np.clip(np.round(y / scale), -32768, 32767).astype(np.int16), scale
+
+
+def host_act_knots(fn, in_scale: float) -> tuple[np.ndarray, float]:
+    """The 256-entry int16 table of an ACTMUL ``IN16`` (:func:`act_interpolate`): knot
+    ``i``'s value ``fn(g_i · in_scale)`` at ``g_i = (i − 64) · 2^9`` and its slope to the
+    next knot (the last one's to ``g = 2^15``), interleaved, and the table's scale."""
+    g = (np.arange(ACT_KNOTS + 1, dtype=np.float64) - ACT_KNOTS // 2) * (1 << ACT_KNOT_FRAC) * in_scale
+    y = np.asarray(fn(g), dtype=np.float64)
+    scale = max(float(np.max(np.abs(y))), 1e-12) / 32767.0
+    q = np.clip(np.round(y / scale), -32767, 32767).astype(np.int64)
+    table = np.empty(2 * ACT_KNOTS, np.int64)
+    table[0::2], table[1::2] = q[:-1], np.clip(q[1:] - q[:-1], -32768, 32767)
+    return table.astype(np.int16), scale
 
 
 def host_temperature(temperature: float) -> tuple[int, int]:

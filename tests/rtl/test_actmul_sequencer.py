@@ -155,7 +155,8 @@ def _model_cycles(config, data_width, job):
     return actmul_cycles(port, config.lanes, job["n"], job["rows"], bool(job["flags"] & Flag.WIDE),
                          job["addr"], ungated=bool(job["flags"] & Flag.UNGATED),
                          segments=max(job.get("k", 0), 1),
-                         rowexp=bool(job["flags"] & Flag.ROWEXP)) - timing.UNIT_OVERHEAD
+                         rowexp=bool(job["flags"] & Flag.ROWEXP),
+                         in16=bool(job["flags"] & Flag.IN16)) - timing.UNIT_OVERHEAD
 
 
 def _check_timed(rng, jobs, data_width=128, config=TINY, sequencer_class=ActMulSequencer, vmem=None,
@@ -222,7 +223,7 @@ def test_ungated_wide_lanes():
 
 @pytest.mark.parametrize("old, new", [
     # the row's own bytes taken as up (the gate itself) instead of 1: other values
-    ("Mux(past_row, 0, Mux(ungated, 1, up_cut.o.p.data[j]))", "Mux(past_row, 0, up_cut.o.p.data[j])"),
+    ("Mux(past_row, 0, Mux(ungated, 1, lane(1, j)))", "Mux(past_row, 0, lane(1, j))"),
     # the aligner still skipping n bytes: it passes the bytes past the gate as gate lines
     ("up_align.setup.p.skip.eq(Mux(ungated, 0, up_skip))", "up_align.setup.p.skip.eq(up_skip)"),
 ], ids=["up-from-the-row", "skip-n"])
@@ -305,7 +306,7 @@ def test_segment_errors():
     # a lane whose channel is a segment's first still in the segment before
     ("firsts[s] <= chan + j", "firsts[s] < chan + j"),
     # the channel count running on across rows: a second row's lanes in later segments
-    ("Mux(gate_cut.o.p.last, 0, chan + lanes)", "chan + lanes"),
+    ("Mux(beat_last, 0, chan + lanes)", "chan + lanes"),
 ], ids=["first-channel", "channel-across-rows"])
 def test_segment_mutations_are_caught(old, new):
     """The segment checks can fail: a sequencer that picks a lane's segment wrongly gives
@@ -437,3 +438,73 @@ def test_row_exponent_mutations_are_caught(old, new):
              for n in (1, 5)]
     with pytest.raises(AssertionError):
         _check_exp(rng, tails + _rowexp_jobs(rng, 8), sequencer_class=bad, vmem=vmem)
+
+
+# -- IN16: int16 gate and up, the table as interpolated knots (the compiler's gated MLPs) ----
+def _in16_jobs(rng, count, config=TINY, blocks=None):
+    """``count`` random IN16 jobs: a quarter ungated, a quarter with row exponents, a
+    quarter over several segments. ``n`` is half a random row job's, so the source row's
+    ``4n`` bytes have the room its ``2n`` had."""
+    jobs = []
+    for _ in range(count):
+        segmented = rng.random() < 0.25
+        job = random_row_job(rng, Op.ACTMUL, blocks or list(SEGMENT_RUNS if segmented else EXP_BLOCKS), config)
+        job["n"] = max(1, job["n"] // 2)
+        kind = rng.random()
+        if kind < 0.25:
+            wide = bool(job["flags"] & Flag.WIDE) and job["src"] != job["dst"]
+            job = _ungated(job["rows"], job["n"], job["src"], job["dst"], job["addr"], wide)
+        elif kind < 0.5:
+            job["flags"] |= Flag.ROWEXP
+        job["flags"] |= Flag.IN16
+        if segmented:
+            job["k"] = int(rng.integers(2, ACTMUL_SEGMENTS + 1))
+        jobs.append(job)
+    return jobs
+
+
+def test_in16_random_jobs():
+    """Random IN16 jobs (1 or 2 rows, WIDE or not; ungated, with row exponents or of several
+    segments among them) and narrow jobs between: the results, the exponents and the
+    cycles are the functional and the cycle model's; at least 1000 outputs."""
+    rng = np.random.default_rng(51)
+    jobs = _in16_jobs(rng, 40)
+    jobs[5:5] = [_actmul(2, 20, 60, 60, addr=0x2003, wide=True)]
+    assert _check_exp(rng, jobs) == [ErrorCode.OK] * len(jobs)
+    assert sum(j["rows"] * j["n"] for j in jobs if j["flags"] & Flag.IN16) >= 1000
+
+
+def test_in16_edges():
+    """n = 1, rows of one line and one past it (8 int16 a 16-byte line), in place, n = 0,
+    on 128- and 512-bit buses, at 64 lanes (a beat packs eight lines) and at wider lines."""
+    def job(rows, n, src, dst, addr=0x1000, wide=False, extra=0):
+        return dict(_actmul(rows, n, src, dst, addr=addr, wide=wide), flags=Flag.IN16 | extra | (Flag.WIDE if wide else 0))
+    rng = np.random.default_rng(52)
+    jobs = [job(2, 1, 10, 40, wide=True), job(2, 8, 60, 60, 0x2003), job(1, 9, 80, 90, 0x400D, True),
+            job(2, 0, 10, 10), job(2, 17, 100, 100, 0xA000, True, Flag.ROWEXP),
+            job(1, 30, 150, 200, 0x3008, extra=Flag.UNGATED), _actmul(1, 30, 100, 120, wide=True)]
+    for data_width in (128, 512):
+        assert _check_exp(rng, jobs, data_width) == [ErrorCode.OK] * len(jobs)
+    jobs = [job(2, 100, 10, 60, 0xA000, wide=True, extra=Flag.ROWEXP), job(1, 70, 150, 150, 0xB003),
+            dict(job(2, 90, 200, 150, 0x5000, wide=True), k=5), job(1, 33, 20, 40, extra=Flag.UNGATED)]
+    assert _check_exp(rng, jobs, 256, TINY.with_changes(lanes=64)) == [ErrorCode.OK] * len(jobs)
+    for line, lanes in ((WIDE_LINES[0], 4), (WIDE_LINES[1], 16)):
+        config, data_width = wide_line(line, TINY.with_changes(lanes=lanes))
+        assert _check_exp(rng, jobs[:2], data_width, config) == [ErrorCode.OK] * 2
+
+
+@pytest.mark.parametrize("old, new", [
+    # an int16 lane's bytes swapped
+    ("Cat(wide16[2 * j], wide16[2 * j + 1])", "Cat(wide16[2 * j + 1], wide16[2 * j])"),
+    # the up half taken from byte n, as an int8 row's
+    ("gate_bytes = Mux(in16, job.n << 1, job.n)", "gate_bytes = job.n"),
+    # ActMul told int8 operands
+    ("act.in16.eq(in16)", "act.in16.eq(0)"),
+], ids=["byte-order", "up-at-n", "narrow-unit"])
+def test_in16_mutations_are_caught(old, new):
+    """The IN16 checks can fail."""
+    import dfvg_hw.actmul_sequencer as actmul_module
+    bad = mutant(actmul_module, old, new, shared=()).ActMulSequencer
+    rng = np.random.default_rng(53)
+    with pytest.raises(AssertionError):
+        _check_exp(rng, _in16_jobs(rng, 6), sequencer_class=bad)

@@ -135,6 +135,44 @@ def test_act_mul_random(cfg):
         assert (got[wide == w] == lo).any() and (got[wide == w] == hi).any()
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_act_mul_in16_random(cfg):
+    """ACTMUL IN16: int16 gate and up through the interpolated knots
+    (numerics.act_mul_wide), beats of int8 operands (in16 low) among them, ≥ 1000 lanes."""
+    rng = np.random.default_rng(60 + cfg.lanes)
+    lanes = cfg.lanes
+    n = math.ceil(1600 / lanes)
+    table = rng.integers(-2 ** 15, 2 ** 15, 256)                # any values and slopes
+    table[0:2], table[254:256] = (-32768, -32768), (32767, 32767)   # the extreme knots
+    gate = rng.integers(-2 ** 15, 2 ** 15, (n, lanes))
+    up = rng.integers(-2 ** 15, 2 ** 15, (n, lanes))
+    mult = rng.integers(1, 2 ** 16, n)
+    shift = rng.integers(24, 48, n)
+    gate[0], up[0], mult[0], shift[0] = 32767, 32767, 65535, 0      # the top knot, frac 511: +sat
+    gate[1], up[1], mult[1], shift[1] = -32768, 32767, 65535, 0     # the bottom knot: -sat
+    gate[2], up[2], mult[2], shift[2] = 511, -32768, 65535, 63      # largest shift
+    gate[3] = (np.arange(lanes) % 128 - 64) * 512 + 511             # every knot's last step
+    in16 = rng.random(n) < 0.75
+    in16[:4] = True
+    narrow = ~in16
+    gate[narrow], up[narrow] = gate[narrow] >> 8, up[narrow] >> 8   # int8 operands
+    wide = rng.random(n) < 0.5
+    wide[:2] = True
+    extra = np.where(rng.random(n) < 1 / 3, rng.integers(0, nx.ROW_EXP_MAX + 1, n), 0)
+    extra[:4] = 0
+    beats = [{"gate": [int(v) for v in gate[k]], "up": [int(v) for v in up[k]]} for k in range(n)]
+    params = [{"mult": mult[k], "shift": shift[k], "extra": extra[k], "wide": wide[k], "in16": in16[k]}
+              for k in range(n)]
+    dut = ActMul(cfg)
+    got = simulate(dut, beats, params=params, setup=load_lut(dut, table))
+    expected = np.array([(nx.act_mul_wide if in16[k] else nx.act_mul)(
+        gate[k], up[k], table, int(mult[k]), int(shift[k]), 16 if wide[k] else 8, int(extra[k]))
+        for k in range(n)])
+    np.testing.assert_array_equal(got, expected)
+    assert in16.sum() * lanes >= 1000
+    assert (got[in16 & wide] == 32767).any() and (got[in16 & wide] == -32768).any()
+
+
 def test_act_mul_init_table_and_reload():
     """A table given at construction works without loading; a reload replaces it."""
     rng = np.random.default_rng(3)

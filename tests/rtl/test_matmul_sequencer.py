@@ -51,7 +51,7 @@ from sim.op_bench import compare_with_reference, run_jobs
 from sim.tree_state import TreeState
 from dfvg_hw.verilog import to_verilog
 from sim.lint import verilator_lint
-from sequencer_cases import wide_line
+from sequencer_cases import mutant, wide_line
 
 TINY = get_preset("tiny")
 L = VMEM_LINE_BYTES
@@ -67,9 +67,10 @@ CONTROLLER_CYCLES = 2 + 1 + 1
 SHAPES = ((40, 40), (7, 5), (64, 24), (33, 17), (4, 8), (96, 3), (1, 70))
 
 
-def _mm(mode, rows, n, k, src, dst, addr, wide=False, pitch=0, bias=False, blocks=False) -> dict:
+def _mm(mode, rows, n, k, src, dst, addr, wide=False, pitch=0, bias=False, blocks=False,
+        out16=False) -> dict:
     flags = ((int(mode) << 1) | (Flag.WIDE if wide else 0) | (Flag.BIAS if bias else 0)
-             | (Flag.BLOCKS if blocks else 0))
+             | (Flag.BLOCKS if blocks else 0) | (Flag.OUT16 if out16 else 0))
     return dict(opcode=Op.MATMUL, flags=flags, rows=rows, n=n, k=k, src=src, dst=dst, addr=addr,
                 pitch=pitch)
 
@@ -140,23 +141,30 @@ def _lines(nbytes: int, line: int = L) -> int:
     return -(-nbytes // line)
 
 
-def _random_job(rng, config, addrs, bias=False, blocks=False) -> dict:
+def _out_bytes(mode, out16=False) -> int:
+    """Bytes of an output element in VMEM (LOGITS: none)."""
+    return 0 if mode == LOGITS else 4 if mode != INT8 else 2 if out16 else 1
+
+
+def _random_job(rng, config, addrs, bias=False, blocks=False, out16_share=0.0) -> dict:
     """A random MATMUL over one of the blocks (with ``BIAS`` if ``bias``: the blocks'
     records hold biases): any mode, wide or not, 1 … rows rows (LOGITS: 1), source and
-    destination apart, somewhere in VMEM."""
+    destination apart, somewhere in VMEM; ``OUT16`` on a share of them (any mode: the
+    others ignore it)."""
     (n, k), addr = list(addrs.items())[int(rng.integers(len(addrs)))]
     mode = MatmulMode(int(rng.integers(4)))
     wide = bool(rng.integers(2))
     rows = 1 if mode == LOGITS else int(rng.integers(1, config.rows + 1))
+    out16 = bool(out16_share) and rng.random() < out16_share     # (no draw without: seeds keep their jobs)
     line = config.vmem_line_bytes
     lines = config.vmem_bytes // line
     src_lines = rows * _lines(k * (2 if wide else 1), line)
-    dst_lines = 0 if mode == LOGITS else rows * _lines(n * (1 if mode == INT8 else 4), line)
+    dst_lines = rows * _lines(n * _out_bytes(mode, out16), line)
     while True:
         src = int(rng.integers(0, lines - src_lines + 1))
         dst = int(rng.integers(0, lines - dst_lines + 1))
         if dst + dst_lines <= src or src + src_lines <= dst:
-            return _mm(mode, rows, n, k, src, dst, addr, wide, bias=bias, blocks=blocks)
+            return _mm(mode, rows, n, k, src, dst, addr, wide, bias=bias, blocks=blocks, out16=out16)
 
 
 def model_cycles(config, data_width: int, job: dict) -> int:
@@ -200,13 +208,15 @@ def _check(rng, config, jobs, memory, data_width=128, vmem=None):
     return errors
 
 
-def _check_random(seed, config, data_width=128, count=16, offsets=(0,), bias=False, blocks=False):
+def _check_random(seed, config, data_width=128, count=16, offsets=(0,), bias=False, blocks=False,
+                  out16_share=0.0):
     """``count`` random jobs plus one wide job of every mode with all rows (a RESADD, an
     INT32 and an INT8 of more rows than a pass holds), all OK; every job with ``BIAS`` if
-    ``bias``, with ``BLOCKS`` if ``blocks``. Returns the jobs."""
+    ``bias``, with ``BLOCKS`` if ``blocks``, ``OUT16`` on ``out16_share`` of the random
+    ones. Returns the jobs."""
     rng = np.random.default_rng(seed)
     memory, addrs = _blocks(rng, config, offsets=offsets, bias=bias, blocks=blocks, data_width=data_width)
-    jobs = [_random_job(rng, config, addrs, bias, blocks) for _ in range(count)]
+    jobs = [_random_job(rng, config, addrs, bias, blocks, out16_share) for _ in range(count)]
     a = addrs[(33, 17)]
     flags = dict(bias=bias, blocks=blocks)
     jobs += [_mm(RESADD, config.rows, 33, 17, 0, 100, a, wide=True, **flags),
@@ -829,3 +839,58 @@ def test_row_exponents(config, data_width):
                      row_exp=list(range(config.rows)), flags=Flag.ROWEXP | Flag.WIDE | RESADD << 1))
     assert _check(rng, config, jobs, memory, data_width) == [ErrorCode.OK] * len(jobs)
     assert sum(bool(j["flags"] & Flag.ROWEXP) for j in jobs) >= 8
+
+
+# -- OUT16: an INT8-mode MATMUL that writes int16 (the gate/up rows of an ACTMUL IN16) -------------
+def _int16_outputs(jobs) -> int:
+    return sum(j["rows"] * j["n"] for j in jobs
+               if j["flags"] & Flag.OUT16 and (j["flags"] >> 1) & 3 == INT8)
+
+
+@pytest.mark.parametrize("config, data_width, seed", [
+    (TINY, 128, 71), (TINY.with_changes(lanes=16), 128, 72),
+    (TINY.with_changes(lanes=32, reduce=4, rows=4), 256, 73)], ids=["tiny", "lanes16", "lanes32"])
+def test_out16_random_jobs(config, data_width, seed):
+    """Random jobs, two in three with OUT16 (INT8 rows of int16: one line at 4 lanes, two
+    at 16, four at 32; other modes ignore the flag), BIAS and not, as the functional model
+    in the cycle model's cycles; at least 300 int16 outputs each (over 1000 in all)."""
+    jobs = _check_random(seed, config, data_width, count=40, bias=seed % 2 == 0, out16_share=2 / 3)
+    assert _int16_outputs(jobs) >= 300, _int16_outputs(jobs)
+
+
+def test_out16_wider_lines_and_tree_rows():
+    """32-byte lines at 16 lanes, and OUT16 rows of a tree forward a pitch apart."""
+    config, data_width = wide_line(32, TINY.with_changes(lanes=16))
+    jobs = _check_random(74, config, data_width=data_width, count=6, offsets=(0, 64), bias=True,
+                         out16_share=1.0)
+    assert _int16_outputs(jobs) > 0
+    rng = np.random.default_rng(75)
+    memory, addrs = _blocks(rng, TINY)
+    a = addrs[(33, 17)]
+    pitch = _lines(2 * 33) + 1
+    jobs = [_mm(INT8, 2, 33, 17, 3, 100, a, wide=True, pitch=pitch, out16=True),
+            _mm(INT8, 2, 40, 40, 20, 150, addrs[(40, 40)], pitch=_lines(80), out16=True),
+            _mm(INT8, 1, 7, 5, 200, 210, addrs[(7, 5)], out16=True)]
+    assert _check(rng, TINY, jobs, memory) == [ErrorCode.OK] * len(jobs)
+
+
+@pytest.mark.parametrize("old, new", [
+    # int16 rows written as int8
+    ("return Mux(mode == MatmulMode.INT8, Mux(out16, 2, 1), 4)",
+     "return Mux(mode == MatmulMode.INT8, Mux(out16, 1, 1), 4)"),
+    # the matrix unit saturating to int8
+    ("mx.q.payload.mode.eq(Mux(out16 & (mode == MatmulMode.INT8),", "mx.q.payload.mode.eq(Mux(0,"),
+], ids=["int8-bytes", "int8-saturation"])
+def test_out16_mutations_are_caught(old, new):
+    """The OUT16 checks can fail."""
+    import dfvg_hw.matmul_sequencer as matmul_module
+    bad = mutant(matmul_module, old, new, shared=("MatmulMode",)).MatmulSequencer
+    rng = np.random.default_rng(76)
+    memory, addrs = _blocks(rng, TINY)
+    jobs = [_mm(INT8, 2, 40, 40, 0, 100, addrs[(40, 40)], wide=True, out16=True),
+            _mm(INT8, 1, 33, 17, 20, 150, addrs[(33, 17)], out16=True)]
+    config = TINY.with_changes(mem_port_bits=128)
+    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    jobs = [{"pitch": 0} | job for job in jobs]
+    with pytest.raises(AssertionError):
+        compare_with_reference(config, bad(config, 128), vmem, memory, jobs, data_width=128)
