@@ -66,3 +66,29 @@ def test_without_row_exponents_h_has_one_static_scale(tiny_draft_dir):
         assert struct.unpack_from("<2I", off.image, ins.addr)[1] >> 16 == 0
     for a, b in zip(on.manifest["scales"]["layers"], off.manifest["scales"]["layers"]):
         assert b["down_in"] == pytest.approx(a["down_in"] * 2 ** H_FINE_BITS)
+
+
+def test_gate_and_up_are_int16_rows_of_the_gateup_matmul(tiny_draft_dir):
+    """The gated MLP's gate and up are int16 (numerics.md §13.2): the gate/up MATMUL writes
+    them with OUT16 into a region of 4·intermediate bytes and the ACTMUL that reads them
+    has IN16; its blocks are knot tables (every knot's slope its value change to the next,
+    so the table is continuous), and its group scales 2^8 finer than int8's."""
+    from dfvg_host.compiler import allocate_vmem, compile_draft
+    config = get_preset("tiny")
+    compiled = compile_draft(tiny_draft_dir, config)
+    program = list(map(decode, compiled.program))
+    actmuls = [i for i, ins in enumerate(program) if ins.opcode == Op.ACTMUL]
+    assert actmuls
+    for i in actmuls:
+        gateup, act = program[i - 1], program[i]
+        assert gateup.opcode == Op.MATMUL and gateup.out16 and gateup.dst == act.src
+        assert act.in16 and not act.ungated
+        for s in range(act.k):
+            table = np.frombuffer(compiled.image, "<i2", 256, act.addr + s * ACT_PARAM_BYTES + 16)
+            values, slopes = table[0::2].astype(int), table[1::2].astype(int)
+            assert (values[1:] == values[:-1] + slopes[:-1]).all()
+    shape = compiled.shape
+    vmem = allocate_vmem(shape, config)
+    assert (vmem["h"] - vmem["gateup"]) * config.vmem_line_bytes >= 4 * shape.intermediate
+    for layer in compiled.manifest["scales"]["layers"]:
+        assert max(layer["gate"]) < 1e-2 and max(layer["up"]) < 1e-2
