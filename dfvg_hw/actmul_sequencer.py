@@ -326,6 +326,7 @@ class ActMulSequencer(wiring.Component):
             for s in range(1, ACTMUL_SEGMENTS):
                 with m.If((s < segments) & (firsts[s] <= chan + j)):
                     m.d.comb += act.i.p.seg[j].eq(s)
+
         def lane(half, j):
             """Lane j of the beat of the job's gate (``half`` 0) or up (1) cutter, signed:
             byte j, or with IN16 bytes 2j and 2j + 1."""

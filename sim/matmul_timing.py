@@ -11,7 +11,7 @@ from math import ceil
 
 from dfvg_hw.spec import timing as tm
 from dfvg_hw.spec.image import group_tiles, padded, requant_record_bytes, scale_run_tiles, weight_area_bytes
-from dfvg_hw.spec.isa import MatmulMode
+from dfvg_hw.spec.isa import MatmulMode, output_element_bytes
 from sim.timing_common import NEVER, RES_BYTES, UNIT_OVERHEAD, axi_bursts, PortTiming, ReadCredit
 
 __all__ = ["matmul_cycles", "ReadPath"]
@@ -357,7 +357,7 @@ def matmul_cycles(port: PortTiming, lanes: int, reduce: int, rows_per_pass: int,
     in_bytes = k * (2 if wide else 1)
     row_lines = ceil(in_bytes / line)
     slices_per_row = row_lines * max(1, line // slice_bytes)
-    out_bytes = (2 if out16 else 1) if mode == MatmulMode.INT8 else RES_BYTES
+    out_bytes = output_element_bytes(mode, out16)
     pitched = pitch and rows > 1
     row_stride = pitch if pitched else padded(n * out_bytes, line)
     row_spans = pitched and pitch != padded(in_bytes, line)

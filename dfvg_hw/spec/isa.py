@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 __all__ = [
     "Op", "CONTROL_OPS", "Flag", "MatmulMode", "Cond", "Instruction", "IllegalInstruction", "AsmError",
-    "matmul_output_bytes", "actmul_source_bytes",
+    "output_element_bytes", "matmul_output_bytes", "actmul_source_bytes",
     "FIELDS", "FLAG_FIELDS", "flag_field", "INSTRUCTION_BITS", "INSTRUCTION_BYTES",
     "encode", "decode", "assemble", "disassemble", "to_bytes", "from_bytes", "opcode_rules",
     "ACTMUL_SEGMENTS",
@@ -267,12 +267,17 @@ class Instruction:
         return self
 
 
-def matmul_output_bytes(ins: Instruction) -> int:
-    """Bytes of each output element a MATMUL writes to VMEM: 1 in INT8 (2 with OUT16), 4 in
+def output_element_bytes(mode: int, out16: bool = False) -> int:
+    """Bytes of each output element of a MATMUL in ``mode``: 1 in INT8 (2 with OUT16), 4 in
     RESADD and INT32 (LOGITS writes the logit buffer, not VMEM: 2)."""
-    if ins.mode == MatmulMode.INT8:
-        return 2 if ins.out16 else 1
-    return 2 if ins.mode == MatmulMode.LOGITS else 4
+    if mode == MatmulMode.INT8:
+        return 2 if out16 else 1
+    return 2 if mode == MatmulMode.LOGITS else 4
+
+
+def matmul_output_bytes(ins: Instruction) -> int:
+    """:func:`output_element_bytes` of a MATMUL instruction."""
+    return output_element_bytes(ins.mode, ins.out16)
 
 
 def actmul_source_bytes(ins: Instruction) -> int:

@@ -43,7 +43,7 @@ from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import (pack_requant_records, padded, requant_record_bytes,
                                 tile_weights, weight_area_bytes)
-from dfvg_hw.spec.isa import Flag, Instruction, MatmulMode, Op
+from dfvg_hw.spec.isa import Flag, Instruction, MatmulMode, Op, output_element_bytes
 from dfvg_hw.matmul_sequencer import MatmulSequencer
 from sim.cycle_model import CycleModel, TreeTiming
 from sim.memory import DeviceMemory
@@ -143,7 +143,7 @@ def _lines(nbytes: int, line: int = L) -> int:
 
 def _out_bytes(mode, out16=False) -> int:
     """Bytes of an output element in VMEM (LOGITS: none)."""
-    return 0 if mode == LOGITS else 4 if mode != INT8 else 2 if out16 else 1
+    return 0 if mode == LOGITS else output_element_bytes(mode, out16)
 
 
 def _random_job(rng, config, addrs, bias=False, blocks=False, out16_share=0.0) -> dict:
@@ -183,7 +183,7 @@ def model_cycles(config, data_width: int, job: dict) -> int:
 _INSTRUCTION_FIELDS = ("flags", "rows", "dst", "src", "n", "k", "addr")
 
 
-def _check(rng, config, jobs, memory, data_width=128, vmem=None):
+def _check(rng, config, jobs, memory, data_width=128, vmem=None, sequencer_class=MatmulSequencer):
     """Run ``jobs`` on the sequencer and on the functional model from the same VMEM
     (random unless given): the same error codes, VMEM and logit buffers (every row;
     :func:`~sim.op_bench.compare_with_reference`, a job in a tree forward, :func:`_in_tree`,
@@ -197,7 +197,7 @@ def _check(rng, config, jobs, memory, data_width=128, vmem=None):
     jobs = [job | {"tree": TreeState(job["rows"], 0, level=1)} if _in_tree(job) else job
             for job in jobs]
     cycles = []
-    errors = compare_with_reference(config, MatmulSequencer(config, data_width), vmem, memory,
+    errors = compare_with_reference(config, sequencer_class(config, data_width), vmem, memory,
                                     jobs, data_width=data_width, cycles=cycles)
     # every job ends with the sequencer's done: its own checks refuse a bad block before
     # a read goes out (None: the memory port refused a read and the bench cancelled)
@@ -889,8 +889,5 @@ def test_out16_mutations_are_caught(old, new):
     memory, addrs = _blocks(rng, TINY)
     jobs = [_mm(INT8, 2, 40, 40, 0, 100, addrs[(40, 40)], wide=True, out16=True),
             _mm(INT8, 1, 33, 17, 20, 150, addrs[(33, 17)], out16=True)]
-    config = TINY.with_changes(mem_port_bits=128)
-    vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
-    jobs = [{"pitch": 0} | job for job in jobs]
     with pytest.raises(AssertionError):
-        compare_with_reference(config, bad(config, 128), vmem, memory, jobs, data_width=128)
+        _check(rng, TINY, jobs, memory, sequencer_class=bad)
