@@ -4,14 +4,14 @@ row through the :class:`~dfvg_hw.rope.Rope` pair rotator, in VMEM (docs/isa.md �
 
 1. **Checks**, in the functional model's order: ``rows > cfg.rows`` (PROGRAM), odd ``k``
    (PROGRAM), ``POS ≥ kv_positions`` (KV_OVERFLOW); then ``src`` and ``dst`` (``rows ×
-   n·k`` int8) must lie in VMEM (BAD_ADDRESS). The model reads the table row before it
+   n·k`` int8, or int16 with ``WIDE``) must lie in VMEM (BAD_ADDRESS). The model reads the table row before it
    checks the spans, but both faults are BAD_ADDRESS and nothing is written before
    either, so checking the spans first (in the same cycle as the rest) is the same.
 2. **Table.** The ``k/2`` (cos, sin) int16 pairs at ``addr + POS·2k`` are fetched with a
    :class:`~dfvg_hw.operand_access.BlockReader` (any byte address; past device memory the
    memory port refuses it: BAD_ADDRESS through the controller's reset).
-3. **Heads.** Row ``r`` of ``src`` is ``n`` heads of ``k`` bytes side by side from byte
-   ``r·stride``. A :class:`~dfvg_hw.head_stream.HeadCutter` peeks the rows' lines a line
+3. **Heads.** Row ``r`` of ``src`` is ``n`` heads of ``k`` elements (``k`` bytes, ``2k``
+   with ``WIDE``) side by side from byte ``r·stride``. A :class:`~dfvg_hw.head_stream.HeadCutter` peeks the rows' lines a line
    a cycle and offers the heads in order; each is rotated as pairs ``(x_i,
    x_{i+k/2})`` in one Rope beat, and a :class:`~dfvg_hw.head_stream.HeadPacker` packs
    the rotated heads into the same places of ``dst`` and pokes each line once it is
@@ -35,7 +35,7 @@ cycle.
 
 from __future__ import annotations
 
-from amaranth import Module, Signal
+from amaranth import Cat, Module, Mux, Signal
 from amaranth.lib import wiring
 from amaranth.utils import exact_log2
 
@@ -43,6 +43,7 @@ from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.head_stream import HeadCutter, HeadPacker
+from dfvg_hw.layouts import flags_view
 from dfvg_hw.operand_access import BlockReader, byte_mask, job_spans_outside
 from dfvg_hw.rope import Rope
 
@@ -90,8 +91,9 @@ class RopeSequencer(wiring.Component):
         pairs = D // 2
         rope = m.submodules.rope = Rope(c)
         table = m.submodules.table = BlockReader(c, self.data_width, 2 * D)
-        cutter = m.submodules.cutter = HeadCutter(c, D, lookahead=1)
-        packer = m.submodules.packer = HeadPacker(c, D)
+        # a head is k bytes, or 2k with WIDE (int16 elements)
+        cutter = m.submodules.cutter = HeadCutter(c, 2 * D, lookahead=1)
+        packer = m.submodules.packer = HeadPacker(c, 2 * D)
         wiring.connect(m, table.read_cmd, wiring.flipped(self.read_cmd))
         wiring.connect(m, wiring.flipped(self.read_data), table.read_data)
         m.d.comb += [self.peek_addr.eq(cutter.peek_addr), cutter.peek_data.eq(self.peek_data),
@@ -100,27 +102,38 @@ class RopeSequencer(wiring.Component):
                      self.poke_data.eq(packer.poke_data)]
 
         job = Signal(OpJob())
-        row_bytes = Signal(32)              # n·k
-        half = Signal(range(D // 2 + 1))    # k / 2: where b starts in a head
+        wide = flags_view(job.flags).wide   # int16 elements
+        row_bytes = Signal(32)              # n·k elements' bytes
+        half = Signal(range(D + 1))         # where b starts in a head: k/2 elements' bytes
         table_in = Signal()                 # the table row has come (BlockReader: done)
         # the operand as the cutter reads it and the packer writes it: rows a stride of
         # whole lines apart, heads side by side from a row's first byte
         stride = (row_bytes + L - 1) >> exact_log2(L)
         for port, line in ((cutter.run, job.src), (packer.run, job.dst)):
             m.d.comb += [port.payload.line.eq(line), port.payload.skip.eq(0),
-                         port.payload.k.eq(job.k), port.payload.row_bytes.eq(row_bytes),
+                         port.payload.k.eq(job.k << wide), port.payload.row_bytes.eq(row_bytes),
                          port.payload.rows.eq(job.rows), port.payload.stride.eq(stride)]
 
         # the Rope beat of the head on offer: a = x[0 … k/2), b = x[k/2 … k), the table row
         x = cutter.heads.payload
         x_hi = x >> (half << 3)
+
+        def element(v, j):
+            return Mux(wide, v.word_select(j, 16).as_signed(), v.word_select(j, 8).as_signed())
+
         for j in range(pairs):
-            m.d.comb += [rope.i.payload.a[j].eq(x.word_select(j, 8)),
-                         rope.i.payload.b[j].eq(x_hi.word_select(j, 8)),
+            m.d.comb += [rope.i.payload.a[j].eq(element(x, j)),
+                         rope.i.payload.b[j].eq(element(x_hi, j)),
                          rope.i.payload.cos[j].eq(table.data.word_select(2 * j, 16)),
-                         rope.i.payload.sin[j].eq(table.data.word_select(2 * j + 1, 16))]
-        a_out = rope.o.payload.a.as_value() & byte_mask(half, pairs)
-        b_out = rope.o.payload.b.as_value()
+                         rope.i.payload.sin[j].eq(table.data.word_select(2 * j + 1, 16)),
+                         rope.i.payload.wide.eq(wide)]
+
+        def elements(lanes):
+            # the rotated half's bytes: int16 lanes, or their low bytes (int8 results)
+            return Mux(wide, lanes.as_value(), Cat(lane[:8] for lane in lanes))
+
+        a_out = elements(rope.o.payload.a) & byte_mask(half, 2 * pairs)
+        b_out = elements(rope.o.payload.b)
         # heads stream cutter → Rope → packer once the table row is in (before it, the
         # cutter fills its queue: the first lines' peeks hide behind the table read)
         # (k = 0: the cutter's empty heads are not rotated, the job has none)
@@ -139,7 +152,9 @@ class RopeSequencer(wiring.Component):
                 m.d.comb += self.job.ready.eq(1)
                 with m.If(self.job.valid):
                     p = self.job.payload
-                    m.d.sync += [job.eq(p), row_bytes.eq(p.n * p.k), half.eq(p.k >> 1),
+                    p_wide = flags_view(p.flags).wide
+                    m.d.sync += [job.eq(p), row_bytes.eq((p.n * p.k) << p_wide),
+                                 half.eq(Mux(p_wide, p.k, p.k >> 1)),
                                  table_in.eq(0), self.error.eq(ErrorCode.OK)]
                     m.next = "CHECK"
             with m.State("CHECK"):

@@ -176,7 +176,7 @@ class CycleModel:
             return (rmsnorm_cycles(unit_port, c.lanes, ins.n, segment_rows, bool(ins.wide), addr),
                     NORM_PARAM_BYTES + rmsnorm_gamma_reads(c.lanes, ins.n, segment_rows, c.vmem_line_bytes) * 2 * ins.n)
         if op == Op.ROPE:
-            return rope_cycles(unit_port, ins.n, ins.k, rows, addr, pos), 2 * ins.k
+            return rope_cycles(unit_port, ins.n, ins.k, rows, addr, pos, bool(ins.wide)), 2 * ins.k
         if op == Op.KVAPPEND:
             return kvappend_cycles(c, ins.n, ins.k, ins.src), 0
         if op == Op.ATTN:

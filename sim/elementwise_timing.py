@@ -356,11 +356,13 @@ def actmul_cycles(port: PortTiming, lanes: int, n: int, rows: int, wide: bool, a
     return UNIT_OVERHEAD + _done_after(w_last, s, dropped)
 
 
-def rope_cycles(port: PortTiming, n: int, k: int, rows: int, addr: int, pos: int) -> int:
+def rope_cycles(port: PortTiming, n: int, k: int, rows: int, addr: int, pos: int,
+                wide: bool = False) -> int:
     """rope_sequencer.py: CHECK starts the table row's read of ``POS`` (whole beats) and
-    the operand's stream together; the heads go cutter → Rope → packer a line a cycle
-    once the table row is in (:func:`~sim.head_stream_timing.streamed_heads`), and the
-    job is done a cycle after the last line is poked."""
+    the operand's stream together; the heads (``k`` bytes, ``2k`` with ``wide``) go
+    cutter → Rope → packer a line a cycle once the table row is in
+    (:func:`~sim.head_stream_timing.streamed_heads`), and the job is done a cycle after
+    the last line is poked."""
     if k == 0:
         # an empty table row is done without a read (BlockReader: IDLE, then DONE at once)
         table = tm.ROPE_CHECK + 1
@@ -371,5 +373,5 @@ def rope_cycles(port: PortTiming, n: int, k: int, rows: int, addr: int, pos: int
                  + port.at(row_addr).beat_offset(beats - 1) + tm.BLOCK_READ_DONE)
     if n * k == 0:                                 # nothing to rotate once the table is in
         return UNIT_OVERHEAD + table + tm.ROPE_DONE
-    last = streamed_heads(n, k, rows, port.line, tm.ROPE_CHECK + 1, table)
+    last = streamed_heads(n, k * (2 if wide else 1), rows, port.line, tm.ROPE_CHECK + 1, table)
     return UNIT_OVERHEAD + last + tm.ROPE_DONE

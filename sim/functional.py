@@ -363,8 +363,8 @@ class FunctionalEngine:
                                   f"head_dim {c.head_dim}")
             if ins.k:                   # an empty table row is not read, wherever it is
                 self._dram(addr + st.pos * 2 * ins.k, 2 * ins.k)
-            self._vspan(ins.src, rows, ins.n * ins.k)
-            self._vspan(ins.dst, rows, ins.n * ins.k)
+            self._vspan(ins.src, rows, ins.n * ins.k * wide_bytes)
+            self._vspan(ins.dst, rows, ins.n * ins.k * wide_bytes)
         elif op == Op.ACTMUL:
             if ins.k > ACTMUL_SEGMENTS:
                 raise EngineFault(ErrorCode.PROGRAM, f"ACTMUL of {ins.k} segments > "
@@ -401,9 +401,10 @@ class FunctionalEngine:
             if not ins.k:
                 return                  # nothing to rotate (and no table read)
             table = self._dram(addr + st.pos * 2 * ins.k, 2 * ins.k).view("<i2").reshape(-1, 2)
-            x = self._vload(ins.src, rows, ins.n * ins.k, np.int8).reshape(rows, ins.n, ins.k)
-            y = nx.rope(x, table[:, 0], table[:, 1])
-            self._vstore(ins.dst, y.reshape(rows, -1), np.int8)
+            bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
+            x = self._vload(ins.src, rows, ins.n * ins.k, dtype).reshape(rows, ins.n, ins.k)
+            y = nx.rope(x, table[:, 0], table[:, 1], bits)
+            self._vstore(ins.dst, y.reshape(rows, -1), dtype)
         elif op == Op.KVAPPEND:
             slot = self._check_kv(ins, st.layer, ins.n)
             positions = self._kv_positions(st)

@@ -29,7 +29,9 @@ slots, sometimes one slot past them or any 16-bit value) and the device addresse
   them), and q is now and then an INT32 row normalised per head (RMSNORM of ``k =``
   heads segments, Qwen3's QK-norm) before ROPE. Half of them run the gated activation
   on int16 gate and up (the gate/up MATMUL ``OUT16``, the ACTMUL ``IN16``), as compiled
-  gated MLPs do.
+  gated MLPs do. A third (without QK-norm) write q, k and v as int16 (``OUT16``) and
+  rotate them with ROPE ``WIDE``; KVAPPEND and ATTN then read the int16 rows' bytes as
+  int8, which is defined, only not what a compiler would emit.
 
 :func:`run_case` executes a case on a fresh :class:`~sim.device.SimDevice` the way the host
 driver does (DMA writes, base registers, ``LOAD_PROGRAM``, ``START``); :class:`DeviceRunner`
@@ -388,6 +390,9 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     rowexp = int(Flag.ROWEXP) if brng.random() < 0.5 else 0
     # int16 gate and up (the gate/up MATMUL's OUT16, the ACTMUL's IN16), as the compiler's
     in16 = brng.random() < 0.5
+    # int16 q, k and v (their MATMULs' OUT16), rotated by ROPE WIDE
+    qkv16 = brng.random() < 0.33 and not qk_norm
+    qkv_bytes = 2 if qkv16 else 1
 
     def scales(blocks_flag):
         return brng if blocks_flag else None
@@ -401,9 +406,9 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     # VMEM: the int32 residual x, the norm output xn, q, k|v, the attention output, gate|up, act
     x = vm.place(r, 4 * h)
     xn = vm.place(r, 2 * h)
-    q = vm.place(r, nh * hd)
+    q = vm.place(r, nh * hd * qkv_bytes)
     q32 = vm.place(r, 4 * nh * hd) if qk_norm else q
-    kv = vm.place(r, 2 * g * hd)
+    kv = vm.place(r, 2 * g * hd * qkv_bytes)
     att = vm.place(1, 2 * nh * hd)
     gu = vm.place(r, 2 * inter * (2 if in16 else 1))
     act = vm.place(r, 2 * inter)
@@ -423,17 +428,18 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
 
     w1, w2, w3 = wide(), wide(), wide()
     M = lambda mode: int(mode) << 1                                        # noqa: E731
+    out16, rope_wide = (int(Flag.OUT16), int(Flag.WIDE)) if qkv16 else (0, 0)
     body = [
         Instruction(Op.RMSNORM, flags=lrel() | w1, rows=r, dst=xn, src=x, n=h, addr=b["norm1"]),
         Instruction(Op.MATMUL, flags=lrel() | w1 | bias_q | bq
-                    | M(MatmulMode.INT32 if qk_norm else MatmulMode.INT8),
+                    | M(MatmulMode.INT32 if qk_norm else MatmulMode.INT8) | out16,
                     rows=r, dst=q32, src=xn, n=nh * hd, k=h, addr=b["wq"]),
         *([Instruction(Op.RMSNORM, flags=lrel(), rows=r, dst=q, src=q32, n=hd, k=nh,
                        addr=b["qnorm"])] if qk_norm else []),
-        Instruction(Op.MATMUL, flags=lrel() | w1 | bias_kv | bkv | M(MatmulMode.INT8), rows=r, dst=kv,
-                    src=xn, n=2 * g * hd, k=h, addr=b["wkv"]),
-        Instruction(Op.ROPE, rows=r, dst=q, src=q, n=nh, k=hd, addr=rope),
-        Instruction(Op.ROPE, rows=r, dst=kv, src=kv, n=g, k=hd, addr=rope),
+        Instruction(Op.MATMUL, flags=lrel() | w1 | bias_kv | bkv | M(MatmulMode.INT8) | out16, rows=r,
+                    dst=kv, src=xn, n=2 * g * hd, k=h, addr=b["wkv"]),
+        Instruction(Op.ROPE, flags=rope_wide, rows=r, dst=q, src=q, n=nh, k=hd, addr=rope),
+        Instruction(Op.ROPE, flags=rope_wide, rows=r, dst=kv, src=kv, n=g, k=hd, addr=rope),
         Instruction(Op.KVAPPEND, rows=1, src=kv, n=g, k=hd),
         Instruction(Op.ATTN, flags=lrel() | w2, rows=1, dst=att, src=q, n=nh, k=hd, addr=b["attn"]),
         Instruction(Op.MATMUL, flags=lrel() | w2 | bo | M(MatmulMode.RESADD), rows=1, dst=x, src=att,

@@ -180,6 +180,23 @@ def test_rope_matches_float_rotation():
     assert np.abs(y - np.clip(ref, -128, 127)).max() <= 1.0
 
 
+def test_wide_rope_matches_float_rotation_and_saturates_to_int16():
+    rng = np.random.default_rng(4)
+    x = rng.integers(-30000, 30000, (3, 16))
+    ang = rng.uniform(0, 2 * np.pi, 8)
+    ang[0], x[0, 0], x[0, 8] = np.pi / 4, 30000, 30000    # pair norm 42,426: b' saturates
+    tab = nx.host_rope_table(np.cos(ang), np.sin(ang)).astype(np.int64)
+    y = nx.rope(x, tab[:, 0], tab[:, 1], 16)
+    a, b = x[:, :8], x[:, 8:]
+    ref = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], 1)
+    clipped = np.clip(ref, -32768, 32767)
+    # the Q1.14 table's rounding: at most 2^-15 relative per term, so a few units at 2^15
+    assert np.abs(y - clipped).max() <= 4.0
+    assert y[0, 8] == 32767
+    np.testing.assert_array_equal(nx.rope(x.clip(-128, 127), tab[:, 0], tab[:, 1]),
+                                  nx.rope(x.clip(-128, 127), tab[:, 0], tab[:, 1], 8))
+
+
 def test_topk_breaks_ties_to_lower_index():
     logits = np.array([5, 9, 9, 1, 9, 2])
     assert nx.topk_select(logits, 3).tolist() == [1, 2, 4]

@@ -99,7 +99,7 @@ class Flag(enum.IntFlag):
     MODE1 = 2 << _FLAG_FIELD["mode"][0]
     #: Wide activations (int16): MATMUL reads an int16 src (the matrix unit takes it as
     #: two int8 digit rows sharing each weight tile); RMSNORM, ACTMUL and ATTN write an
-    #: int16 dst with 8 more fractional bits.
+    #: int16 dst with 8 more fractional bits; ROPE rotates int16 heads (src and dst).
     WIDE = 1 << _FLAG_FIELD["wide"][0]
     #: MATMUL adds a per-output-channel int32 bias to the accumulator before requantising:
     #: the weight block holds a bias word beside each requant word (docs/isa.md §4.2).
@@ -156,7 +156,7 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
     Op.MATMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
                 Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS | Flag.BLOCKS | Flag.ROWEXP
                 | Flag.OUT16),
-    Op.ROPE: (frozenset({"rows", "dst", "src", "n", "k", "addr"}), 0),
+    Op.ROPE: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.WIDE),
     Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
     Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
     Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),

@@ -266,18 +266,20 @@ def attention(q, k, v, mult: int, shift: int, out_bits: int = ACT_BITS) -> np.nd
 
 
 # -- RoPE, activation ----------------------------------------------------------------
-def rope(x, cos, sin) -> np.ndarray:
-    """Rotate int8 heads ``x[..., D]`` (halves paired as in Llama's rotate_half).
+def rope(x, cos, sin, bits: int = ACT_BITS) -> np.ndarray:
+    """Rotate heads ``x[..., D]`` of ``bits``-bit integers (int8, or int16 for ROPE
+    ``WIDE``), halves paired as in Llama's rotate_half.
 
     ``cos, sin`` are Q1.14 int16 ``[D/2]``; for i < D/2 with a = x_i, b = x_{i+D/2}:
-    ``a' = sat8(round_shift(a·c - b·s, 14))``, ``b' = sat8(round_shift(b·c + a·s, 14))``.
+    ``a' = sat(round_shift(a·c - b·s, 14))``, ``b' = sat(round_shift(b·c + a·s, 14))``,
+    saturated to ``bits``. int16: ``|a·c ± b·s| ≤ 2^31``, so the sums need 33 bits.
     """
     x = _as_i64(x)
     h = x.shape[-1] // 2
     a, b = x[..., :h], x[..., h:]
     c, s = _as_i64(cos), _as_i64(sin)
-    return np.concatenate([saturate(round_shift(a * c - b * s, ROPE_FRAC), ACT_BITS),
-                           saturate(round_shift(b * c + a * s, ROPE_FRAC), ACT_BITS)], axis=-1)
+    return np.concatenate([saturate(round_shift(a * c - b * s, ROPE_FRAC), bits),
+                           saturate(round_shift(b * c + a * s, ROPE_FRAC), bits)], axis=-1)
 
 
 def act_mul_shift(shift, extra) -> np.ndarray:

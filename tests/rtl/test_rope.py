@@ -56,7 +56,7 @@ def test_random_heads(cfg):
     x[6, :half], x[6, half:], cos[6], sin[6] = 1, 0, 8192, 8192   # round half up: 0.5 → 1
     x[7, :half], x[7, half:], cos[7], sin[7] = -1, 0, 8192, 8192  # -0.5 → 0
     beats = [{"a": ints(x[k, :half]), "b": ints(x[k, half:]), "cos": ints(cos[k]),
-              "sin": ints(sin[k])} for k in range(n)]
+              "sin": ints(sin[k]), "wide": 0} for k in range(n)]
     got = simulate(Rope(cfg), beats)
     rtl = np.array([a + b for a, b in got])
     want = np.stack([nx.rope(x[k], cos[k], sin[k]) for k in range(n)])
@@ -80,7 +80,8 @@ def test_heads_larger_and_smaller_than_a_beat():
             idx = np.arange(j0, min(j0 + p, half))
             pad = p - len(idx)
             beats.append({"a": ints(x[idx]) + [0] * pad, "b": ints(x[idx + half]) + [0] * pad,
-                          "cos": ints(cos[idx]) + [0] * pad, "sin": ints(sin[idx]) + [0] * pad})
+                          "cos": ints(cos[idx]) + [0] * pad, "sin": ints(sin[idx]) + [0] * pad,
+                          "wide": 0})
             checks.append((idx, half, want))
     got = simulate(dut, beats)
     for (a, b), (idx, half, want) in zip(got, checks):
@@ -89,8 +90,37 @@ def test_heads_larger_and_smaller_than_a_beat():
         np.testing.assert_array_equal(b[:n], want[idx + half])
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_random_wide_heads_between_int8_ones(cfg):
+    """int16 heads (ROPE WIDE), ≥ 1000 elements, interleaved at random with int8 heads in
+    one stream under back-pressure, so each beat's width travels with its data: int16
+    saturation both ways, the largest products, rounding at ±0.5."""
+    rng = np.random.default_rng(100 + cfg.head_dim)
+    d, half = cfg.head_dim, cfg.head_dim // 2
+    n = -(-2400 // d)
+    wide = rng.random(n) < 0.6
+    wide[:6] = True
+    x = np.where(wide[:, None], rng.integers(-2 ** 15, 2 ** 15, (n, d)), rng.integers(-128, 128, (n, d)))
+    cos, sin = rope_tables(rng, n, half)
+    x[0], cos[0], sin[0] = 32767, 11585, 11585            # a' ≈ 0, b' → +32767
+    x[1], cos[1], sin[1] = -32768, 11585, 11585           # b' → -32768
+    x[2], cos[2], sin[2] = -32768, -32768, -32768         # |a·c ± b·s| = 2^31: the sums' top
+    x[3], cos[3], sin[3] = 32767, 32767, -32768
+    x[4, :half], x[4, half:], cos[4], sin[4] = 1, 0, 8192, 8192   # 0.5 → 1
+    x[5, :half], x[5, half:], cos[5], sin[5] = -1, 0, 8192, 8192  # -0.5 → 0
+    beats = [{"a": ints(x[k, :half]), "b": ints(x[k, half:]), "cos": ints(cos[k]),
+              "sin": ints(sin[k]), "wide": int(wide[k])} for k in range(n)]
+    got = simulate(Rope(cfg), beats, ready=[1, 1, 0, 1, 0, 0, 1])
+    rtl = np.array([a + b for a, b in got])
+    want = np.stack([nx.rope(x[k], cos[k], sin[k], 16 if wide[k] else 8) for k in range(n)])
+    np.testing.assert_array_equal(rtl, want)
+    assert (want[wide] == 32767).any() and (want[wide] == -32768).any()
+    assert (want[~wide] == 127).any() and (np.abs(want[wide]) > 127).mean() > 0.5
+    assert int(wide.sum()) * d >= 1000
+
+
 def test_latency():
-    beat = {"a": [1] * 8, "b": [2] * 8, "cos": [16384] * 8, "sin": [0] * 8}
+    beat = {"a": [1] * 8, "b": [2] * 8, "cos": [16384] * 8, "sin": [0] * 8, "wide": 0}
     dut = Rope(TINY)
     assert first_valid_after_accept(dut, dut.i, dut.o, beat) == Rope.LATENCY == 3
 

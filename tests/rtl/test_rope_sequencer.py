@@ -1,7 +1,8 @@
 """RopeSequencer against the functional model's ROPE (sim/op_bench.py): many heads and
 rows at every byte offset, in place and not, table rows at every bus offset, and the
 faults in the model's order; heads streamed over 16-, 32- and 64-byte lines, heads of
-several lines and rows ending inside a line, in the cycle model's cycles."""
+several lines and rows ending inside a line, in the cycle model's cycles; int16 heads
+(``WIDE``) among int8 ones."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from dfvg_hw.spec.config import VMEM_LINE_BYTES, get_preset
 from dfvg_hw.spec.descriptors import ErrorCode
-from dfvg_hw.spec.isa import Instruction, Op
+from dfvg_hw.spec.isa import Flag, Instruction, Op
 from dfvg_hw.rope_sequencer import RopeSequencer
 from sim.functional import FunctionalEngine
 from sim.memory import DeviceMemory
@@ -34,8 +35,8 @@ def _memory(rng, config=TINY) -> DeviceMemory:
     return memory
 
 
-def _rope(rows, n, k, src, dst, pos, addr=TABLE):
-    return dict(opcode=Op.ROPE, rows=rows, n=n, k=k, src=src, dst=dst, pos=pos, addr=addr)
+def _rope(rows, n, k, src, dst, pos, addr=TABLE, flags=0):
+    return dict(opcode=Op.ROPE, flags=flags, rows=rows, n=n, k=k, src=src, dst=dst, pos=pos, addr=addr)
 
 
 def _run(rng, jobs, *, data_width=128, config=TINY, cycles=None):
@@ -46,9 +47,9 @@ def _run(rng, jobs, *, data_width=128, config=TINY, cycles=None):
                              data_width=data_width, cycles=cycles)
     engine = FunctionalEngine(config, memory)
     engine.vmem[:] = vmem
-    expected = [functional_reference(engine, Instruction(Op.ROPE, rows=j["rows"], dst=j["dst"],
-                                                         src=j["src"], n=j["n"], k=j["k"],
-                                                         addr=j["addr"]), pos=j["pos"])
+    expected = [functional_reference(engine, Instruction(Op.ROPE, flags=j["flags"], rows=j["rows"],
+                                                         dst=j["dst"], src=j["src"], n=j["n"],
+                                                         k=j["k"], addr=j["addr"]), pos=j["pos"])
                 for j in jobs]
     assert errors == expected
     np.testing.assert_array_equal(after, engine.vmem)
@@ -146,17 +147,18 @@ def test_wider_lines(line):
     assert cycles == [model_cycles(config, data_width, job) for job in jobs]
 
 
-def _stream_jobs(rng, count, config):
+def _stream_jobs(rng, count, config, wide_share=0.0):
     """ROPEs of up to ``config.rows`` rows (half of them ≥ 2) of up to 24 heads of any
     even ``k ≤ head_dim`` (so rows often end inside a line), at any position; in place,
-    or into lines that do not overlap the source."""
+    or into lines that do not overlap the source; ``wide_share`` of them int16 (WIDE)."""
     L, lines = config.vmem_line_bytes, config.vmem_bytes // config.vmem_line_bytes
     jobs = []
     while len(jobs) < count:
         rows = int(rng.integers(2, config.rows + 1)) if len(jobs) % 2 else 1
         n = int(rng.integers(1, 25))
         k = 2 * int(rng.integers(1, config.head_dim // 2 + 1))
-        span = rows * -(-n * k // L)
+        wide = rng.random() < wide_share
+        span = rows * -(-n * k * (2 if wide else 1) // L)
         if 2 * span > lines:
             continue
         src = int(rng.integers(0, lines - span + 1))
@@ -165,7 +167,8 @@ def _stream_jobs(rng, count, config):
             free = [d for d in (int(rng.integers(0, lines - span + 1)) for _ in range(8))
                     if d + span <= src or src + span <= d]
             dst = free[0] if free else src
-        jobs.append(_rope(rows, n, k, src, dst, int(rng.integers(0, config.kv_positions))))
+        jobs.append(_rope(rows, n, k, src, dst, int(rng.integers(0, config.kv_positions)),
+                          flags=Flag.WIDE if wide else 0))
     return jobs
 
 
@@ -184,3 +187,29 @@ def test_streamed_heads(line, head_dim):
     assert _run(rng, jobs, data_width=data_width, config=config, cycles=cycles) == [OK] * len(jobs)
     assert cycles == [model_cycles(config, data_width, job) for job in jobs]
     assert sum(j["rows"] * j["n"] * j["k"] for j in jobs) >= 1000
+
+
+@pytest.mark.parametrize("line", [16, 64])
+def test_wide_heads(line):
+    """int16 heads (ROPE WIDE: 2k bytes a head, results saturated to 16 bits) among int8
+    ones, over 16- and 64-byte lines, in place and not: VMEM as the functional model's,
+    every job in the cycle model's cycles."""
+    from sequencer_cases import model_cycles
+    config, data_width = wide_line(line, TINY.with_changes(rows=4, head_dim=64))
+    rng = np.random.default_rng(70 + line)
+    jobs = _stream_jobs(rng, 8, config, wide_share=0.6)
+    cycles = []
+    assert _run(rng, jobs, data_width=data_width, config=config, cycles=cycles) == [OK] * len(jobs)
+    assert cycles == [model_cycles(config, data_width, job) for job in jobs]
+    assert sum(j["rows"] * j["n"] * j["k"] for j in jobs if j["flags"]) >= 1000
+
+
+def test_wide_spans_are_twice_as_long():
+    """A WIDE row is 2·n·k bytes: a row that fits VMEM's last lines as int8 faults
+    BAD_ADDRESS as int16, in src and in dst, before anything is written."""
+    rng = np.random.default_rng(33)
+    last = TINY.vmem_bytes // L - 1
+    jobs = [_rope(1, 1, 16, last, 0, 3), _rope(1, 1, 16, last, 0, 3, flags=Flag.WIDE),
+            _rope(1, 1, 16, 0, last, 3, flags=Flag.WIDE), _rope(1, 1, 16, last - 1, last - 1, 3, flags=Flag.WIDE),
+            _rope(1, 1, 18, 0, 0, 3, flags=Flag.WIDE), _rope(1, 3, 0, 0, 0, 2, flags=Flag.WIDE)]
+    assert _run(rng, jobs) == [OK, BAD_ADDRESS, BAD_ADDRESS, OK, PROGRAM, OK]
