@@ -63,7 +63,7 @@ def fingerprint(model_dir: Path, calibration: Path | tuple[Path, ...] | None, en
     # contract modules (dfvg_hw/spec: ISA, image layout, numerics) are part of it.
     for mod in sorted((REPO_ROOT / "dfvg_hw").rglob("*.py")) + [
             Path(__file__).with_name(name)
-            for name in ("compiler.py", "compiled_draft.py", "families.py", "draft_vocab.py")]:
+            for name in ("compiler.py", "compiled_draft.py", "families.py", "draft_vocab.py", "qk_balance.py")]:
         h.update(mod.read_bytes())
     return h.hexdigest()[:16]
 

@@ -33,6 +33,7 @@ from dfvg_hw.spec.isa import ACTMUL_SEGMENTS, Cond, Flag, Instruction, MatmulMod
 from dfvg_host.checkpoints import TOKENIZER_FILES, has_tokenizer
 from dfvg_host.compiled_draft import CompiledDraft, ModelShape
 from dfvg_host.draft_vocab import DraftVocabulary, choose_draft_vocabulary
+from dfvg_host.qk_balance import balance_factors, balanced_maxima, row_factors
 from dfvg_host.families import FAMILIES, NOT_YET, FamilyLayout, layout_of
 
 __all__ = ["CompileError", "UnsupportedModel", "DoesNotFit", "ModelShape", "CompiledDraft",
@@ -150,11 +151,13 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
     """Run the float model on ``token_ids`` sequences and record activation ranges."""
     import torch
 
+    hd = shape.head_dim
     cal = Calibration(layers=[dict(norm1=0.0, q=0.0, k=0.0, v=0.0, q32=0.0, k32=0.0, norm2=0.0,
                                    gate=np.zeros(shape.intermediate), up=np.zeros(shape.intermediate),
-                                   down_in=np.zeros(shape.intermediate))
+                                   down_in=np.zeros(shape.intermediate),
+                                   q_pairs=np.zeros((shape.heads, hd // 2)),
+                                   k_pairs=np.zeros((shape.kv_heads, hd // 2)))
                               for _ in range(shape.layers)])
-    hd = shape.head_dim
 
     def amax(t) -> float:
         return float(t.detach().abs().max())
@@ -163,6 +166,11 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
         # RoPE rotates (i, i + hd/2) pairs; their norm bounds every rotated element.
         t = t.detach().reshape(-1, 2, hd // 2)
         return float(torch.sqrt((t ** 2).sum(dim=-2)).max())
+
+    def bump_pairs(d, key, t, heads):
+        # each (head, pair)'s largest norm: the query/key balancing's input (qk_balance)
+        t = t.detach().double().reshape(-1, heads, 2, hd // 2)
+        d[key] = np.maximum(d[key], torch.sqrt((t ** 2).sum(dim=-2)).amax(0).numpy())
 
     hooks = []
 
@@ -204,6 +212,9 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
         else:
             on(part(fam.q), lambda i, o, st=st: bump(st, "q", rotated(o)))
             on(part(fam.k), lambda i, o, st=st: bump(st, "k", rotated(o)))
+            if shape.rope:
+                on(part(fam.q), lambda i, o, st=st: bump_pairs(st, "q_pairs", o, shape.heads))
+                on(part(fam.k), lambda i, o, st=st: bump_pairs(st, "k_pairs", o, shape.kv_heads))
         on(part(fam.v), lambda i, o, st=st: bump(st, "v", amax(o)))
         on(part(fam.gate), lambda i, o, st=st: bump_channels(st, "gate", o))
         if fam.gated:
@@ -358,6 +369,21 @@ def act_groups(intermediate: int) -> list[int]:
     return groups + [rest]
 
 
+def _balance_qk(sd: dict, q_weight: str, k_weight: str, shape: ModelShape, stats: dict) -> dict:
+    """Fold one layer's query/key balancing (:mod:`dfvg_host.qk_balance`) into the state
+    dict's q and k projections (weights and biases) and return its calibration statistics
+    with the balanced q and k maxima."""
+    c = balance_factors(stats["k_pairs"])
+    q_rows, k_rows = row_factors(c, shape.heads)
+    for name, rows in ((q_weight, q_rows), (k_weight, k_rows)):
+        sd[name] = sd[name] * rows[:, None]
+        bias = name.removesuffix("weight") + "bias"
+        if bias in sd:
+            sd[bias] = sd[bias] * rows
+    q_max, k_max = balanced_maxima(stats["q_pairs"], stats["k_pairs"], c)
+    return dict(stats, q=q_max, k=k_max)
+
+
 def _group_bounds(groups) -> list[tuple[int, int]]:
     """(first, end) channel of each group."""
     bounds = np.cumsum([0] + list(groups))
@@ -395,8 +421,9 @@ class LayerScales:
 
     @classmethod
     def calibrated(cls, c: dict, w_down: np.ndarray, gated: bool = True,
-                   row_exponents: bool = False) -> "LayerScales":
-        # Matmul inputs are wide (int16); q, k, v (the KV cache) stay int8. A gated MLP's
+                   row_exponents: bool = False, q_bits: int = nx.ATTN_Q_BITS) -> "LayerScales":
+        # Matmul inputs are wide (int16); k, v (the KV cache) stay int8, q is int16 with
+        # ``q_bits`` = 11 bits used (ATTN IN16; QK-norm models: int8, 8). A gated MLP's
         # gate and up are int16 (ACTMUL IN16), an ungated one's gate int8 (OPT, no up: u = 1).
         order = np.argsort(-c["gate"], kind="stable")
         gate_max, h_max = c["gate"][order], c["down_in"][order]
@@ -406,7 +433,7 @@ class LayerScales:
         spans = _group_bounds(groups)
         gate_up_bits = gate_up_width(gated)
         s_v = _act_scale(c["v"])
-        return cls(n1=_act_scale(c["norm1"], 16), q=_act_scale(c["q"]), k=_act_scale(c["k"]), v=s_v,
+        return cls(n1=_act_scale(c["norm1"], 16), q=_act_scale(c["q"], q_bits), k=_act_scale(c["k"]), v=s_v,
                    o=s_v / 2 ** (16 - nx.ACT_BITS),       # wide attention output: V's scale / 2^8
                    n2=_act_scale(c["norm2"], 16), order=order, groups=groups,
                    gate=tuple(_act_scale(float(gate_max[a:b].max()), gate_up_bits) for a, b in spans),
@@ -419,6 +446,19 @@ class LayerScales:
         qk = dict(q32=self.q32, k32=self.k32) if self.q32 else {}
         return dict(norm1=self.n1, q=self.q, k=self.k, v=self.v, norm2=self.n2, gate=list(self.gate),
                     up=list(self.up), down_in=self.h, act_groups=list(self.groups), **qk)
+
+
+def query_bits(shape: ModelShape) -> int:
+    """Bits of the query ATTN reads: 11 of an int16 (``ATTN IN16``, its q written by a
+    MATMUL ``OUT16``), measured on SmolLM2-135M together with the query/key balancing
+    (numerics.md §13.7); int8 where QK-norm writes q (Qwen3: the RMSNORM segments' int8
+    output, unchanged)."""
+    return nx.ACT_BITS if shape.qk_norm else nx.ATTN_Q_BITS
+
+
+def query_bytes(shape: ModelShape) -> int:
+    """Bytes of a query element in VMEM (:func:`query_bits`: int16 or int8)."""
+    return 2 if query_bits(shape) > nx.ACT_BITS else 1
 
 
 def gate_up_width(gated: bool) -> int:
@@ -591,8 +631,13 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
         raise CompileError(f"--row-exponents: the model's {fam.down} has a bias, which joins the "
                            "accumulator at exponent 0; row exponents need bias-free down "
                            "projections: compile without --row-exponents")
-    layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated, row_exponents)
-                    for li, c in enumerate(cal.layers)]
+    # query/key balancing per RoPE pair (qk_balance), folded into q_proj and k_proj; QK-norm
+    # models normalise each head after the projection, so a factor there would not survive
+    stats = [_balance_qk(sd, key(li, fam.q), key(li, fam.k), shape, c) for li, c in enumerate(cal.layers)] \
+        if shape.rope and not shape.qk_norm else cal.layers
+    layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated, row_exponents,
+                                           query_bits(shape))
+                    for li, c in enumerate(stats)]
     s_x = _residual_scale(sd, cal, layer_scales, fam)
     b = ImageBuilder(engine.mem_beat_bytes)
     lay = Layout(blocks=weight_blocks, row_exponents=row_exponents, line=engine.vmem_line_bytes)
@@ -665,9 +710,10 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
                 parts[f"{name}norm"] = _norm_block(sd[key(li, getattr(fam, f"{name}_norm"))], shape.head_dim,
                                                    shape.rms_norm_eps, s32[name], s_out, nx.ACT_BITS)
         else:
-            s_out = np.concatenate([np.full(qd, ls.q), np.full(kd, ls.k), np.full(kd, ls.v)])
-            linear("qkv", np.concatenate([attn[n][0] for n in "qkv"]), ls.n1, s_out,
-                   _joined(*(attn[n] for n in "qkv")))
+            # q as int16 (its MATMUL OUT16), k and v int8 for the KV cache
+            linear("q", attn["q"][0], ls.n1, ls.q, attn["q"][1])
+            linear("kv", np.concatenate([attn["k"][0], attn["v"][0]]), ls.n1,
+                   np.concatenate([np.full(kd, ls.k), np.full(kd, ls.v)]), _joined(attn["k"], attn["v"]))
         am, ash = nx.host_multiplier(ls.q * ls.k * scaling * math.log2(math.e) * (1 << nx.EXP_FRAC))
         parts["attn"] = pack_attn_params(int(am), int(ash), shape.kv_heads)
         linear("o", attn["o"][0], ls.o, s_x, attn["o"][1])
@@ -717,7 +763,8 @@ def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
     """VMEM regions (in lines of the preset's ``vmem_line_bytes``) for one draft row;
     ``row_lines`` is the row's whole span, the row pitch of a tree forward (docs/isa.md
     §9.2)."""
-    sizes = dict(x=4 * shape.hidden, xn=2 * shape.hidden, qkv=shape.qkv_out,
+    sizes = dict(x=4 * shape.hidden, xn=2 * shape.hidden,
+                 qkv=query_bytes(shape) * shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim,
                  attn=2 * shape.heads * shape.head_dim,
                  gateup=2 * shape.intermediate * gate_up_width(layout_of(shape.model_type).gated) // 8,
                  h=2 * shape.intermediate)
@@ -780,8 +827,9 @@ def _head(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
 def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     """The embedding and the layer loop over ``rows`` rows."""
     v, s, hd = lay.vmem, shape, shape.head_dim
-    q_lines = s.heads * hd // lay.line
+    q_lines = query_bytes(s) * s.heads * hd // lay.line
     k_line = v["qkv"] + q_lines
+    in16 = Flag.IN16 if query_bytes(s) == 2 else 0       # ATTN reads an int16 query
     L = lambda name: lay.layers_base + lay.sub[name]
     wide = Flag.WIDE
     to_int8, to_residual = MatmulMode.INT8 << 1 | wide, MatmulMode.RESADD << 1 | wide
@@ -794,11 +842,16 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
         Instruction(Op.MATMUL, flags=to_residual | _blocks_flag(lay), rows=rows, dst=v["x"], src=v["pe"], n=s.hidden,
                     k=s.hidden, addr=lay.position_add)]
     # q and k lie side by side ([q | k | v], heads of whole lines) and rotate by the same
-    # table row: one ROPE over both pays the unit's start (the table read) once
-    rope = [
+    # table row: one ROPE over both pays the unit's start (the table read) once, where both
+    # are int8; an int16 q rotates on its own (ROPE WIDE)
+    rope = ([
+        Instruction(Op.ROPE, flags=Flag.WIDE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd,
+                    addr=lay.rope),
+        Instruction(Op.ROPE, rows=rows, dst=k_line, src=k_line, n=s.kv_heads, k=hd, addr=lay.rope),
+    ] if in16 else [
         Instruction(Op.ROPE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads + s.kv_heads, k=hd,
                     addr=lay.rope),
-    ] if s.rope else []
+    ]) if s.rope else []
     # one ACTMUL reads [gate | up] (int16; ungated the int8 gate alone) and writes int16 h, each
     # channel group a segment with its own block (one after the other in "act")
     gated = layout_of(s.model_type).gated
@@ -815,7 +868,7 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
         *_qkv(shape, lay, rows),
         *rope,
         Instruction(Op.KVAPPEND, rows=rows, src=k_line, n=s.kv_heads, k=hd),
-        Instruction(Op.ATTN, flags=lrel | wide, rows=rows, dst=v["attn"], src=v["qkv"], n=s.heads, k=hd,
+        Instruction(Op.ATTN, flags=lrel | wide | in16, rows=rows, dst=v["attn"], src=v["qkv"], n=s.heads, k=hd,
                     addr=L("attn")),
         Instruction(Op.MATMUL, flags=lrel | to_residual | bias("o"), rows=rows, dst=v["x"], src=v["attn"],
                     n=s.hidden, k=s.heads * hd, addr=L("o")),
@@ -845,15 +898,20 @@ def _blocks_flag(lay: Layout) -> int:
 
 
 def _qkv(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
-    """q, k and v from the normed row into the ``qkv`` region (int8 ``[q | k | v]``): one
-    matmul, or with QK-norm an int32 ``[q | k]`` row whose heads RMSNORM normalises one by
-    one (segments), and v on its own."""
+    """q, k and v from the normed row into the ``qkv`` region (``[q | k | v]``): an int16 q
+    (MATMUL ``OUT16``) and int8 ``[k | v]``, or with QK-norm an int32 ``[q | k]`` row whose
+    heads RMSNORM normalises one by one (segments) to int8, and v on its own."""
     v, s, hd = lay.vmem, shape, shape.head_dim
     L = lambda name: lay.layers_base + lay.sub[name]
     flags = lambda mode, name: Flag.LREL | Flag.WIDE | mode << 1 | _bias_flag(lay, name) | _blocks_flag(lay)
     if not s.qk_norm:
-        return [Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "qkv"), rows=rows, dst=v["qkv"],
-                            src=v["xn"], n=s.qkv_out, k=s.hidden, addr=L("qkv"))]
+        # q (int16: OUT16), then k and v int8 on the lines after it
+        k_line = v["qkv"] + query_bytes(s) * s.heads * hd // lay.line
+        out16 = Flag.OUT16 if query_bytes(s) == 2 else 0
+        return [Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "q") | out16, rows=rows,
+                            dst=v["qkv"], src=v["xn"], n=s.heads * hd, k=s.hidden, addr=L("q")),
+                Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "kv"), rows=rows, dst=k_line,
+                            src=v["xn"], n=2 * s.kv_heads * hd, k=s.hidden, addr=L("kv"))]
     k_line = v["qkv"] + s.heads * hd // lay.line
     v_line = k_line + s.kv_heads * hd // lay.line
     k32_line = v["qk32"] + 4 * s.heads * hd // lay.line

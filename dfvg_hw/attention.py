@@ -444,8 +444,10 @@ class Attention(wiring.Component):
     ``G = ceil(T / B)`` groups, ``D = config.head_dim``):
 
     1. ``q`` beat: the query and the ATTN block's (mult, shift).
-    2. **Scores** (the score pass): one group of K rows per cycle; ``B·D`` int8 products
-       and ``B`` registered adder trees give ``s_t = K[t]·q``, written (with the group's
+    2. **Scores** (the score pass): one group of K rows per cycle; ``B·D`` products of
+       int8 K and the query (``Q_BITS`` = 11 bits: int8, or ATTN ``IN16``'s int16 read as
+       11 bits, :func:`numerics.attention_query`) and ``B`` registered adder trees give
+       ``s_t = K[t]·q``, written (with the group's
        ``keep`` mask) to one of three ``ceil(kv_positions / B)``-deep score buffers, while
        a registered max tree over the kept lanes (``ceil(log2 B)`` levels) feeds a running
        maximum. ``last`` on the final group ends the pass. Banks ``2i`` and ``2i + 1`` meet
@@ -495,8 +497,9 @@ class Attention(wiring.Component):
 
     Members
     -------
-    q : In(stream.Signature(StructLayout({"q": ArrayLayout(signed(8), D), "mult": unsigned(16), "shift": unsigned(6), "wide": 1})))
-        The query head, the softmax multiplier and the output width.
+    q : In(stream.Signature(StructLayout({"q": ArrayLayout(signed(11), D), "mult": unsigned(16), "shift": unsigned(6), "wide": 1})))
+        The query head (int8 sign-extended, or an ``IN16`` query already saturated to 11
+        bits), the softmax multiplier and the output width.
     k : In(stream.Signature(StructLayout({"row": ArrayLayout(signed(8), D), "last": 1})))
         K rows 0 … T−1, ``last`` on row T−1. With ``B ≥ 2``: ``{"rows": ArrayLayout(
         ArrayLayout(signed(8), D), B), "keep": unsigned(B), "last": 1}``, groups of rows
@@ -515,6 +518,9 @@ class Attention(wiring.Component):
     #: logic, since a 17-bit weight times int8 does not pack: 16 banks' 1,024 would take
     #: alveo-u55c's engine past 70 % of its 9,024 DSPs
     V_DSP_BANKS = 8
+    #: a K element times the 11-bit query: |k·q| ≤ 128 · 1023 < 2^17, so 18 signed bits,
+    #: the packed DSP product's low field (two banks still share a DSP48E2)
+    PRODUCT_BITS = 18
     #: score buffers: a head's score pass, the weights pass's head, and one in between
     SCORE_BUFFERS = kv_timing.ATTN_SCORE_BUFFERS
 
@@ -526,7 +532,7 @@ class Attention(wiring.Component):
         self.max_t = config.kv_positions
         #: groups of a score buffer: the positions' ceil(T / B), and a path's one row a group
         self.depth = min(self.max_t, -(-self.max_t // b) + path_entries)
-        self.score_bits = ceil_log2(d) + 2 * nx.ACT_BITS    # |s| ≤ D·2^14
+        self.score_bits = ceil_log2(d) + self.PRODUCT_BITS    # |s| ≤ D·2^17
         self.sum_bits = (self.max_t * nx.EXP_ONE).bit_length()
         self.num_bits = (self.max_t * nx.EXP_ONE * 128).bit_length() + 1
         vec8 = data.ArrayLayout(signed(nx.ACT_BITS), d)
@@ -537,7 +543,8 @@ class Attention(wiring.Component):
             k_layout = data.StructLayout({"rows": v_layout, "keep": unsigned(b), "last": 1})
         super().__init__({
             "q": In(stream.Signature(data.StructLayout({
-                "q": vec8, "mult": unsigned(nx.MULT_BITS), "shift": unsigned(6), "wide": 1}))),
+                "q": data.ArrayLayout(signed(nx.ATTN_Q_BITS), d),
+                "mult": unsigned(nx.MULT_BITS), "shift": unsigned(6), "wide": 1}))),
             "k": In(stream.Signature(k_layout)),
             "v": In(stream.Signature(v_layout)),
             "o": Out(stream.Signature(data.ArrayLayout(signed(WIDE_BITS), d))),
@@ -588,7 +595,7 @@ class Attention(wiring.Component):
         in_use = Signal(nbuf)                   # taken by a q, its reads not all issued
         complete = Signal(nbuf)                 # its scores complete, the weights pass not begun
 
-        q = Signal(data.ArrayLayout(signed(nx.ACT_BITS), d))
+        q = Signal(data.ArrayLayout(signed(nx.ATTN_Q_BITS), d))
         k_buf, alloc = Signal(range(nbuf)), Signal(range(nbuf))   # the K pass's buffer, the next
         k_open, k_first = Signal(), Signal()    # K rows still expected; the next is the first
         take_q = Signal()
@@ -611,15 +618,15 @@ class Attention(wiring.Component):
         prods = [[None] * d for _ in range(B)]
         for i in range(B // 2):
             for j in range(d):
-                pk = Signal(signed(PACKED_BITS + nx.ACT_BITS), name=f"qk_{2 * i}_{2 * i + 1}_{j}")
+                pk = Signal(signed(PACKED_BITS + nx.ATTN_Q_BITS), name=f"qk_{2 * i}_{2 * i + 1}_{j}")
                 m.d.sync += pk.eq(packed_operand(k_rows[2 * i][j], k_rows[2 * i + 1][j]) * q[j])
                 hi_floor, borrow, lo = unpacked_products(pk)
-                # both products fit int8·int8's 16 bits
-                prods[2 * i][j] = (hi_floor + borrow)[:2 * nx.ACT_BITS].as_signed()
-                prods[2 * i + 1][j] = lo[:2 * nx.ACT_BITS].as_signed()
+                # both products fit PRODUCT_BITS
+                prods[2 * i][j] = (hi_floor + borrow)[:self.PRODUCT_BITS].as_signed()
+                prods[2 * i + 1][j] = lo[:self.PRODUCT_BITS].as_signed()
         if B % 2:                               # one bank: plain products
             for j in range(d):
-                prods[B - 1][j] = Signal(signed(2 * nx.ACT_BITS), name=f"qk{j}")
+                prods[B - 1][j] = Signal(signed(self.PRODUCT_BITS), name=f"qk{j}")
                 m.d.sync += prods[B - 1][j].eq(k_rows[B - 1][j] * q[j])
         bank_scores = []
         for b in range(B):

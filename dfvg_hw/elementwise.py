@@ -33,7 +33,7 @@ from dfvg_hw.spec import timing
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.requant import RequantInput, Requantizer
 
-__all__ = ["WIDE_BITS", "reduce_tree", "saturate", "narrow_unless_wide", "VectorRequantizer", "ActMul"]
+__all__ = ["WIDE_BITS", "reduce_tree", "saturate", "saturate_symmetric", "narrow_unless_wide", "VectorRequantizer", "ActMul"]
 
 #: A ``WIDE`` result (RMSNORM, ACTMUL, ATTN): int16, 8 more fractional bits than an int8
 #: activation. Not the residual width: the residual stream is int32 (``nx.RES_BITS``),
@@ -45,6 +45,11 @@ def saturate(value, bits: int):
     """Clamp a signed expression to the signed ``bits``-bit range (an expression)."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     return Mux(value > hi, hi, Mux(value < lo, lo, value))
+
+
+def saturate_symmetric(value, limit: int):
+    """Clamp a signed expression to ``[−limit, limit]`` (an expression)."""
+    return Mux(value > limit, limit, Mux(value < -limit, -limit, value))
 
 
 def narrow_unless_wide(value, wide):

@@ -108,6 +108,7 @@ from amaranth.lib.wiring import In, Out
 from amaranth.utils import exact_log2
 
 from dfvg_hw.spec import kv_timing
+from dfvg_hw.spec import numerics as nx
 from dfvg_hw.spec.config import EngineConfig
 from dfvg_hw.spec.descriptors import ErrorCode
 from dfvg_hw.spec.image import ATTN_PARAM_BYTES
@@ -118,6 +119,7 @@ from dfvg_hw.layouts import CompactJob, flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import BlockReader, VmemWindow, vmem_span_outside, window_request
 from dfvg_hw.attention import Attention
+from dfvg_hw.elementwise import saturate_symmetric
 from dfvg_hw.vmem import Gearbox
 
 __all__ = ["KvSequencer"]
@@ -228,7 +230,8 @@ class KvSequencer(wiring.Component):
         job = Signal(OpJob())
         base = Signal(16)                   # the job's slot_base
         wide = Signal()
-        head_bytes = Signal(32)             # n·k: all heads of K, of V, of q
+        in16 = Signal()                     # ATTN IN16: an int16 query, 2k bytes a head
+        head_bytes = Signal(32)             # n·k: all heads of K, of V, of an int8 q
         out_head_bytes = Signal(range(2 * D + 1))   # k int8 or int16 outputs of one head
         head = Signal(16)
         outs = Signal(16)                   # ATTN outputs scattered
@@ -304,8 +307,12 @@ class KvSequencer(wiring.Component):
                 m.d.sync += v_slot[1].eq(kv_slot)
         m.d.sync += v_owed.eq(v_owed + k_out - v_out)
 
-        m.d.comb += [attn.q.payload.q.as_value().eq(window.data[:8 * D]),
-                     attn.q.payload.mult.eq(mult), attn.q.payload.shift.eq(shift),
+        q_limit = (1 << (nx.ATTN_Q_BITS - 1)) - 1
+        for j in range(D):
+            q16 = window.data.word_select(j, 16).as_signed()
+            m.d.comb += attn.q.payload.q[j].eq(
+                Mux(in16, saturate_symmetric(q16, q_limit), window.data.word_select(j, 8).as_signed()))
+        m.d.comb += [attn.q.payload.mult.eq(mult), attn.q.payload.shift.eq(shift),
                      attn.q.payload.wide.eq(wide)]
         narrow_out = Cat(lane[:8] for lane in attn.o.payload)
         wide_out = Cat(lane[:16] for lane in attn.o.payload)
@@ -323,7 +330,7 @@ class KvSequencer(wiring.Component):
 
         def gather(offset, then):
             """A state body: gather k bytes at ``src + offset``, then go to ``then``."""
-            m.d.comb += window_request(window, job.src * L + offset, job.k)
+            m.d.comb += window_request(window, job.src * L + offset, job.k << in16)
             with m.If(window.cmd.ready):
                 m.next = then
 
@@ -353,6 +360,7 @@ class KvSequencer(wiring.Component):
                     p = self.job.payload
                     wide_job = flags_view(p.flags).wide
                     m.d.sync += [job.eq(p), base.eq(self.slot_base), wide.eq(wide_job),
+                                 in16.eq((p.opcode == Op.ATTN) & flags_view(p.flags).in16),
                                  head_bytes.eq(p.n * p.k),
                                  out_head_bytes.eq(Mux(wide_job, 2 * p.k, p.k)),
                                  self.error.eq(ErrorCode.OK)]
@@ -405,7 +413,7 @@ class KvSequencer(wiring.Component):
                     for i in range(N_BITS):
                         with m.If(job.n[i]):
                             m.d.comb += [n_bits.eq(i + 1), n_zeros.eq(N_BITS - 1 - i)]
-                    m.d.sync += [bad_span.eq(vmem_span_outside(c, job.src, 1, head_bytes)
+                    m.d.sync += [bad_span.eq(vmem_span_outside(c, job.src, 1, head_bytes << in16)
                                              | vmem_span_outside(c, job.dst, 1,
                                                                  Mux(wide, 2, 1) * head_bytes)),
                                  params_in.eq(0), dividend.eq(job.n << n_zeros),
@@ -507,7 +515,7 @@ class KvSequencer(wiring.Component):
                              kv.k_read.payload.paths.eq(job.path_len)]
                 with m.If(kv.k_read.valid & kv.k_read.ready):
                     m.d.sync += [head.eq(head + 1),
-                                 in_offset.eq(in_offset + job.k), in_group.eq(in_group + 1)]
+                                 in_offset.eq(in_offset + (job.k << in16)), in_group.eq(in_group + 1)]
                     with m.If(in_group + 1 == quotient):       # next KV head's group
                         m.d.sync += [in_group.eq(0), kv_slot.eq(kv_slot + 1)]
                     with m.If((head >= 2) | (head + 1 == job.n)):

@@ -67,14 +67,14 @@ def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
 
 
 def attn_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src: int, dst: int, pos: int,
-          wide: bool, addr: int) -> int:
+          wide: bool, addr: int, in16: bool = False) -> int:
     """A chain's ATTN at ``POS = pos``: :func:`attn_job_cycles` over positions ``0 … pos``
     (``prefix = pos + 1``), no path."""
-    return attn_job_cycles(port, config, n, k, src, dst, pos + 1, 0, wide, addr)
+    return attn_job_cycles(port, config, n, k, src, dst, pos + 1, 0, wide, addr, in16)
 
 
 def attn_job_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src: int, dst: int,
-                    prefix: int, path_len: int, wide: bool, addr: int) -> int:
+                    prefix: int, path_len: int, wide: bool, addr: int, in16: bool = False) -> int:
     """One ATTN job (a chain's, or one row of a tree forward's: ``prefix = P0``,
     ``path_len = d``, ``src``/``dst`` the row's lines), from the job's hand-over to
     ``done`` plus the unit overhead. In cycles from CHECK (0), which sends the parameter
@@ -86,7 +86,8 @@ def attn_job_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src:
     word a cycle: ``W`` words a row with one bank, through the gearbox; with ``B =
     kv_banks ≥ 2`` a group of B rows a cycle, ``G = ceil(prefix / B) + path_len``, each path
     entry a group of its own; one bank: ``G = prefix + path_len`` rows) and ``G`` of V, on
-    the KV buffer's two channels, so head h + 1's K pass runs during head h's V pass."""
+    the KV buffer's two channels, so head h + 1's K pass runs during head h's V pass.
+    ``in16``: a head's q is ``2k`` bytes (ATTN IN16) and its gather reads them."""
     w = _kv_words(config)
     banks = config.kv_banks
     g = kvt.kv_groups(prefix, banks) + path_len
@@ -95,7 +96,8 @@ def attn_job_cycles(port: PortTiming, config: EngineConfig, n: int, k: int, src:
     params_done = (kvt.ATTN_PARAMS_DONE + READ_OVERHEAD + port.latency
                    + port.at(addr).beat_offset(beats - 1))
     line = config.vmem_line_bytes
-    gathers = [window_cycles(src * line + h * k, k, line) for h in range(n)]
+    q_bytes = 2 * k if in16 else k
+    gathers = [window_cycles(src * line + h * q_bytes, q_bytes, line) for h in range(n)]
     scatters = [window_cycles(dst * line + h * out_bytes, out_bytes, line) for h in range(n)]
     params_wait = kvt.ATTN_CHECK + kvt.ATTN_SET_POS + (gathers[0] if n else 0)
     leave = max(params_done, params_wait)           # PARAMS_WAIT's last cycle

@@ -180,7 +180,8 @@ class CycleModel:
         if op == Op.KVAPPEND:
             return kvappend_cycles(c, ins.n, ins.k, ins.src), 0
         if op == Op.ATTN:
-            return (attn_cycles(unit_port, c, ins.n, ins.k, ins.src, ins.dst, pos, bool(ins.wide), addr),
+            return (attn_cycles(unit_port, c, ins.n, ins.k, ins.src, ins.dst, pos, bool(ins.wide), addr,
+                                ins.in16),
                     ATTN_PARAM_BYTES)
         if op == Op.ACTMUL:
             segments = max(ins.k, 1)        # one parameter block per channel segment
@@ -269,7 +270,7 @@ class CycleModel:
                 costs.append((kvappend_cycles(c, ins.n, ins.k, row.src), 0))
             elif op == Op.ATTN:
                 costs.append((attn_job_cycles(self.unit_port, c, ins.n, ins.k, row.src, row.dst, tree.base,
-                                              tree.level, bool(ins.wide), addr), ATTN_PARAM_BYTES))
+                                              tree.level, bool(ins.wide), addr, ins.in16), ATTN_PARAM_BYTES))
             else:
                 costs.append(self.instruction(row, pos=pos, addr=addr))
         cycles = (UNIT_OVERHEAD + sum(cost - UNIT_OVERHEAD for cost, _ in costs)

@@ -506,7 +506,7 @@ class FunctionalEngine:
             raise EngineFault(ErrorCode.PROGRAM, f"ATTN with {ins.n} heads over {kv_heads} KV heads")
         slot = self._check_kv(ins, st.layer, kv_heads)
         group, rows = ins.n // kv_heads, ins.rows
-        q = self._vload(ins.src, rows, ins.n * ins.k, np.int8).reshape(rows, ins.n, ins.k)
+        q = self._vload(ins.src, rows, ins.n * ins.k, np.int16 if ins.in16 else np.int8).reshape(rows, ins.n, ins.k)
         out = np.empty((rows, ins.n, ins.k), dtype=np.int64)
         bits, dtype = (16, np.int16) if ins.wide else (8, np.int8)
         for r in range(rows):
@@ -515,7 +515,7 @@ class FunctionalEngine:
             for hd in range(ins.n):
                 kvh = hd // group
                 out[r, hd] = nx.attention(q[r, hd], self.kv_k[slot + kvh, seen, :ins.k],
-                                          self.kv_v[slot + kvh, seen, :ins.k], mult, shift, bits)
+                                          self.kv_v[slot + kvh, seen, :ins.k], mult, shift, bits, ins.in16)
         self._vstore(ins.dst, out.reshape(rows, -1), dtype)
 
     def sample(self, n: int, header: dict, index: int, flow: ProgramFlow | None = None) -> list[DraftedToken]:

@@ -30,8 +30,8 @@ slots, sometimes one slot past them or any 16-bit value) and the device addresse
   heads segments, Qwen3's QK-norm) before ROPE. Half of them run the gated activation
   on int16 gate and up (the gate/up MATMUL ``OUT16``, the ACTMUL ``IN16``), as compiled
   gated MLPs do. A third (without QK-norm) write q, k and v as int16 (``OUT16``) and
-  rotate them with ROPE ``WIDE``; KVAPPEND and ATTN then read the int16 rows' bytes as
-  int8, which is defined, only not what a compiler would emit.
+  rotate them with ROPE ``WIDE``; ATTN reads that q as int16 (``IN16``), KVAPPEND the
+  int16 k and v rows' bytes as int8, which is defined, only not what a compiler emits.
 
 :func:`run_case` executes a case on a fresh :class:`~sim.device.SimDevice` the way the host
 driver does (DMA writes, base registers, ``LOAD_PROGRAM``, ``START``); :class:`DeviceRunner`
@@ -441,7 +441,8 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
         Instruction(Op.ROPE, flags=rope_wide, rows=r, dst=q, src=q, n=nh, k=hd, addr=rope),
         Instruction(Op.ROPE, flags=rope_wide, rows=r, dst=kv, src=kv, n=g, k=hd, addr=rope),
         Instruction(Op.KVAPPEND, rows=1, src=kv, n=g, k=hd),
-        Instruction(Op.ATTN, flags=lrel() | w2, rows=1, dst=att, src=q, n=nh, k=hd, addr=b["attn"]),
+        Instruction(Op.ATTN, flags=lrel() | w2 | (int(Flag.IN16) if qkv16 else 0), rows=1, dst=att, src=q,
+                    n=nh, k=hd, addr=b["attn"]),
         Instruction(Op.MATMUL, flags=lrel() | w2 | bo | M(MatmulMode.RESADD), rows=1, dst=x, src=att,
                     n=h, k=nh * hd, addr=b["wo"]),
         Instruction(Op.RMSNORM, flags=lrel(), rows=r, dst=xn, src=x, n=h, addr=b["norm2"]),

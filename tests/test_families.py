@@ -53,11 +53,11 @@ def test_the_program_uses_the_family_operations(family_draft):
     program = [decode(w) for w in compiled.program]
     matmuls = [i for i in program if i.opcode == Op.MATMUL]
     if family == "qwen2":
-        assert compiled.manifest["layout"]["biased"] == ["qkv"]
-        assert sum(bool(i.flags & Flag.BIAS) for i in matmuls) == 2      # chain and tree forward
+        assert compiled.manifest["layout"]["biased"] == ["q", "kv"]
+        assert sum(bool(i.flags & Flag.BIAS) for i in matmuls) == 4      # q, kv; chain and tree forward
     elif family == "opt":
         # LayerNorm's bias folded into q/k/v, fc1 and the LM head; out_proj and fc2 centred
-        assert sorted(compiled.manifest["layout"]["biased"]) == ["down", "gateup", "lm_head", "o", "qkv"]
+        assert sorted(compiled.manifest["layout"]["biased"]) == ["down", "gateup", "kv", "lm_head", "o", "q"]
         assert any(i.opcode == Op.EMBED and i.flags & Flag.POSITION for i in program)
         assert all(i.flags & Flag.UNGATED for i in program if i.opcode == Op.ACTMUL)
         assert not any(i.opcode == Op.ROPE for i in program)
@@ -97,13 +97,14 @@ def test_dropping_the_family_operation_breaks_the_draft(family_draft):
         base, sub = compiled.manifest["layout"]["layers_base"], compiled.manifest["layout"]["sub"]
         stride = compiled.manifest["layout"]["layer_stride"]
         shape = compiled.shape
-        n, k = shape.qkv_out, shape.hidden
-        npad, kpad = -(-n // TINY.lanes) * TINY.lanes, -(-k // TINY.reduce) * TINY.reduce
-        for layer in range(shape.layers):
-            records = base + layer * stride + sub["qkv"] + npad * kpad
-            for g in range(npad // TINY.lanes):
-                at = records + 8 * TINY.lanes * g + 4 * TINY.lanes
-                image[at:at + 4 * TINY.lanes] = bytes(4 * TINY.lanes)
+        k = shape.hidden
+        for block, n in (("q", shape.heads * shape.head_dim), ("kv", 2 * shape.kv_heads * shape.head_dim)):
+            npad, kpad = -(-n // TINY.lanes) * TINY.lanes, -(-k // TINY.reduce) * TINY.reduce
+            for layer in range(shape.layers):
+                records = base + layer * stride + sub[block] + npad * kpad
+                for g in range(npad // TINY.lanes):
+                    at = records + 8 * TINY.lanes * g + 4 * TINY.lanes
+                    image[at:at + 4 * TINY.lanes] = bytes(4 * TINY.lanes)
         image = bytes(image)
     elif family == "opt":
         # no learned positions: the position table zeroed

@@ -64,7 +64,8 @@ def test_assembler_labels_and_comments():
     (encode(Instruction(Op.EMBED, rows=1, n=4)) & ~(0xFF << 16), "rows"),  # rows = 0
     (encode(Instruction(Op.ACTMUL, rows=1, n=4)) | (0x02 << 8), "flags"),  # MATMUL's mode bit
     (encode(Instruction(Op.ATTN, rows=1, n=4, k=4)) | (Flag.OUT16 << 8), "flags"),  # MATMUL's
-    (encode(Instruction(Op.ATTN, rows=1, n=4, k=4)) | (Flag.IN16 << 8), "flags"),  # ACTMUL's
+    (encode(Instruction(Op.RMSNORM, rows=1, n=4)) | (Flag.IN16 << 8), "flags"),  # ACTMUL's, ATTN's
+    (encode(Instruction(Op.ROPE, rows=1, n=4, k=4)) | (Flag.LREL << 8), "flags"),  # one table for all layers
     (encode(Instruction(Op.RMSNORM, rows=1, n=4)) | (Flag.ROWEXP << 8), "flags"),  # ACTMUL's
     (encode(Instruction(Op.EMBED, rows=1, n=4)) | (Flag.UNGATED << 8), "flags"),  # ACTMUL's
     (encode(Instruction(Op.RMSNORM, rows=1, n=4)) | (0x80 << 8), "flags"),   # undefined bit

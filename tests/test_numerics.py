@@ -348,3 +348,18 @@ def test_interpolated_knots_are_exact_at_the_knots_and_follow_silu_between():
     assert err16 < 6e-4 and err8 > 40 * err16, (err16, err8)
     assert np.array_equal(nx.act_mul_wide(gate, np.full(gate.shape, 3), table, 40000, 20, 16),
                           nx.requant(got * 3, 40000, 20, 16))
+
+
+def test_an_int16_query_is_read_as_11_symmetric_bits():
+    """ATTN IN16: an int16 query saturates to ±1023 before the scores; inside that range
+    the attention is the same as with the query as given."""
+    q = np.array([-32768, -1024, -1023, -5, 0, 7, 1023, 1024, 32767])
+    assert nx.attention_query(q, True).tolist() == [-1023, -1023, -1023, -5, 0, 7, 1023, 1023, 1023]
+    assert nx.attention_query(q[3:6]).tolist() == [-5, 0, 7]
+    rng = np.random.default_rng(9)
+    k, v = rng.integers(-128, 128, (6, 9)), rng.integers(-128, 128, (6, 9))
+    np.testing.assert_array_equal(nx.attention(q, k, v, 3000, 24, 16, in16=True),
+                                  nx.attention(nx.attention_query(q, True), k, v, 3000, 24, 16))
+    small = rng.integers(-1023, 1024, 9)
+    np.testing.assert_array_equal(nx.attention(small, k, v, 3000, 24, 16, in16=True),
+                                  nx.attention(small, k, v, 3000, 24, 16))

@@ -76,8 +76,8 @@ CONTROL_OPS = frozenset({Op.HALT, Op.LOOP, Op.ENDLOOP, Op.BRANCH, Op.NEXT})
 #: (name, lsb, width) of the sub-fields of a unit instruction's ``flags`` field, in bit
 #: order (BRANCH reads the whole field as its :class:`Cond`). :class:`Flag`, the
 #: :class:`Instruction` accessors and the RTL's ``InstructionFlags`` layout derive from it.
-#: Bits 4–6 have a name per opcode that uses them: bit 4 MATMUL's ``bias`` and ACTMUL's
-#: ``in16``, bit 5 EMBED's ``position`` and ACTMUL's and MATMUL's ``row_exponent``, bit 6
+#: Bits 4–6 have a name per opcode that uses them: bit 4 MATMUL's ``bias`` and ACTMUL's and
+#: ATTN's ``in16``, bit 5 EMBED's ``position`` and ACTMUL's and MATMUL's ``row_exponent``, bit 6
 #: ACTMUL's ``ungated`` and MATMUL's ``out16``.
 FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (
     ("layer_relative", 0, 1), ("mode", 1, 2), ("wide", 3, 1), ("bias", 4, 1), ("in16", 4, 1),
@@ -121,7 +121,8 @@ class Flag(enum.IntFlag):
     ROWEXP = 1 << _FLAG_FIELD["row_exponent"][0]
     #: ACTMUL with int16 gate and up (docs/isa.md §3.8, numerics.act_mul_wide): the source
     #: row is ``[gate | up]`` of 2n int16 (UNGATED: n int16 gates), the table 128
-    #: interpolated knots. The same bit as BIAS, which only MATMUL reads.
+    #: interpolated knots. ATTN with an int16 query (§3.7, numerics.attention_query: read
+    #: as 11 bits). The same bit as BIAS, which only MATMUL reads.
     IN16 = 1 << _FLAG_FIELD["in16"][0]
     #: MATMUL in INT8 mode writes int16 (``requant(acc, 16)``, docs/isa.md §3.4): the rows
     #: an ACTMUL IN16 reads; the other modes ignore it. The same bit as UNGATED, which only
@@ -158,7 +159,7 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
                 | Flag.OUT16),
     Op.ROPE: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.WIDE),
     Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
-    Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE),
+    Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE | Flag.IN16),
     Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
                 Flag.LREL | Flag.WIDE | Flag.UNGATED | Flag.ROWEXP | Flag.IN16),
     Op.SAMPLE: (frozenset({"n"}), 0),
@@ -235,7 +236,7 @@ class Instruction:
 
     @property
     def in16(self) -> bool:
-        return self.opcode == Op.ACTMUL and bool(flag_field(self.flags, "in16"))
+        return self.opcode in (Op.ACTMUL, Op.ATTN) and bool(flag_field(self.flags, "in16"))
 
     @property
     def out16(self) -> bool:

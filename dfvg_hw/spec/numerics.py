@@ -22,7 +22,8 @@ __all__ = [
     "MULT_BITS", "EXP_FRAC", "RSQRT_INDEX_BITS", "RSQRT_BITS", "ROPE_FRAC", "RECIP_BITS",
     "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "NORM_IN_BITS", "saturate", "round_shift", "requant", "add_bias",
     "BLOCK_MULT_BITS", "BLOCK_SHIFT", "block_matmul", "block_round",
-    "residual_add", "bit_length", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights", "attention",
+    "residual_add", "bit_length", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights",
+    "ATTN_Q_BITS", "attention_query", "attention",
     "rope", "act_mul", "ACT_KNOTS", "ACT_KNOT_FRAC", "act_interpolate", "act_mul_wide", "ROW_EXP_BITS", "ROW_EXP_MAX", "act_mul_shift", "act_row_exponent", "row_shift",
     "topk_select", "sampler_probs", "sample_index",
     "path_score", "TREE_SCORE_ROOT", "tree_expand_greedy",
@@ -46,6 +47,10 @@ RSQRT_INDEX_BITS = 8  #: fractional bits of the rsqrt LUT index
 RSQRT_BITS = 15       #: rsqrt LUT values are Q1.15 (in (2^14, 2^15])
 ROPE_FRAC = 14        #: cos/sin table entries are Q1.14 int16
 RECIP_BITS = 32       #: attention normaliser: floor(2^32 / sum)
+#: ATTN IN16's query: an int16 q is saturated to ±(2^10 − 1), 11 bits, as the score pass
+#: reads it, so that a K element times it fits 18 bits and two banks' products still share
+#: one DSP48E2 (dfvg_hw/dsp_pack.py): |k · q| ≤ 128 · 1023 < 2^17
+ATTN_Q_BITS = 11
 EXP_ONE = 1 << 16     #: exp2_neg(0): weights are Q0.16 (17-bit unsigned)
 GAMMA_SHIFT_MAX = 16  #: RMSNORM gamma shift bound: 15 + k (≤ 31) + 16 keeps every shift < 63
 T1_MULT, T1_SHIFT = 47274, 15  #: sampler multiplier at temperature 1 (= host_temperature(1.0))
@@ -250,15 +255,25 @@ def softmax_weights(scores, mult: int, shift: int) -> np.ndarray:
     return exp2_neg(round_shift(d * _I64(mult), shift))
 
 
-def attention(q, k, v, mult: int, shift: int, out_bits: int = ACT_BITS) -> np.ndarray:
-    """Attention of one int8 query ``q[D]`` over int8 keys/values ``k, v[T, D]``.
+def attention_query(q, in16: bool = False) -> np.ndarray:
+    """The query as the score pass reads it: int8 as is; an int16 one (``ATTN IN16``)
+    saturated to the symmetric :data:`ATTN_Q_BITS`-bit range ``±(2^10 − 1)``."""
+    q = _as_i64(q)
+    limit = (1 << (ATTN_Q_BITS - 1)) - 1
+    return np.clip(q, -limit, limit) if in16 else q
+
+
+def attention(q, k, v, mult: int, shift: int, out_bits: int = ACT_BITS, in16: bool = False) -> np.ndarray:
+    """Attention of one query ``q[D]`` over int8 keys/values ``k, v[T, D]``; the query is
+    int8, or with ``in16`` int16 read as :func:`attention_query` (11 bits), so a score is
+    at most ``D · 2^17`` instead of ``D · 2^14``.
 
     ``s = k·q`` (int32); ``e = softmax_weights(s)``; ``E = Σ e`` (≥ 2^16);
     ``num = Σ_t e_t v_t`` (|num| < 2^16·128·T); ``R = floor(2^32 / E)`` (one sequential
     divider per head); ``o = sat8(round_shift(num · R, 32))``. The output has V's scale;
     with ``out_bits=16`` it is ``sat16(round_shift(num · R, 24))``, V's scale / 2^8.
     """
-    q, k, v = _as_i64(q), _as_i64(k), _as_i64(v)
+    q, k, v = attention_query(q, in16), _as_i64(k), _as_i64(v)
     e = softmax_weights(k @ q, mult, shift)
     recip = (_I64(1) << RECIP_BITS) // np.sum(e)
     num = e @ v

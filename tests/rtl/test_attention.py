@@ -357,6 +357,43 @@ def test_attention_random(cfg):
         assert (outs == hi).any() and (outs == lo).any()
 
 
+def eleven_bit_heads(rng, count, d, max_t):
+    """Heads with 11-bit queries (ATTN IN16's, already saturated to ±1023), scores up to
+    2^3 times an int8 query's, and softmax scales spread around their range; the first
+    ones at the edges: q ±1023 against K −128 and 127, every product at its extreme."""
+    heads = []
+    for i in range(count):
+        t = int(rng.integers(1, max_t + 1))
+        q_amp = 1023 if i < 4 else int(rng.integers(1, 1024))
+        q = rng.integers(-q_amp, q_amp + 1, d)
+        k = rng.integers(-128, 128, (t, d))
+        if i < 4:
+            q = np.full(d, 1023 if i % 2 else -1023)
+            k = np.tile([[-128], [127]], (-(-t // 2), d))[:t] if t > 1 else np.full((1, d), -128)
+        v = rng.integers(-128, 128, (t, d))
+        spread = max(1, int(np.ptp(k @ q)))
+        real = min(8 * 2 ** 8 / spread * 10.0 ** rng.uniform(-1, 1), 65535.0)
+        mult, shift = (int(x) for x in nx.host_multiplier(real))
+        heads.append((q, k, v, mult, shift, bool(rng.random() < 0.5)))
+    return heads
+
+
+@pytest.mark.parametrize("cfg", [TINY, B16], ids=["b1", "b16"])
+def test_attention_11_bit_queries(cfg):
+    """Queries of 11 bits (ATTN IN16) against numerics.attention(in16=True): one bank's
+    plain products and 16 banks' packed ones (two banks' K times one query element in one
+    DSP product), ≥ 1000 outputs, mixed with int8 queries in one stream."""
+    rng = np.random.default_rng(200 + cfg.kv_banks)
+    d = cfg.head_dim
+    eleven = eleven_bit_heads(rng, math.ceil(1000 / d) + 4, d, min(cfg.kv_positions, 40))
+    heads = eleven + random_heads(rng, 6, d, 20)
+    in16 = [True] * len(eleven) + [False] * 6
+    got = simulate_attention(Attention(cfg), heads, v_stall=(1, 1, 0), o_stall=(1, 0), seed=3)
+    for (q, k, v, mult, shift, wide), o, wide_q in zip(heads, got, in16):
+        np.testing.assert_array_equal(o, nx.attention(q, k, v, mult, shift, 16 if wide else 8, wide_q))
+    assert sum(len(o) for o, w in zip(got, in16) if w) >= 1000
+
+
 def test_attention_full_kv_buffer():
     """T = kv_positions (the score buffer full) with the largest sums."""
     cfg = TINY
@@ -450,14 +487,36 @@ def test_packed_products_exact():
     """dsp_pack: two products in one multiplier, ``(hi·2^18 + lo)·w`` split back into
     ``hi·w`` and ``lo·w`` exactly: every int8 edge pair, then random operands (and the
     matrix unit's 9-bit digit 128)."""
-    from amaranth import Module, Signal, signed
-    from dfvg_hw.dsp_pack import packed_operand, unpacked_products
     edges = [-128, -127, -1, 0, 1, 127]
     rng = np.random.default_rng(11)
     vectors = [(h, l, w) for h in edges + [128] for l in edges + [128] for w in edges]
     vectors += [tuple(int(x) for x in rng.integers(-128, 128, 3)) for _ in range(1500)]
-    hi, lo, w = Signal(signed(9)), Signal(signed(9)), Signal(signed(8))
-    hi_w, lo_w = Signal(signed(18)), Signal(signed(18))
+    _check_packed_products(vectors, operand_bits=9, w_bits=8, product_bits=18)
+    assert len(vectors) > 1700
+
+
+def test_packed_products_with_11_bit_multiplicands():
+    """The attention unit's packed score products: K elements (int8) times an 11-bit query
+    element (ATTN IN16, |w| ≤ 1023) still split exactly: every edge, then random."""
+    edges, w_edges = [-128, -127, -1, 0, 1, 127], [-1023, -1022, -129, -1, 0, 1, 128, 1022, 1023]
+    rng = np.random.default_rng(12)
+    vectors = [(h, l, w) for h in edges for l in edges for w in w_edges]
+    vectors += [(int(h), int(l), int(w)) for h, l, w in zip(rng.integers(-128, 128, 1500),
+                                                            rng.integers(-128, 128, 1500),
+                                                            rng.integers(-1023, 1024, 1500))]
+    _check_packed_products(vectors, operand_bits=8, w_bits=nx.ATTN_Q_BITS,
+                           product_bits=Attention.PRODUCT_BITS)
+    assert len(vectors) > 1800
+
+
+def _check_packed_products(vectors, *, operand_bits: int, w_bits: int, product_bits: int):
+    """Simulate ``packed_operand(hi, lo) · w`` split by ``unpacked_products`` for every
+    ``(hi, lo, w)`` and assert both products exact."""
+    from amaranth import Module, Signal, signed
+    from amaranth.sim import Simulator
+    from dfvg_hw.dsp_pack import packed_operand, unpacked_products
+    hi, lo, w = Signal(signed(operand_bits)), Signal(signed(operand_bits)), Signal(signed(w_bits))
+    hi_w, lo_w = Signal(signed(product_bits)), Signal(signed(product_bits))
     m = Module()
     hi_floor, borrow, lo_prod = unpacked_products(packed_operand(hi, lo) * w)
     m.d.comb += [hi_w.eq(hi_floor + borrow), lo_w.eq(lo_prod)]
@@ -467,11 +526,9 @@ def test_packed_products_exact():
             ctx.set(hi, h), ctx.set(lo, l), ctx.set(w, x)
             assert (ctx.get(hi_w), ctx.get(lo_w)) == (h * x, l * x), (h, l, x)
 
-    from amaranth.sim import Simulator
     sim = Simulator(m)
     sim.add_testbench(tb)
     sim.run()
-    assert len(vectors) > 1700
 
 
 @pytest.mark.parametrize("old, new", [

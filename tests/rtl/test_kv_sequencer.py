@@ -115,10 +115,14 @@ def _memory(rng) -> DeviceMemory:
     return memory
 
 
-def _run(rng, jobs, memory, *, clear_adapter=False, config=TINY, data_width=128, timed=True):
+def _run(rng, jobs, memory, *, clear_adapter=False, config=TINY, data_width=128, timed=True,
+         prepare=None):
     """Run ``jobs`` on the RTL and on the functional model; compare errors and VMEM, and
-    (``timed``) every job that completes OK with the cycle model's count."""
+    (``timed``) every job that completes OK with the cycle model's count. ``prepare``
+    rewrites the random starting VMEM (a uint8 array) in place."""
     vmem = rng.integers(0, 256, config.vmem_bytes, dtype=np.uint8)
+    if prepare is not None:
+        prepare(vmem)
     sequencer = KvSequencer(config, data_width)
     cycles = []
     bases = [job.get("slot_base", 0) for job in jobs]
@@ -169,8 +173,9 @@ def _append(n, k, src, pos, layer=0, rows=1, base=0):
                 slot_base=base)
 
 
-def _attn(n, k, src, dst, pos, addr, layer=0, wide=False, rows=1, base=0):
-    return dict(opcode=Op.ATTN, flags=Flag.WIDE if wide else 0, rows=rows, n=n, k=k, src=src,
+def _attn(n, k, src, dst, pos, addr, layer=0, wide=False, rows=1, base=0, in16=False):
+    flags = (Flag.WIDE if wide else 0) | (Flag.IN16 if in16 else 0)
+    return dict(opcode=Op.ATTN, flags=flags, rows=rows, n=n, k=k, src=src,
                 dst=dst, pos=pos, layer=layer, addr=addr, slot_base=base)
 
 
@@ -205,6 +210,54 @@ def test_appends_then_attention_gqa_wide_and_narrow(name):
     errors = _run(rng, jobs, _memory(rng), config=config)
     assert errors == [OK] * len(jobs)
     assert _outputs(jobs, errors) >= (1000 if name == "b1" else 600)
+
+
+def _small_int16_queries(rng, vmem_jobs, config):
+    """VMEM bytes where the IN16 jobs' queries lie, rewritten as int16 mostly inside the
+    11-bit range (random VMEM is mostly past it, which the saturation test covers)."""
+    def write(vmem):
+        L = config.vmem_line_bytes
+        for job in vmem_jobs:
+            start, count = job["src"] * L, job["n"] * job["k"]
+            q = rng.integers(-1100, 1100, count).astype("<i2")
+            q[:4] = [1023, -1023, 1024, -1024]
+            vmem[start:start + 2 * count] = np.frombuffer(q.tobytes(), np.uint8)
+    return write
+
+
+@pytest.mark.parametrize("name", ["b1", "b4"])
+def test_int16_queries(name):
+    """ATTN IN16: each head's q is 2k bytes, read as int16 saturated to ±1023 (11 bits),
+    against the functional model; GQA and MHA, narrow and wide outputs, heads at byte
+    offsets that are not line-aligned, queries mostly inside the 11-bit range and every
+    edge of it; cycles equal to the cycle model's (the longer gather)."""
+    config = BANKED.get(name, TINY)
+    rng = np.random.default_rng(40 + config.kv_banks)
+    jobs = []
+    for pos in range(9):
+        for layer in range(LAYERS):
+            jobs.append(_append(KV_HEADS, TINY.head_dim, int(rng.integers(0, 200)), pos, layer))
+        for layer in range(LAYERS):
+            n, addr = [(2, GQA2), (4, GQA2_ODD), (2, MHA1), (4, GQA2)][int(rng.integers(4))]
+            k = TINY.head_dim if rng.random() < 0.8 else int(rng.integers(3, TINY.head_dim))
+            jobs.append(_attn(n, k, int(rng.integers(0, 100)), int(rng.integers(120, 240)), pos,
+                              addr, layer, wide=bool(rng.random() < 0.5), in16=True))
+    queries = _small_int16_queries(rng, [j for j in jobs if j["opcode"] == Op.ATTN], config)
+    errors = _run(rng, jobs, _memory(rng), config=config, prepare=queries)
+    assert errors == [OK] * len(jobs)
+    assert _outputs(jobs, errors) >= 600
+
+
+def test_int16_query_spans_and_saturation():
+    """An IN16 query spans 2·n·k bytes: one that fits VMEM's end as int8 faults
+    BAD_ADDRESS as int16; random VMEM (queries mostly past ±1023) saturates every head."""
+    rng = np.random.default_rng(41)
+    last = TINY.vmem_bytes // TINY.vmem_line_bytes - 1
+    jobs = [_append(2, 16, 5, 0), _append(2, 16, 9, 1), _attn(2, 16, last - 1, 10, 1, GQA2),
+            _attn(2, 16, last - 1, 10, 1, GQA2, in16=True), _attn(4, 16, 30, 100, 1, GQA2, in16=True),
+            _attn(2, 16, 60, 140, 1, MHA1, wide=True, in16=True)]
+    errors = _run(rng, jobs, _memory(rng))
+    assert errors == [OK, OK, OK, BAD_ADDRESS, OK, OK]
 
 
 @pytest.mark.parametrize("name", ["b1", "b4"])
