@@ -827,8 +827,7 @@ def _head(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
 def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     """The embedding and the layer loop over ``rows`` rows."""
     v, s, hd = lay.vmem, shape, shape.head_dim
-    q_lines = query_bytes(s) * s.heads * hd // lay.line
-    k_line = v["qkv"] + q_lines
+    k_line = _k_line(s, lay)
     in16 = Flag.IN16 if query_bytes(s) == 2 else 0       # ATTN reads an int16 query
     L = lambda name: lay.layers_base + lay.sub[name]
     wide = Flag.WIDE
@@ -897,6 +896,11 @@ def _blocks_flag(lay: Layout) -> int:
     return Flag.BLOCKS if lay.blocks else 0
 
 
+def _k_line(shape: ModelShape, lay: Layout) -> int:
+    """The VMEM line of k in the ``qkv`` region: after q's heads (int16 or int8)."""
+    return lay.vmem["qkv"] + query_bytes(shape) * shape.heads * shape.head_dim // lay.line
+
+
 def _qkv(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     """q, k and v from the normed row into the ``qkv`` region (``[q | k | v]``): an int16 q
     (MATMUL ``OUT16``) and int8 ``[k | v]``, or with QK-norm an int32 ``[q | k]`` row whose
@@ -904,15 +908,14 @@ def _qkv(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     v, s, hd = lay.vmem, shape, shape.head_dim
     L = lambda name: lay.layers_base + lay.sub[name]
     flags = lambda mode, name: Flag.LREL | Flag.WIDE | mode << 1 | _bias_flag(lay, name) | _blocks_flag(lay)
+    k_line = _k_line(s, lay)
     if not s.qk_norm:
         # q (int16: OUT16), then k and v int8 on the lines after it
-        k_line = v["qkv"] + query_bytes(s) * s.heads * hd // lay.line
         out16 = Flag.OUT16 if query_bytes(s) == 2 else 0
         return [Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "q") | out16, rows=rows,
                             dst=v["qkv"], src=v["xn"], n=s.heads * hd, k=s.hidden, addr=L("q")),
                 Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "kv"), rows=rows, dst=k_line,
                             src=v["xn"], n=2 * s.kv_heads * hd, k=s.hidden, addr=L("kv"))]
-    k_line = v["qkv"] + s.heads * hd // lay.line
     v_line = k_line + s.kv_heads * hd // lay.line
     k32_line = v["qk32"] + 4 * s.heads * hd // lay.line
     return [
