@@ -4,14 +4,16 @@ row through the :class:`~dfvg_hw.rope.Rope` pair rotator, in VMEM (docs/isa.md �
 
 1. **Checks**, in the functional model's order: ``rows > cfg.rows`` (PROGRAM), odd ``k``
    (PROGRAM), ``POS ≥ kv_positions`` (KV_OVERFLOW); then ``src`` and ``dst`` (``rows ×
-   n·k`` int8, or int16 with ``WIDE``) must lie in VMEM (BAD_ADDRESS). The model reads the table row before it
-   checks the spans, but both faults are BAD_ADDRESS and nothing is written before
-   either, so checking the spans first (in the same cycle as the rest) is the same.
+   n·k`` int8, or int16 with ``WIDE``) must lie in VMEM (BAD_ADDRESS). The model reads
+   the table row before it checks the spans, but both faults are BAD_ADDRESS and nothing
+   is written before either, so checking the spans first (in the same cycle as the rest)
+   is the same.
 2. **Table.** The ``k/2`` (cos, sin) int16 pairs at ``addr + POS·2k`` are fetched with a
    :class:`~dfvg_hw.operand_access.BlockReader` (any byte address; past device memory the
    memory port refuses it: BAD_ADDRESS through the controller's reset).
 3. **Heads.** Row ``r`` of ``src`` is ``n`` heads of ``k`` elements (``k`` bytes, ``2k``
-   with ``WIDE``) side by side from byte ``r·stride``. A :class:`~dfvg_hw.head_stream.HeadCutter` peeks the rows' lines a line
+   with ``WIDE``) side by side from byte ``r·stride``. A
+   :class:`~dfvg_hw.head_stream.HeadCutter` peeks the rows' lines a line
    a cycle and offers the heads in order; each is rotated as pairs ``(x_i,
    x_{i+k/2})`` in one Rope beat, and a :class:`~dfvg_hw.head_stream.HeadPacker` packs
    the rotated heads into the same places of ``dst`` and pokes each line once it is
