@@ -167,10 +167,13 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
         t = t.detach().reshape(-1, 2, hd // 2)
         return float(torch.sqrt((t ** 2).sum(dim=-2)).max())
 
-    def bump_pairs(d, key, t, heads):
-        # each (head, pair)'s largest norm: the query/key balancing's input (qk_balance)
+    def bump_pairs(d, name, t, heads):
+        # each (head, pair)'s largest norm, the query/key balancing's input (qk_balance);
+        # their maximum is the tensor's (pair_norm_max)
         t = t.detach().double().reshape(-1, heads, 2, hd // 2)
-        d[key] = np.maximum(d[key], torch.sqrt((t ** 2).sum(dim=-2)).amax(0).numpy())
+        pairs = f"{name}_pairs"
+        d[pairs] = np.maximum(d[pairs], torch.sqrt((t ** 2).sum(dim=-2)).amax(0).numpy())
+        d[name] = float(d[pairs].max())
 
     hooks = []
 
@@ -209,12 +212,12 @@ def calibrate(model, token_ids: list[list[int]], shape: ModelShape) -> Calibrati
         if shape.qk_norm:       # RoPE rotates the norms' outputs; the int32 rows hold the inputs
             on(part(fam.q_norm), lambda i, o, st=st: (bump(st, "q", rotated(o)), bump(st, "q32", amax(i))))
             on(part(fam.k_norm), lambda i, o, st=st: (bump(st, "k", rotated(o)), bump(st, "k32", amax(i))))
+        elif shape.rope:
+            on(part(fam.q), lambda i, o, st=st: bump_pairs(st, "q", o, shape.heads))
+            on(part(fam.k), lambda i, o, st=st: bump_pairs(st, "k", o, shape.kv_heads))
         else:
-            on(part(fam.q), lambda i, o, st=st: bump(st, "q", rotated(o)))
-            on(part(fam.k), lambda i, o, st=st: bump(st, "k", rotated(o)))
-            if shape.rope:
-                on(part(fam.q), lambda i, o, st=st: bump_pairs(st, "q_pairs", o, shape.heads))
-                on(part(fam.k), lambda i, o, st=st: bump_pairs(st, "k_pairs", o, shape.kv_heads))
+            on(part(fam.q), lambda i, o, st=st: bump(st, "q", amax(o)))
+            on(part(fam.k), lambda i, o, st=st: bump(st, "k", amax(o)))
         on(part(fam.v), lambda i, o, st=st: bump(st, "v", amax(o)))
         on(part(fam.gate), lambda i, o, st=st: bump_channels(st, "gate", o))
         if fam.gated:
