@@ -84,6 +84,14 @@ FLAG_FIELDS: tuple[tuple[str, int, int], ...] = (
     ("position", 5, 1), ("row_exponent", 5, 1), ("ungated", 6, 1), ("out16", 6, 1), ("blocks", 7, 1),
 )
 _FLAG_FIELD = {name: (lsb, width) for name, lsb, width in FLAG_FIELDS}
+#: The opcodes that read each flag named per opcode (the bits 4–7 above): the same bit
+#: under another name is another flag.
+_FLAG_READERS: dict[str, frozenset] = {
+    "bias": frozenset({Op.MATMUL}), "blocks": frozenset({Op.MATMUL}),
+    "position": frozenset({Op.EMBED}), "row_exponent": frozenset({Op.MATMUL, Op.ACTMUL}),
+    "ungated": frozenset({Op.ACTMUL}), "in16": frozenset({Op.ACTMUL, Op.ATTN}),
+    "out16": frozenset({Op.MATMUL}),
+}
 
 
 def flag_field(flags: int, name: str) -> int:
@@ -214,33 +222,39 @@ class Instruction:
     def wide(self) -> bool:
         return self.opcode != Op.BRANCH and bool(flag_field(self.flags, "wide"))
 
+    def _named_flag(self, name: str) -> bool:
+        """The flag ``name`` of :data:`FLAG_FIELDS`, set and read by this opcode
+        (:data:`_FLAG_READERS`): a bit shared by several names means each only to its own
+        opcodes."""
+        return self.opcode in _FLAG_READERS[name] and bool(flag_field(self.flags, name))
+
     @property
     def bias(self) -> bool:
-        return self.opcode == Op.MATMUL and bool(flag_field(self.flags, "bias"))
+        return self._named_flag("bias")
 
     @property
     def blocks(self) -> bool:
-        return self.opcode == Op.MATMUL and bool(flag_field(self.flags, "blocks"))
+        return self._named_flag("blocks")
 
     @property
     def position(self) -> bool:
-        return self.opcode == Op.EMBED and bool(flag_field(self.flags, "position"))
+        return self._named_flag("position")
 
     @property
     def rowexp(self) -> bool:
-        return self.opcode in (Op.MATMUL, Op.ACTMUL) and bool(flag_field(self.flags, "row_exponent"))
+        return self._named_flag("row_exponent")
 
     @property
     def ungated(self) -> bool:
-        return self.opcode == Op.ACTMUL and bool(flag_field(self.flags, "ungated"))
+        return self._named_flag("ungated")
 
     @property
     def in16(self) -> bool:
-        return self.opcode in (Op.ACTMUL, Op.ATTN) and bool(flag_field(self.flags, "in16"))
+        return self._named_flag("in16")
 
     @property
     def out16(self) -> bool:
-        return self.opcode == Op.MATMUL and bool(flag_field(self.flags, "out16"))
+        return self._named_flag("out16")
 
     def validate(self, word: int | None = None) -> "Instruction":
         """Raise :class:`IllegalInstruction` unless every field is legal for the opcode."""
