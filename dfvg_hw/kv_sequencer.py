@@ -17,17 +17,22 @@ PROGRAM; ``(layer + 1) · G`` is a small multiply (``G ≤ kv_slots`` first) and
 added to it (and, once the check passes, its low bits to ``layer · G`` for the slot).
 
 **KVAPPEND** (``rows = 1``; ``n`` KV heads of ``k`` int8 for K, then the same for V, in one
-VMEM row at ``src``). Checks in the model's order: ``rows ≠ 1``; ``base + (layer + 1) · n >
-kv_slots`` or ``k > head_dim`` (PROGRAM); ``kv_pos ≥ kv_positions`` (KV_OVERFLOW); the
-``2·n·k``-byte row outside VMEM (BAD_ADDRESS). Then per head ``h`` the K bytes at
-``h·k`` and the V bytes at ``n·k + h·k`` are appended at slot ``base + layer · n + h``,
-position ``kv_pos``; bytes ``k … head_dim − 1`` of the entry keep their contents. The
+VMEM row at ``src``; with WIDE int16, ``e = 2`` bytes an element, else ``e = 1``). Checks
+in the model's order: ``rows ≠ 1``; ``base + (layer + 1) · n > kv_slots`` or ``k >
+head_dim`` (PROGRAM); ``kv_pos ≥ kv_positions`` (KV_OVERFLOW); the ``2·n·k·e``-byte row
+outside VMEM (BAD_ADDRESS). Then per head ``h`` the K elements at byte ``h·k·e`` and the V
+elements at ``(n + h)·k·e``, each made a ``kv_bits`` element (:func:`numerics.kv_entry`:
+an int16 saturated, an int8 shifted to the top bits), are appended at slot ``base +
+layer · n + h``, position ``kv_pos``; elements ``k … head_dim − 1`` of the entry keep
+their contents. The
 heads stream: two :class:`~dfvg_hw.head_stream.HeadCutter`s peek the row's K half and
 its V half (K first, sharing the peek port) a head ahead of the one being appended, so
 the next APPEND goes to the KV buffer in the cycle after the last word of the one
 before, unless that head's lines take longer to peek.
 
-**ATTN** (``rows = 1``; ``n`` query heads of ``k`` int8 at ``src``). Checks: ``rows ≠ 1``;
+**ATTN** (``rows = 1``; ``n`` query heads of ``k`` int8 at ``src``, or with IN16 int16,
+saturated to :func:`numerics.attention_query_bits` bits: 11 over an int8 KV cache, 16 over
+a wider one). Checks: ``rows ≠ 1``;
 ``k > head_dim``, ``prefix = 0`` or ``path_len > PATH_ENTRIES`` (PROGRAM: a tree's
 ``P0 ≥ 1``, its depth ≤ ``MAX_DRAFT``); ``prefix + path_len > kv_positions``
 (KV_OVERFLOW; a chain's ``pos ≥ kv_positions``, and for a tree row the controller has
@@ -119,7 +124,7 @@ from dfvg_hw.layouts import CompactJob, flags_view
 from dfvg_hw.op_port import OpJob, OpSequencerSignature
 from dfvg_hw.operand_access import BlockReader, VmemWindow, vmem_span_outside, window_request
 from dfvg_hw.attention import Attention
-from dfvg_hw.elementwise import saturate_symmetric
+from dfvg_hw.elementwise import saturate, saturate_symmetric
 from dfvg_hw.vmem import Gearbox
 
 __all__ = ["KvSequencer"]
@@ -192,7 +197,7 @@ class KvSequencer(wiring.Component):
         D = c.head_dim
         kv = m.submodules.kv = KVBuffer(c)
         self.kv_buffer = kv                     # co-simulation reads the KV through it
-        WB, W, B = kv.word_bytes, kv.words, kv.banks
+        WB, W, B = kv.word_elements, kv.words, kv.banks
         attn = m.submodules.attention = Attention(c, path_entries=PATH_ENTRIES)
         # The K channel asks the controller for a path entry's position; the V channel reads
         # the same head's path after it, from a copy of the answers (every head of a tree
@@ -205,10 +210,11 @@ class KvSequencer(wiring.Component):
                      copy_rd.addr.eq(kv.v_path_index), kv.v_path_pos.eq(copy_rd.data)]
         params = m.submodules.params = BlockReader(c, self.data_width, ATTN_PARAM_BYTES)
         window = m.submodules.window = VmemWindow(c, 2 * D)      # a WIDE output head
-        # KVAPPEND's K and V heads, each cut from its half of the row; K peeks first (its
-        # words go first), V when K has its next head
-        cut_k = m.submodules.cut_k = HeadCutter(c, D, lookahead=0)
-        cut_v = m.submodules.cut_v = HeadCutter(c, D, lookahead=0)
+        # KVAPPEND's K and V heads (int8, or int16 with WIDE), each cut from its half of
+        # the row; K peeks first (its words go first), V when K has its next head
+        cut_k = m.submodules.cut_k = HeadCutter(c, 2 * D, lookahead=0)
+        cut_v = m.submodules.cut_v = HeadCutter(c, 2 * D, lookahead=0)
+        EB = c.kv_bits
         wiring.connect(m, params.read_cmd, wiring.flipped(self.read_cmd))
         wiring.connect(m, wiring.flipped(self.read_data), params.read_data)
         # ATTN's parameter block is the job's one device-memory read: once its command is
@@ -248,7 +254,7 @@ class KvSequencer(wiring.Component):
         # KV buffer command registers (shared by KVAPPEND, ATTN and clear)
         kv_slot = Signal.like(kv.cmd.payload.slot)
         kv_arg = Signal(16)
-        entry = Signal(16 * D)              # K bytes, then V bytes, of one entry
+        entry = Signal(2 * EB * D)          # K elements, then V elements, of one entry
         word = Signal(range(2 * W))
         clearing_kv = Signal()              # the append states serve a clear
         clear_pending = Signal()
@@ -307,7 +313,7 @@ class KvSequencer(wiring.Component):
                 m.d.sync += v_slot[1].eq(kv_slot)
         m.d.sync += v_owed.eq(v_owed + k_out - v_out)
 
-        q_limit = (1 << (nx.ATTN_Q_BITS - 1)) - 1
+        q_limit = (1 << (nx.attention_query_bits(c.kv_bits) - 1)) - 1
         for j in range(D):
             q16 = window.data.word_select(j, 16).as_signed()
             m.d.comb += attn.q.payload.q[j].eq(
@@ -316,6 +322,13 @@ class KvSequencer(wiring.Component):
                      attn.q.payload.wide.eq(wide)]
         narrow_out = Cat(lane[:8] for lane in attn.o.payload)
         wide_out = Cat(lane[:16] for lane in attn.o.payload)
+
+        def kv_elements(head):
+            """A cut head's ``D`` elements as KV cache elements (numerics.kv_entry): int16
+            saturated to ``kv_bits`` with WIDE, else int8 in the top 8 bits."""
+            return Cat(Mux(wide, saturate(head.word_select(j, 16).as_signed(), EB),
+                           head.word_select(j, 8).as_signed() << (EB - nx.ACT_BITS))[:EB]
+                       for j in range(D))
 
         def finish(code):
             m.d.sync += self.error.eq(code)
@@ -385,19 +398,19 @@ class KvSequencer(wiring.Component):
                                 job.prefix + job.path_len > c.kv_positions)):
                     finish(ErrorCode.KV_OVERFLOW)
                 with m.Elif(appending):
-                    with m.If(vmem_span_outside(c, job.src, 1, 2 * head_bytes)):
+                    with m.If(vmem_span_outside(c, job.src, 1, (2 * head_bytes) << wide)):
                         finish(ErrorCode.BAD_ADDRESS)
                     with m.Else():
-                        # K heads from the row's first byte, V heads from byte n·k
-                        v_start = job.src * L + head_bytes
+                        # K heads from the row's first byte, V heads from byte n·k·e
+                        v_start = job.src * L + (head_bytes << wide)
                         for cutter, line, skip in ((cut_k, job.src, 0),
                                                    (cut_v, v_start >> exact_log2(L),
                                                     v_start[:exact_log2(L)])):
                             m.d.comb += [cutter.run.valid.eq(1),
                                          cutter.run.payload.line.eq(line),
                                          cutter.run.payload.skip.eq(skip),
-                                         cutter.run.payload.k.eq(job.k),
-                                         cutter.run.payload.row_bytes.eq(head_bytes),
+                                         cutter.run.payload.k.eq(job.k << wide),
+                                         cutter.run.payload.row_bytes.eq(head_bytes << wide),
                                          cutter.run.payload.rows.eq(1)]
                         m.next = "SET_POS"
                 with m.Else():
@@ -472,10 +485,11 @@ class KvSequencer(wiring.Component):
                         m.next = "APPEND_DATA"
                         with m.If(~clearing_kv):    # the head leaves the cutters for entry
                             m.d.comb += [cut_k.heads.ready.eq(1), cut_v.heads.ready.eq(1)]
-                            m.d.sync += entry.eq(Cat(cut_k.heads.payload, cut_v.heads.payload))
+                            m.d.sync += entry.eq(Cat(kv_elements(cut_k.heads.payload),
+                                                     kv_elements(cut_v.heads.payload)))
             with m.State("APPEND_DATA"):
                 m.d.comb += [kv.wdata.valid.eq(1),
-                             kv.wdata.payload.as_value().eq(entry.word_select(word, 8 * WB))]
+                             kv.wdata.payload.as_value().eq(entry.word_select(word, EB * WB))]
                 with m.If(kv.wdata.ready):
                     m.d.sync += word.eq(word + 1)
                     with m.If(word == 2 * W - 1):

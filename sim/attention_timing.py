@@ -39,9 +39,9 @@ def compaction_cycles(config: EngineConfig, levels: int, slots: int) -> int:
     return tm.COMPACT_START + levels * (tm.COMPACT_LEVEL_STATES + slots * copy)
 
 
-def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
+def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int, wide: bool = False) -> int:
     """kv_sequencer.py: CHECK starts two head cutters (K from the row's first byte, V from
-    byte ``n·k``); SET_POS; then per head an APPEND of its K and V words (the KV buffer's
+    byte ``n·k·e``, heads of ``k·e`` bytes: ``e = 2`` with WIDE's int16 k and v); SET_POS; then per head an APPEND of its K and V words (the KV buffer's
     setup, then 2W words, into the one bank that holds ``POS``), the next APPEND in the
     cycle after the last word. The cutters peek a head ahead of the one appended (K's
     lines, then V's, from the cycle its predecessor left them), so a head's APPEND waits
@@ -51,6 +51,7 @@ def kvappend_cycles(config: EngineConfig, n: int, k: int, src: int) -> int:
     w = _kv_words(config)
     line = config.vmem_line_bytes
     per_append = tm.KVAPPEND_HEAD_STATES + 2 * w
+    k = 2 * k if wide else k                       # a head's bytes
     skips = (0, n * k % line)                      # the K half's and the V half's
     peeks = tm.KVAPPEND_CHECK + 1                  # SET_POS: the cutters' first peeks
     append = peeks + 1                             # the first APPEND state

@@ -178,7 +178,7 @@ class CycleModel:
         if op == Op.ROPE:
             return rope_cycles(unit_port, ins.n, ins.k, rows, addr, pos, bool(ins.wide)), 2 * ins.k
         if op == Op.KVAPPEND:
-            return kvappend_cycles(c, ins.n, ins.k, ins.src), 0
+            return kvappend_cycles(c, ins.n, ins.k, ins.src, bool(ins.wide)), 0
         if op == Op.ATTN:
             return (attn_cycles(unit_port, c, ins.n, ins.k, ins.src, ins.dst, pos, bool(ins.wide), addr,
                                 ins.in16),
@@ -267,7 +267,7 @@ class CycleModel:
             if op == Op.EMBED:
                 costs.append(self._embed(ins.n, False, addr))
             elif op == Op.KVAPPEND:
-                costs.append((kvappend_cycles(c, ins.n, ins.k, row.src), 0))
+                costs.append((kvappend_cycles(c, ins.n, ins.k, row.src, bool(ins.wide)), 0))
             elif op == Op.ATTN:
                 costs.append((attn_job_cycles(self.unit_port, c, ins.n, ins.k, row.src, row.dst, tree.base,
                                               tree.level, bool(ins.wide), addr, ins.in16), ATTN_PARAM_BYTES))

@@ -49,7 +49,8 @@ class FunctionalEngine:
     memory : DeviceMemory
         Device memory holding images, programs and descriptors.
     kv_k, kv_v : numpy.ndarray
-        The on-chip KV buffers, int8 ``[kv_slots, kv_positions, head_dim]``; layer ``l``'s
+        The on-chip KV buffers, ``[kv_slots, kv_positions, head_dim]`` int16 holding
+        elements of ``cfg.kv_bits`` (numerics.kv_entry); layer ``l``'s
         KV head ``h`` is slot ``kv_slot_base + l · G + h`` for the instruction's KV-head
         count ``G``.
     kv_slot_base : int
@@ -83,8 +84,8 @@ class FunctionalEngine:
         self._pitch: int | None = None
         self.memory = memory if memory is not None else DeviceMemory(config.mem_bytes)
         shape = (config.kv_slots, config.kv_positions, config.head_dim)
-        self.kv_k = np.zeros(shape, dtype=np.int8)
-        self.kv_v = np.zeros(shape, dtype=np.int8)
+        self.kv_k = np.zeros(shape, dtype=np.int16)     # elements of cfg.kv_bits
+        self.kv_v = np.zeros(shape, dtype=np.int16)
         self.kv_slot_base = 0
         self.vmem = np.zeros(config.vmem_bytes, dtype=np.uint8)
         self.imem: list[int] = []
@@ -408,7 +409,8 @@ class FunctionalEngine:
         elif op == Op.KVAPPEND:
             slot = self._check_kv(ins, st.layer, ins.n)
             positions = self._kv_positions(st)
-            kv = self._vload(ins.src, rows, 2 * ins.n * ins.k, np.int8).reshape(rows, 2, ins.n, ins.k)
+            kv = self._vload(ins.src, rows, 2 * ins.n * ins.k, np.int16 if ins.wide else np.int8)
+            kv = nx.kv_entry(kv, self.config.kv_bits, ins.wide).reshape(rows, 2, ins.n, ins.k)
             for r, position in enumerate(positions):
                 self.kv_k[slot:slot + ins.n, position, :ins.k] = kv[r, 0]
                 self.kv_v[slot:slot + ins.n, position, :ins.k] = kv[r, 1]
@@ -515,7 +517,8 @@ class FunctionalEngine:
             for hd in range(ins.n):
                 kvh = hd // group
                 out[r, hd] = nx.attention(q[r, hd], self.kv_k[slot + kvh, seen, :ins.k],
-                                          self.kv_v[slot + kvh, seen, :ins.k], mult, shift, bits, ins.in16)
+                                          self.kv_v[slot + kvh, seen, :ins.k], mult, shift, bits, ins.in16,
+                                          self.config.kv_bits)
         self._vstore(ins.dst, out.reshape(rows, -1), dtype)
 
     def sample(self, n: int, header: dict, index: int, flow: ProgramFlow | None = None) -> list[DraftedToken]:

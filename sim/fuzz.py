@@ -393,6 +393,8 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
     # int16 q, k and v (their MATMULs' OUT16), rotated by ROPE WIDE
     qkv16 = brng.random() < 0.33 and not qk_norm
     qkv_bytes = 2 if qkv16 else 1
+    # ... and appended as int16 (KVAPPEND WIDE, saturated to the engine's kv_bits)
+    kv_wide = int(Flag.WIDE) if qkv16 and brng.random() < 0.7 else 0
 
     def scales(blocks_flag):
         return brng if blocks_flag else None
@@ -440,7 +442,7 @@ def random_forward_case(rng, c: EngineConfig, mutations: int | None = None) -> F
                     dst=kv, src=xn, n=2 * g * hd, k=h, addr=b["wkv"]),
         Instruction(Op.ROPE, flags=rope_wide, rows=r, dst=q, src=q, n=nh, k=hd, addr=rope),
         Instruction(Op.ROPE, flags=rope_wide, rows=r, dst=kv, src=kv, n=g, k=hd, addr=rope),
-        Instruction(Op.KVAPPEND, rows=1, src=kv, n=g, k=hd),
+        Instruction(Op.KVAPPEND, flags=kv_wide, rows=1, src=kv, n=g, k=hd),
         Instruction(Op.ATTN, flags=lrel() | w2 | (int(Flag.IN16) if qkv16 else 0), rows=1, dst=att, src=q,
                     n=nh, k=hd, addr=b["attn"]),
         Instruction(Op.MATMUL, flags=lrel() | w2 | bo | M(MatmulMode.RESADD), rows=1, dst=x, src=att,

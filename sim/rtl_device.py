@@ -160,16 +160,14 @@ class RtlDevice:
         return True
 
     def kv_contents(self):
-        """The engine's KV cache as (K, V) int8 arrays ``[kv_slots, kv_positions, head_dim]``,
-        read from the KV buffer's memories in simulation (the functional model's
-        ``kv_k``/``kv_v`` layout)."""
+        """The engine's KV cache as (K, V) int16 arrays ``[kv_slots, kv_positions,
+        head_dim]`` of ``kv_bits`` elements, read from the KV buffer's memories in
+        simulation (the functional model's ``kv_k``/``kv_v``)."""
         kv = self.engine.controller.units["kv"].kv_buffer
-        c = self.config
         box: list = []
         self._queue.append(("kv", (kv,), box))
         self._run(lambda: box)
-        shape = (c.kv_slots, c.kv_positions, c.head_dim)
-        return tuple(np.frombuffer(raw, dtype=np.int8).reshape(shape) for raw in box[0])
+        return box[0]
 
     def close(self) -> None:
         self._queue.clear()

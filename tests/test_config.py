@@ -24,7 +24,7 @@ def test_kv_capacity_is_counted_in_slots():
     slots = {"tiny": 4, "alveo-u55c": 144, "alveo-u280": 144, "alveo-u250": 144,
              "nitefury": 24, "litefury": 4}
     assert {name: get_preset(name).kv_slots for name in slots} == slots
-    assert get_preset("alveo-u55c").kv_bytes == 2 * 144 * 1024 * 64
+    assert get_preset("alveo-u55c").kv_bytes == 2 * 144 * 1024 * 64 * 12 // 8     # 12-bit elements
 
 
 def test_unknown_preset_lists_known_ones():

@@ -96,6 +96,11 @@ class EngineConfig:
         (block-scaled int8 weights, docs/numerics.md §3): a 16-bit multiplier per
         accumulator. Without them a ``BLOCKS`` MATMUL faults ``PROGRAM`` (docs/isa.md
         §3.4) and the compiler refuses ``--weight-blocks``.
+    kv_bits : int
+        Bits of a KV cache element, 8 to 16 (numerics.kv_entry): K and V rows are
+        ``head_dim`` elements of ``kv_bits``. KVAPPEND ``WIDE`` saturates an int16 source
+        to them, an int8 source fills their top 8 bits. Above 8 the attention unit's score
+        products are one DSP48E2 each instead of two banks' in one (docs/numerics.md §6).
     kv_banks : int
         Banks of the KV buffer: position ``t`` lives in bank ``t mod kv_banks``, and ATTN
         reads one K or V row from every bank a cycle (docs/isa.md §1.4).
@@ -129,6 +134,7 @@ class EngineConfig:
     mem_clock_mhz: float = 0.0
     mem_achievable_gbps: float = 0.0
     kv_banks: int = 1
+    kv_bits: int = 8
     vmem_line_bytes: int = VMEM_LINE_BYTES
     weight_blocks: bool = True
     draft_cores: int = 1
@@ -197,8 +203,13 @@ class EngineConfig:
 
     @property
     def kv_bytes(self) -> int:
-        """On-chip KV storage: K and V, int8."""
-        return 2 * self.kv_slots * self.kv_positions * self.head_dim
+        """On-chip KV storage: K and V, ``kv_bits`` an element (whole bytes of a row)."""
+        return 2 * self.kv_slots * self.kv_positions * self.kv_row_bytes
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one K or V row: ``head_dim`` elements of ``kv_bits``."""
+        return -(-self.head_dim * self.kv_bits // 8)
 
     def with_changes(self, **changes) -> "EngineConfig":
         """A copy with some parameters changed (validated like any other config)."""
@@ -232,6 +243,12 @@ class EngineConfig:
         need(isinstance(self.kv_banks, int) and _is_pow2(self.kv_banks)
              and self.kv_banks <= self.kv_positions, "kv_banks",
              "a power of two, at most kv_positions")
+        need(isinstance(self.kv_bits, int) and not isinstance(self.kv_bits, bool)
+             and 8 <= self.kv_bits <= 16, "kv_bits",
+             "an integer from 8 to 16 (a KVAPPEND source is int8 or int16)")
+        need(self.kv_bits == 8 or self.kv_banks >= 2, "kv_bits",
+             "above 8 only with kv_banks >= 2: the one-bank KV buffer streams reduce-wide "
+             "int8 words through a byte gearbox, a banked one whole rows")
         need(isinstance(self.draft_cores, int) and not isinstance(self.draft_cores, bool)
              and 1 <= self.draft_cores <= 16, "draft_cores",
              "an integer from 1 to 16 (the memory arbiters' round-robin grant grows with the "
@@ -292,7 +309,7 @@ PRESETS: dict[str, EngineConfig] = {
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=16 * GiB,
             mem_port_bits=512, mem_ports=32, mem_clock_mhz=450.0, mem_achievable_gbps=421.0,
-            vmem_line_bytes=64, weight_blocks=False,
+            vmem_line_bytes=64, kv_bits=12,
             source="Alveo U55C (XCU55C, DS978): 16 GB HBM2 in 32 pseudo-channels at 460 GB/s, "
                    "9024 DSP, 960 URAM (33.75 MB). 421 GB/s achievable: AMD's HBM bandwidth "
                    "example with 32 masters, each on its own pseudo-channel (measured on a U280, "
@@ -300,21 +317,21 @@ PRESETS: dict[str, EngineConfig] = {
                    "256-bit 450 MHz HBM port (docs/boards.md §2.1); 200 ns read latency: the "
                    "~110-140 ns measured at the HBM plus an allowance for the bridge (not "
                    "measured). Tile 4x64x32: one 2 KiB engine beat a cycle, 4 rows for trees. "
-                   "KV (18.9 MB) in URAM, 16 banks: ATTN takes 16 K or V rows a cycle, two "
-                   "banks' q·K products share a DSP and banks 8-15's e·V products are logic "
-                   "(the DSPs of 8 banks). 300 MHz as in the DFVG paper. 64-byte VMEM lines, "
-                   "the 512-bit port's beat: RMSNORM, ACTMUL, ROPE, KVAPPEND, ATTN's operands and "
-                   "MATMUL's activation load move a line a cycle, and 16-byte lines made them a "
-                   "third of a LLaMA-160M token. No block multipliers (weight_blocks): 384 DSPs "
-                   "that block-scaled weights do not pay for yet (docs/numerics.md §13.7); "
-                   "with_changes(weight_blocks=True) puts them back"),
+                   "KV of 12-bit elements (28.3 MB) in URAM, 16 banks: ATTN takes 16 K or V rows "
+                   "a cycle, a 16-bit query times K one DSP a product, banks 8-15's e·V products "
+                   "logic (the DSPs of 8 banks). 12 bits and block-scaled weights take "
+                   "SmolLM2-135M from 93.2 % to 97.6 % top-1 agreement (docs/numerics.md "
+                   "§13.7); they cost 512 DSPs of the score products (no longer two banks to a "
+                   "DSP) and the block multipliers' 384. 300 MHz as in the DFVG paper. 64-byte "
+                   "VMEM lines, the 512-bit port's beat: RMSNORM, ACTMUL, ROPE, KVAPPEND, ATTN's "
+                   "operands and MATMUL's activation load move a line a cycle, and 16-byte lines "
+                   "made them a third of a LLaMA-160M token"),
         EngineConfig(
             name="alveo-u55c-1ch", rows=4, lanes=64, reduce=32,
             kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=16 * GiB,
-            mem_port_bits=256, mem_achievable_gbps=421.0, vmem_line_bytes=32,
-            weight_blocks=False,
+            mem_port_bits=256, mem_achievable_gbps=421.0, vmem_line_bytes=32, kv_bits=12,
             source="alveo-u55c with one 256-bit memory channel at the engine clock (9.6 GB/s, "
                    "within one pseudo-channel's 13.1): the single-channel engine, smaller to build "
                    "and simulate, and the baseline of the efficiency table. Rooflines are the card's, "
@@ -325,23 +342,23 @@ PRESETS: dict[str, EngineConfig] = {
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=460.0, mem_latency_ns=200.0, mem_bytes=8 * GiB,
             mem_port_bits=512, mem_ports=32, mem_clock_mhz=450.0, mem_achievable_gbps=421.0,
-            vmem_line_bytes=64, weight_blocks=False,
+            vmem_line_bytes=64, kv_bits=12,
             source="Alveo U280 (XCU280, DS963): 8 GB HBM2 in 32 pseudo-channels at 460 GB/s "
                    "(plus 32 GB DDR4, unused), 9024 DSP, 960 URAM. 421 GB/s achievable: AMD's HBM "
                    "bandwidth example on this card (32 masters, one a pseudo-channel). Ports, "
-                   "latency, tile, KV and 64-byte VMEM lines as alveo-u55c; 300 MHz"),
+                   "latency, tile, 12-bit KV and 64-byte VMEM lines as alveo-u55c; 300 MHz"),
         EngineConfig(
             name="alveo-u250", rows=8, lanes=32, reduce=32,
             kv_slots=144, kv_positions=1024, head_dim=64, kv_banks=8,
             vocab_max=65535, topk_max=16, vmem_bytes=1 << 18, imem_words=4096,
             clock_mhz=300.0, mem_bandwidth_gbps=77.0, mem_latency_ns=250.0, mem_bytes=64 * GiB,
-            mem_port_bits=512, mem_ports=4, mem_clock_mhz=300.0, vmem_line_bytes=64,
+            mem_port_bits=512, mem_ports=4, mem_clock_mhz=300.0, vmem_line_bytes=64, kv_bits=12,
             source="Alveo U250 (XCU250, DS962): 64 GB DDR4 in 4 channels at 77 GB/s, "
                    "12288 DSP, 1280 URAM; one 512-bit master per DDR4 controller (its 300 MHz "
                    "AXI clock). No vendor measurement of sustained bandwidth is used, so the "
                    "achievable roofline is the theoretical one. 300 MHz. DDR bandwidth makes the "
-                   "tile smaller (32 x 32) while staying memory-bound for chains; KV in URAM, "
-                   "8 banks. 64-byte VMEM lines (the 512-bit port's beat), so the elementwise "
+                   "tile smaller (32 x 32) while staying memory-bound for chains; KV of 12-bit "
+                   "elements in URAM, 8 banks. 64-byte VMEM lines (the 512-bit port's beat), so the elementwise "
                    "units stream VMEM as fast as the 32-lane units take it"),
         EngineConfig(
             name="nitefury", rows=2, lanes=16, reduce=8,
@@ -370,11 +387,12 @@ PRESETS: dict[str, EngineConfig] = {
             kv_slots=4, kv_positions=64, head_dim=16,
             vocab_max=512, topk_max=4, vmem_bytes=4096, imem_words=256,
             clock_mhz=100.0, mem_bandwidth_gbps=6.4, mem_latency_ns=100.0, mem_bytes=1 << 24,
-            mem_port_bits=128, mem_ports=4, mem_achievable_gbps=4.8, kv_banks=2,
+            mem_port_bits=128, mem_ports=4, mem_achievable_gbps=4.8, kv_banks=2, kv_bits=12,
             source="the multi-channel engine small enough to co-simulate in tests: 4 channels "
                    "of 4 MiB behind 128-bit ports at 100 MHz (6.4 GB/s in all), each rate-limited "
                    "to 75 % of its peak (4.8 GB/s achievable) as a stand-in for refresh and "
-                   "page misses; 2 KV banks. Nominal, not a board"),
+                   "page misses; 2 KV banks of 12-bit elements, as alveo-u55c's. Nominal, not a "
+                   "board"),
     ]
 }
 

@@ -107,7 +107,8 @@ class Flag(enum.IntFlag):
     MODE1 = 2 << _FLAG_FIELD["mode"][0]
     #: Wide activations (int16): MATMUL reads an int16 src (the matrix unit takes it as
     #: two int8 digit rows sharing each weight tile); RMSNORM, ACTMUL and ATTN write an
-    #: int16 dst with 8 more fractional bits; ROPE rotates int16 heads (src and dst).
+    #: int16 dst with 8 more fractional bits; ROPE rotates int16 heads (src and dst);
+    #: KVAPPEND reads int16 k and v, saturated to the KV cache's ``cfg.kv_bits``.
     WIDE = 1 << _FLAG_FIELD["wide"][0]
     #: MATMUL adds a per-output-channel int32 bias to the accumulator before requantising:
     #: the weight block holds a bias word beside each requant word (docs/isa.md §4.2).
@@ -130,7 +131,8 @@ class Flag(enum.IntFlag):
     #: ACTMUL with int16 gate and up (docs/isa.md §3.8, numerics.act_mul_wide): the source
     #: row is ``[gate | up]`` of 2n int16 (UNGATED: n int16 gates), the table 128
     #: interpolated knots. ATTN with an int16 query (§3.7, numerics.attention_query: read
-    #: as 11 bits). The same bit as BIAS, which only MATMUL reads.
+    #: as 11 bits over an int8 KV cache, 16 over a wider one). The same bit as BIAS, which
+    #: only MATMUL reads.
     IN16 = 1 << _FLAG_FIELD["in16"][0]
     #: MATMUL in INT8 mode writes int16 (``requant(acc, 16)``, docs/isa.md §3.4): the rows
     #: an ACTMUL IN16 reads; the other modes ignore it. The same bit as UNGATED, which only
@@ -166,7 +168,7 @@ _USES: dict[Op, tuple[frozenset[str], int]] = {
                 Flag.LREL | Flag.MODE0 | Flag.MODE1 | Flag.WIDE | Flag.BIAS | Flag.BLOCKS | Flag.ROWEXP
                 | Flag.OUT16),
     Op.ROPE: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.WIDE),
-    Op.KVAPPEND: (frozenset({"rows", "src", "n", "k"}), 0),
+    Op.KVAPPEND: (frozenset({"flags", "rows", "src", "n", "k"}), Flag.WIDE),
     Op.ATTN: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}), Flag.LREL | Flag.WIDE | Flag.IN16),
     Op.ACTMUL: (frozenset({"flags", "rows", "dst", "src", "n", "k", "addr"}),
                 Flag.LREL | Flag.WIDE | Flag.UNGATED | Flag.ROWEXP | Flag.IN16),

@@ -23,7 +23,7 @@ __all__ = [
     "GAMMA_SHIFT_MAX", "T1_MULT", "T1_SHIFT", "NORM_IN_BITS", "saturate", "round_shift", "requant", "add_bias",
     "BLOCK_MULT_BITS", "BLOCK_SHIFT", "block_matmul", "block_round",
     "residual_add", "bit_length", "rsqrt_fixed", "norm_input_shift", "rmsnorm", "exp2_neg", "softmax_weights",
-    "ATTN_Q_BITS", "attention_query", "attention",
+    "ATTN_Q_BITS", "attention_query_bits", "attention_query", "KV_BITS_MAX", "kv_entry", "attention",
     "rope", "act_mul", "ACT_KNOTS", "ACT_KNOT_FRAC", "act_interpolate", "act_mul_wide", "ROW_EXP_BITS", "ROW_EXP_MAX", "act_mul_shift", "act_row_exponent", "row_shift",
     "topk_select", "sampler_probs", "sample_index",
     "path_score", "TREE_SCORE_ROOT", "tree_expand_greedy",
@@ -47,10 +47,13 @@ RSQRT_INDEX_BITS = 8  #: fractional bits of the rsqrt LUT index
 RSQRT_BITS = 15       #: rsqrt LUT values are Q1.15 (in (2^14, 2^15])
 ROPE_FRAC = 14        #: cos/sin table entries are Q1.14 int16
 RECIP_BITS = 32       #: attention normaliser: floor(2^32 / sum)
-#: ATTN IN16's query: an int16 q is saturated to ±(2^10 − 1), 11 bits, as the score pass
-#: reads it, so that a K element times it fits 18 bits and two banks' products still share
-#: one DSP48E2 (dfvg_hw/dsp_pack.py): |k · q| ≤ 128 · 1023 < 2^17
+#: ATTN IN16's query over an int8 KV cache: an int16 q is saturated to ±(2^10 − 1), 11 bits,
+#: as the score pass reads it, so that a K element times it fits 18 bits and two banks'
+#: products still share one DSP48E2 (dfvg_hw/dsp_pack.py): |k · q| ≤ 128 · 1023 < 2^17
+#: (over a wider cache all 16 bits: attention_query_bits)
 ATTN_Q_BITS = 11
+#: widest KV cache element (``cfg.kv_bits``): a KVAPPEND WIDE source is int16
+KV_BITS_MAX = 16
 EXP_ONE = 1 << 16     #: exp2_neg(0): weights are Q0.16 (17-bit unsigned)
 GAMMA_SHIFT_MAX = 16  #: RMSNORM gamma shift bound: 15 + k (≤ 31) + 16 keeps every shift < 63
 T1_MULT, T1_SHIFT = 47274, 15  #: sampler multiplier at temperature 1 (= host_temperature(1.0))
@@ -255,29 +258,50 @@ def softmax_weights(scores, mult: int, shift: int) -> np.ndarray:
     return exp2_neg(round_shift(d * _I64(mult), shift))
 
 
-def attention_query(q, in16: bool = False) -> np.ndarray:
+def attention_query_bits(kv_bits: int = ACT_BITS) -> int:
+    """Bits of an int16 query (``ATTN IN16``) the score pass reads: :data:`ATTN_Q_BITS`
+    (11) over an int8 KV cache, where a K element times it must fit the packed DSP48E2
+    product's 18-bit field; all 16 over a wider one, whose products are one DSP each
+    (a 16-bit query on the 27-bit port, K on the 18-bit one)."""
+    return ATTN_Q_BITS if kv_bits == ACT_BITS else 16
+
+
+def attention_query(q, in16: bool = False, kv_bits: int = ACT_BITS) -> np.ndarray:
     """The query as the score pass reads it: int8 as is; an int16 one (``ATTN IN16``)
-    saturated to the symmetric :data:`ATTN_Q_BITS`-bit range ``±(2^10 − 1)``."""
+    saturated to the symmetric range of :func:`attention_query_bits` bits, ``±(2^(b−1) −
+    1)`` (int8 KV: ``±1023``)."""
     q = _as_i64(q)
-    limit = (1 << (ATTN_Q_BITS - 1)) - 1
+    limit = (1 << (attention_query_bits(kv_bits) - 1)) - 1
     return np.clip(q, -limit, limit) if in16 else q
 
 
-def attention(q, k, v, mult: int, shift: int, out_bits: int = ACT_BITS, in16: bool = False) -> np.ndarray:
-    """Attention of one query ``q[D]`` over int8 keys/values ``k, v[T, D]``; the query is
-    int8, or with ``in16`` int16 read as :func:`attention_query` (11 bits), so a score is
-    at most ``D · 2^17`` instead of ``D · 2^14``.
+def kv_entry(x, kv_bits: int = ACT_BITS, wide: bool = False) -> np.ndarray:
+    """A KV cache element of ``kv_bits`` bits (``cfg.kv_bits``, 8 to 16) from a KVAPPEND
+    source element: an int16 one (KVAPPEND ``WIDE``) saturated to ``kv_bits``; an int8 one
+    placed in the element's top 8 bits, ``x · 2^(kv_bits − 8)``, so that the cache holds
+    every entry at one scale and ATTN's output shift does not depend on the program."""
+    x = _as_i64(x)
+    return saturate(x, kv_bits) if wide else x << (kv_bits - ACT_BITS)
 
-    ``s = k·q`` (int32); ``e = softmax_weights(s)``; ``E = Σ e`` (≥ 2^16);
-    ``num = Σ_t e_t v_t`` (|num| < 2^16·128·T); ``R = floor(2^32 / E)`` (one sequential
-    divider per head); ``o = sat8(round_shift(num · R, 32))``. The output has V's scale;
-    with ``out_bits=16`` it is ``sat16(round_shift(num · R, 24))``, V's scale / 2^8.
+
+def attention(q, k, v, mult: int, shift: int, out_bits: int = ACT_BITS, in16: bool = False,
+              kv_bits: int = ACT_BITS) -> np.ndarray:
+    """Attention of one query ``q[D]`` over keys/values ``k, v[T, D]`` of ``kv_bits`` bits
+    (the KV cache's elements, :func:`kv_entry`); the query is int8, or with ``in16`` int16
+    read as :func:`attention_query` (11 bits over int8 K, 16 over wider K), so a score is
+    at most ``D · 2^(kv_bits + b − 2)`` for a ``b``-bit query.
+
+    ``s = k·q``; ``e = softmax_weights(s)``; ``E = Σ e`` (≥ 2^16);
+    ``num = Σ_t e_t v_t`` (|num| ≤ 2^16 · 2^(kv_bits − 1) · T); ``R = floor(2^32 / E)``
+    (one sequential divider per head); ``o = sat(round_shift(num · R, 32 − (out_bits −
+    kv_bits)))``, a convex combination of V's rows at ``out_bits``: its scale is V's
+    times ``2^(kv_bits − out_bits)`` (int8 KV: V's scale, or V's / 2^8 at 16 bits).
     """
-    q, k, v = attention_query(q, in16), _as_i64(k), _as_i64(v)
+    q, k, v = attention_query(q, in16, kv_bits), _as_i64(k), _as_i64(v)
     e = softmax_weights(k @ q, mult, shift)
     recip = (_I64(1) << RECIP_BITS) // np.sum(e)
     num = e @ v
-    return saturate(round_shift(num * recip, RECIP_BITS - (out_bits - ACT_BITS)), out_bits)
+    return saturate(round_shift(num * recip, RECIP_BITS - (out_bits - kv_bits)), out_bits)
 
 
 # -- RoPE, activation ----------------------------------------------------------------

@@ -394,6 +394,69 @@ def test_attention_11_bit_queries(cfg):
     assert sum(len(o) for o, w in zip(got, in16) if w) >= 1000
 
 
+def wide_kv_heads(rng, count, d, max_t, kv_bits):
+    """Heads over K and V of ``kv_bits``-bit elements (a wider KV cache,
+    numerics.kv_entry), 16-bit (IN16, already saturated to ±32767) or int8 queries,
+    softmax scales spread around their range; the first ones at the edges: every K
+    element at its most negative or largest value against q ±32767, and V all at one
+    extreme."""
+    lo, hi = -(1 << (kv_bits - 1)), (1 << (kv_bits - 1)) - 1
+    q_limit = (1 << (nx.attention_query_bits(kv_bits) - 1)) - 1
+    heads = []
+    for i in range(count):
+        t = int(rng.integers(1, max_t + 1))
+        q = rng.integers(-q_limit, q_limit + 1, d) if i % 3 else rng.integers(-128, 128, d)
+        k, v = rng.integers(lo, hi + 1, (t, d)), rng.integers(lo, hi + 1, (t, d))
+        if i < 4:
+            q = np.full(d, q_limit if i % 2 else -q_limit)
+            k = np.tile([[lo], [hi]], (-(-t // 2), d))[:t]
+            v = np.full((t, d), hi if i % 2 else lo)
+        spread = max(1, int(np.ptp(k @ q)))
+        real = min(8 * 2 ** 8 / spread * 10.0 ** rng.uniform(-1, 1), 65535.0)
+        mult, shift = (int(x) for x in nx.host_multiplier(real))
+        heads.append((q, k, v, mult, shift, i < 4 or bool(rng.random() < 0.5)))
+    return heads
+
+
+@pytest.mark.parametrize("cfg", [TINY.with_changes(kv_banks=2, kv_bits=12),
+                                 TINY.with_changes(kv_banks=16, kv_bits=12),
+                                 TINY.with_changes(kv_banks=4, kv_bits=16)],
+                         ids=["b2kv12", "b16kv12", "b4kv16"])
+def test_attention_wide_kv_elements(cfg):
+    """K and V elements wider than int8 (``kv_bits``: plain, unpacked score products, wider
+    e·V products on DSPs and in logic, the output shifted by ``kv_bits − 8``) against
+    numerics.attention(kv_bits=…): edges, then random heads, ≥ 1000 outputs, int8 and
+    int16 outputs in one stream."""
+    rng = np.random.default_rng(300 + cfg.kv_bits + cfg.kv_banks)
+    d = cfg.head_dim
+    heads = wide_kv_heads(rng, math.ceil(1000 / d) + 4, d, min(cfg.kv_positions, 40), cfg.kv_bits)
+    got = simulate_attention(Attention(cfg), heads, v_stall=(1, 1, 0), o_stall=(1, 0), seed=4)
+    outs = []
+    for i, ((q, k, v, mult, shift, wide), o) in enumerate(zip(heads, got)):
+        want = nx.attention(q, k, v, mult, shift, 16 if wide else 8, i % 3 != 0, cfg.kv_bits)
+        np.testing.assert_array_equal(o, want, err_msg=f"head {i}")
+        outs.append(o)
+    assert sum(map(len, outs)) >= 1000
+    # the edge heads' V extremes come out near the int16 output's ends (V's scale ·
+    # 2^(kv_bits − 16); the reciprocal's floor takes a little off)
+    wide_outs = np.concatenate([o for o, h in zip(outs, heads) if h[5]])
+    assert wide_outs.max() > 0.99 * 32767 and wide_outs.min() < -0.99 * 32768
+
+
+def test_a_wide_kv_output_shift_mutation_is_caught():
+    """The Normalizer without the ``kv_bits − 8`` output shift fails the wide-KV check."""
+    import dfvg_hw.attention as attention_module
+    from sequencer_cases import mutant
+    bad = mutant(attention_module, "+ (self.kv_bits - nx.ACT_BITS)", "+ 0", shared=())
+    cfg = TINY.with_changes(kv_banks=2, kv_bits=12)
+    rng = np.random.default_rng(5)
+    heads = wide_kv_heads(rng, 6, cfg.head_dim, 12, cfg.kv_bits)
+    got = simulate_attention(bad.Attention(cfg), heads)
+    assert any(not np.array_equal(o, nx.attention(q, k, v, mult, shift, 16 if wide else 8,
+                                                  i % 3 != 0, cfg.kv_bits))
+               for i, ((q, k, v, mult, shift, wide), o) in enumerate(zip(heads, got)))
+
+
 def test_attention_full_kv_buffer():
     """T = kv_positions (the score buffer full) with the largest sums."""
     cfg = TINY
@@ -505,7 +568,7 @@ def test_packed_products_with_11_bit_multiplicands():
                                                             rng.integers(-128, 128, 1500),
                                                             rng.integers(-1023, 1024, 1500))]
     _check_packed_products(vectors, operand_bits=8, w_bits=nx.ATTN_Q_BITS,
-                           product_bits=Attention.PRODUCT_BITS)
+                           product_bits=nx.ACT_BITS + nx.ATTN_Q_BITS - 1)     # int8 K's
     assert len(vectors) > 1800
 
 

@@ -37,6 +37,8 @@ CONFIGS = {
     "b2": TINY.with_changes(kv_banks=2),
     "s3p13b4": TINY.with_changes(kv_slots=3, kv_positions=13, kv_banks=4),   # PB = 4: a pad row
     "s2p16b8d32": TINY.with_changes(kv_slots=2, kv_positions=16, head_dim=32, kv_banks=8),
+    # 12-bit elements (a wider KV cache, numerics.kv_entry): the merge, rows and contents
+    "b4kv12": TINY.with_changes(kv_slots=3, kv_positions=12, kv_banks=4, kv_bits=12),
 }
 ONE_POSITION = TINY.with_changes(kv_slots=1, kv_positions=1)
 #: bank memories split into a "URAM" and a "BRAM" part (BankMemory), with a small URAM
@@ -61,8 +63,8 @@ def make_buffer(cfg, uram_depth=None):
 class KVModel:
     """Reference: the functional model's KV arrays, POS register and error flags."""
 
-    def __init__(self, cfg, word_bytes):
-        self.cfg, self.wb, self.banks = cfg, word_bytes, cfg.kv_banks
+    def __init__(self, cfg, word_elements):
+        self.cfg, self.wb, self.banks = cfg, word_elements, cfg.kv_banks
         shape = (cfg.kv_slots, cfg.kv_positions, cfg.head_dim)
         self.k, self.v = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
         self.pos = 0
@@ -126,6 +128,15 @@ def beat_of(dut, beat):
     return (rows, keep, int(beat.last))
 
 
+def elements(rng, cfg, n):
+    """``n`` random KV elements of ``cfg.kv_bits``, the extremes among them."""
+    half = 1 << (cfg.kv_bits - 1)
+    values = rng.integers(-half, half, n)
+    values[rng.random(n) < 0.1] = -half
+    values[rng.random(n) < 0.1] = half - 1
+    return values
+
+
 def words_of(entry, wb):
     return [[int(b) for b in entry[i:i + wb]] for i in range(0, len(entry), wb)]
 
@@ -142,7 +153,7 @@ class PathTable(wiring.Component):
         for side in "kv":
             del members[f"{side}_path_index"], members[f"{side}_path_pos"]
         super().__init__(wiring.Signature(members))
-        self.banks, self.words, self.word_bytes = buffer.banks, buffer.words, buffer.word_bytes
+        self.banks, self.words, self.word_elements = buffer.banks, buffer.words, buffer.word_elements
 
     def elaborate(self, platform):
         m = Module()
@@ -189,7 +200,7 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
     paths = tuple([path for side, _, path in requests if side == s] for s in (0, 1))
     buffer = make_buffer(cfg, uram_depth)
     dut = buffer if not any(p for _, _, p in requests) else PathTable(buffer, paths)
-    model = KVModel(cfg, dut.word_bytes)
+    model = KVModel(cfg, dut.word_elements)
     plan = []                          # (op, args, expected pos, expected (ovf, rng))
     expected = ([], [])                # each channel's beats
     for op, args in ops:
@@ -225,7 +236,7 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
             elif op == "append":
                 slot, k, kd, vd = args
                 await stream_put(ctx, dut.cmd, {"op": KVOp.APPEND, "slot": slot, "arg": k})
-                for word in words_of(kd, dut.word_bytes) + words_of(vd, dut.word_bytes):
+                for word in words_of(kd, dut.word_elements) + words_of(vd, dut.word_elements):
                     if next(wgaps):
                         await ctx.tick()
                     await stream_put(ctx, dut.wdata, word)
@@ -245,10 +256,13 @@ def run_ops(cfg, ops, rng, *, wgap=0.2, backpressure=0.3, check_each=True, stall
                 assert ctx.get(dut.pos) == pos, f"op {i} {op}: pos"
                 e = ctx.get(dut.error)
                 assert (e.overflow, e.range) == err, f"op {i} {op}{args[:1]}: error flags"
-        await ctx.tick().repeat(2)           # the last command's trailing write
+        # the last command's trailing write: an APPEND's or a COPY's, once it is done
+        while ctx.get(dut.busy):
+            await ctx.tick()
+        await ctx.tick().repeat(2)
         stored = buffer.contents(lambda mem, i: ctx.get(mem.data[i]))
         for side, arr in enumerate((model.k, model.v)):
-            assert stored[side] == arr.astype(np.int8).tobytes(), f"stored {'KV'[side]}"
+            np.testing.assert_array_equal(stored[side], arr, err_msg=f"stored {'KV'[side]}")
         done["driver"] = True
 
     def reader(side):
@@ -289,7 +303,7 @@ def random_ops(cfg, rng, n):
             k = D if rng.random() < 0.6 else int(rng.integers(0, D + 1))
             if rng.random() < 0.03:
                 k = int(rng.integers(D + 1, 1 << 16))
-            ops.append(("append", (slot, k, rng.integers(-128, 128, D), rng.integers(-128, 128, D))))
+            ops.append(("append", (slot, k, elements(rng, cfg, D), elements(rng, cfg, D))))
         elif r < 0.54:
             ops.append(("read", (slot,)))
         elif r < 0.60:
@@ -341,7 +355,7 @@ def tree_ops(cfg, rng, n):
     return ops
 
 
-@pytest.mark.parametrize("name", ["tiny", "s9p20d32", "b2", "s3p13b4", "s2p16b8d32"])
+@pytest.mark.parametrize("name", ["tiny", "s9p20d32", "b2", "s3p13b4", "s2p16b8d32", "b4kv12"])
 def test_path_reads_and_copies(name):
     """Random sequences of appends, reads with and without a path, copies, rollbacks and
     error clears against the model: a path entry streams as ``words`` words (banked: one
@@ -360,8 +374,8 @@ def fill(cfg, slot, rng, n=None):
     """Append positions 0 … n-1 of one slot: rollback 0, then append + advance."""
     ops = [("rollback", (0,))]
     for _ in range(cfg.kv_positions if n is None else n):
-        ops += [("append", (slot, cfg.head_dim, rng.integers(-128, 128, cfg.head_dim),
-                     rng.integers(-128, 128, cfg.head_dim))), ("advance", ())]
+        ops += [("append", (slot, cfg.head_dim, elements(rng, cfg, cfg.head_dim),
+                     elements(rng, cfg, cfg.head_dim))), ("advance", ())]
     return ops
 
 
@@ -446,7 +460,7 @@ def throughput(dut, cfg, n, rng, slot=1):
     """Append ``n`` positions of ``slot``, then a K read and at once a V read over them,
     both outputs always ready: (expected K and V beats, got K and V beats, the cycle each
     beat was valid, counted from the K request's transfer)."""
-    model = KVModel(cfg, dut.word_bytes)
+    model = KVModel(cfg, dut.word_elements)
     appends = []
     for p in range(n):
         kd, vd = rng.integers(-128, 128, cfg.head_dim), rng.integers(-128, 128, cfg.head_dim)
@@ -460,7 +474,7 @@ def throughput(dut, cfg, n, rng, slot=1):
     async def tb(ctx):
         for kd, vd in appends:
             await stream_put(ctx, dut.cmd, {"op": KVOp.APPEND, "slot": slot, "arg": cfg.head_dim})
-            for word in words_of(kd, dut.word_bytes) + words_of(vd, dut.word_bytes):
+            for word in words_of(kd, dut.word_elements) + words_of(vd, dut.word_elements):
                 await stream_put(ctx, dut.wdata, word)
             await stream_put(ctx, dut.cmd, {"op": KVOp.ADVANCE, "slot": 0, "arg": 0})
         await stream_put(ctx, dut.cmd, {"op": KVOp.ROLLBACK, "slot": 0, "arg": n - 1})
@@ -523,13 +537,14 @@ def test_address_map_and_width():
     u55c = get_preset("alveo-u55c")
     for cfg, wb, depth, style in ((TINY, 8, 2 * 2 * 64 * 2, None),
                                   # one bank (the preset itself has 8)
-                                  (u55c.with_changes(kv_banks=1), 32, 144 * 1024 * 2, "ultra"),
+                                  (u55c.with_changes(kv_banks=1, kv_bits=8), 32, 144 * 1024 * 2, "ultra"),
                                   # banked: a row per word, each bank 1/16 of the positions
                                   (u55c.with_changes(kv_banks=16), 64, 144 * 64, "ultra"),
                                   (CONFIGS["s3p13b4"], 16, 3 * 4, None)):
         kv = KVBuffer(cfg)
         kv._MustUse__silence = True          # only its parameters are inspected here
-        assert (kv.word_bytes, kv.words, kv.depth, kv.ram_style) == (wb, cfg.head_dim // wb, depth, style)
+        assert (kv.word_elements, kv.words, kv.depth, kv.ram_style) == (wb, cfg.head_dim // wb, depth, style)
+        assert kv.element_bits == cfg.kv_bits        # u55c: 12, a 768-bit row
 
 
 def parts(depth, ram_style="ultra", uram_depth=BankMemory.URAM_DEPTH):
@@ -546,7 +561,8 @@ def test_bank_memory_split():
     u55c = get_preset("alveo-u55c")
     for banks, expected in ((16, [(8192, "ultra"), (1024, "block")]),
                             (1, [(294912, "ultra")])):
-        kv = KVBuffer(u55c.with_changes(kv_banks=banks))
+        # (one bank streams int8 words: kv_bits 8)
+        kv = KVBuffer(u55c.with_changes(kv_banks=banks, kv_bits=12 if banks > 1 else 8))
         kv._MustUse__silence = True
         assert parts(kv.depth, kv.ram_style) == expected
     assert parts(4096 + 1025) == [(5121, "ultra")]

@@ -168,9 +168,9 @@ def chain_kv_fields(job: dict) -> dict:
     return {"kv_pos": pos, "prefix": pos + 1, "path_len": 0} | job
 
 
-def _append(n, k, src, pos, layer=0, rows=1, base=0):
-    return dict(opcode=Op.KVAPPEND, rows=rows, n=n, k=k, src=src, pos=pos, layer=layer,
-                slot_base=base)
+def _append(n, k, src, pos, layer=0, rows=1, base=0, wide=False):
+    return dict(opcode=Op.KVAPPEND, flags=Flag.WIDE if wide else 0, rows=rows, n=n, k=k, src=src,
+                pos=pos, layer=layer, slot_base=base)
 
 
 def _attn(n, k, src, dst, pos, addr, layer=0, wide=False, rows=1, base=0, in16=False):
@@ -210,6 +210,92 @@ def test_appends_then_attention_gqa_wide_and_narrow(name):
     errors = _run(rng, jobs, _memory(rng), config=config)
     assert errors == [OK] * len(jobs)
     assert _outputs(jobs, errors) >= (1000 if name == "b1" else 600)
+
+
+WIDE_KV = {"b4kv12": TINY.with_changes(kv_banks=4, kv_bits=12),
+           "b2kv16": TINY.with_changes(kv_banks=2, kv_bits=16)}
+
+
+def _wide_kv_case(name):
+    """test_wide_kv_elements's jobs: (rng, jobs, memory, config, prepare)."""
+    config = WIDE_KV[name]
+    rng = np.random.default_rng(70 + config.kv_bits)
+    memory = _memory(rng)
+    for addr, groups in ((GQA2, 2), (MHA1, 1), (GQA2_ODD, 2)):
+        # scores up to 2^(kv_bits + 14) · D (16-bit queries): multipliers that keep the
+        # softmax spread
+        block = np.zeros(ATTN_PARAM_BYTES // 4, "<u4")
+        block[0] = int(rng.integers(200, 4000)) | (config.kv_bits + 15) << 16
+        block[1] = groups
+        memory.write(addr, block.tobytes())
+    jobs, wide_rows, queries = [], [], []
+    for pos in range(12):
+        for layer in range(LAYERS):
+            # a whole entry, and now and then a shorter one over it (its elements past k stay)
+            ks = [TINY.head_dim] + ([int(rng.integers(5, TINY.head_dim))] if rng.random() < 0.4 else [])
+            for k in ks:
+                wide = bool(rng.random() < 0.7)
+                jobs.append(_append(KV_HEADS, k, int(rng.integers(0, 100)), pos, layer, wide=wide))
+                if wide:
+                    wide_rows.append(jobs[-1])
+        for layer in range(LAYERS):
+            n, addr = [(2, GQA2), (4, GQA2_ODD), (2, MHA1), (4, GQA2)][int(rng.integers(4))]
+            in16 = bool(rng.random() < 0.5)
+            jobs.append(_attn(n, TINY.head_dim, int(rng.integers(100, 140)), int(rng.integers(140, 240)),
+                              pos, addr, layer, wide=bool(rng.random() < 0.5), in16=in16))
+            if in16:
+                queries.append(jobs[-1])
+    limit = 1 << (config.kv_bits - 1)
+
+    def prepare(vmem):
+        # int16 queries, read whole (16 bits) over a wide cache: −32768 saturates to −32767
+        for job in queries:
+            start, count = job["src"] * config.vmem_line_bytes, job["n"] * job["k"]
+            q = rng.integers(-6000, 6000, count).astype("<i2")
+            q[:3] = [-32768, 32767, -32767]
+            vmem[start:start + 2 * count] = np.frombuffer(q.tobytes(), np.uint8)
+        for job in wide_rows:           # int16 k and v around the element's range
+            start, count = job["src"] * config.vmem_line_bytes, 2 * job["n"] * job["k"]
+            kv = rng.integers(-limit - 300, limit + 300, count).clip(-32768, 32767).astype("<i2")
+            vmem[start:start + 2 * count] = np.frombuffer(kv.tobytes(), np.uint8)
+
+    return rng, jobs, memory, config, prepare
+
+
+@pytest.mark.parametrize("name", list(WIDE_KV))
+def test_wide_kv_elements(name):
+    """A KV cache of ``kv_bits`` > 8 (numerics.kv_entry): KVAPPEND WIDE's int16 k and v
+    saturated to ``kv_bits`` (values around the limit, so some saturate) and plain
+    KVAPPENDs' int8 in the top bits, mixed in one cache; ATTN over them with int8 and
+    16-bit queries, narrow and wide outputs (shifted by ``kv_bits − 8``); against the
+    functional model, cycles equal to the cycle model's (a WIDE head is 2k bytes)."""
+    rng, jobs, memory, config, prepare = _wide_kv_case(name)
+    errors = _run(rng, jobs, memory, config=config, prepare=prepare)
+    assert errors == [OK] * len(jobs)
+    assert _outputs(jobs, errors) >= 1000
+
+
+@pytest.mark.parametrize("module, old, new", [
+    # an int16 k/v wrapped to kv_bits instead of saturated
+    ("kv_sequencer", "saturate(head.word_select(j, 16).as_signed(), EB)", "head.word_select(j, 16).as_signed()"),
+    # an int8 k/v in the element's low bits instead of its top 8
+    ("kv_sequencer", "<< (EB - nx.ACT_BITS))[:EB]", ")[:EB]"),
+    # a partial APPEND merging the old entry's elements as bytes
+    ("kv_buffer", "old.word_select(b, eb))", "old.word_select(b, 8))")],
+    ids=["wrap", "low-bits", "byte-merge"])
+def test_a_wide_kv_mutation_is_caught(monkeypatch, module, old, new):
+    """test_wide_kv_elements's b4kv12 jobs fail on the RTL with the element path mutated."""
+    import importlib
+    import sys
+    from sequencer_cases import mutant
+    bad = mutant(importlib.import_module(f"dfvg_hw.{module}"), old, new, shared=())
+    if module == "kv_buffer":
+        monkeypatch.setattr("dfvg_hw.kv_sequencer.KVBuffer", bad.KVBuffer)
+    else:
+        monkeypatch.setattr(sys.modules[__name__], "KvSequencer", bad.KvSequencer)
+    rng, jobs, memory, config, prepare = _wide_kv_case("b4kv12")
+    with pytest.raises(AssertionError):
+        _run(rng, jobs, memory, config=config, prepare=prepare)
 
 
 def _small_int16_queries(rng, vmem_jobs, config):
@@ -516,7 +602,8 @@ def _tree_model_cycles(config, job: dict) -> int:
     if job["opcode"] == COMPACT:
         return compaction_cycles(config, job["k"], job["src"])
     if job["opcode"] == Op.KVAPPEND:
-        return kvappend_cycles(config, job["n"], job["k"], job["src"]) - UNIT_OVERHEAD
+        return kvappend_cycles(config, job["n"], job["k"], job["src"],
+                               bool(job.get("flags", 0) & Flag.WIDE)) - UNIT_OVERHEAD
     port = CycleModel(config.with_changes(mem_port_bits=128)).port
     return attn_job_cycles(port, config, job["n"], job["k"], job["src"], job["dst"],
                            job["prefix"], job["path_len"], bool(job.get("flags", 0) & Flag.WIDE),
