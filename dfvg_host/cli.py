@@ -18,17 +18,18 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
-#: ``--weight-blocks`` of compile, generate and accuracy
+#: ``--[no-]weight-blocks`` of compile, generate and accuracy
 WEIGHT_BLOCKS_HELP = ("block-scaled int8 weights: a 16-bit multiplier per block of the preset's "
-                      "reduce inputs of every matrix row (MATMUL BLOCKS, engine 2.6; 2/reduce more "
-                      "weight bytes, 1/16 at reduce 32); for a preset built with weight_blocks")
+                      "reduce inputs of every matrix row (MATMUL BLOCKS; 2/reduce more weight "
+                      "bytes, 1/16 at reduce 32). Default: on wherever the preset is built with "
+                      "weight_blocks (every named preset)")
 
 
-#: ``--row-exponents`` of compile, generate and accuracy
+#: ``--[no-]row-exponents`` of compile, generate and accuracy
 ROW_EXPONENTS_HELP = ("h (the down projection's input) at a power-of-two scale per row: ACTMUL "
                       "measures each row and writes it at its own exponent, the down MATMUL shifts "
-                      "by it (ROWEXP; a second pass of each row through the activation unit). Off by "
-                      "default: it does not pay while gate and up are int8 (docs/numerics.md §13.7)")
+                      "by it (ROWEXP; a second pass of each row through the activation unit). "
+                      "Default: on wherever the down projections have no bias (not OPT's fc2)")
 
 
 def _preset(name: str):
@@ -62,7 +63,7 @@ def cmd_compile(args) -> int:
     from dfvg_host.report import compile_report
 
     engine = _preset(args.preset)
-    check_weight_blocks(engine, args.weight_blocks)
+    check_weight_blocks(engine, args.weight_blocks)        # before the (slow) compile
     draft = Path(args.draft)
     if not draft.is_dir():
         raise CliError(f"--draft {draft} is not a directory")
@@ -94,7 +95,7 @@ def cmd_compile(args) -> int:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(f"compiled {draft} -> {args.output} in {time.perf_counter() - t0:.1f} s "
-              f"(weights: {'random, for sizing' if args.random_weights else _weight_format(args)})")
+              f"(weights: {'random, for sizing' if args.random_weights else _weight_format(compiled)})")
         print(f"family {shape.model_type}: {FAMILIES[shape.model_type]}")
         if args.draft_vocab:
             print(f"draft vocabulary: {args.draft_vocab - 1} of the model's {shape.vocab} tokens "
@@ -177,19 +178,21 @@ def _resolve_draft(draft: str | None, engine) -> DraftSource:
     return DraftSource(None, path, shape.vocab, min(engine.kv_positions, shape.max_positions))
 
 
-def _weight_format(args) -> str:
-    return ("int8, a scale per block of the preset's reduce inputs" if args.weight_blocks
-            else "int8 per channel")
+def _weight_format(compiled) -> str:
+    layout = compiled.manifest["layout"]
+    weights = ("int8, a scale per block of the preset's reduce inputs" if layout.get("blocks")
+               else "int8 per channel")
+    return weights + (", h at a power of two per row" if layout.get("row_exponents") else "")
 
 
 def _compile_source(source: DraftSource, engine, calibration: str | None, log, *,
-                    target: Path | None = None, demo: bool = False, weight_blocks: bool = False,
-                    row_exponents: bool = False):
+                    target: Path | None = None, demo: bool = False, weight_blocks: bool | None = None,
+                    row_exponents: bool | None = None):
     """The compiled draft of ``source``: as loaded, or its model compiled (and cached) now.
     The demo draft calibrates on the demo's Python; a draft without a tokenizer of its own
     is calibrated through the ``target``'s (they must share one). ``weight_blocks``
-    (``--weight-blocks``): block-scaled weights, ``row_exponents`` (``--row-exponents``): h's
-    row exponents (each cached apart from the plain ones)."""
+    (``--[no-]weight-blocks``): block-scaled weights, ``row_exponents``
+    (``--[no-]row-exponents``): h's row exponents; ``None``: the compiler's defaults."""
     from dfvg_host.checkpoints import has_tokenizer
     from dfvg_host.compiler import check_weight_blocks
     from dfvg_host.demo import DEMO_DATA, compile_cached
@@ -988,8 +991,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft over N − 1 of the model's tokens (special, calibration-text and "
                         "lowest ids), for a vocabulary past the preset's vocab_max (e.g. Qwen's "
                         "151,936); the target still verifies every token")
-    c.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_HELP)
-    c.add_argument("--row-exponents", action="store_true", help=ROW_EXPONENTS_HELP)
+    c.add_argument("--weight-blocks", action=argparse.BooleanOptionalAction, default=None,
+                   help=WEIGHT_BLOCKS_HELP)
+    c.add_argument("--row-exponents", action=argparse.BooleanOptionalAction, default=None,
+                   help=ROW_EXPONENTS_HELP)
     c.add_argument("--context", type=int, default=256,
                    help="context length the speed figures are modelled at (default 256)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -1025,8 +1030,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="verifier dtype: float32, bfloat16, float16")
     g.add_argument("--verifier-device", help="torch device for the target (default cuda if present, else cpu)")
     g.add_argument("--calibration", help="calibration text when --draft needs compiling")
-    g.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_HELP)
-    g.add_argument("--row-exponents", action="store_true", help=ROW_EXPONENTS_HELP)
+    g.add_argument("--weight-blocks", action=argparse.BooleanOptionalAction, default=None,
+                   help=WEIGHT_BLOCKS_HELP)
+    g.add_argument("--row-exponents", action=argparse.BooleanOptionalAction, default=None,
+                   help=ROW_EXPONENTS_HELP)
     g.add_argument("--timeout", type=float, default=30.0, help="draft-device timeout in seconds")
     g.add_argument("--schedule", choices=["serial", "pipelined"], default="serial",
                    help="serial: draft, then verify; pipelined: the engine drafts the next round "
@@ -1135,8 +1142,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--positions", type=int, default=1024, help="positions compared (default 1024)")
     a.add_argument("--segment", type=int, default=256, help="tokens per segment, each from position 0")
     a.add_argument("--calibration", help="calibration text when --draft needs compiling")
-    a.add_argument("--weight-blocks", action="store_true", help=WEIGHT_BLOCKS_HELP)
-    a.add_argument("--row-exponents", action="store_true", help=ROW_EXPONENTS_HELP)
+    a.add_argument("--weight-blocks", action=argparse.BooleanOptionalAction, default=None,
+                   help=WEIGHT_BLOCKS_HELP)
+    a.add_argument("--row-exponents", action=argparse.BooleanOptionalAction, default=None,
+                   help=ROW_EXPONENTS_HELP)
     a.add_argument("--json", action="store_true", help="print the figures as JSON")
     a.set_defaults(func=cmd_accuracy)
 

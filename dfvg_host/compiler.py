@@ -37,7 +37,7 @@ from dfvg_host.qk_balance import balance_factors, balanced_maxima, row_factors
 from dfvg_host.families import FAMILIES, NOT_YET, FamilyLayout, layout_of
 
 __all__ = ["CompileError", "UnsupportedModel", "DoesNotFit", "ModelShape", "CompiledDraft",
-           "describe_model", "check_fits", "check_weight_blocks", "calibrate", "compile_draft",
+           "describe_model", "check_fits", "check_weight_blocks", "resolve_weight_blocks", "calibrate", "compile_draft",
            "emit_program"]
 
 SUPPORTED = tuple(FAMILIES)
@@ -91,7 +91,17 @@ def describe_model(hf_config) -> ModelShape:
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
 
 
-def check_weight_blocks(engine: EngineConfig, weight_blocks: bool) -> None:
+def resolve_weight_blocks(engine: EngineConfig, weight_blocks: bool | None) -> bool:
+    """Whether to compile block-scaled weights: as asked, or by default wherever the engine
+    has the block multipliers (``EngineConfig.weight_blocks``); asked of an engine without
+    them, a :class:`CompileError`."""
+    if weight_blocks is None:
+        return engine.weight_blocks
+    check_weight_blocks(engine, weight_blocks)
+    return weight_blocks
+
+
+def check_weight_blocks(engine: EngineConfig, weight_blocks: bool | None) -> None:
     """Raise :class:`CompileError` if block-scaled weights are asked of an engine built
     without block multipliers (``EngineConfig.weight_blocks``: its MATMUL BLOCKS faults)."""
     if weight_blocks and not engine.weight_blocks:
@@ -421,13 +431,18 @@ class LayerScales:
     k32: float = 0.0
     #: h's row exponent budget (ACTMUL's E, down's ROWEXP); 0: one static scale
     h_exp: int = 0
+    #: the KV cache holds k and v at their VMEM scale / 2^kv_shift: an int8 k and v fill
+    #: the top 8 bits of a wider element (numerics.kv_entry), an int16 one is the element
+    kv_shift: int = 0
 
     @classmethod
     def calibrated(cls, c: dict, w_down: np.ndarray, gated: bool = True,
-                   row_exponents: bool = False, q_bits: int = nx.ATTN_Q_BITS) -> "LayerScales":
-        # Matmul inputs are wide (int16); k, v (the KV cache) stay int8, q is int16 with
-        # ``q_bits`` = 11 bits used (ATTN IN16; QK-norm models: int8, 8). A gated MLP's
-        # gate and up are int16 (ACTMUL IN16), an ungated one's gate int8 (OPT, no up: u = 1).
+                   row_exponents: bool = False, q_bits: int = nx.ATTN_Q_BITS,
+                   kv_bits: int = nx.ACT_BITS, kv_source_bits: int = nx.ACT_BITS) -> "LayerScales":
+        # Matmul inputs are wide (int16); k and v are written with ``kv_source_bits`` bits
+        # used (int8, or of an int16 for KVAPPEND WIDE) into a KV cache of ``kv_bits``, q is
+        # int16 with ``q_bits`` = 11 bits used (ATTN IN16; QK-norm models: int8, 8). A gated
+        # MLP's gate and up are int16 (ACTMUL IN16), an ungated one's gate int8 (OPT, no up: u = 1).
         order = np.argsort(-c["gate"], kind="stable")
         gate_max, h_max = c["gate"][order], c["down_in"][order]
         up_max = c["up"][order] if gated else np.ones(len(order))
@@ -435,9 +450,11 @@ class LayerScales:
         groups = tuple(act_groups(len(order)))
         spans = _group_bounds(groups)
         gate_up_bits = gate_up_width(gated)
-        s_v = _act_scale(c["v"])
-        return cls(n1=_act_scale(c["norm1"], 16), q=_act_scale(c["q"], q_bits), k=_act_scale(c["k"]), v=s_v,
-                   o=s_v / 2 ** (16 - nx.ACT_BITS),       # wide attention output: V's scale / 2^8
+        s_v = _act_scale(c["v"], kv_source_bits)
+        return cls(n1=_act_scale(c["norm1"], 16), q=_act_scale(c["q"], q_bits),
+                   k=_act_scale(c["k"], kv_source_bits), v=s_v,
+                   # the wide attention output: the cache's V scale / 2^(16 − kv_bits)
+                   o=s_v / 2 ** (16 - kv_source_bits), kv_shift=kv_bits - kv_source_bits,
                    n2=_act_scale(c["norm2"], 16), order=order, groups=groups,
                    gate=tuple(_act_scale(float(gate_max[a:b].max()), gate_up_bits) for a, b in spans),
                    up=tuple(_act_scale(float((up_max / u)[a:b].max()), gate_up_bits) for a, b in spans),
@@ -451,17 +468,30 @@ class LayerScales:
                     up=list(self.up), down_in=self.h, act_groups=list(self.groups), **qk)
 
 
-def query_bits(shape: ModelShape) -> int:
-    """Bits of the query ATTN reads: 11 of an int16 (``ATTN IN16``, its q written by a
-    MATMUL ``OUT16``), measured on SmolLM2-135M together with the query/key balancing
-    (numerics.md §13.7); int8 where QK-norm writes q (Qwen3: the RMSNORM segments' int8
-    output, unchanged)."""
-    return nx.ACT_BITS if shape.qk_norm else nx.ATTN_Q_BITS
+def query_bits(shape: ModelShape, engine: EngineConfig) -> int:
+    """Bits of the query ATTN reads: of an int16 (``ATTN IN16``, its q written by a MATMUL
+    ``OUT16``) 11 over an int8 KV cache, measured on SmolLM2-135M together with the
+    query/key balancing (numerics.md §13.7), all 16 over a wider one
+    (numerics.attention_query_bits); int8 where QK-norm writes q (Qwen3: the RMSNORM
+    segments' int8 output, unchanged)."""
+    return nx.ACT_BITS if shape.qk_norm else nx.attention_query_bits(engine.kv_bits)
+
+
+def kv_source_bits(shape: ModelShape, engine: EngineConfig) -> int:
+    """Bits of the k and v that KVAPPEND reads: the engine's ``kv_bits`` of an int16 (the
+    k/v MATMUL ``OUT16``, KVAPPEND ``WIDE``) where the KV cache is wider than int8 and a
+    matmul writes k; int8 where it is not, or where QK-norm writes k (RMSNORM's int8)."""
+    return engine.kv_bits if engine.kv_bits > nx.ACT_BITS and not shape.qk_norm else nx.ACT_BITS
+
+
+def kv_source_bytes(shape: ModelShape, engine: EngineConfig) -> int:
+    """Bytes of a k or v element in VMEM (:func:`kv_source_bits`: int16 or int8)."""
+    return 2 if kv_source_bits(shape, engine) > nx.ACT_BITS else 1
 
 
 def query_bytes(shape: ModelShape) -> int:
     """Bytes of a query element in VMEM (:func:`query_bits`: int16 or int8)."""
-    return 2 if query_bits(shape) > nx.ACT_BITS else 1
+    return 1 if shape.qk_norm else 2
 
 
 def gate_up_width(gated: bool) -> int:
@@ -541,6 +571,7 @@ class Layout:
     positions: int = 0                          # learned position table (int16 rows)
     position_add: int = 0                       # the identity matmul that adds a position row
     line: int = VMEM_LINE_BYTES                 # bytes of a VMEM line
+    kv_wide: bool = False                       # k and v int16 in VMEM (KVAPPEND WIDE)
 
 
 def _mlp_blocks(parts: dict, linear, sd: dict, key, li: int, fam: FamilyLayout, ls: "LayerScales",
@@ -615,13 +646,13 @@ def decoder_state(model, shape: ModelShape) -> dict:
 
 def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig,
                 vocabulary: DraftVocabulary | None = None, weight_blocks: bool = False,
-                row_exponents: bool = False):
+                row_exponents: bool | None = False):
     """Quantise the model and lay out the image; returns (bytes, Layout, scales). With a
     ``vocabulary`` the embedding holds its kept rows and one shared row (the mean of the
     others), and the LM head its kept rows. With ``weight_blocks`` every matrix has a
     scale per block of ``reduce`` inputs (``BLOCKS``, numerics.md §13.2). With
     ``row_exponents`` each row of ``h`` gets its own power of two (``ROWEXP``): a
-    :class:`CompileError` where a down projection has a bias."""
+    :class:`CompileError` where a down projection has a bias; ``None``: wherever none has."""
     import torch
     from transformers.activations import ACT2FN
 
@@ -630,7 +661,10 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     key = lambda li, part, what="weight": f"{fam.layers}.{li}.{part}.{what}"
     # a bias joins the accumulator in the units of exponent 0: row exponents only for
     # bias-free down projections (OPT's fc2 has one)
-    if row_exponents and any(key(li, fam.down, "bias") in sd for li in range(shape.layers)):
+    down_biased = any(key(li, fam.down, "bias") in sd for li in range(shape.layers))
+    if row_exponents is None:
+        row_exponents = not down_biased
+    if row_exponents and down_biased:
         raise CompileError(f"--row-exponents: the model's {fam.down} has a bias, which joins the "
                            "accumulator at exponent 0; row exponents need bias-free down "
                            "projections: compile without --row-exponents")
@@ -639,11 +673,13 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
     stats = [_balance_qk(sd, key(li, fam.q), key(li, fam.k), shape, c) for li, c in enumerate(cal.layers)] \
         if shape.rope and not shape.qk_norm else cal.layers
     layer_scales = [LayerScales.calibrated(c, sd[key(li, fam.down)], fam.gated, row_exponents,
-                                           query_bits(shape))
+                                           query_bits(shape, engine), engine.kv_bits,
+                                           kv_source_bits(shape, engine))
                     for li, c in enumerate(stats)]
     s_x = _residual_scale(sd, cal, layer_scales, fam)
     b = ImageBuilder(engine.mem_beat_bytes)
-    lay = Layout(blocks=weight_blocks, row_exponents=row_exponents, line=engine.vmem_line_bytes)
+    lay = Layout(blocks=weight_blocks, row_exponents=row_exponents, line=engine.vmem_line_bytes,
+                 kv_wide=kv_source_bytes(shape, engine) == 2)
     scales = dict(residual=s_x, layers=[])
 
     emb = sd[f"{fam.embed}.weight"]
@@ -713,11 +749,12 @@ def build_image(model, shape: ModelShape, cal: Calibration, engine: EngineConfig
                 parts[f"{name}norm"] = _norm_block(sd[key(li, getattr(fam, f"{name}_norm"))], shape.head_dim,
                                                    shape.rms_norm_eps, s32[name], s_out, nx.ACT_BITS)
         else:
-            # q as int16 (its MATMUL OUT16), k and v int8 for the KV cache
+            # q as int16 (its MATMUL OUT16), k and v int8 or int16 for the KV cache
             linear("q", attn["q"][0], ls.n1, ls.q, attn["q"][1])
             linear("kv", np.concatenate([attn["k"][0], attn["v"][0]]), ls.n1,
                    np.concatenate([np.full(kd, ls.k), np.full(kd, ls.v)]), _joined(attn["k"], attn["v"]))
-        am, ash = nx.host_multiplier(ls.q * ls.k * scaling * math.log2(math.e) * (1 << nx.EXP_FRAC))
+        am, ash = nx.host_multiplier(ls.q * ls.k / 2 ** ls.kv_shift * scaling * math.log2(math.e)
+                                     * (1 << nx.EXP_FRAC))
         parts["attn"] = pack_attn_params(int(am), int(ash), shape.kv_heads)
         linear("o", attn["o"][0], ls.o, s_x, attn["o"][1])
         parts["norm2"] = _norm_block(sd[key(li, fam.norm2)], shape.hidden, shape.rms_norm_eps, s_x, ls.n2)
@@ -767,7 +804,8 @@ def allocate_vmem(shape: ModelShape, engine: EngineConfig) -> dict:
     ``row_lines`` is the row's whole span, the row pitch of a tree forward (docs/isa.md
     §9.2)."""
     sizes = dict(x=4 * shape.hidden, xn=2 * shape.hidden,
-                 qkv=query_bytes(shape) * shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim,
+                 qkv=(query_bytes(shape) * shape.heads
+                      + 2 * kv_source_bytes(shape, engine) * shape.kv_heads) * shape.head_dim,
                  attn=2 * shape.heads * shape.head_dim,
                  gateup=2 * shape.intermediate * gate_up_width(layout_of(shape.model_type).gated) // 8,
                  h=2 * shape.intermediate)
@@ -845,8 +883,12 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
                     k=s.hidden, addr=lay.position_add)]
     # q and k lie side by side ([q | k | v], heads of whole lines) and rotate by the same
     # table row: one ROPE over both pays the unit's start (the table read) once, where both
-    # are int8; an int16 q rotates on its own (ROPE WIDE)
+    # are int8 or both int16 (ROPE WIDE); an int16 q over an int8 k rotates on its own
+    kv_wide = Flag.WIDE if lay.kv_wide else 0
     rope = ([
+        Instruction(Op.ROPE, flags=Flag.WIDE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads + s.kv_heads,
+                    k=hd, addr=lay.rope),
+    ] if kv_wide else [
         Instruction(Op.ROPE, flags=Flag.WIDE, rows=rows, dst=v["qkv"], src=v["qkv"], n=s.heads, k=hd,
                     addr=lay.rope),
         Instruction(Op.ROPE, rows=rows, dst=k_line, src=k_line, n=s.kv_heads, k=hd, addr=lay.rope),
@@ -869,7 +911,7 @@ def _forward(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
                     addr=L("norm1")),
         *_qkv(shape, lay, rows),
         *rope,
-        Instruction(Op.KVAPPEND, rows=rows, src=k_line, n=s.kv_heads, k=hd),
+        Instruction(Op.KVAPPEND, flags=kv_wide, rows=rows, src=k_line, n=s.kv_heads, k=hd),
         Instruction(Op.ATTN, flags=lrel | wide | in16, rows=rows, dst=v["attn"], src=v["qkv"], n=s.heads, k=hd,
                     addr=L("attn")),
         Instruction(Op.MATMUL, flags=lrel | to_residual | bias("o"), rows=rows, dst=v["x"], src=v["attn"],
@@ -906,18 +948,19 @@ def _k_line(shape: ModelShape, lay: Layout) -> int:
 
 def _qkv(shape: ModelShape, lay: Layout, rows: int) -> list[Instruction]:
     """q, k and v from the normed row into the ``qkv`` region (``[q | k | v]``): an int16 q
-    (MATMUL ``OUT16``) and int8 ``[k | v]``, or with QK-norm an int32 ``[q | k]`` row whose
+    (MATMUL ``OUT16``) and ``[k | v]`` int8 or int16 (``OUT16``: KVAPPEND WIDE), or with QK-norm an int32 ``[q | k]`` row whose
     heads RMSNORM normalises one by one (segments) to int8, and v on its own."""
     v, s, hd = lay.vmem, shape, shape.head_dim
     L = lambda name: lay.layers_base + lay.sub[name]
     flags = lambda mode, name: Flag.LREL | Flag.WIDE | mode << 1 | _bias_flag(lay, name) | _blocks_flag(lay)
     k_line = _k_line(s, lay)
     if not s.qk_norm:
-        # q (int16: OUT16), then k and v int8 on the lines after it
+        # q (int16: OUT16), then k and v on the lines after it
         out16 = Flag.OUT16 if query_bytes(s) == 2 else 0
+        kv_out16 = Flag.OUT16 if lay.kv_wide else 0
         return [Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "q") | out16, rows=rows,
                             dst=v["qkv"], src=v["xn"], n=s.heads * hd, k=s.hidden, addr=L("q")),
-                Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "kv"), rows=rows, dst=k_line,
+                Instruction(Op.MATMUL, flags=flags(MatmulMode.INT8, "kv") | kv_out16, rows=rows, dst=k_line,
                             src=v["xn"], n=2 * s.kv_heads * hd, k=s.hidden, addr=L("kv"))]
     v_line = k_line + s.kv_heads * hd // lay.line
     k32_line = v["qk32"] + 4 * s.heads * hd // lay.line
@@ -1033,17 +1076,19 @@ def calibration_sequences(model_dir: Path, text: str | None, vocab: int, *,
 def compile_draft(model_dir: str | Path, engine: EngineConfig, *, calibration_text: str | None = None,
                   calibration_tokens: list[int] | None = None, tokenizer_dir: str | Path | None = None,
                   random_weights: bool = False, model=None, draft_vocab: int | None = None,
-                  weight_blocks: bool = False, row_exponents: bool = False) -> CompiledDraft:
+                  weight_blocks: bool | None = None, row_exponents: bool | None = None) -> CompiledDraft:
     """Compile the draft at ``model_dir`` for ``engine``, calibrating its activation scales
     on ``calibration_tokens``, else ``calibration_text`` (tokenised by the tokenizer in
     ``tokenizer_dir``, default ``model_dir``), else random ids. ``draft_vocab``: the engine
     drafts over that many of the model's tokens (:mod:`dfvg_host.draft_vocab`).
     ``weight_blocks``: block-scaled int8 weights, one scale per ``reduce`` inputs of a row
-    (MATMUL ``BLOCKS``, numerics.md §13.2), for an engine that has them. ``row_exponents``:
-    ``h`` at a power-of-two scale per row (``ROWEXP``, numerics.md §13.2), for a model whose
-    down projections have no bias (else :class:`CompileError`); off by default, one static
-    scale (it does not pay while gate and up are int8, numerics.md §13.7)."""
-    check_weight_blocks(engine, weight_blocks)
+    (MATMUL ``BLOCKS``, numerics.md §13.2), for an engine that has them; ``None`` (the
+    default): wherever it has (:func:`resolve_weight_blocks`). ``row_exponents``: ``h`` at
+    a power-of-two scale per row (``ROWEXP``, numerics.md §13.2), for a model whose down
+    projections have no bias (else :class:`CompileError`); ``None`` (the default): wherever
+    they have none (OPT's fc2 has one: one static scale). Both together with a KV cache
+    wider than int8 are what takes SmolLM2-135M past 97 % (numerics.md §13.7)."""
+    weight_blocks = resolve_weight_blocks(engine, weight_blocks)
     model_dir = Path(model_dir)
     model = model if model is not None else load_model(model_dir, random_weights=random_weights)
     shape = describe_model(model.config)

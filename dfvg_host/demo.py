@@ -31,12 +31,12 @@ def demo_paths() -> tuple[Path, Path]:
 
 def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | tuple[Path, ...] | None,
                    log=print, *,
-                   tokenizer_dir: Path | None = None, weight_blocks: bool = False,
-                   row_exponents: bool = False):
+                   tokenizer_dir: Path | None = None, weight_blocks: bool | None = None,
+                   row_exponents: bool | None = None):
     """The compiled draft for ``engine``, from the cache when its inputs are unchanged; the
     calibration text is tokenised by the tokenizer in ``tokenizer_dir`` (default ``model_dir``).
     ``weight_blocks``: block-scaled weights, ``row_exponents``: h's row exponents
-    (``compile_draft``), each cached apart from the plain.
+    (``compile_draft``; ``None``: its defaults), each choice cached apart.
 
     Concurrent callers (pytest-xdist workers, two ``dfvg`` commands) compile an entry once:
     the others wait for it and load it (:func:`dfvg_host.cache.build_dir_once`).
@@ -44,7 +44,8 @@ def compile_cached(model_dir: Path, engine: EngineConfig, calibration: Path | tu
     from dfvg_host.compiler import CompiledDraft, compile_draft
 
     key = fingerprint(model_dir, calibration, engine, tokenizer_dir)
-    options = ("-blocks" if weight_blocks else "") + ("-rowexp" if row_exponents else "")
+    named = {True: "-{}", False: "-no{}", None: ""}
+    options = named[weight_blocks].format("blocks") + named[row_exponents].format("rowexp")
     out = cache_dir() / f"{model_dir.name}-{engine.name}{options}-{key}"
     built = []
 

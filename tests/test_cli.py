@@ -43,17 +43,20 @@ def test_compile_writes_image_program_and_report(tiny_draft_dir, tmp_path):
 
 
 def test_row_exponents_are_an_option_of_compile_and_of_a_compiled_drafts_use(tiny_draft_dir, tmp_path):
-    """``--row-exponents`` compiles ACTMUL and the down MATMUL with ROWEXP (the default
-    does not); ``--row-exponents`` of generate or accuracy on a draft compiled without them
-    is refused naming the compile option (the CLI prints it as one line, exit 2)."""
+    """``--row-exponents`` (the default for a model without down-projection biases) compiles
+    ACTMUL and the down MATMUL with ROWEXP, ``--no-row-exponents`` does not;
+    ``--row-exponents`` of generate or accuracy on a draft compiled without them is refused
+    naming the compile option (the CLI prints it as one line, exit 2)."""
     from dfvg_hw.spec.isa import assemble
     runs = {}
-    for name, extra in (("plain", []), ("rowexp", ["--row-exponents"])):
+    for name, extra in (("plain", ["--no-row-exponents"]), ("rowexp", ["--row-exponents"]),
+                        ("default", [])):
         out = tmp_path / name
         proc = dfvg("compile", "--draft", tiny_draft_dir, "--preset", "tiny", "-o", out, "--random-weights", *extra)
         assert proc.returncode == 0, proc.stderr
         runs[name] = (out, [w >> 8 & 0x20 and w & 0xFF for w in assemble((out / "program.s").read_text())])
     assert not any(runs["plain"][1]) and sorted(set(runs["rowexp"][1]) - {0}) == [0x12, 0x16]
+    assert runs["default"][1] == runs["rowexp"][1]
     from dfvg_host.cli import CliError, _compile_source, _resolve_draft
     source = _resolve_draft(str(runs["plain"][0]), get_preset("tiny"))
     with pytest.raises(CliError, match=r"compiled draft without row exponents; compile it with "
