@@ -151,7 +151,8 @@ def test_engine_checks(tiny_engine, tiny_compiled, demo_compiled):
     with pytest.raises(EngineMismatch, match=rf"compiled for {u55c.rows} \(preset 'alveo-u55c'\)"):
         DraftDevice(SimDevice(tiny_engine), demo_compiled)
     for reg, name, value in ((Reg.P_VMEM_LINE_BYTES, "vmem_line_bytes", 64),
-                             (Reg.P_WEIGHT_BLOCKS, "weight_blocks", 1 - int(tiny_engine.weight_blocks))):
+                             (Reg.P_WEIGHT_BLOCKS, "weight_blocks", 1 - int(tiny_engine.weight_blocks)),
+                             (Reg.P_KV_BITS, "kv_bits", 12)):
         other_build = SimDevice(tiny_engine)
         other_build._regs[reg] = value
         with pytest.raises(EngineMismatch, match=rf"engine parameter {name} is {value}, the draft was "

@@ -31,7 +31,8 @@ ENGINE_ID = 0x44465647            # ASCII "DFVG", most significant byte first
 #: Minor 6: MATMUL's BLOCKS flag, block-scaled int8 weights (issue #13).
 #: Minor 7: ``P_VMEM_LINE_BYTES`` and ``P_WEIGHT_BLOCKS``, the two generator parameters a
 #: compiled program depends on that no register showed.
-ENGINE_VERSION = (IMAGE_VERSION << 16) | 7
+#: Minor 8: ``P_KV_BITS``, the KV cache's element width, and KVAPPEND's WIDE flag (issue #13).
+ENGINE_VERSION = (IMAGE_VERSION << 16) | 8
 
 
 class Reg(enum.IntEnum):
@@ -86,6 +87,8 @@ class Reg(enum.IntEnum):
     P_VMEM_LINE_BYTES = 0x0C4
     #: 1 when the matrix unit has MATMUL BLOCKS' multipliers, else 0 (RO, 2.7).
     P_WEIGHT_BLOCKS = 0x0C8
+    #: Bits of a KV cache element, ``cfg.kv_bits`` (RO, 2.8): the compiler's k/v scales.
+    P_KV_BITS = 0x0CC
 
 
 #: Per-unit busy counters: the cycles of the last request spent in each opcode's
@@ -127,6 +130,7 @@ PARAM_REGS = {
     Reg.P_VMEM_BYTES: "vmem_bytes", Reg.P_IMEM_WORDS: "imem_words",
     Reg.P_MEM_PORTS: "mem_ports", Reg.P_MEM_PORT_BITS: "mem_port_bits", Reg.P_KV_BANKS: "kv_banks",
     Reg.P_VMEM_LINE_BYTES: "vmem_line_bytes", Reg.P_WEIGHT_BLOCKS: "weight_blocks",
+    Reg.P_KV_BITS: "kv_bits",
 }
 
 
