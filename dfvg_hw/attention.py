@@ -458,7 +458,7 @@ class Attention(wiring.Component):
        maximum. ``last`` on the final group ends the pass. Banks ``2i`` and ``2i + 1`` meet
        the same ``q[j]``, so with int8 K their two products are one DSP48E2 product
        (:mod:`dfvg_hw.dsp_pack`): ``B·D / 2`` multipliers; wider K elements do not pack
-       (``kv_bits + 10`` bits a product), ``B·D``.
+       (``kv_bits + q_bits − 1`` bits a product), ``B·D``.
     3. **Weights** (the weights pass): takes the head (its maximum, group count, mult,
        shift and width; an accumulator set cleared) once its scores are complete, the
        head before has met its last V group, and one of the two accumulator sets is free
