@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,25 +32,25 @@ import torch
 
 from dfvg_host.qk_balance import balance_factors
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_quant_study import round_to_grid  # noqa: E402  (its sibling script's grid)
+
 ROOT = Path(__file__).resolve().parent.parent
 SEGMENT = 256
 
 
 def quantise_static(t: torch.Tensor, absmax: float, bits: int) -> torch.Tensor:
     """``t`` on the symmetric ``bits``-bit grid of one scale, ``absmax / (2^(bits−1) − 1)``."""
-    limit = 2 ** (bits - 1) - 1
-    step = max(absmax, 1e-12) / limit
-    return torch.clamp(torch.round(t / step), -limit, limit) * step
+    return round_to_grid(t, torch.tensor(max(absmax, 1e-12) / (2 ** (bits - 1) - 1)), bits)
 
 
 def quantise_row_pow2(t: torch.Tensor, absmax: float, bits: int) -> torch.Tensor:
     """``t`` at ``bits`` bits with each last-axis row's own power-of-two step: the smallest
     ``2^e`` multiple (``e ≥ 0``) of the 16-bit static step that fits the row's maximum."""
-    limit = 2 ** (bits - 1) - 1
     base = max(absmax, 1e-12) / 32767
-    need = t.abs().amax(dim=-1, keepdim=True) / (limit * base)
+    need = t.abs().amax(dim=-1, keepdim=True) / ((2 ** (bits - 1) - 1) * base)
     step = base * 2 ** torch.clamp(torch.ceil(torch.log2(torch.clamp(need, min=1e-30))), min=0)
-    return torch.clamp(torch.round(t / step), -limit, limit) * step
+    return round_to_grid(t, step, bits)
 
 
 def kv_format(name: str):
