@@ -100,6 +100,14 @@ class RtlDevice:
                     box.append(await axil_read(ctx, self._bus, *args))
                 elif kind == "kv":
                     kv, = args      # in the model's order, whatever the banking
+                    if ctx.get(kv.busy):
+                        # busy drops a cycle before an APPEND's or a COPY's trailing write
+                        # lands: read the memories once that is in
+                        while ctx.get(kv.busy):
+                            await ctx.tick()
+                            self.cycles += 1
+                        await ctx.tick().repeat(2)
+                        self.cycles += 2
                     box.append(kv.contents(lambda mem, i: ctx.get(mem.data[i])))
                 else:
                     await axil_write(ctx, self._bus, *args)

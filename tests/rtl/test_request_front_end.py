@@ -57,6 +57,11 @@ def _run(raw: bytes, addr: int = ADDR) -> tuple[int, dict]:
     return error, header
 
 
+#: cycles a request may take to ``done`` (a 40-token request takes 41): a hang fails the
+#: test instead of leaving the previous request's outcome to be read
+DONE_WITHIN = 500
+
+
 def _run_many(requests: list[tuple[bytes, int]], tree_width: int | None = None) -> list[tuple[int, bytes]]:
     """The front end's outcome and header for each (request bytes, address), one request
     after the other in one simulation (``tree_width``: the engine's, default its rows)."""
@@ -70,11 +75,13 @@ def _run_many(requests: list[tuple[bytes, int]], tree_width: int | None = None) 
     async def tb(ctx):
         for _, addr in requests:
             await stream_put(ctx, bench.start, addr)
-            for _ in range(500):
+            for _ in range(DONE_WITHIN):
                 if ctx.get(bench.front.done):
                     error = ctx.get(bench.front.error)
                     break
                 await ctx.tick()
+            else:
+                raise AssertionError(f"no done within {DONE_WITHIN} cycles of the request at {addr:#x}")
             await ctx.tick()
             words = ctx.get(bench.front.header.as_value())
             out.append((error, words.to_bytes(4 * REQUEST_HEADER_WORDS, "little")))
