@@ -45,10 +45,16 @@ def watchdog(limit: int, done):
     return tb
 
 
+#: cycles :func:`stream_through` watches ``dut.o`` after the last expected beat: longer
+#: than any unit's pipeline that it drives
+TRAILING_CYCLES = 64
+
+
 def stream_through(dut, payloads, *, ready=None) -> list:
     """Stream ``payloads`` into ``dut.i`` and take as many beats from ``dut.o``; return the
     output payloads. ``ready`` is a repeating pattern of the sink's readiness (0: one cycle
-    of backpressure before that beat), so a unit is exercised with stalls."""
+    of backpressure before that beat), so a unit is exercised with stalls. A beat offered
+    within :data:`TRAILING_CYCLES` after the last one fails the run: one input, one output."""
     got = []
 
     async def put(ctx):
@@ -60,6 +66,10 @@ def stream_through(dut, payloads, *, ready=None) -> list:
             if ready is not None and not ready[k % len(ready)]:
                 await ctx.tick()
             got.append(await stream_get(ctx, dut.o))
+        for cycle in range(TRAILING_CYCLES):
+            assert not ctx.get(dut.o.valid), \
+                f"a beat past the {len(payloads)} expected, {cycle} cycles after the last"
+            await ctx.tick()
 
     run_simulation(dut, put, get)
     return got
