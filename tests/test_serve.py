@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -21,6 +22,9 @@ from dfvg_host.serving.server import BackgroundServer, open_served_model
 CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}# assistant:\n{% endif %}")
 MODEL = "demo"
+#: seconds for the tests' own httpx requests (httpx's default is 5): on the loaded 2-core CI
+#: machine the server can take longer to answer, and these tests check answers, not latency
+HTTP_TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +72,9 @@ def heldout_prompts(demo_pair, count: int, chars: int = 90) -> list[str]:
 
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    health = httpx.get(server.url + "/health").json()
+    health = httpx.get(server.url + "/health", timeout=HTTP_TIMEOUT).json()
     assert health["status"] == "ok" and health["draft_device"] == "ok"
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", timeout=HTTP_TIMEOUT).text
     for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_emitted_tokens_total",
                  "vllm:num_requests_running", "dfvg:engine_cycles_total"):
@@ -163,7 +167,7 @@ def test_32_concurrent_greedy_streams_equal_target_only(server, target, tokenize
         ref = greedy_reference(target, tokenizer(prompt)["input_ids"], 24, tokenizer.eos_token_id)
         assert text == tokenizer.decode(ref, skip_special_tokens=True), prompt
         assert count == len(ref)
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics", timeout=HTTP_TIMEOUT).text
     accepted = [line for line in metrics.splitlines()
                 if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
     assert accepted and float(accepted[0].split()[-1]) > 0
@@ -173,7 +177,7 @@ def test_disconnect_cancels_the_sequence(server):
     scheduler = server.served.scheduler
     before = scheduler.finished["cancelled"]
     body = {"model": MODEL, "prompt": "import os\n", "max_tokens": 900, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=HTTP_TIMEOUT) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
     for _ in range(400):
@@ -203,7 +207,7 @@ def test_disconnect_cancels_the_sequence(server):
 def test_bad_input_is_a_4xx_in_openai_shape(server, client, body, status, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(server.url + "/v1/completions", content=content,
-                   headers={"Content-Type": "application/json"})
+                   headers={"Content-Type": "application/json"}, timeout=HTTP_TIMEOUT)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error" and error["param"] == param
@@ -213,20 +217,25 @@ def test_bad_input_is_a_4xx_in_openai_shape(server, client, body, status, param)
 
 def test_chat_refuses_bad_messages(server):
     for messages in ([], [{"content": "no role"}], [{"role": "user", "content": [{"type": "image_url"}]}]):
-        r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages})
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages},
+                       timeout=HTTP_TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 def test_full_server_answers_429_with_retry_after(demo_pair, demo_compiled, tokenizer):
     from dfvg_host.acceptance import SamplingParams
     with start_server(demo_pair, demo_compiled, tokenizer, max_num_seqs=1, max_waiting=0) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=HTTP_TIMEOUT)
         scheduler = srv.served.scheduler
         # The one place taken by a long sequence (submitted directly: a stream's sequence
-        # could finish before the next request arrives).
+        # could finish before the next request arrives). Its consumer takes 0.2 s a round,
+        # so it lives for a minute or more: on a loaded CI machine the server's thread once
+        # answered the request below only after a fast 900 tokens had all come.
         long = scheduler.submit(tokenizer("import os\n")["input_ids"], 900, SamplingParams(),
-                                lambda *event: None)
-        busy = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+                                lambda *event: time.sleep(0.2))
+        busy = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                          timeout=HTTP_TIMEOUT)
         assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
         assert busy.json()["error"]["type"] == "rate_limit_error"
         with pytest.raises(openai.RateLimitError):
@@ -235,7 +244,8 @@ def test_full_server_answers_429_with_retry_after(demo_pair, demo_compiled, toke
         long.cancel()
         assert long.done.wait(60) and long.finish_reason == "cancelled"
         assert client.completions.create(model=MODEL, prompt="x = 1", max_tokens=2, temperature=0).choices
-        assert 'dfvg:requests_rejected_total{model_name="demo"} 2.0' in httpx.get(srv.url + "/metrics").text
+        metrics = httpx.get(srv.url + "/metrics", timeout=HTTP_TIMEOUT).text
+        assert 'dfvg:requests_rejected_total{model_name="demo"} 2.0' in metrics
 
 
 def test_chat_without_a_template_says_what_to_pass(tokenizer):
